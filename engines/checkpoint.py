@@ -1,0 +1,252 @@
+"""Weights in and out: Hugging Face safetensors (one file or an index) and Orbax.
+
+Weight names follow the source checkpoint: one mapping table per family says which HF
+tensor fills which parameter and how it is reshaped ([out, in] linear weights become
+einsum-ready [in, ...] kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from engines.config import ModelConfig
+
+ORBAX_PARAMS_DIR = "params"
+ORBAX_MARKER = "jetserve_model.json"
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def _t(x, c):  # HF linear [out, in] -> [in, out]
+    return x.T
+
+
+def _q(x, c):  # [N*H, D] -> [D, N, H]
+    return x.T.reshape(c.hidden_size, c.num_heads, c.head_dim)
+
+
+def _kv(x, c):  # [K*H, D] -> [D, K, H]
+    return x.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)
+
+
+def _o(x, c):  # [D, N*H] -> [N, H, D]
+    return x.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
+
+
+def _qb(x, c):
+    return x.reshape(c.num_heads, c.head_dim)
+
+
+def _kvb(x, c):
+    return x.reshape(c.num_kv_heads, c.head_dim)
+
+
+def _same(x, c):
+    return x
+
+
+# (HF name, our path, transform); `{i}` is the layer index. Our paths are '/'-joined keys.
+_ATTN = [
+    ("model.layers.{i}.input_layernorm.weight", "layers_{i}/input_layernorm", _same),
+    ("model.layers.{i}.post_attention_layernorm.weight",
+     "layers_{i}/post_attention_layernorm", _same),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers_{i}/self_attn/q_proj", _q),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers_{i}/self_attn/k_proj", _kv),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers_{i}/self_attn/v_proj", _kv),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers_{i}/self_attn/o_proj", _o),
+]
+_BIAS = [
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers_{i}/self_attn/q_bias", _qb),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers_{i}/self_attn/k_bias", _kvb),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers_{i}/self_attn/v_bias", _kvb),
+]
+_DENSE_MLP = [
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers_{i}/mlp/gate_proj", _t),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers_{i}/mlp/up_proj", _t),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers_{i}/mlp/down_proj", _t),
+]
+# Experts are stacked: `{e}` runs over experts and the results stack on a new axis 0.
+_MOE_MLP = [
+    ("model.layers.{i}.block_sparse_moe.gate.weight", "layers_{i}/moe/router", _t),
+    ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", "layers_{i}/moe/w1", _t),
+    ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", "layers_{i}/moe/w3", _t),
+    ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "layers_{i}/moe/w2", _t),
+]
+_TOP = [
+    ("model.embed_tokens.weight", "embed_tokens", _same),
+    ("model.norm.weight", "norm", _same),
+]
+_HEAD = [("lm_head.weight", "lm_head", _t)]
+
+FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
+    "llama": _ATTN + _DENSE_MLP,
+    "mistral": _ATTN + _DENSE_MLP,
+    "gemma": _ATTN + _DENSE_MLP,
+    "qwen2": _ATTN + _BIAS + _DENSE_MLP,
+    "mixtral": _ATTN + _MOE_MLP,
+}
+
+
+class SafetensorsReader:
+    """Finds each tensor in a directory of safetensors files (with or without an index)."""
+
+    def __init__(self, model_dir: str):
+        from safetensors import safe_open
+
+        self.model_dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for name in files:
+            path = os.path.join(model_dir, name)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} is listed in the index but does not exist")
+            try:
+                h = safe_open(path, framework="flax")
+            except Exception as e:  # the library raises its own error types
+                raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+            self._handles[name] = h
+            for k in h.keys():
+                self._where[k] = name
+        if weight_map is not None:
+            for k, fname in weight_map.items():
+                if self._where.get(k) != fname:
+                    raise ValueError(f"index says {k} is in {fname}, but it is not there")
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} not found in the safetensors files of {self.model_dir}")
+        fname = self._where[name]
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return np.asarray(self._handles[fname].get_tensor(name))
+
+
+def _set(tree: dict, path: str, value: Any) -> None:
+    keys = path.split("/")
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[keys[-1]] = value
+
+
+def _get(tree: dict, path: str) -> Any:
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def read_hf_params(
+    model_dir: str,
+    cfg: ModelConfig,
+    abstract: dict,
+    place: Callable[[str, np.ndarray], jax.Array],
+) -> dict:
+    """Reads HF safetensors into our param tree.
+
+    abstract: our param tree of ShapeDtypeStructs (the expected shapes and dtypes).
+    place: puts one host array onto devices (given our path), returning a jax.Array.
+    """
+    reader = SafetensorsReader(model_dir)
+    present = reader.keys()
+    used: set[str] = set()
+    out: dict = {}
+    table = list(_TOP) + ([] if cfg.tie_word_embeddings else list(_HEAD))
+    rows = [(h.replace("{i}", str(i)), p.replace("{i}", str(i)), t)
+            for i in range(cfg.num_layers) for h, p, t in FAMILY_WEIGHTS[cfg.family]]
+    for hf_name, path, fn in table + rows:
+        want = _get(abstract, path)
+        if "{e}" in hf_name:
+            names = [hf_name.replace("{e}", str(e)) for e in range(cfg.num_experts)]
+            arr = np.stack([fn(reader.get(n), cfg) for n in names])
+            used.update(names)
+        else:
+            if hf_name not in present:
+                raise ValueError(
+                    f"{model_dir}: tensor {hf_name!r} is missing from the safetensors files "
+                    f"(family {cfg.family})"
+                )
+            arr = fn(reader.get(hf_name), cfg)
+            used.add(hf_name)
+        if tuple(arr.shape) != tuple(want.shape):
+            raise ValueError(
+                f"{model_dir}: tensor {hf_name!r} has shape {arr.shape} after mapping to "
+                f"{path}, expected {tuple(want.shape)} from config.json"
+            )
+        _set(out, path, place(path, arr.astype(want.dtype)))
+    extra = sorted(k for k in present - used
+                   if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
+    if extra:
+        raise ValueError(
+            f"{model_dir}: {len(extra)} tensors are not used by the {cfg.family} decoder, "
+            f"e.g. {extra[:3]}"
+        )
+    return out
+
+
+def save_orbax(params: dict, cfg: ModelConfig, to_dir: str, source_dir: str | None) -> None:
+    """Writes params as an Orbax checkpoint plus our config and the tokenizer files."""
+    import orbax.checkpoint as ocp
+
+    to_dir = os.path.abspath(to_dir)
+    os.makedirs(to_dir, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(to_dir, ORBAX_PARAMS_DIR), params, force=True)
+    with open(os.path.join(to_dir, ORBAX_MARKER), "w") as f:
+        json.dump({"format": "jetserve-orbax-v1", "model": cfg.to_json()}, f, indent=1)
+    if source_dir:
+        for name in TOKENIZER_FILES + ("config.json",):
+            src = os.path.join(source_dir, name)
+            if os.path.exists(src):
+                shutil.copy(src, os.path.join(to_dir, name))
+
+
+def is_orbax_dir(model_dir: str) -> bool:
+    return os.path.exists(os.path.join(model_dir, ORBAX_MARKER))
+
+
+def read_orbax_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, ORBAX_MARKER)
+    with open(path) as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if meta.get("format") != "jetserve-orbax-v1":
+        raise ValueError(f"{path}: unknown format {meta.get('format')!r}")
+    return ModelConfig.from_json(meta["model"])
+
+
+def read_orbax_params(model_dir: str, abstract_sharded: dict) -> dict:
+    """Restores params straight onto the shardings given in `abstract_sharded`."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.path.join(model_dir, ORBAX_PARAMS_DIR))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} not found: not an Orbax checkpoint written by jetserve convert")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(path, abstract_sharded)
+    except Exception as e:  # orbax raises many types; name the checkpoint and the cause
+        raise ValueError(f"cannot restore Orbax checkpoint {path}: {e}") from e

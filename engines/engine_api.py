@@ -1,0 +1,224 @@
+"""The Engine contract: what the orchestrator may ask of a set of devices.
+
+An engine owns one slice of devices and one copy of the weights. Device math happens in
+three pure functions, each jitted once per shape bucket by the implementation:
+
+    prefill(params, tokens, true_length, sampling)  -> (Prefix, ResultTokens)
+    insert(prefix, decode_state, slot)              -> DecodeState
+    generate(params, decode_state)                  -> (DecodeState, ResultTokens)
+
+`ResultTokens` packs every per-slot output of one step into a single int32 array so the
+host copies one buffer (`copy_to_host_async`) while the next step is already running.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Column layout of ResultTokens.data (int32[B, C]). Log-probs are float32 bit-cast to
+# int32 so one array carries everything.
+COL_TOKEN = 0
+COL_VALID = 1
+COL_LENGTH = 2
+COL_LOGPROB = 3
+COL_TOP = 4  # then top_n ids, then top_n log-prob bits
+
+
+def result_columns(top_n: int) -> int:
+    """Number of int32 columns in ResultTokens.data for `top_n` alternative log-probs."""
+    return COL_TOP + 2 * top_n
+
+
+def pack_results(
+    tokens: jax.Array,  # i32[B]
+    valid: jax.Array,  # bool[B]
+    lengths: jax.Array,  # i32[B]
+    logprob: jax.Array,  # f32[B]
+    top_ids: jax.Array,  # i32[B, n]
+    top_logprobs: jax.Array,  # f32[B, n]
+) -> ResultTokens:
+    """Packs one step's per-slot outputs into a single int32[B, C] array (device side)."""
+    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    data = jnp.concatenate(
+        [
+            tokens[:, None].astype(jnp.int32),
+            valid[:, None].astype(jnp.int32),
+            lengths[:, None].astype(jnp.int32),
+            bits(logprob)[:, None],
+            top_ids.astype(jnp.int32),
+            bits(top_logprobs),
+        ],
+        axis=1,
+    )
+    return ResultTokens(data=data)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ResultTokens:
+    """One step's outputs for every slot, packed as int32[B, C] (see COL_*)."""
+
+    data: jax.Array
+
+    def copy_to_host_async(self) -> None:
+        """Starts the device-to-host copy; `to_host` later returns without waiting long."""
+        if isinstance(self.data, jax.Array):
+            self.data.copy_to_host_async()
+
+    def to_host(self) -> HostResults:
+        return HostResults(np.asarray(self.data))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostResults:
+    """ResultTokens on the host, with named accessors over the packed columns."""
+
+    data: np.ndarray  # i32[B, C]
+
+    @property
+    def top_n(self) -> int:
+        return (self.data.shape[1] - COL_TOP) // 2
+
+    def token(self, slot: int) -> int:
+        return int(self.data[slot, COL_TOKEN])
+
+    def valid(self, slot: int) -> bool:
+        return bool(self.data[slot, COL_VALID])
+
+    def length(self, slot: int) -> int:
+        return int(self.data[slot, COL_LENGTH])
+
+    def logprob(self, slot: int) -> float:
+        return float(self.data[slot, COL_LOGPROB : COL_LOGPROB + 1].view(np.float32)[0])
+
+    def top_logprobs(self, slot: int) -> list[tuple[int, float]]:
+        n = self.top_n
+        ids = self.data[slot, COL_TOP : COL_TOP + n]
+        lps = self.data[slot, COL_TOP + n : COL_TOP + 2 * n].copy().view(np.float32)
+        return [(int(i), float(lp)) for i, lp in zip(ids, lps)]
+
+
+class Tokenizer(Protocol):
+    """What an engine's tokenizer offers the host runtime (see jetserve.tokenizer)."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+
+    def encode(self, text: str, *, add_bos: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class Engine(abc.ABC):
+    """One slice of devices and one copy of the weights.
+
+    The three device functions are pure: they take and return pytrees and never touch
+    `self` state, so the orchestrator can run them from its own threads.
+    """
+
+    @abc.abstractmethod
+    def load_params(self) -> Any:
+        """Returns the parameter pytree placed with this engine's sharding."""
+
+    @abc.abstractmethod
+    def init_decode_state(self) -> Any:
+        """Returns an empty DecodeState with `max_concurrent_decodes` slots."""
+
+    @abc.abstractmethod
+    def prefill(
+        self,
+        params: Any,
+        tokens: np.ndarray | jax.Array,
+        true_length: int,
+        *,
+        sampling: Any,
+        existing_prefix: Any | None = None,
+    ) -> tuple[Any, ResultTokens]:
+        """Runs a prompt (padded to a bucket); returns its Prefix and the first token."""
+
+    @abc.abstractmethod
+    def insert(self, prefix: Any, decode_state: Any, slot: int) -> Any:
+        """Writes `prefix` into `slot`; every other slot is left bit-identical."""
+
+    @abc.abstractmethod
+    def generate(self, params: Any, decode_state: Any) -> tuple[Any, ResultTokens]:
+        """One decode step for every slot."""
+
+    def free_slot(self, slot: int) -> None:
+        """Returns the slot's resources (pages); a contiguous cache needs nothing."""
+        del slot
+
+    @abc.abstractmethod
+    def prefix_destination_sharding(self) -> Any:
+        """Pytree of shardings a Prefix must have to be inserted into this engine."""
+
+    @property
+    @abc.abstractmethod
+    def max_concurrent_decodes(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_prefill_length(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_seq_len(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def mesh(self) -> jax.sharding.Mesh: ...
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def top_logprobs(self) -> int:
+        """How many alternative log-probs each ResultTokens row carries."""
+        return 0
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        tok = self.tokenizer
+        return tuple(tok.eos_ids) if tok is not None else ()
+
+    @property
+    def bos_id(self) -> int | None:
+        tok = self.tokenizer
+        return tok.bos_id if tok is not None else None
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Padded prompt lengths: powers of two from 16, capped by max_prefill_length."""
+        return prefill_buckets(self.max_prefill_length)
+
+    def bucket_for(self, length: int) -> int:
+        for b in self.prefill_buckets():
+            if length <= b:
+                return b
+        raise ValueError(
+            f"prompt length {length} exceeds max_prefill_length {self.max_prefill_length}"
+        )
+
+
+def prefill_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `max_len`, then `max_len` itself."""
+    if max_len < 1:
+        raise ValueError(f"max_prefill_length must be >= 1, got {max_len}")
+    out = []
+    b = smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    out.append(max_len)
+    return tuple(out)

@@ -1,0 +1,206 @@
+"""One decoder for the Llama, Mistral, Qwen2, Gemma and Mixtral families (Flax linen).
+
+The model does math only: it never builds meshes or calls jit. Parameters carry logical
+axis names (`sharding.axes`), which the engine maps to mesh axes. The KV cache is not
+owned here: each attention layer hands its new keys and values to a `KVStore` supplied by
+the caller, which returns what the layer should attend over (prefill concatenates,
+generate scatters into per-slot buffers, a paged store would write pages).
+
+Letters: B batch, T query length, S key length, D model, N query heads, K kv heads,
+G = N/K, H head dim, F ffn, V vocab, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from engines.config import ModelConfig, llama3_inv_freq
+from sharding import axes
+
+_MASKED = -1e30
+
+
+class KVStore(Protocol):
+    """Where a layer's keys and values go, and what it attends over."""
+
+    def update(
+        self, layer: int, k: jax.Array, v: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Takes new k, v [B, T, K, H]; returns (k_all, v_all [B, S, K, H], k_pos i32[B, S]).
+
+        k_pos holds each key's sequence position, or -1 for an empty entry.
+        """
+        ...
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    scale = (1.0 + w.astype(jnp.float32)) if plus_one else w.astype(jnp.float32)
+    return (xf * scale).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, half-split layout as in the HF checkpoints. x: [B, T, n, H]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, H/2)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    q_pos: jax.Array,  # i32[B, T]
+    k_pos: jax.Array,  # i32[B, S], -1 = empty
+    sliding_window: int | None,
+) -> jax.Array:
+    """Causal grouped-query attention by positions; returns [B, T, N, H]."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)  # (B, T, K, G, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(H)
+    qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
+    kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
+    visible = (kp >= 0) & (kp <= qp)
+    if sliding_window is not None:
+        visible &= kp > qp - sliding_window
+    scores = jnp.where(visible, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(B, T, N, H)
+
+
+def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
+           dtype: Any, init=None) -> jax.Array:
+    init = init or nn.initializers.normal(0.02)
+    return mod.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, inv_freq, kv: KVStore):
+        c = self.cfg
+        D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        wq = _param(self, "q_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), self.dtype)
+        wk = _param(self, "k_proj", (D, K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), self.dtype)
+        wv = _param(self, "v_proj", (D, K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), self.dtype)
+        wo = _param(self, "o_proj", (N, H, D), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
+        q = jnp.einsum("btd,dnh->btnh", x, wq)  # (B, T, N, H)
+        k = jnp.einsum("btd,dkh->btkh", x, wk)  # (B, T, K, H)
+        v = jnp.einsum("btd,dkh->btkh", x, wv)
+        if c.qkv_bias:
+            zeros = nn.initializers.zeros
+            q = q + _param(self, "q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM), self.dtype, zeros)
+            k = k + _param(self, "k_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM), self.dtype, zeros)
+            v = v + _param(self, "v_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM), self.dtype, zeros)
+        q = rope(q, positions, inv_freq)
+        k = rope(k, positions, inv_freq)
+        k_all, v_all, k_pos = kv.update(self.layer, k, v)
+        out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
+        return jnp.einsum("btnh,nhd->btd", out, wo)
+
+
+def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return nn.silu(x) if cfg.activation == "silu" else nn.gelu(x, approximate=True)
+
+
+class Mlp(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        D, F = self.cfg.hidden_size, self.cfg.intermediate_size
+        wg = _param(self, "gate_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
+        wu = _param(self, "up_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
+        wd = _param(self, "down_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
+        h = _act(self.cfg, x @ wg) * (x @ wu)  # (B, T, F)
+        return h @ wd
+
+
+class MoeMlp(nn.Module):
+    """Top-k of E experts. Every expert runs on every token and the router weights pick
+    (exact; E/k times the FLOPs, the same bytes read once the batch spans all experts)."""
+
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
+        router = _param(self, "router", (D, E), (axes.EMBED, None), self.dtype)
+        w1 = _param(self, "w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
+        w3 = _param(self, "w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
+        w2 = _param(self, "w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED), self.dtype)
+        probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # (B, T, E)
+        top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        gates = jnp.sum(jax.nn.one_hot(top_i, E) * top_p[..., None], axis=-2)  # (B, T, E)
+        h = _act(c, jnp.einsum("btd,edf->btef", x, w1)) * jnp.einsum("btd,edf->btef", x, w3)
+        y = jnp.einsum("btef,efd->bted", h, w2)  # (B, T, E, D)
+        return jnp.einsum("bted,bte->btd", y, gates.astype(y.dtype))
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, inv_freq, kv: KVStore):
+        c = self.cfg
+        ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
+        w_in = _param(self, "input_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones)
+        w_post = _param(
+            self, "post_attention_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones
+        )
+        h = rms_norm(x, w_in, c.rms_norm_eps, c.norm_plus_one)
+        x = x + Attention(c, self.dtype, self.layer, name="self_attn")(h, positions, inv_freq, kv)
+        h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
+        mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, name="mlp")
+        return x + mlp(h)
+
+
+class Decoder(nn.Module):
+    """tokens [B, T] at positions [B, T] -> logits f32[B, T, V] (or only at `last`)."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, positions, kv: KVStore, last: jax.Array | None = None):
+        c = self.cfg
+        V, D = c.vocab_size, c.hidden_size
+        embed = _param(self, "embed_tokens", (V, D), (axes.VOCAB, axes.EMBED), self.dtype)
+        x = jnp.take(embed, tokens, axis=0)  # (B, T, D)
+        if c.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(D), self.dtype)
+        inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
+        for i in range(c.num_layers):
+            x = Block(c, self.dtype, i, name=f"layers_{i}")(x, positions, inv_freq, kv)
+        ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
+        w_norm = _param(self, "norm", (D,), (axes.EMBED,), self.dtype, ones)
+        if last is not None:  # only the rows whose logits are needed: [B] indices into T
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # (B, 1, D)
+        x = rms_norm(x, w_norm, c.rms_norm_eps, c.norm_plus_one)
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)
+        else:
+            head = _param(self, "lm_head", (D, V), (axes.EMBED, axes.VOCAB), self.dtype)
+            logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        return logits

@@ -1,0 +1,188 @@
+"""Per-slot sampling inside the jitted step.
+
+`SamplingParams` is the host-side description of how one request samples. On the device
+each slot carries its parameters as arrays (`SlotSampling`, leading dim B), so one batched
+step serves requests that all sample differently: greedy, temperature, top-k, top-p,
+min-p, repetition / frequency / presence penalties, each with its own RNG key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one request picks its tokens. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def finite(name, lo, hi):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            if not lo <= v <= hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {v!r}")
+
+        finite("temperature", 0.0, 100.0)
+        finite("top_p", 0.0, 1.0)
+        finite("min_p", 0.0, 1.0)
+        finite("repetition_penalty", 1e-3, 100.0)
+        finite("frequency_penalty", -2.0, 2.0)
+        finite("presence_penalty", -2.0, 2.0)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be > 0, got {self.top_p!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
+        ):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotSampling:
+    """Sampling parameters as device arrays, one row per slot (leading dim B)."""
+
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    min_p: jax.Array  # f32[B]
+    repetition_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    presence_penalty: jax.Array  # f32[B]
+    key: jax.Array  # u32[B, 2] raw PRNG key data
+
+    @staticmethod
+    def from_params(p: SamplingParams, seed: int) -> SlotSampling:
+        """A single-row SlotSampling (B=1) built on the host."""
+        f = lambda x: jnp.asarray([x], jnp.float32)
+        return SlotSampling(
+            temperature=f(p.temperature),
+            top_k=jnp.asarray([p.top_k], jnp.int32),
+            top_p=f(p.top_p),
+            min_p=f(p.min_p),
+            repetition_penalty=f(p.repetition_penalty),
+            frequency_penalty=f(p.frequency_penalty),
+            presence_penalty=f(p.presence_penalty),
+            key=jax.random.key_data(jax.random.key(seed))[None],
+        )
+
+    @staticmethod
+    def empty(batch: int) -> SlotSampling:
+        z = jnp.zeros((batch,), jnp.float32)
+        return SlotSampling(
+            temperature=z,
+            top_k=jnp.zeros((batch,), jnp.int32),
+            top_p=jnp.ones((batch,), jnp.float32),
+            min_p=z,
+            repetition_penalty=jnp.ones((batch,), jnp.float32),
+            frequency_penalty=z,
+            presence_penalty=z,
+            key=jnp.zeros((batch, 2), jnp.uint32),
+        )
+
+
+def apply_penalties(
+    logits: jax.Array,  # f32[B, V]
+    s: SlotSampling,
+    prompt_mask: jax.Array,  # bool[B, V] tokens seen in the prompt
+    counts: jax.Array,  # i32[B, V] generated-token counts
+) -> jax.Array:
+    """Repetition penalty over prompt and output (as transformers), then OpenAI-style
+    frequency / presence penalties over generated tokens only (as vLLM)."""
+    seen = prompt_mask | (counts > 0)
+    rp = s.repetition_penalty[:, None]
+    penalized = jnp.where(logits > 0, logits / rp, logits * rp)
+    logits = jnp.where(seen, penalized, logits)
+    c = counts.astype(jnp.float32)
+    logits = logits - s.frequency_penalty[:, None] * c
+    logits = logits - s.presence_penalty[:, None] * (c > 0).astype(jnp.float32)
+    return logits
+
+
+def filter_logits(logits: jax.Array, s: SlotSampling) -> jax.Array:
+    """Temperature, then top-k, top-p and min-p masks (masked entries -> -inf).
+
+    logits: f32[B, V] already penalized. Returns scaled, masked logits.
+    """
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    logits = logits / temp
+    V = logits.shape[-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # (B, V) descending
+    # top-k: keep logits >= the k-th largest (k = 0 means all).
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, _NEG_INF, logits)
+    sorted_logits = jnp.where(jnp.arange(V)[None, :] < k[:, None], sorted_logits, _NEG_INF)
+    # top-p: smallest prefix of the sorted distribution whose mass reaches p.
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = mass_before < s.top_p[:, None]
+    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < pth, _NEG_INF, logits)
+    # min-p: drop tokens whose probability is below min_p x the top probability.
+    probs = jax.nn.softmax(logits, axis=-1)
+    pmax = jnp.max(probs, axis=-1, keepdims=True)
+    logits = jnp.where(probs < s.min_p[:, None] * pmax, _NEG_INF, logits)
+    return logits
+
+
+def sample(
+    logits: jax.Array,  # f32[B, V] raw model logits
+    s: SlotSampling,
+    prompt_mask: jax.Array,  # bool[B, V]
+    counts: jax.Array,  # i32[B, V]
+) -> tuple[jax.Array, jax.Array]:
+    """Picks one token per slot. Returns (tokens i32[B], next keys u32[B, 2])."""
+    logits = apply_penalties(logits.astype(jnp.float32), s, prompt_mask, counts)
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(s.key)
+    next_keys = jax.vmap(jax.random.key_data)(keys[:, 0])
+    use_keys = keys[:, 1]
+
+    def random_path(_):
+        masked = filter_logits(logits, s)
+        drawn = jax.vmap(jax.random.categorical)(use_keys, masked).astype(jnp.int32)
+        return jnp.where(s.temperature > 0, drawn, greedy_tok)
+
+    any_random = jnp.any(s.temperature > 0)
+    tokens = jax.lax.cond(any_random, random_path, lambda _: greedy_tok, None)
+    return tokens, next_keys
+
+
+def token_logprobs(
+    logits: jax.Array, tokens: jax.Array, top_n: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probs of the model's distribution (before penalties and temperature).
+
+    Returns (chosen f32[B], top ids i32[B, n], top log-probs f32[B, n]).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    if top_n > 0:
+        top_lp, top_ids = jax.lax.top_k(logp, top_n)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return chosen, top_ids.astype(jnp.int32), top_lp

@@ -1,0 +1,363 @@
+"""The Flax transformer engine: the decoder behind prefill / insert / generate.
+
+The three device functions are module-level pure functions, jitted once in the engine's
+constructor with explicit in/out shardings; insert and generate donate the decode state.
+prefill compiles once per bucket (its input shape), insert and generate once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from engines import checkpoint
+from engines.config import ModelConfig
+from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
+from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix, insert_prefix
+from engines.model import Decoder
+from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
+from sharding import ShardingConfig, axes
+
+CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_SEQ, axes.CACHE_HEADS, axes.HEAD_DIM)
+PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Serving shapes of one engine (the model's own shapes live in ModelConfig)."""
+
+    max_concurrent_decodes: int = 8
+    max_prefill_length: int = 256
+    max_seq_len: int = 512
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on TPU/GPU
+    top_logprobs: int = 5
+
+    def __post_init__(self):
+        for name in ("max_concurrent_decodes", "max_prefill_length", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_prefill_length > self.max_seq_len:
+            raise ValueError(
+                f"max_prefill_length ({self.max_prefill_length}) must be <= max_seq_len "
+                f"({self.max_seq_len})"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+
+
+def resolve_dtype(name: str, devices: Sequence[jax.Device]) -> Any:
+    if name == "auto":
+        return jnp.float32 if devices[0].platform == "cpu" else jnp.bfloat16
+    return jnp.dtype(name)
+
+
+class _ShapeOnlyKV:
+    """KV store for tracing shapes at init: attend over the new tokens only."""
+
+    def __init__(self, k_pos):
+        self.k_pos = k_pos
+
+    def update(self, layer, k, v):
+        return k, v, self.k_pos
+
+
+# ---- pure device functions (jitted by the engine) ---------------------------------------
+
+
+def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
+             prompt_mask, existing):
+    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length)."""
+    T = tokens.shape[1]
+    idx = jnp.arange(T)[None, :]
+    positions = start + idx  # (1, T)
+    new_k_pos = jnp.where(idx < true_length, positions, -1)
+    kv = PrefillKV(new_k_pos, existing)
+    last = jnp.reshape(true_length - 1, (1,))
+    logits = model.apply({"params": params}, tokens, positions, kv, last=last)[:, 0]  # (1, V)
+    V = logits.shape[-1]
+    seen = jnp.zeros((1, V), jnp.int32).at[0, tokens[0]].max((idx[0] < true_length).astype(jnp.int32))
+    mask = prompt_mask | (seen > 0)
+    counts = jnp.zeros((1, V), jnp.int32)
+    tok, next_key = sample(logits, sampling, mask, counts)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
+    length = start + true_length
+    prefix = Prefix(
+        k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, length=length.astype(jnp.int32),
+        token=tok[0], sampling=dataclasses.replace(sampling, key=next_key), prompt_mask=mask,
+    )
+    res = pack_results(tok, jnp.ones((1,), bool), jnp.reshape(length + 1, (1,)), lp, top_ids,
+                       top_lp)
+    return prefix, res
+
+
+def _generate(model: Decoder, top_n: int, params, state: DecodeState):
+    S = state.k[0].shape[1]
+    valid = state.lengths < S
+    pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
+    kv = DecodeKV(state, pos)
+    logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
+    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
+    B = tok.shape[0]
+    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
+    new_state = DecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), lengths=lengths, tokens=tok,
+        sampling=dataclasses.replace(state.sampling, key=next_keys),
+        prompt_mask=state.prompt_mask,
+        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
+    )
+    return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
+
+
+class TransformerEngine(Engine):
+    """One decoder on one slice of devices, laid out by a sharding preset.
+
+    Args:
+      model_config: shapes and family options.
+      weights: a HF directory, a jetserve Orbax directory, or None for random weights.
+      devices: the slice; defaults to all devices.
+      sharding: the preset that maps logical axes to this slice's mesh.
+      config: serving shapes (slots, prefill length, sequence length, dtype).
+      tokenizer: host tokenizer, or None for a token-ids-only model.
+      seed: RNG seed for random weights.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        weights: str | None = None,
+        devices: Sequence[jax.Device] | None = None,
+        sharding: ShardingConfig | None = None,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        seed: int = 0,
+    ):
+        self.model_config = model_config
+        self.config = config or EngineConfig()
+        self.weights = weights
+        self.seed = seed
+        self._tokenizer = tokenizer
+        devices = list(devices) if devices is not None else jax.devices()
+        self.sharding = sharding or ShardingConfig()
+        self._mesh = self.sharding.make_mesh(devices)
+        self.dtype = resolve_dtype(self.config.dtype, devices)
+        self.model = Decoder(model_config, dtype=self.dtype)
+        self._logical = self._param_logical_axes()
+        self.param_shardings = self._param_shardings()
+        self._build_jits()
+
+    # ---- shardings ---------------------------------------------------------------------
+
+    def _param_logical_axes(self) -> dict:
+        T = 1
+        tok = jnp.zeros((1, T), jnp.int32)
+        pos = jnp.zeros((1, T), jnp.int32)
+        boxed = jax.eval_shape(
+            lambda: self.model.init(jax.random.key(0), tok, pos, _ShapeOnlyKV(pos))
+        )["params"]
+        self.abstract_params = nn.meta.unbox(boxed)
+        return nn.get_partition_spec(boxed)
+
+    def _named(self, names, shape, tensor: str) -> NamedSharding:
+        return self.sharding.named(self._mesh, tuple(names), shape, tensor)
+
+    def _param_shardings(self) -> dict:
+        def one(path, spec, abstract):
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            return self._named(tuple(spec), abstract.shape, f"parameter {name}")
+
+        return jax.tree_util.tree_map_with_path(
+            one, self._logical, self.abstract_params,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    def _replicated(self) -> NamedSharding:
+        return NamedSharding(self._mesh, PartitionSpec())
+
+    def _sampling_shardings(self, batch_axis: str | None) -> SlotSampling:
+        s1 = self._named((batch_axis,), (self.config.max_concurrent_decodes,), "sampling")
+        s2 = self._named((batch_axis, None), (self.config.max_concurrent_decodes, 2), "rng keys")
+        return SlotSampling(temperature=s1, top_k=s1, top_p=s1, min_p=s1,
+                            repetition_penalty=s1, frequency_penalty=s1,
+                            presence_penalty=s1, key=s2)
+
+    def decode_state_shardings(self) -> DecodeState:
+        c, e = self.model_config, self.config
+        cache_shape = (e.max_concurrent_decodes, e.max_seq_len, c.num_kv_heads, c.head_dim)
+        cache = self._named(CACHE_AXES, cache_shape, "kv cache")
+        vec = self._named((axes.CACHE_BATCH,), (e.max_concurrent_decodes,), "slot lengths")
+        bv = self._named((axes.CACHE_BATCH, None), (e.max_concurrent_decodes, c.vocab_size),
+                         "token counts")
+        L = c.num_layers
+        return DecodeState(k=(cache,) * L, v=(cache,) * L, lengths=vec, tokens=vec,
+                           sampling=self._sampling_shardings(axes.CACHE_BATCH),
+                           prompt_mask=bv, counts=bv)
+
+    def prefix_destination_sharding(self) -> Prefix:
+        c = self.model_config
+        kv = self._named(PREFIX_AXES, (1, 1, c.num_kv_heads, c.head_dim), "prefix kv")
+        r = self._replicated()
+        samp = SlotSampling(**{f.name: r for f in dataclasses.fields(SlotSampling)})
+        L = c.num_layers
+        return Prefix(k=(kv,) * L, v=(kv,) * L, k_pos=r, length=r, token=r, sampling=samp,
+                      prompt_mask=r)
+
+    # ---- jitted functions --------------------------------------------------------------
+
+    def _build_jits(self):
+        top_n = self.config.top_logprobs
+        state_sh = self.decode_state_shardings()
+        prefix_sh = self.prefix_destination_sharding()
+        r = self._replicated()
+        self._prefill_jit = jax.jit(
+            functools.partial(_prefill, self.model, top_n),
+            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None),
+            out_shardings=(prefix_sh, r),
+        )
+        self._insert_jit = jax.jit(
+            insert_prefix, in_shardings=(prefix_sh, state_sh, r), out_shardings=state_sh,
+            donate_argnums=(1,),
+        )
+        self._generate_jit = jax.jit(
+            functools.partial(_generate, self.model, top_n),
+            in_shardings=(self.param_shardings, state_sh), out_shardings=(state_sh, r),
+            donate_argnums=(1,),
+        )
+
+    # ---- Engine API --------------------------------------------------------------------
+
+    def load_params(self) -> dict:
+        if self.weights is None:
+            init = jax.jit(
+                lambda key: nn.meta.unbox(
+                    self.model.init(key, jnp.zeros((1, 1), jnp.int32),
+                                    jnp.zeros((1, 1), jnp.int32),
+                                    _ShapeOnlyKV(jnp.zeros((1, 1), jnp.int32)))["params"]
+                ),
+                out_shardings=self.param_shardings,
+            )
+            return init(jax.random.key(self.seed))
+        if checkpoint.is_orbax_dir(self.weights):
+            target = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                self.abstract_params, self.param_shardings,
+            )
+            return checkpoint.read_orbax_params(self.weights, target)
+        flat_sh = {"/".join(str(getattr(k, "key", k)) for k in p): s
+                   for p, s in jax.tree_util.tree_flatten_with_path(self.param_shardings)[0]}
+        return checkpoint.read_hf_params(
+            self.weights, self.model_config, self.abstract_params,
+            lambda path, arr: jax.device_put(arr, flat_sh[path]),
+        )
+
+    def init_decode_state(self) -> DecodeState:
+        c, e = self.model_config, self.config
+        B, S = e.max_concurrent_decodes, e.max_seq_len
+
+        def make():
+            cache = jnp.zeros((B, S, c.num_kv_heads, c.head_dim), self.dtype)
+            return DecodeState(
+                k=(cache,) * c.num_layers, v=(cache,) * c.num_layers,
+                lengths=jnp.full((B,), S, jnp.int32),  # empty slots count as full
+                tokens=jnp.zeros((B,), jnp.int32),
+                sampling=SlotSampling.empty(B),
+                prompt_mask=jnp.zeros((B, c.vocab_size), bool),
+                counts=jnp.zeros((B, c.vocab_size), jnp.int32),
+            )
+
+        return jax.jit(make, out_shardings=self.decode_state_shardings())()
+
+    def prefill(self, params, tokens, true_length, *, sampling: SamplingParams | None = None,
+                existing_prefix: Prefix | None = None, seed: int | None = None):
+        """tokens: the prompt padded to a bucket (or unpadded: it is padded here)."""
+        sampling = sampling or SamplingParams()
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        true_length = int(true_length)
+        start = 0 if existing_prefix is None else int(existing_prefix.length)
+        if not 1 <= true_length <= tokens.shape[0]:
+            raise ValueError(f"true_length {true_length} must be in [1, {tokens.shape[0]}]")
+        if start + true_length > self.max_seq_len:
+            raise ValueError(
+                f"prompt of {start + true_length} tokens exceeds max_seq_len {self.max_seq_len}"
+            )
+        bucket = self.bucket_for(tokens.shape[0])
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, : tokens.shape[0]] = tokens
+        if seed is None:
+            seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        row = SlotSampling.from_params(sampling, seed)
+        prior_mask = (existing_prefix.prompt_mask if existing_prefix is not None
+                      else np.zeros((1, self.model_config.vocab_size), bool))
+        return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
+                                 prior_mask, existing_prefix)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        return self._insert_jit(prefix, decode_state, np.int32(slot))
+
+    def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        return self._generate_jit(params, decode_state)
+
+    # ---- properties --------------------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_prefill_length
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.config.top_logprobs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        tok = self._tokenizer
+        if tok is not None and tok.eos_ids:
+            return tuple(tok.eos_ids)
+        return self.model_config.eos_token_ids
+
+    @property
+    def bos_id(self) -> int | None:
+        tok = self._tokenizer
+        if tok is not None and tok.bos_id is not None:
+            return tok.bos_id
+        return self.model_config.bos_token_id
+
+    def trace_counts(self) -> dict[str, int]:
+        """Compiled-program cache sizes, for tests that check nothing recompiles."""
+        return {
+            "prefill": self._prefill_jit._cache_size(),
+            "insert": self._insert_jit._cache_size(),
+            "generate": self._generate_jit._cache_size(),
+        }

@@ -1,0 +1,5 @@
+import sys
+
+from jetserve.cli import main
+
+sys.exit(main())

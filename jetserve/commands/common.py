@@ -1,0 +1,36 @@
+"""Arguments shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+from engines import EngineConfig
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF or Orbax model directory, or random:NAME (default: bundled model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: float32 on CPU, bfloat16 on TPU/GPU")
+    p.add_argument("--max-concurrent-decodes", type=int, default=8)
+    p.add_argument("--max-prefill-length", type=int, default=None,
+                   help="default: min(512, max-seq-len)")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--sharding", default="replicated", help="preset name or YAML path")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    prefill = args.max_prefill_length or min(512, args.max_seq_len)
+    return EngineConfig(max_concurrent_decodes=args.max_concurrent_decodes,
+                        max_prefill_length=prefill, max_seq_len=args.max_seq_len,
+                        dtype=args.dtype)
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    return ids

@@ -1,0 +1,71 @@
+"""Generate text for one or more prompts, run concurrently through the engine's slots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from engines import SamplingParams
+from jetserve.commands.common import add_model_arguments, engine_config, parse_ids
+from jetserve.model_loading import build_engine
+from jetserve.offline import generate_many
+
+
+class _PromptAction(argparse.Action):
+    """Keeps --prompt and --prompt-ids in the order given on the command line."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = getattr(namespace, "prompts", None) or []
+        kind = "ids" if option_string == "--prompt-ids" else "text"
+        items.append((kind, values))
+        namespace.prompts = items
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--prompt", action=_PromptAction, dest="prompts", help="prompt text")
+    p.add_argument("--prompt-ids", action=_PromptAction, dest="prompts",
+                   help="comma-separated token ids, used verbatim (no BOS added)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.prompts:
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, seed=args.seed)
+    engine = build_engine(args.model, sharding=args.sharding, engine_config=engine_config(args))
+    tok = engine.tokenizer
+    prompts = []
+    for kind, value in args.prompts:
+        if kind == "ids":
+            ids = parse_ids(value)
+            bad = [i for i in ids if not 0 <= i < engine.vocab_size]
+            if bad:
+                raise ValueError(f"--prompt-ids: ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {engine.vocab_size})")
+            prompts.append(ids)
+        else:
+            if tok is None:
+                raise ValueError("this model has no tokenizer; use --prompt-ids")
+            prompts.append(tok.encode(value, add_bos=True))
+    params = engine.load_params()
+    results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
+                            sampling=sampling, ignore_eos=args.ignore_eos)
+    for r in results:
+        text = tok.decode([t for t in r.token_ids if t not in engine.eos_ids]) if tok else ""
+        if args.json:
+            print(json.dumps({"prompt_ids": r.prompt_ids, "token_ids": r.token_ids,
+                              "text": text, "finish_reason": r.finish_reason}), flush=True)
+        else:
+            print(text, flush=True)
+    return 0

@@ -1,0 +1,83 @@
+"""From a `--model` argument to a ready engine: config, tokenizer, weights, devices.
+
+`--model` is a Hugging Face directory, an Orbax directory written by `jetserve convert`,
+`random:NAME` (random weights, byte tokenizer; for tests and benchmarks), or nothing (the
+bundled model, or `random:tiny` until one is bundled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import jax
+
+from engines import EngineConfig, ModelConfig, TransformerEngine, load_hf_config
+from engines.checkpoint import is_orbax_dir, read_orbax_config
+from engines.mock_engine import ByteTokenizer
+from jetserve.tokenizer import load_tokenizer
+from sharding import ShardingConfig, load_preset
+
+BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "bundled_model")
+
+# Random-weight models by name (`--model random:NAME`), byte-level vocabulary of 256.
+RANDOM_MODELS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(0,)),
+    "small": ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_layers=4,
+                         num_heads=8, num_kv_heads=4, head_dim=32, eos_token_ids=(0,)),
+    # The 156M-parameter f32 Llama of the performance issue (untied, vocab 32000).
+    "llama-156m": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                              num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
+                              eos_token_ids=(2,), bos_token_id=1),
+}
+
+
+def default_model() -> str:
+    if os.path.exists(os.path.join(BUNDLED_DIR, "config.json")):
+        return BUNDLED_DIR
+    return "random:tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """What a `--model` argument names."""
+
+    path: str | None  # directory, or None for random weights
+    config: ModelConfig
+    tokenizer: object | None
+
+    @property
+    def name(self) -> str:
+        return self.path or "random"
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    model = model or default_model()
+    if model.startswith("random:"):
+        name = model.split(":", 1)[1]
+        if name not in RANDOM_MODELS:
+            raise ValueError(f"unknown random model {name!r}; expected one of {list(RANDOM_MODELS)}")
+        cfg = RANDOM_MODELS[name]
+        tok = ByteTokenizer(eos_ids=cfg.eos_token_ids) if cfg.vocab_size == 256 else None
+        return ModelSource(path=None, config=cfg, tokenizer=tok)
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"--model {model!r}: no such directory")
+    cfg = read_orbax_config(model) if is_orbax_dir(model) else load_hf_config(model)
+    return ModelSource(path=model, config=cfg, tokenizer=load_tokenizer(model))
+
+
+def build_engine(
+    model: str | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    sharding: str | ShardingConfig | None = None,
+    engine_config: EngineConfig | None = None,
+    seed: int = 0,
+) -> TransformerEngine:
+    src = resolve_model(model)
+    if isinstance(sharding, str):
+        sharding = load_preset(sharding)
+    return TransformerEngine(src.config, weights=src.path, devices=devices, sharding=sharding,
+                             config=engine_config, tokenizer=src.tokenizer, seed=seed)

@@ -1,0 +1,88 @@
+"""A synchronous continuous-batching loop on one engine, for `jetserve generate` and tests.
+
+Prompts wait in order; whenever a slot is free the next prompt is prefilled and inserted,
+so prompts join the batch at different steps. Every step's results are read back before
+the next step (the threaded orchestrator overlaps this; here simplicity wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+
+from engines import Engine, SamplingParams
+
+
+@dataclasses.dataclass
+class OfflineResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    logprobs: list[float]
+
+
+def generate_many(
+    engine: Engine,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    ignore_eos: bool = False,
+) -> list[OfflineResult]:
+    """Runs every prompt to completion; results in prompt order."""
+    samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
+                 else list(sampling))
+    eos = set() if ignore_eos else set(engine.eos_ids)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) > engine.max_prefill_length:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; max_prefill_length is {engine.max_prefill_length}"
+            )
+    results: list[OfflineResult | None] = [None] * len(prompts)
+    waiting = deque(range(len(prompts)))
+    active: dict[int, int] = {}  # slot -> prompt index
+    out: dict[int, OfflineResult] = {}
+    state = engine.init_decode_state()
+    free = list(range(engine.max_concurrent_decodes))
+
+    def accept(i: int, token: int, logprob: float, length: int) -> bool:
+        """Records a token; returns True when request i is finished."""
+        r = out[i]
+        r.token_ids.append(token)
+        r.logprobs.append(logprob)
+        if token in eos:
+            r.finish_reason = "stop"
+            return True
+        if len(r.token_ids) >= max_tokens or length >= engine.max_seq_len:
+            r.finish_reason = "length"
+            return True
+        return False
+
+    while waiting or active:
+        while waiting and free:
+            i = waiting.popleft()
+            prefix, first = engine.prefill(params, list(prompts[i]), len(prompts[i]),
+                                           sampling=samplings[i])
+            out[i] = OfflineResult(list(prompts[i]), [], "length", [])
+            h = first.to_host()
+            if accept(i, h.token(0), h.logprob(0), h.length(0)):
+                results[i] = out.pop(i)
+                continue
+            slot = free.pop(0)
+            state = engine.insert(prefix, state, slot)
+            active[slot] = i
+        if not active:
+            continue
+        state, res = engine.generate(params, state)
+        h = res.to_host()
+        for slot, i in list(active.items()):
+            if accept(i, h.token(slot), h.logprob(slot), h.length(slot)):
+                results[i] = out.pop(i)
+                del active[slot]
+                engine.free_slot(slot)
+                free.append(slot)
+    return [r for r in results if r is not None]

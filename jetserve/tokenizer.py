@@ -1,0 +1,137 @@
+"""Host tokenizers: sentencepiece (`tokenizer.model`) or HF `tokenizers` (`tokenizer.json`).
+
+Both expose the same small surface (`engines.engine_api.Tokenizer`): encode, decode,
+vocab_size, bos_id, eos_ids, plus the chat template from `tokenizer_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return d if isinstance(d, dict) else {}
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None
+
+
+class _Base:
+    vocab_size: int
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    chat_template: str | None
+    add_bos_default: bool = True
+
+    def _setup_specials(self, cfg: dict[str, Any], eos_from_config: tuple[int, ...]):
+        self.chat_template = cfg.get("chat_template") if isinstance(
+            cfg.get("chat_template"), str) else None
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        if self.bos_token is not None:
+            bid = self.token_to_id(self.bos_token)
+            if bid is not None:
+                self.bos_id = bid
+        eos = list(eos_from_config)
+        if self.eos_token is not None:
+            eid = self.token_to_id(self.eos_token)
+            if eid is not None and eid not in eos:
+                eos.insert(0, eid)
+        if eos:
+            self.eos_ids = tuple(eos)
+        if "add_bos_token" in cfg:
+            self.add_bos_default = bool(cfg["add_bos_token"])
+
+    def token_to_id(self, token: str) -> int | None:
+        raise NotImplementedError
+
+
+class SentencePieceTokenizer(_Base):
+    def __init__(self, model_path: str, config: dict[str, Any] | None = None,
+                 eos_from_config: tuple[int, ...] = ()):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.Load(model_path)
+        except Exception as e:  # sentencepiece raises OSError or RuntimeError
+            raise ValueError(f"{model_path} is not a sentencepiece model: {e}") from None
+        self.vocab_size = self.sp.GetPieceSize()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_ids = (self.sp.eos_id(),) if self.sp.eos_id() >= 0 else ()
+        self._setup_specials(config or {}, eos_from_config)
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.PieceToId(token)
+        return i if i != self.sp.unk_id() or token == self.sp.IdToPiece(i) else None
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = list(self.sp.EncodeAsIds(text))
+        add = self.add_bos_default if add_bos is None else add_bos
+        return ([self.bos_id] if add and self.bos_id is not None else []) + ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.DecodeIds([int(i) for i in ids if 0 <= i < self.vocab_size])
+
+    def id_to_piece(self, i: int) -> str:
+        return self.sp.IdToPiece(int(i))
+
+
+class HFTokenizer(_Base):
+    def __init__(self, json_path: str, config: dict[str, Any] | None = None,
+                 eos_from_config: tuple[int, ...] = ()):
+        from tokenizers import Tokenizer
+
+        try:
+            self.tok = Tokenizer.from_file(json_path)
+        except Exception as e:  # tokenizers raises a bare Exception subclass
+            raise ValueError(f"{json_path} is not a tokenizers JSON file: {e}") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = None
+        self.eos_ids = ()
+        # tokenizer.json post-processors usually add BOS themselves; we add it explicitly.
+        self._setup_specials(config or {}, eos_from_config)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        add = self.add_bos_default if add_bos is None else add_bos
+        return ([self.bos_id] if add and self.bos_id is not None else []) + list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def id_to_piece(self, i: int) -> str:
+        return self.tok.id_to_token(int(i)) or ""
+
+
+Tokenizer = SentencePieceTokenizer | HFTokenizer
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer | None:
+    """The directory's tokenizer, or None when it has none (token ids only)."""
+    cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    gen = _read_json(os.path.join(model_dir, "generation_config.json"))
+    eos = gen.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    sp_path = os.path.join(model_dir, "tokenizer.model")
+    json_path = os.path.join(model_dir, "tokenizer.json")
+    if os.path.exists(json_path):
+        return HFTokenizer(json_path, cfg, eos_ids)
+    if os.path.exists(sp_path):
+        return SentencePieceTokenizer(sp_path, cfg, eos_ids)
+    return None

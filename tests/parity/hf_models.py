@@ -1,0 +1,52 @@
+"""Small random-weight Hugging Face models, one per family, written with save_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            bos_token_id=1, eos_token_id=2)
+
+FAMILY_CONFIGS = {
+    "llama": dict(rope_theta=10000.0, tie_word_embeddings=False),
+    "llama3": dict(rope_theta=500000.0, tie_word_embeddings=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}),
+    "mistral": dict(sliding_window=16),
+    "qwen2": dict(tie_word_embeddings=False),
+    "gemma": dict(head_dim=24, hidden_activation="gelu_pytorch_tanh"),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+FAMILIES = tuple(FAMILY_CONFIGS)
+
+
+def make_hf_model(family: str, out_dir: str, seed: int = 0):
+    """Writes a random-weight model of `family` to out_dir; returns the torch model."""
+    import torch
+    import transformers as tf
+
+    kind = {"llama3": "llama"}.get(family, family)
+    cls_cfg, cls_model = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+    }[kind]
+    cfg = cls_cfg(**TINY, **FAMILY_CONFIGS[family])
+    torch.manual_seed(seed)
+    model = cls_model(cfg).eval()
+    with torch.no_grad():  # larger-than-default weights so logits are not all near zero
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.normal_(0.0 if family == "gemma" else 1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model

@@ -102,6 +102,25 @@ def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sam
     return prefix, res
 
 
+def _prompt_logprobs(model: Decoder, top_n: int, params, tokens, true_length):
+    """Log-probs of each prompt token given the ones before it (echo / scoring)."""
+    T = tokens.shape[1]
+    idx = jnp.arange(T)[None, :]
+    kv = PrefillKV(jnp.where(idx < true_length, idx, -1), None)
+    logits = model.apply({"params": params}, tokens, idx, kv)[0]  # (T, V)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nxt = jnp.roll(tokens[0], -1)  # token t+1 is scored by the logits at t
+    chosen = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, max(top_n, 1))
+    greedy = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+    # Shift by one so row t describes prompt token t; row 0 has no context.
+    shift = lambda x, fill: jnp.concatenate([jnp.full((1,) + x.shape[1:], fill, x.dtype), x[:-1]])
+    return PromptLogprobs(
+        token_logprobs=shift(chosen, jnp.nan), top_ids=shift(top_ids[:, :top_n].astype(jnp.int32), -1),
+        top_logprobs=shift(top_lp[:, :top_n], jnp.nan), greedy=shift(greedy, -1),
+    )
+
+
 def _generate(model: Decoder, top_n: int, params, state: DecodeState):
     S = state.k[0].shape[1]
     valid = state.lengths < S
@@ -119,6 +138,17 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
         counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
     )
     return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PromptLogprobs:
+    """Per prompt position t: log p(token_t | tokens before t); row 0 is NaN / -1."""
+
+    token_logprobs: Any  # f32[T]
+    top_ids: Any  # i32[T, n]
+    top_logprobs: Any  # f32[T, n]
+    greedy: Any  # i32[T] the argmax token at t given tokens before t
 
 
 class TransformerEngine(Engine):
@@ -227,6 +257,10 @@ class TransformerEngine(Engine):
             in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None),
             out_shardings=(prefix_sh, r),
         )
+        self._prompt_logprobs_jit = jax.jit(
+            functools.partial(_prompt_logprobs, self.model, top_n),
+            in_shardings=(self.param_shardings, r, r), out_shardings=r,
+        )
         self._insert_jit = jax.jit(
             insert_prefix, in_shardings=(prefix_sh, state_sh, r), out_shardings=state_sh,
             donate_argnums=(1,),
@@ -304,6 +338,17 @@ class TransformerEngine(Engine):
         return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
                                  prior_mask, existing_prefix)
 
+    def prompt_logprobs(self, params, tokens, true_length: int | None = None) -> PromptLogprobs:
+        """Scores a prompt: host arrays of length true_length (see PromptLogprobs)."""
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        n = tokens.shape[0] if true_length is None else int(true_length)
+        if not 1 <= n <= tokens.shape[0]:
+            raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
+        padded = np.zeros((1, self.bucket_for(n)), np.int32)
+        padded[0, :n] = tokens[:n]
+        out = jax.device_get(self._prompt_logprobs_jit(params, padded, np.int32(n)))
+        return jax.tree.map(lambda x: x[:n], out)
+
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
@@ -359,5 +404,6 @@ class TransformerEngine(Engine):
         return {
             "prefill": self._prefill_jit._cache_size(),
             "insert": self._insert_jit._cache_size(),
+            "prompt_logprobs": self._prompt_logprobs_jit._cache_size(),
             "generate": self._generate_jit._cache_size(),
         }

@@ -1,0 +1,1 @@
+"""Protocol buffers: jetstream.proto (wire-compatible with JetStream) and its generated code."""

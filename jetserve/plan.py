@@ -1,0 +1,237 @@
+"""Capacity and roofline arithmetic for decode: what fits, and how fast it can possibly go.
+
+Pure host math (no jax), shared by `jetserve plan` and `jetserve bench decode`.
+
+Derivation. One decode step runs every live sequence forward by one token. Symbols: B
+batch, C live context (tokens in each cache), P parameters, P_read the parameters a step
+reads, P_mm the parameters a token multiplies through (matmul weights), b_w / b_a / b_kv
+bits per weight / activation / KV value, Z = 2 L K H the K and V values stored per token,
+W = HBM bandwidth, R = matmul FLOP/s (both summed over chips), F the MLP width.
+
+* Memory read per step. Every weight matrix is read once and used by all B rows. The
+  input embedding is the exception: a step gathers B rows of it, so P_read = P - V D
+  when it is untied; tied, the output head reads it whole, so P_read = P. Each sequence's
+  cache is read whole: B C Z b_kv / 8 bytes. With a sliding window, C is capped at it.
+  Mixture of experts: a layer reads only the experts its tokens route to; with uniform
+  routing of k of E experts, the expected share touched is 1 - (1 - k/E)^B.
+
+      T_weights = P_read b_w / 8 / W          T_kv = B C Z b_kv / 8 / W
+
+* Compute per step: each matmul weight is a multiply-add (2 FLOPs) per token, so
+  T_compute = 2 B P_mm / R. Attention is 4 B C N H FLOPs per layer against the
+  B C Z b_kv / 8 bytes it reads, an intensity of ~N/K FLOPs per byte, so it stays under
+  the memory roof and is counted as T_kv.
+* Weights and matmuls overlap (weights stream while the units multiply), the KV read
+  does not shrink with batch, so
+
+      step_floor = T_kv + max(T_weights, T_compute),   tokens/s = B / step_floor.
+
+  At small B this is (bytes of weights + B x KV bytes) / W, the memory floor.
+* Critical batch: T_compute = T_weights when 2 B P_mm / R = P b_w / 8 / W, i.e.
+  B* = (R / W) x b_w / 16 (with P_mm ~ P_read). With R at the bf16 rate this is the
+  textbook "FLOP/s / bandwidth x bits-per-weight / bits-per-activation", since the int8
+  rate is twice the bf16 rate; f32 weights at the f32 rate give B* = 2 R / W.
+* Capacity: weights are stored whole (P b_w / 8) plus B C Z b_kv / 8 of cache; the largest
+  batch that fits is floor((chips x HBM - P b_w / 8) / (C Z b_kv / 8)).
+* Model parallelism for decode: sharding a [D, F] weight over Y chips takes D F b_w / 8 / Y
+  / W_chip to read, while the activations it must gather cost ~B D b_a / 8 / ICI regardless
+  of Y; communication dominates once Y > F / (B x W_chip / ICI).
+
+The issue's textbook example treats GB (1e9) as the unit throughout; rows carry both
+`*_gb` (1e9 bytes) and `*_gib` (2^30 bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from engines.config import ModelConfig
+from jetserve.hardware import Hardware
+
+GB = 1e9
+GIB = 2.0**30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The counts a plan needs, from a ModelConfig or stated directly (as a textbook does)."""
+
+    name: str
+    params: float  # P: every parameter, stored
+    unread_params: float  # parameters a step does not read whole (untied input embedding)
+    matmul_params: float  # P_mm: weights each token multiplies through (active experts only)
+    kv_values_per_token: float  # Z = 2 L K H
+    ffn: int  # F, the MLP width (model-parallel estimate)
+    expert_params: float = 0.0  # all routed experts' weights (a subset of params)
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        for name in ("params", "matmul_params", "kv_values_per_token", "ffn"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ModelSpec {self.name!r}: {name} must be > 0, "
+                                 f"got {getattr(self, name)!r}")
+        if not 0 <= self.unread_params + self.expert_params <= self.params:
+            raise ValueError(f"ModelSpec {self.name!r}: unread_params + expert_params must be "
+                             f"in [0, params]")
+        if self.num_experts and not 0 < self.experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelSpec {self.name!r}: experts_per_tok must be in "
+                             f"[1, {self.num_experts}], got {self.experts_per_tok}")
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, name: str = "model") -> ModelSpec:
+        D, F, L, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        attn = 2 * D * N * H + 2 * D * K * H
+        mlp_active = 3 * D * F * (k if E else 1) + (D * E if E else 0)
+        return cls(
+            name=name,
+            params=float(cfg.param_count()),
+            unread_params=0.0 if cfg.tie_word_embeddings else float(V * D),
+            matmul_params=float(L * (attn + mlp_active) + V * D),
+            kv_values_per_token=float(2 * L * K * H),
+            ffn=F,
+            expert_params=float(3 * D * F * E * L),
+            num_experts=E,
+            experts_per_tok=k,
+            sliding_window=cfg.sliding_window,
+        )
+
+    def read_params(self, batch: int) -> float:
+        """P_read: parameters one step of `batch` tokens reads from memory."""
+        dense = self.params - self.unread_params - self.expert_params
+        if not self.num_experts:
+            return dense
+        touched = 1.0 - (1.0 - self.experts_per_tok / self.num_experts) ** batch
+        return dense + self.expert_params * touched
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bits per stored weight, per activation (picks the matmul rate), per KV value."""
+
+    weight_bits: int = 16
+    act_bits: int = 16
+    kv_bits: int = 16
+
+    def __post_init__(self):
+        for name in ("weight_bits", "act_bits", "kv_bits"):
+            v = getattr(self, name)
+            if v not in (4, 8, 16, 32):
+                raise ValueError(f"{name} must be one of 4, 8, 16, 32, got {v!r}")
+
+    @classmethod
+    def from_dtype(cls, dtype: str, *, weight_bits: int | None = None,
+                   kv_bits: int | None = None, act_bits: int | None = None) -> Precision:
+        bits = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8}
+        if dtype not in bits:
+            raise ValueError(f"--dtype must be one of {list(bits)}, got {dtype!r}")
+        base = bits[dtype]
+        # int8 means int8 weights and cache with bf16 activations (weight-only quantization).
+        act = 16 if dtype == "int8" else base
+        return cls(weight_bits=weight_bits or base, act_bits=act_bits or act,
+                   kv_bits=kv_bits or base)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanRow:
+    batch: int
+    context: int
+    weights_read_gb: float
+    kv_gb: float
+    kv_gib: float
+    total_gb: float
+    total_gib: float
+    fits: bool
+    step_ms_memory: float  # (weights read + KV) / bandwidth
+    step_ms_compute: float  # 2 B P_mm / FLOP/s
+    step_ms_floor: float  # T_kv + max(T_weights, T_compute)
+    tokens_per_s: float
+    bound: str  # "memory" or "compute"
+    model_parallel_max: float | None  # F / (B x W / ICI); None on one chip without ICI
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: ModelSpec
+    hardware: Hardware
+    chips: int
+    precision: Precision
+    context: int
+    param_bytes: float
+    kv_bytes_per_token: float
+    kv_bytes_per_seq: float
+    max_batch: int
+    critical_batch: float
+    rows: tuple[PlanRow, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "model": dataclasses.asdict(self.model),
+            "hardware": self.hardware.to_json(),
+            "chips": self.chips,
+            "precision": dataclasses.asdict(self.precision),
+            "context": self.context,
+            "param_bytes": self.param_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes_per_seq": self.kv_bytes_per_seq,
+            "max_batch": self.max_batch,
+            "critical_batch": self.critical_batch,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+        }
+
+
+def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, context: int,
+               precision: Precision) -> PlanRow:
+    """The floor for one decode step of `batch` sequences, each with `context` live tokens."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if context < 1:
+        raise ValueError(f"context must be >= 1, got {context}")
+    bw = hw.hbm_bandwidth * chips
+    flops = hw.matmul_flops(precision.weight_bits, precision.act_bits) * chips
+    kv_tok = model.kv_values_per_token * precision.kv_bits / 8
+    read_ctx = min(context, model.sliding_window) if model.sliding_window else context
+    kv_read = batch * read_ctx * kv_tok
+    kv_stored = batch * context * kv_tok
+    w_read = model.read_params(batch) * precision.weight_bits / 8
+    param_bytes = model.params * precision.weight_bits / 8
+    total = param_bytes + kv_stored
+    t_w, t_kv = w_read / bw, kv_read / bw
+    t_c = 2.0 * batch * model.matmul_params / flops
+    step = t_kv + max(t_w, t_c)
+    mp = None
+    if hw.ici_bandwidth is not None:
+        mp = model.ffn / (batch * hw.hbm_bandwidth / hw.ici_bandwidth)
+    return PlanRow(
+        batch=batch, context=context, weights_read_gb=w_read / GB,
+        kv_gb=kv_stored / GB, kv_gib=kv_stored / GIB, total_gb=total / GB,
+        total_gib=total / GIB, fits=total <= hw.hbm_bytes * chips,
+        step_ms_memory=(w_read + kv_read) / bw * 1e3, step_ms_compute=t_c * 1e3,
+        step_ms_floor=step * 1e3, tokens_per_s=batch / step,
+        bound="compute" if t_c > t_w else "memory", model_parallel_max=mp,
+    )
+
+
+def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequence[int],
+              context: int, precision: Precision) -> Plan:
+    if chips < 1:
+        raise ValueError(f"chips must be >= 1, got {chips}")
+    if not batches:
+        raise ValueError("batches is empty")
+    kv_tok = model.kv_values_per_token * precision.kv_bits / 8
+    param_bytes = model.params * precision.weight_bits / 8
+    free = hw.hbm_bytes * chips - param_bytes
+    max_batch = max(0, math.floor(free / (context * kv_tok))) if free > 0 else 0
+    flops = hw.matmul_flops(precision.weight_bits, precision.act_bits)
+    critical = flops / hw.hbm_bandwidth * precision.weight_bits / 16
+    rows = tuple(step_floor(model, hw, chips=chips, batch=b, context=context,
+                            precision=precision) for b in batches)
+    return Plan(model=model, hardware=hw, chips=chips, precision=precision, context=context,
+                param_bytes=param_bytes, kv_bytes_per_token=kv_tok,
+                kv_bytes_per_seq=context * kv_tok, max_batch=max_batch,
+                critical_batch=critical, rows=rows)

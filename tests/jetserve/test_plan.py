@@ -1,0 +1,137 @@
+"""`jetserve plan` against the textbook decode examples of issue 6 (each within 3%)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from jetserve import cli
+from jetserve.hardware import PRESETS, Hardware
+from jetserve.model_loading import RANDOM_MODELS
+from jetserve.model_presets import MODEL_PRESETS
+from jetserve.plan import ModelSpec, Precision, make_plan
+
+V5E = PRESETS["tpu-v5e"]
+BF16 = Precision(weight_bits=16, act_bits=16, kv_bits=16)
+BATCHES = (1, 8, 16, 32, 64, 240)
+# LLaMA-2-13B in bf16 on 8 v5e chips at 8192 context, as the textbook tabulates it.
+TEXTBOOK_STEP_MS = (4.98, 12.13, 20.30, 36.65, 69.33, 249.09)
+TEXTBOOK_TOK_S = (200.6, 659.3, 788.0, 873.2, 923.1, 963.5)
+
+
+def close(got, want, rel=0.03):
+    return abs(got - want) <= rel * abs(want)
+
+
+@pytest.fixture(scope="module")
+def llama13b():
+    return ModelSpec.from_config(MODEL_PRESETS["llama2-13b"], "llama2-13b")
+
+
+def test_llama2_13b_shapes(llama13b):
+    assert close(llama13b.params, 13e9, 0.01)
+    plan = make_plan(llama13b, V5E, chips=8, batches=[1], context=8192, precision=BF16)
+    assert close(plan.kv_bytes_per_seq / 1e9, 6.7)
+    assert close(plan.critical_batch, 240)
+
+
+def test_llama2_13b_step_floor_and_throughput(llama13b):
+    plan = make_plan(llama13b, V5E, chips=8, batches=BATCHES, context=8192, precision=BF16)
+    for row, ms, tok in zip(plan.rows, TEXTBOOK_STEP_MS, TEXTBOOK_TOK_S, strict=True):
+        assert close(row.step_ms_floor, ms), (row.batch, row.step_ms_floor, ms)
+        assert close(row.tokens_per_s, tok), (row.batch, row.tokens_per_s, tok)
+        assert row.bound == "memory"  # 240 is at the critical batch, KV dominates anyway
+
+
+def test_llama2_13b_what_fits(llama13b):
+    plan = make_plan(llama13b, V5E, chips=8, batches=BATCHES, context=8192, precision=BF16)
+    fits = {r.batch: r.fits for r in plan.rows}
+    assert fits[1] and fits[8]
+    assert not fits[16]
+    assert close(plan.rows[2].total_gb, 133)  # the textbook's "about 133" (GB units)
+    assert 8 <= plan.max_batch < 16
+
+
+def test_llama2_13b_with_8_kv_heads(llama13b):
+    # The textbook swaps in 8 kv heads and keeps the 13B parameter count: only the cache shrinks.
+    gqa = dataclasses.replace(llama13b, kv_values_per_token=2 * 40 * 8 * 128)
+    plan = make_plan(gqa, V5E, chips=8, batches=[1, 240], context=8192, precision=BF16)
+    assert close(plan.rows[0].step_ms_floor, 4.17)
+    assert close(plan.rows[1].step_ms_floor, 52.99)
+
+
+def test_30b_int8_on_16_chips_includes_compute():
+    spec = ModelSpec(name="30b", params=30e9, unread_params=0.0, matmul_params=30e9,
+                     kv_values_per_token=100e3, ffn=4 * 7168)  # 100 kB per token at int8
+    int8 = Precision(weight_bits=8, act_bits=16, kv_bits=8)
+    plan = make_plan(spec, V5E, chips=16, batches=[4, 256], context=8192, precision=int8)
+    b4, b256 = plan.rows
+    assert close(b4.step_ms_floor, 2.5, 0.03)
+    assert close(b256.step_ms_floor, 21.0, 0.03)
+    # Without the compute term batch 256 would come out at the memory floor, ~18 ms.
+    assert b256.step_ms_floor - b256.step_ms_memory > 2.0
+    assert b256.bound == "compute"
+
+
+def test_llama_156m_reads_492_mb_per_step():
+    spec = ModelSpec.from_config(RANDOM_MODELS["llama-156m"])
+    assert close(spec.params, 156e6, 0.01)
+    assert close(spec.read_params(1) * 4, 492e6, 0.01)  # the input embedding is not read
+
+
+def test_tied_embedding_is_read_by_the_head():
+    cfg = dataclasses.replace(RANDOM_MODELS["llama-156m"], tie_word_embeddings=True)
+    spec = ModelSpec.from_config(cfg)
+    assert spec.read_params(1) == spec.params
+
+
+def test_moe_reads_more_experts_as_batch_grows():
+    spec = ModelSpec.from_config(MODEL_PRESETS["mixtral-8x7b"])
+    assert close(spec.params, 46.7e9, 0.01)
+    one, big = spec.read_params(1), spec.read_params(64)
+    assert close(one, 12.9e9 - 4096 * 32000, 0.05)  # ~13B active at batch 1
+    assert big > 0.99 * (spec.params - spec.unread_params)
+
+
+def test_int8_activations_use_the_int8_rate():
+    assert V5E.matmul_flops(8, 8) == V5E.flops_int8
+    assert V5E.matmul_flops(8, 16) == V5E.flops_bf16
+    with pytest.raises(ValueError, match="weight_bits"):
+        Precision(weight_bits=12)
+
+
+def test_cpu_f32_batch_is_compute_bound_past_critical():
+    cpu = Hardware(name="cpu", hbm_bytes=24e9, hbm_bandwidth=32e9, flops_bf16=10e9,
+                   flops_int8=10e9, flops_f32=100e9, ici_bandwidth=None)
+    spec = ModelSpec.from_config(RANDOM_MODELS["llama-156m"])
+    f32 = Precision.from_dtype("float32")
+    plan = make_plan(spec, cpu, batches=[1, 32], context=256, precision=f32)
+    assert close(plan.critical_batch, 2 * 100 / 32)
+    b1, b32 = plan.rows
+    assert b1.bound == "memory" and b32.bound == "compute"
+    assert close(b1.step_ms_floor, 15.5, 0.03)
+    assert b1.model_parallel_max is None
+
+
+def test_cli_json(capsys):
+    rc = cli.main(["plan", "--model-preset", "llama2-13b", "--hardware", "tpu-v5e",
+                   "--chips", "8", "--context", "8192", "--batch", "1,8,16", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
+    assert [r["batch"] for r in rows] == [1, 8, 16]
+    for r, ms in zip(rows, TEXTBOOK_STEP_MS, strict=False):
+        assert {"batch", "kv_gib", "total_gib", "step_ms_floor", "tokens_per_s"} <= set(r)
+        assert close(r["step_ms_floor"], ms)
+    assert [r["fits"] for r in rows] == [True, True, False]
+
+
+def test_cli_model_path_and_errors(capsys):
+    assert cli.main(["plan", "--model", "random:llama-156m", "--hardware", "h200",
+                     "--batch", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["precision"]["weight_bits"] == 16  # auto: bf16 on an accelerator
+    assert close(out["rows"][0]["weights_read_gb"], 0.246, 0.01)
+    assert cli.main(["plan", "--model-preset", "llama3-8b", "--hardware", "h100",
+                     "--batch", "0"]) == 2
+    assert "--batch" in capsys.readouterr().err

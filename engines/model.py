@@ -21,8 +21,13 @@ import jax.numpy as jnp
 
 from engines.config import ModelConfig, llama3_inv_freq
 from sharding import axes
+from sharding.layout import constrain
 
 _MASKED = -1e30
+# Logical names of activations, for sharding constraints (no-ops outside an engine's mesh).
+_RESIDUAL_ACT = (axes.BATCH, axes.SEQ, axes.EMBED)  # (B, T, D)
+_HEADS_ACT = (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM)  # (B, T, N, H)
+_KV_ACT = (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM)  # (B, T, K, H)
 
 
 class KVStore(Protocol):
@@ -107,10 +112,14 @@ class Attention(nn.Module):
             q = q + _param(self, "q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM), self.dtype, zeros)
             k = k + _param(self, "k_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM), self.dtype, zeros)
             v = v + _param(self, "v_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM), self.dtype, zeros)
-        q = rope(q, positions, inv_freq)
-        k = rope(k, positions, inv_freq)
+        # Heads stay split over the model axis from projection to o_proj (one all-reduce
+        # per block, after o_proj), rather than XLA gathering them around the cache.
+        q = constrain(rope(q, positions, inv_freq), _HEADS_ACT, "attention q")
+        k = constrain(rope(k, positions, inv_freq), _KV_ACT, "attention k")
+        v = constrain(v, _KV_ACT, "attention v")
         k_all, v_all, k_pos = kv.update(self.layer, k, v)
         out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
+        out = constrain(out, _HEADS_ACT, "attention output")
         return jnp.einsum("btnh,nhd->btd", out, wo)
 
 
@@ -129,6 +138,7 @@ class Mlp(nn.Module):
         wu = _param(self, "up_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
         wd = _param(self, "down_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         h = _act(self.cfg, x @ wg) * (x @ wu)  # (B, T, F)
+        h = constrain(h, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
         return h @ wd
 
 
@@ -152,6 +162,7 @@ class MoeMlp(nn.Module):
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
         gates = jnp.sum(jax.nn.one_hot(top_i, E) * top_p[..., None], axis=-2)  # (B, T, E)
         h = _act(c, jnp.einsum("btd,edf->btef", x, w1)) * jnp.einsum("btd,edf->btef", x, w3)
+        h = constrain(h, (axes.BATCH, axes.SEQ, axes.EXPERT, axes.MLP), "moe hidden")
         y = jnp.einsum("btef,efd->bted", h, w2)  # (B, T, E, D)
         return jnp.einsum("bted,bte->btd", y, gates.astype(y.dtype))
 
@@ -190,9 +201,12 @@ class Decoder(nn.Module):
         x = jnp.take(embed, tokens, axis=0)  # (B, T, D)
         if c.scale_embeddings:
             x = x * jnp.asarray(math.sqrt(D), self.dtype)
+        # The residual stream is whole in D on every model-axis device (Megatron layout).
+        x = constrain(x, _RESIDUAL_ACT, "embeddings")
         inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
         for i in range(c.num_layers):
             x = Block(c, self.dtype, i, name=f"layers_{i}")(x, positions, inv_freq, kv)
+            x = constrain(x, _RESIDUAL_ACT, f"layer {i} output")
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         w_norm = _param(self, "norm", (D,), (axes.EMBED,), self.dtype, ones)
         if last is not None:  # only the rows whose logits are needed: [B] indices into T
@@ -203,4 +217,4 @@ class Decoder(nn.Module):
         else:
             head = _param(self, "lm_head", (D, V), (axes.EMBED, axes.VOCAB), self.dtype)
             logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-        return logits
+        return constrain(logits, (axes.BATCH, axes.SEQ, axes.VOCAB), "logits")

@@ -25,7 +25,7 @@ from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
 from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix, insert_prefix
 from engines.model import Decoder
 from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
-from sharding import ShardingConfig, axes
+from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
 CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_SEQ, axes.CACHE_HEADS, axes.HEAD_DIM)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
@@ -182,7 +182,8 @@ class TransformerEngine(Engine):
         self._tokenizer = tokenizer
         devices = list(devices) if devices is not None else jax.devices()
         self.sharding = sharding or ShardingConfig()
-        self._mesh = self.sharding.make_mesh(devices)
+        self._mesh = self.sharding.make_mesh(
+            devices, {d: getattr(model_config, d) for d in MODEL_DIMS})
         self.dtype = resolve_dtype(self.config.dtype, devices)
         self.model = Decoder(model_config, dtype=self.dtype)
         self._logical = self._param_logical_axes()
@@ -252,13 +253,16 @@ class TransformerEngine(Engine):
         state_sh = self.decode_state_shardings()
         prefix_sh = self.prefix_destination_sharding()
         r = self._replicated()
+        # Each function traces under this engine's layout, for the model's activation
+        # constraints (sharding.constrain).
+        laid_out = functools.partial(traced_under, self.sharding, self._mesh)
         self._prefill_jit = jax.jit(
-            functools.partial(_prefill, self.model, top_n),
+            laid_out(functools.partial(_prefill, self.model, top_n)),
             in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None),
             out_shardings=(prefix_sh, r),
         )
         self._prompt_logprobs_jit = jax.jit(
-            functools.partial(_prompt_logprobs, self.model, top_n),
+            laid_out(functools.partial(_prompt_logprobs, self.model, top_n)),
             in_shardings=(self.param_shardings, r, r), out_shardings=r,
         )
         self._insert_jit = jax.jit(
@@ -266,7 +270,7 @@ class TransformerEngine(Engine):
             donate_argnums=(1,),
         )
         self._generate_jit = jax.jit(
-            functools.partial(_generate, self.model, top_n),
+            laid_out(functools.partial(_generate, self.model, top_n)),
             in_shardings=(self.param_shardings, state_sh), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )

@@ -2,6 +2,11 @@
 
 A preset is data (`sharding/presets/*.yaml`), so researchers swap layouts without touching
 model code. Written as `W[D_X, F_Y]`: dimension D of W is split over mesh axis X.
+
+Mesh sizes are an integer, -1 (all devices left over), or the name of a model dimension
+(`num_kv_heads`, `num_heads`, `num_experts`): that axis gets as many devices as the model
+has of that thing, limited to a divisor of the devices left. `tp_kv_batch` uses this to put
+the KV cache by kv heads first and give the remaining devices to the batch.
 """
 
 from __future__ import annotations
@@ -28,34 +33,60 @@ PRESETS = {
     "seq_tp": "seq_tp.yaml",
     "ep_tp": "ep_tp.yaml",
 }
+# Model dimensions a mesh axis may take its size from (ModelConfig field names).
+MODEL_DIMS = ("num_heads", "num_kv_heads", "num_experts")
+
+
+def _size_ok(n: Any) -> bool:
+    if isinstance(n, bool):
+        return False
+    if isinstance(n, int):
+        return n >= 1 or n == -1
+    return n in MODEL_DIMS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardingConfig:
-    """mesh: ordered mesh axis -> size (-1: all remaining devices); rules: logical -> mesh."""
+    """A mesh and the rules that place logical axes on it.
+
+    mesh: ordered (mesh axis, size); size >= 1, -1 (the remaining devices), or a name
+      from MODEL_DIMS (as many devices as the model has of it, where they divide).
+    rules: (logical axis, mesh axis); a logical axis without a rule is not split.
+    """
 
     name: str = "replicated"
-    mesh: tuple[tuple[str, int], ...] = (("data", 1), ("model", -1))
+    mesh: tuple[tuple[str, int | str], ...] = (("data", 1), ("model", -1))
     rules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         mesh_axes = [a for a, _ in self.mesh]
+        if not mesh_axes:
+            raise ValueError(f"sharding {self.name!r}: mesh must name at least one axis")
         if len(set(mesh_axes)) != len(mesh_axes):
             raise ValueError(f"sharding {self.name!r}: mesh axes repeat: {mesh_axes}")
         if sum(1 for _, n in self.mesh if n == -1) > 1:
             raise ValueError(f"sharding {self.name!r}: only one mesh axis may be -1")
         for a, n in self.mesh:
-            if not isinstance(n, int) or (n < 1 and n != -1):
-                raise ValueError(f"sharding {self.name!r}: mesh axis {a!r} size must be >= 1 or -1, got {n!r}")
+            if not isinstance(a, str) or not a:
+                raise ValueError(f"sharding {self.name!r}: mesh axis names must be strings, got {a!r}")
+            if not _size_ok(n):
+                raise ValueError(
+                    f"sharding {self.name!r}: mesh axis {a!r} size must be an integer >= 1, "
+                    f"-1, or one of {MODEL_DIMS}; got {n!r}"
+                )
+        seen = set()
         for logical, mesh_axis in self.rules:
             if logical not in axes.ALL:
                 raise ValueError(
                     f"sharding {self.name!r}: unknown logical axis {logical!r} in rules; "
                     f"expected one of {axes.ALL}"
                 )
+            if logical in seen:
+                raise ValueError(f"sharding {self.name!r}: logical axis {logical!r} has two rules")
+            seen.add(logical)
             if mesh_axis not in mesh_axes:
                 raise ValueError(
-                    f"sharding {self.name!r}: rule {logical}: {mesh_axis} names a mesh axis "
+                    f"sharding {self.name!r}: rule {logical}: {mesh_axis!r} names a mesh axis "
                     f"that is not in the mesh {mesh_axes}"
                 )
 
@@ -66,71 +97,132 @@ class ShardingConfig:
             raise ValueError(f"sharding {name!r}: unknown keys {sorted(unknown)}; expected mesh, rules")
         mesh = d.get("mesh") or {"data": 1, "model": -1}
         rules = d.get("rules") or {}
+        for key, value in (("mesh", mesh), ("rules", rules)):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"sharding {name!r}: {key} must be a mapping, got {value!r}")
+        for logical, mesh_axis in rules.items():
+            if not isinstance(mesh_axis, str):
+                raise ValueError(
+                    f"sharding {name!r}: rule {logical}: expected one mesh axis name, "
+                    f"got {mesh_axis!r}"
+                )
         return cls(name=name, mesh=tuple((str(k), v) for k, v in mesh.items()),
-                   rules=tuple((str(k), str(v)) for k, v in rules.items()))
+                   rules=tuple((str(k), v) for k, v in rules.items()))
 
-    def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        fixed = math.prod(n for _, n in self.mesh if n != -1)
-        if num_devices % fixed:
+    def to_dict(self) -> dict[str, Any]:
+        return {"mesh": dict(self.mesh), "rules": dict(self.rules)}
+
+    # ---- meshes ------------------------------------------------------------------------
+
+    def mesh_shape(self, num_devices: int, dims: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Resolves sizes for num_devices: integers, then model dimensions, then -1."""
+        fixed = math.prod(n for _, n in self.mesh if isinstance(n, int) and n != -1)
+        if fixed > num_devices or num_devices % fixed:
             raise ValueError(
                 f"sharding {self.name!r}: mesh {dict(self.mesh)} needs a multiple of {fixed} "
                 f"devices, got {num_devices}"
             )
-        return {a: (num_devices // fixed if n == -1 else n) for a, n in self.mesh}
-
-    def make_mesh(self, devices: Sequence[jax.Device]) -> Mesh:
-        shape = self.mesh_shape(len(devices))
-        if math.prod(shape.values()) != len(devices):
+        left = num_devices // fixed
+        shape: dict[str, int] = {}
+        for a, n in self.mesh:
+            if isinstance(n, str):
+                if dims is None or n not in dims:
+                    raise ValueError(
+                        f"sharding {self.name!r}: mesh axis {a!r} takes its size from {n}, "
+                        f"which was not given (pass the model's dimensions)"
+                    )
+                shape[a] = math.gcd(max(int(dims[n]), 1), left)
+                left //= shape[a]
+        for a, n in self.mesh:
+            if isinstance(n, int) and n != -1:
+                shape[a] = n
+            elif n == -1:
+                shape[a] = left
+                left = 1
+        if left != 1:
+            used = num_devices // left
             raise ValueError(
-                f"sharding {self.name!r}: mesh {shape} uses {math.prod(shape.values())} devices, "
-                f"but {len(devices)} were given"
+                f"sharding {self.name!r}: mesh {dict(self.mesh)} resolves to "
+                f"{ {a: shape[a] for a, _ in self.mesh} }, which uses {used} of the "
+                f"{num_devices} devices; give {used} devices or add a -1 axis"
             )
+        return {a: shape[a] for a, _ in self.mesh}
+
+    def make_mesh(self, devices: Sequence[jax.Device],
+                  dims: Mapping[str, int] | None = None) -> Mesh:
+        """The mesh over `devices`, in order (the last mesh axis varies fastest)."""
+        if not devices:
+            raise ValueError(f"sharding {self.name!r}: no devices given")
+        shape = self.mesh_shape(len(devices), dims)
         arr = np.asarray(devices, dtype=object).reshape(tuple(shape.values()))
         return Mesh(arr, tuple(shape.keys()))
 
-    def spec(self, names: Sequence[str | None], shape: Sequence[int] | None = None,
-             mesh: Mesh | None = None, tensor: str = "tensor") -> PartitionSpec:
-        """Maps logical names to a PartitionSpec, checking reuse and divisibility.
+    # ---- specs -------------------------------------------------------------------------
 
-        A mesh axis of size 1 is dropped; a mesh axis already used by an earlier dim of
-        the same tensor is an error (rules must not map two dims of one tensor to it).
+    def spec(self, names: Sequence[str | None], shape: Sequence[int] | None = None,
+             mesh: Mesh | None = None, tensor: str = "tensor", *,
+             strict: bool = True) -> PartitionSpec:
+        """Maps one logical name per dimension to a PartitionSpec.
+
+        A mesh axis of size 1 is dropped. Errors name the tensor, the dimension and the
+        mesh axis: an unknown logical name, a mesh axis used by two dimensions, and (with
+        `strict`, as for parameters and caches) a dimension that does not divide; without
+        `strict` (activation hints) such a dimension is left unsplit.
         """
+        if shape is not None and len(shape) != len(names):
+            raise ValueError(
+                f"{tensor}: {len(names)} logical names {tuple(names)} for a tensor of "
+                f"rank {len(shape)} (shape {tuple(shape)})"
+            )
         rules = dict(self.rules)
         out: list[str | None] = []
-        used: dict[str, str] = {}
+        used: dict[str, tuple[int, str]] = {}
         for i, name in enumerate(names):
             if name is not None and name not in axes.ALL:
-                raise ValueError(f"{tensor}: unknown logical axis {name!r}")
+                raise ValueError(
+                    f"{tensor}: dimension {i} has unknown logical axis {name!r}; expected one "
+                    f"of {axes.ALL} or None"
+                )
             mesh_axis = rules.get(name) if name is not None else None
             if mesh_axis is not None and mesh is not None and mesh.shape[mesh_axis] == 1:
                 mesh_axis = None
+            if mesh_axis is not None and shape is not None and mesh is not None:
+                size = mesh.shape[mesh_axis]
+                if shape[i] % size:
+                    if not strict:
+                        mesh_axis = None
+                    else:
+                        raise ValueError(
+                            f"{tensor}: dimension {i} ({name}) of size {shape[i]} does not "
+                            f"divide over mesh axis {mesh_axis!r} of size {size} in sharding "
+                            f"{self.name!r}; use fewer devices (--devices) or a preset that "
+                            f"does not split {name}"
+                        )
             if mesh_axis is not None:
                 if mesh_axis in used:
+                    j, other = used[mesh_axis]
                     raise ValueError(
-                        f"{tensor}: mesh axis {mesh_axis!r} used twice (by {used[mesh_axis]!r} "
-                        f"and {name!r}) in sharding {self.name!r}"
+                        f"{tensor}: mesh axis {mesh_axis!r} is used by dimension {j} ({other}) "
+                        f"and dimension {i} ({name}) in sharding {self.name!r}; a mesh axis "
+                        f"may split only one dimension of a tensor"
                     )
-                used[mesh_axis] = name
-                if shape is not None and mesh is not None and shape[i] % mesh.shape[mesh_axis]:
-                    raise ValueError(
-                        f"{tensor}: dimension {i} ({name}) of size {shape[i]} does not divide "
-                        f"over mesh axis {mesh_axis!r} of size {mesh.shape[mesh_axis]} "
-                        f"in sharding {self.name!r}"
-                    )
+                used[mesh_axis] = (i, name)
             out.append(mesh_axis)
         return PartitionSpec(*out)
 
     def named(self, mesh: Mesh, names: Sequence[str | None], shape: Sequence[int] | None = None,
-              tensor: str = "tensor") -> NamedSharding:
-        return NamedSharding(mesh, self.spec(names, shape, mesh, tensor))
+              tensor: str = "tensor", *, strict: bool = True) -> NamedSharding:
+        return NamedSharding(mesh, self.spec(names, shape, mesh, tensor, strict=strict))
 
 
-def load_preset(name_or_path: str) -> ShardingConfig:
-    """A short preset name (`tp`) or a path to any YAML file."""
+def load_preset(name_or_path: str | ShardingConfig) -> ShardingConfig:
+    """A short preset name (`tp`), a path to any YAML file, or a ShardingConfig as is."""
+    if isinstance(name_or_path, ShardingConfig):
+        return name_or_path
     if name_or_path in PRESETS:
         path = os.path.join(PRESET_DIR, PRESETS[name_or_path])
         name = name_or_path
-    elif os.path.exists(name_or_path):
+    elif os.path.isfile(name_or_path):
         path = name_or_path
         name = os.path.splitext(os.path.basename(path))[0]
     else:

@@ -1,0 +1,1 @@
+"""The gRPC (JetStream-compatible) and HTTP (OpenAI-compatible) servers over the orchestrator."""

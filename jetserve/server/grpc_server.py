@@ -1,0 +1,258 @@
+"""The JetStream-compatible gRPC server (`jetstream_proto.Orchestrator`), on grpc.aio.
+
+Concurrency: one asyncio loop serves every RPC. `Decode` validates the request, submits
+one orchestrator Request per sample (`submit` never blocks: a full queue raises
+Overloaded), then awaits the handles' async streams, so no thread is held per stream.
+When a client cancels or disconnects, grpc.aio cancels the handler coroutine; leaving the
+stream loop cancels the requests, which frees their slots within one generate step.
+
+Streaming follows JetStream: one DecodeResponse per generate step with one Sample per
+sample; the EOS / stop token id comes alone in `token_ids` with empty text. Also served:
+the standard `grpc.health.v1.Health` service and server reflection.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jetserve.request import Delta, Overloaded, Request
+from jetserve.server import validation as v
+from jetserve.server.config import ServerConfig
+from jetserve.server.streams import merge, submit_all
+from protos import jetstream_pb2 as pb
+from protos import jetstream_pb2_grpc as pb_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+Sample = pb.DecodeResponse.StreamContent.Sample
+
+# Metadata an API key may come in (lower-case, as gRPC delivers keys).
+_AUTH_HEADER = "authorization"
+_KEY_HEADER = "x-api-key"
+# Reachable without a key, so load balancers and orchestration probes can check liveness.
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+class OrchestratorServicer(pb_grpc.OrchestratorServicer):
+    """Decode and HealthCheck over an orchestrator.
+
+    Args:
+      orch: the running orchestrator (see jetserve.orchestrator).
+      limits: what the served model accepts.
+      is_live: False once the server is draining.
+    """
+
+    def __init__(self, orch: Any, limits: v.ModelLimits, *,
+                 is_live: Callable[[], bool] = lambda: True):
+        self.orch = orch
+        self.limits = limits
+        self.is_live = is_live
+
+    async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
+        return pb.HealthCheckResponse(is_live=self.is_live())
+
+    async def Decode(self, request: pb.DecodeRequest, context) -> AsyncIterator[pb.DecodeResponse]:
+        try:
+            requests = self.build_requests(request, context.time_remaining())
+            handles = submit_all(self.orch, requests)
+        except v.InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server overloaded, retry later: {e}")
+        except ValueError as e:  # the orchestrator's own checks; they name the field too
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        n = len(handles)
+        async for batch in merge(handles):
+            for i, d in batch:
+                if d.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"sample {i} failed: {d.error or 'internal error'}")
+            for msg in _messages(batch, n):
+                yield msg
+
+    def build_requests(self, r: pb.DecodeRequest, time_remaining: float | None) -> list[Request]:
+        """Validates a DecodeRequest; one Request per sample."""
+        lim = self.limits
+        which = r.WhichOneof("content")
+        if which is None:
+            raise v.InvalidArgument("content", "content is missing: set text_content or "
+                                               "token_content")
+        if r.lora_adapter_id:
+            raise v.InvalidArgument("lora_adapter_id", "lora_adapter_id "
+                                    f"{r.lora_adapter_id!r}: this server has no LoRA adapters")
+        # has_bos false: the content lacks BOS, so the server prepends it (as JetStream).
+        add_bos = not r.has_bos
+        if which == "text_content":
+            if r.text_content.text == "":
+                raise v.InvalidArgument("text_content.text", "text_content.text is empty")
+            ids = v.encode_text(lim, r.text_content.text, "text_content.text", add_bos=add_bos)
+        else:
+            ids = v.check_token_ids(lim, list(r.token_content.token_ids),
+                                    "token_content.token_ids")
+            if add_bos and lim.bos_id is not None:
+                ids = [lim.bos_id] + ids
+        field = "text_content.text" if which == "text_content" else "token_content.token_ids"
+        v.check_prompt_length(lim, ids, field)
+        max_tokens = v.check_max_tokens(lim, r.max_tokens, len(ids))
+        n = v.check_samples(r.num_samples or 1, "num_samples")
+        opt = lambda name, default: getattr(r, name) if r.HasField(name) else default
+        sampling = v.sampling_params(
+            temperature=opt("temperature", 0.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),
+            min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
+            frequency_penalty=opt("frequency_penalty", 0.0),
+            presence_penalty=opt("presence_penalty", 0.0), seed=opt("seed", None))
+        stop = v.check_stop(list(r.stop))
+        stop_ids = v.check_stop_token_ids(lim, list(r.stop_token_ids))
+        logprobs = v.check_logprobs(lim, r.logprobs) if r.HasField("logprobs") else None
+        deadline = time.monotonic() + time_remaining if time_remaining is not None else None
+        return [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, i),
+                        max_tokens=max_tokens, stop_token_ids=stop_ids, stop_strings=stop,
+                        ignore_eos=r.ignore_eos, logprobs=logprobs, deadline=deadline)
+                for i in range(n)]
+
+
+def _split(d: Delta) -> list[Sample]:
+    """A delta as one or two Samples: the text and tokens, then the stop token alone."""
+    ids = list(d.token_ids)
+    lps = list(d.logprobs) if d.logprobs is not None else None
+    tops = list(d.top_logprobs) if d.top_logprobs is not None else None
+    parts: list[tuple[list[int], str, list | None, list | None]] = []
+    ends_on_stop_id = (d.finish_reason == "stop" and isinstance(d.stop_reason, int)
+                       and ids and ids[-1] == d.stop_reason)
+    if ends_on_stop_id:
+        if len(ids) > 1 or d.text:
+            parts.append((ids[:-1], d.text, lps and lps[:-1], tops and tops[:-1]))
+        parts.append((ids[-1:], "", lps and lps[-1:], tops and tops[-1:]))
+    else:
+        parts.append((ids, d.text, lps, tops))
+    samples = []
+    for tok, text, lp, top in parts:
+        s = Sample(text=text, token_ids=tok)
+        if lp:
+            s.logprobs.extend(lp)
+        for alts in top or ():
+            entry = s.top_logprobs.add()
+            for tid, tlp in alts:
+                entry.alternatives.add(token_id=tid, logprob=tlp)
+        samples.append(s)
+    if d.finish_reason is not None:
+        samples[-1].finish_reason = d.finish_reason
+    return samples
+
+
+def _messages(batch: list[tuple[int, Delta]], n: int) -> list[pb.DecodeResponse]:
+    """One message per step; a second one when some sample's stop token goes alone."""
+    split = {i: _split(d) for i, d in batch}
+    rounds = max(len(s) for s in split.values())
+    out = []
+    for k in range(rounds):
+        samples = [Sample() for _ in range(n)]
+        any_content = False
+        for i, parts in split.items():
+            # The stop-token part goes last so every sample's text precedes it.
+            j = k - (rounds - len(parts))
+            if 0 <= j < len(parts):
+                samples[i] = parts[j]
+                any_content = True
+        if any_content:
+            out.append(pb.DecodeResponse(
+                stream_content=pb.DecodeResponse.StreamContent(samples=samples)))
+    return out
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without the API key (`authorization: Bearer KEY` or `x-api-key: KEY`)
+    with UNAUTHENTICATED; grpc.health.v1 stays open for probes."""
+
+    def __init__(self, api_key: str):
+        self._key = api_key.encode()
+
+    def _allowed(self, metadata) -> bool:
+        for k, value in metadata or ():
+            key = k.lower()
+            if isinstance(value, bytes):
+                continue
+            if key == _AUTH_HEADER and value.startswith("Bearer "):
+                value = value[len("Bearer "):]
+            elif key != _KEY_HEADER:
+                continue
+            if hmac.compare_digest(value.strip().encode(), self._key):
+                return True
+        return False
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if (handler is None or details.method.startswith(_OPEN_PREFIXES)
+                or self._allowed(details.invocation_metadata)):
+            return handler
+        message = ("missing or wrong API key: send metadata 'authorization: Bearer KEY' "
+                   "or 'x-api-key: KEY'")
+
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover (makes this an async generator)
+
+        async def deny_bidi(requests, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover
+
+        if handler.request_streaming:  # reflection's ServerReflectionInfo
+            return grpc.stream_stream_rpc_method_handler(
+                deny_bidi, handler.request_deserializer, handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                deny_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            deny_unary, handler.request_deserializer, handler.response_serializer)
+
+
+class GrpcServer:
+    """The grpc.aio server with its services; start/stop on the serving loop."""
+
+    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig):
+        self.config = config
+        self.live = True
+        self.servicer = OrchestratorServicer(orch, limits, is_live=lambda: self.live)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        c = self.config
+        interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
+        server = grpc.aio.server(interceptors=interceptors)
+        pb_grpc.add_OrchestratorServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{c.host}:{c.grpc_port}"
+        if c.tls_cert:
+            with open(c.tls_key, "rb") as f:
+                key = f.read()
+            with open(c.tls_cert, "rb") as f:
+                cert = f.read()
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(address)
+        await server.start()
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.server, self.port = server, port
+        return port
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuses new calls at once; in-flight streams get `grace` seconds to finish."""
+        self.live = False
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace)

@@ -1,0 +1,321 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text). With an API key, /v1/* needs `Authorization: Bearer KEY`;
+/health and /metrics stay open for probes and scrapers.
+
+Concurrency: one asyncio loop (uvicorn's) serves every request. Handlers validate, submit
+to the orchestrator (never blocking: a full queue raises Overloaded -> 429) and await the
+handles' async streams. Every response races the client's disconnect: when the client
+goes away, the response task is cancelled, and leaving the stream loop cancels the
+requests (jetserve.server.streams.merge), freeing their slots within one generate step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.responses import StreamingResponse
+
+from jetserve.request import Overloaded
+from jetserve.server import openai_format as fmt
+from jetserve.server import validation as v
+from jetserve.server.config import ServerConfig
+from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
+from jetserve.server.streams import Joined, merge, submit_all
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": None}}, status_code=status)
+
+
+class _HttpError(Exception):
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
+async def _until_disconnect(request: Request) -> None:
+    # Body already read: the next message the server sends is http.disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop, and close their source, when the client leaves."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        producer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({producer, watcher},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if producer in done:
+                exc = producer.exception()
+                if exc is not None and not isinstance(exc, OSError):
+                    raise exc
+        finally:
+            producer.cancel()
+            watcher.cancel()
+            await asyncio.gather(producer, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()  # runs the source's finally: requests cancelled
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class OpenAIApp:
+    """The routes over one orchestrator; `app` is the FastAPI application."""
+
+    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
+                 metrics: Any | None = None):
+        self.orch = orch
+        self.limits = limits
+        self.config = config
+        self.metrics = metrics
+        self.live = True
+        self.tt = fmt.TokenText(limits.tokenizer)
+        self._key = config.api_key.encode() if config.api_key else None
+        app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
+        app.add_api_route("/v1/models", self._endpoint(self.models), methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_route, methods=["GET"])
+        self.app = app
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _endpoint(self, handler: Callable[[Request], Awaitable[Response]]):
+        async def route(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                return await handler(request)
+            except _HttpError as e:
+                return e.response
+            except v.InvalidArgument as e:
+                return error_response(400, str(e), param=e.field)
+            except Overloaded as e:
+                return error_response(429, f"server overloaded, retry later: {e}",
+                                      kind="rate_limit_error")
+            except ValueError as e:  # the orchestrator's own request checks
+                return error_response(400, str(e))
+
+        route.__name__ = handler.__name__
+        return route
+
+    def _authorize(self, request: Request) -> None:
+        if self._key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
+            return
+        raise _HttpError(error_response(
+            401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+            kind="authentication_error"))
+
+    async def _body(self, request: Request, model: type) -> Any:
+        return validate(model, parse_body(await request.body()))
+
+    async def _joined(self, request: Request, handles: list[Any]) -> list[Joined]:
+        """Joins the streams, or cancels them when the client disconnects first."""
+        out = [Joined() for _ in handles]
+
+        async def collect():
+            async for batch in merge(handles):
+                for i, d in batch:
+                    out[i].add(d)
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # merge's finally cancels the requests
+            await asyncio.gather(work, gone, return_exceptions=True)
+        if work.cancelled():
+            raise _HttpError(error_response(499, "client closed the request"))
+        work.result()
+        for j in out:
+            if j.finish_reason == "error":
+                raise _HttpError(error_response(500, f"generation failed: {j.error}",
+                                                kind="server_error"))
+        return out
+
+    def _submit(self, prep: fmt.Prepared) -> list[Any]:
+        return submit_all(self.orch, prep.requests)
+
+    # ---- routes ------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        if self.live:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "draining"}, status_code=503)
+
+    async def metrics_route(self) -> Response:
+        if self.metrics is None:
+            return Response("", media_type="text/plain")
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.config.model_name, "object": "model", "created": 0,
+            "owned_by": "jetserve", "max_model_len": self.limits.max_seq_len}]})
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request, CompletionRequest)
+        prep = fmt.prepare_completion(self.limits, body, self.config.model_name)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.config.model_name}
+        if not prep.run:  # max_tokens 0 and nothing to score: echo (or nothing) at once
+            joined = [Joined(finish_reason="length") for _ in prep.requests]
+            if prep.stream:
+                return EventStream(self._completion_events(prep, head, None, joined))
+            return JSONResponse({**head, "choices": [
+                fmt.completion_choice(prep, self.tt, i, j) for i, j in enumerate(joined)],
+                "usage": fmt.usage(prep, joined)})
+        handles = self._submit(prep)
+        if prep.stream:
+            return EventStream(self._completion_events(prep, head, handles, None))
+        joined = await self._joined(request, handles)
+        return JSONResponse({**head, "choices": [
+            fmt.completion_choice(prep, self.tt, i, j) for i, j in enumerate(joined)],
+            "usage": fmt.usage(prep, joined)})
+
+    async def _completion_events(self, prep: fmt.Prepared, head: dict, handles: list | None,
+                                 done: list[Joined] | None) -> AsyncIterator[str]:
+        totals = [Joined() for _ in prep.requests]
+        sent_chars = [0] * len(prep.requests)
+        started = [False] * len(prep.requests)
+
+        def chunk(i: int, part: Joined) -> str:
+            choice = fmt.completion_choice(prep, self.tt, i, part, first=not started[i],
+                                           base=sent_chars[i])
+            started[i] = True
+            sent_chars[i] += len(choice["text"])
+            return _sse({**head, "choices": [choice]})
+
+        if handles is None:
+            for i, j in enumerate(done or ()):
+                yield chunk(i, j)
+        else:
+            async for batch in merge(handles):
+                for i, d in batch:
+                    part = Joined()
+                    part.add(d)
+                    totals[i].add(d)
+                    if d.finish_reason == "error":
+                        yield _sse({"error": {"message": f"generation failed: {d.error}",
+                                              "type": "server_error"}})
+                        return
+                    yield chunk(i, part)
+        if prep.include_usage:
+            yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
+        yield "data: [DONE]\n\n"
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request, ChatRequest)
+        prep = fmt.prepare_chat(self.limits, body, self.config.model_name)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": created, "model": self.config.model_name}
+        handles = self._submit(prep)
+        if prep.stream:
+            return EventStream(self._chat_events(prep, head, handles))
+        joined = await self._joined(request, handles)
+        return JSONResponse({**head, "object": "chat.completion", "choices": [
+            fmt.chat_choice(prep, self.tt, i, j) for i, j in enumerate(joined)],
+            "usage": fmt.usage(prep, joined)})
+
+    async def _chat_events(self, prep: fmt.Prepared, head: dict,
+                           handles: list) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+        totals = [Joined() for _ in handles]
+        for i in range(len(handles)):
+            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        async for batch in merge(handles):
+            for i, d in batch:
+                if d.finish_reason == "error":
+                    yield _sse({"error": {"message": f"generation failed: {d.error}",
+                                          "type": "server_error"}})
+                    return
+                totals[i].add(d)
+                logprobs = (fmt.chat_logprobs(self.tt, d.token_ids, d.logprobs, d.top_logprobs)
+                            if prep.logprobs is not None else None)
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                yield _sse({**head, "choices": [{"index": i, "delta": delta,
+                                                 "logprobs": logprobs,
+                                                 "finish_reason": d.finish_reason}]})
+        if prep.include_usage:
+            yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
+        yield "data: [DONE]\n\n"
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: `jetserve serve` decides on shutdown."""
+
+    def capture_signals(self):  # type: ignore[override]
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """Runs an OpenAIApp under uvicorn on the current asyncio loop."""
+
+    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
+                 metrics: Any | None = None):
+        self.config = config
+        self.api = OpenAIApp(orch, limits, config, metrics)
+        self.port: int | None = None
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        c = self.config
+        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((c.host, c.http_port))
+        sock.listen(512)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        cfg = uvicorn.Config(self.api.app, log_level="warning", access_log=False,
+                             lifespan="off", timeout_graceful_shutdown=c.drain_timeout_s,
+                             timeout_keep_alive=5)
+        self._server = _Uvicorn(cfg)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops accepting connections; in-flight responses finish (up to the drain timeout)."""
+        self.api.live = False
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task

@@ -1,0 +1,139 @@
+"""Prometheus metrics for `/metrics`, fed by the orchestrator's listener events.
+
+Histograms and counters are updated from the orchestrator's events (`RequestFinished`,
+`StepDone`, `PrefillDone`, see jetserve.orchestrator.timing), which arrive on the
+orchestrator's threads; prometheus-client's metric objects are thread-safe. Queue depths
+and slots in use are read from `orchestrator.stats()` when scraped, so they are never
+stale. Each ServerMetrics has its own registry, so several servers in one process (tests)
+do not collide.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = logging.getLogger(__name__)
+
+# Latency buckets from 1 ms to 5 min: CPU test models and big accelerator models alike.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            20.0, 40.0, 80.0, 160.0, 300.0)
+_PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+              0.5, 0.75, 1.0, 2.5)
+
+
+class _StatsCollector:
+    """Gauges read from orchestrator.stats() at scrape time."""
+
+    def __init__(self, orch: Any):
+        self.orch = orch
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            stats = self.orch.stats()
+        except Exception:  # a scrape must not fail because stats() did
+            log.exception("orchestrator.stats() failed")
+            return
+        queues = GaugeMetricFamily("jetserve_queue_depth", "Requests waiting in each queue",
+                                   labels=["queue"])
+        for name, depth in _queue_depths(stats):
+            queues.add_metric([name], depth)
+        yield queues
+        slots = GaugeMetricFamily("jetserve_slots_in_use", "Decode slots occupied",
+                                  labels=["engine"])
+        total = GaugeMetricFamily("jetserve_slots_total", "Decode slots", labels=["engine"])
+        for engine, used, size in _slot_rows(stats):
+            slots.add_metric([engine], used)
+            if size is not None:
+                total.add_metric([engine], size)
+        yield slots
+        yield total
+
+
+def _queue_depths(stats: dict) -> list[tuple[str, float]]:
+    """{"queues": {name: depth}} or top-level "*_queue" / "*_backlog" numbers."""
+    out = []
+    queues = stats.get("queues")
+    if isinstance(queues, dict):
+        out.extend((str(k), float(v)) for k, v in queues.items() if _number(v))
+    for k, val in stats.items():
+        if (k.endswith("_queue") or k.endswith("_backlog") or k.endswith("_queue_depth")) \
+                and _number(val):
+            out.append((k.removesuffix("_depth"), float(val)))
+    return out
+
+
+def _slot_rows(stats: dict) -> list[tuple[str, float, float | None]]:
+    """(engine, in use, total) from "slots_in_use" (a list or number) and "slots"."""
+    used = stats.get("slots_in_use")
+    size = stats.get("slots_total", stats.get("slots"))
+    if isinstance(used, (list, tuple)):
+        sizes = size if isinstance(size, (list, tuple)) else [None] * len(used)
+        return [(str(i), float(u), float(s) if _number(s) else None)
+                for i, (u, s) in enumerate(zip(used, sizes))]
+    if _number(used):
+        return [("all", float(used), float(size) if _number(size) else None)]
+    return []
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class ServerMetrics:
+    """The metrics of one serving process; subscribe with `orch.add_listener(m.on_event)`
+    (done here when an orchestrator is given)."""
+
+    def __init__(self, orch: Any | None = None):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("jetserve_time_to_first_token_seconds",
+                              "Arrival to first token", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("jetserve_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              buckets=_PER_TOKEN, registry=r)
+        self.e2e = Histogram("jetserve_e2e_request_latency_seconds",
+                             "Arrival to last token", buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("jetserve_request_queue_time_seconds",
+                                    "Arrival to prefill start", buckets=_LATENCY, registry=r)
+        self.step_time = Histogram("jetserve_generate_step_seconds",
+                                   "Time of one generate step", buckets=_PER_TOKEN, registry=r)
+        self.prefill_time = Histogram("jetserve_prefill_seconds", "Time of one prefill",
+                                      buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter("jetserve_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("jetserve_generation_tokens",
+                                         "Tokens generated by finished requests", registry=r)
+        self.requests = Counter("jetserve_requests", "Finished requests",
+                                labelnames=["finish_reason"], registry=r)
+        for reason in ("stop", "length", "cancelled", "deadline", "error"):
+            self.requests.labels(reason)  # exported at 0 before the first one
+        if orch is not None:
+            r.register(_StatsCollector(orch))
+            if hasattr(orch, "add_listener"):
+                orch.add_listener(self.on_event)
+
+    def on_event(self, event: Any) -> None:
+        """Listener for the orchestrator's events (called on its threads)."""
+        kind = type(event).__name__
+        if kind == "RequestFinished":
+            t = event.timing
+            self.requests.labels(event.finish_reason).inc()
+            self.prompt_tokens.inc(event.prompt_tokens)
+            self.generation_tokens.inc(event.completion_tokens)
+            for hist, value in ((self.ttft, t.ttft), (self.tpot, t.tpot),
+                                (self.e2e, t.latency), (self.queue_time, t.queue_time)):
+                if value is not None:
+                    hist.observe(value)
+        elif kind == "StepDone":
+            self.step_time.observe(event.step_time)
+        elif kind == "PrefillDone":
+            self.prefill_time.observe(event.seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,242 @@
+"""OpenAI-compatible requests -> orchestrator Requests, and results -> OpenAI JSON.
+
+Pure functions over validated bodies (jetserve.server.openai_schema) and joined deltas
+(jetserve.server.streams.Joined); no I/O, no state.
+
+Conventions kept from OpenAI / vLLM so clients and evaluation harnesses work unchanged:
+- string prompts get BOS the way the tokenizer's config says; token-id prompts are used
+  verbatim; chat prompts get what the chat template writes;
+- `temperature` defaults to 1.0; `max_tokens` defaults to 16 for completions and to the
+  room left in the sequence for chat;
+- `echo` + `logprobs` returns the prompt tokens' log-probs first (the first one is null,
+  nothing precedes it); with `max_tokens: 0` that is all it returns (scoring);
+- choice index = prompt index x n + sample index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jetserve.request import Request
+from jetserve.server import chat_template
+from jetserve.server import validation as v
+from jetserve.server.openai_schema import ChatRequest, CompletionRequest, prompt_list
+from jetserve.server.streams import Joined
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A validated request: prompts, their Requests (prompt-major), and output options."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]  # the prompt as the client wrote it, for echo
+    requests: list[Request]
+    n: int
+    echo: bool
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+    run: bool  # False: max_tokens 0 without scoring, nothing to compute
+
+
+def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: int,
+            max_tokens: int | None, *, allow_zero: bool) -> tuple[Any, int, dict]:
+    if r.logit_bias:
+        raise v.InvalidArgument("logit_bias", "logit_bias is not supported")
+    sampling = v.sampling_params(
+        temperature=1.0 if r.temperature is None else r.temperature,
+        top_p=1.0 if r.top_p is None else r.top_p,
+        top_k=0 if r.top_k is None else r.top_k,
+        min_p=0.0 if r.min_p is None else r.min_p,
+        repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+        frequency_penalty=0.0 if r.frequency_penalty is None else r.frequency_penalty,
+        presence_penalty=0.0 if r.presence_penalty is None else r.presence_penalty,
+        seed=r.seed)
+    if max_tokens is None:
+        max_tokens = limits.max_seq_len - prompt_len
+    max_tokens = v.check_max_tokens(limits, max_tokens, prompt_len, max_tokens_field,
+                                    allow_zero=allow_zero)
+    n = v.check_samples(1 if r.n is None else r.n)
+    extra = dict(stop_strings=v.check_stop(r.stop),
+                 stop_token_ids=v.check_stop_token_ids(limits, r.stop_token_ids),
+                 ignore_eos=bool(r.ignore_eos))
+    return sampling, n, dict(max_tokens=max_tokens, **extra)
+
+
+def _stream_flags(r: Any) -> tuple[bool, bool]:
+    stream = bool(r.stream)
+    return stream, bool(stream and r.stream_options and r.stream_options.include_usage)
+
+
+def check_model(name: str | None, served: str) -> None:
+    if name is not None and name != served:
+        raise v.InvalidArgument("model", f"model {name!r} is not served here; "
+                                         f"this server serves {served!r}")
+
+
+def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str) -> Prepared:
+    check_model(r.model, served)
+    if r.suffix:
+        raise v.InvalidArgument("suffix", "suffix is not supported")
+    prompts: list[list[int]] = []
+    texts: list[str | None] = []
+    items = prompt_list(r.prompt)
+    for k, p in enumerate(items):
+        field = "prompt" if len(items) == 1 else f"prompt[{k}]"
+        if isinstance(p, str):
+            ids = v.encode_text(limits, p, field, add_bos=None)
+            texts.append(p)
+        else:
+            ids = v.check_token_ids(limits, p, field)
+            texts.append(None)
+        v.check_prompt_length(limits, ids, field)
+        prompts.append(ids)
+    logprobs = None if r.logprobs is None else v.check_logprobs(limits, r.logprobs)
+    echo = bool(r.echo)
+    scoring = echo and logprobs is not None
+    requests, n = [], 1
+    run = True
+    for ids in prompts:
+        sampling, n, kw = _common(limits, r, "max_tokens", len(ids), r.max_tokens,
+                                  allow_zero=True)
+        if r.best_of is not None and r.best_of != n:
+            raise v.InvalidArgument("best_of", f"best_of must equal n ({n}) here, "
+                                               f"got {r.best_of!r}")
+        if kw["max_tokens"] == 0 and not scoring:
+            run = False  # nothing to generate and nothing to score
+        requests.extend(Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
+                                logprobs=logprobs, prompt_logprobs=scoring, **kw)
+                        for j in range(n))
+    stream, usage = _stream_flags(r)
+    return Prepared(prompts=prompts, prompt_texts=texts, requests=requests, n=n, echo=echo,
+                    logprobs=logprobs, stream=stream, include_usage=usage, run=run)
+
+
+def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str) -> Prepared:
+    check_model(r.model, served)
+    add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
+    ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen)
+    v.check_prompt_length(limits, ids, "messages")
+    field, max_tokens = "max_tokens", r.max_tokens
+    if r.max_completion_tokens is not None:
+        field, max_tokens = "max_completion_tokens", r.max_completion_tokens
+    sampling, n, kw = _common(limits, r, field, len(ids), max_tokens, allow_zero=False)
+    logprobs = None
+    if r.logprobs:
+        logprobs = v.check_logprobs(limits, r.top_logprobs or 0, "top_logprobs")
+    elif r.top_logprobs:
+        raise v.InvalidArgument("top_logprobs", "top_logprobs needs logprobs: true")
+    requests = [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
+                        logprobs=logprobs, **kw) for j in range(n)]
+    stream, usage = _stream_flags(r)
+    return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, n=n, echo=False,
+                    logprobs=logprobs, stream=stream, include_usage=usage, run=True)
+
+
+class TokenText:
+    """Token ids as the strings logprob entries show (pieces when the tokenizer has them)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+
+    def piece(self, i: int) -> str:
+        tok = self.tok
+        if tok is None:
+            return f"<{i}>"
+        if hasattr(tok, "id_to_piece"):
+            return tok.id_to_piece(i)
+        if hasattr(tok, "id_to_bytes"):  # byte-level: keep split UTF-8 bytes distinct
+            return tok.id_to_bytes(i).decode("utf-8", errors="backslashreplace")
+        return tok.decode([i])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids)) if self.tok is not None else ""
+
+    def offsets(self, ids: list[int], base: int) -> list[int]:
+        """Character offset of each token in the decoded text (prefix decodes)."""
+        return [base + len(self.decode(ids[:k])) for k in range(len(ids))]
+
+    def top_dict(self, chosen: int, chosen_lp: float | None,
+                 alts: list[tuple[int, float]] | None) -> dict[str, float]:
+        out = {self.piece(t): float(lp) for t, lp in alts or ()}
+        if chosen_lp is not None:
+            out.setdefault(self.piece(chosen), float(chosen_lp))
+        return out
+
+
+def completion_logprobs(tt: TokenText, ids: list[int], lps: list[float] | None,
+                        tops: list | None, *, base: int,
+                        prompt: tuple[list[int], list, list | None] | None = None) -> dict:
+    """The `logprobs` object of a completion choice; `prompt` (ids, lps, tops) for echo."""
+    tokens, token_lps, top = [], [], []
+    all_ids: list[int] = []
+    if prompt is not None:
+        p_ids, p_lps, p_tops = prompt
+        for k, t in enumerate(p_ids):
+            lp = p_lps[k] if p_lps is not None and k < len(p_lps) else None
+            tokens.append(tt.piece(t))
+            token_lps.append(None if k == 0 or lp is None else float(lp))
+            alts = p_tops[k] if p_tops is not None and k < len(p_tops) else None
+            top.append(None if k == 0 else tt.top_dict(t, token_lps[-1], alts))
+        all_ids.extend(p_ids)
+    lps = lps or []
+    for k, t in enumerate(ids):
+        lp = float(lps[k]) if k < len(lps) else None
+        tokens.append(tt.piece(t))
+        token_lps.append(lp)
+        top.append(tt.top_dict(t, lp, tops[k] if tops is not None and k < len(tops) else None))
+    all_ids.extend(ids)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top,
+            "text_offset": tt.offsets(all_ids, base)}
+
+
+def chat_logprobs(tt: TokenText, ids: list[int], lps: list[float] | None,
+                  tops: list | None) -> dict:
+    content = []
+    for k, t in enumerate(ids):
+        s = tt.piece(t)
+        alts = tops[k] if tops is not None and k < len(tops) else []
+        content.append({
+            "token": s, "logprob": float(lps[k]) if lps and k < len(lps) else None,
+            "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": tt.piece(a), "logprob": float(lp),
+                              "bytes": list(tt.piece(a).encode("utf-8"))} for a, lp in alts],
+        })
+    return {"content": content}
+
+
+def usage(prep: Prepared, joined: list[Joined] | None) -> dict:
+    prompt = sum(len(p) for p in prep.prompts)
+    completion = sum(len(j.token_ids) for j in joined or ())
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def completion_choice(prep: Prepared, tt: TokenText, index: int, j: Joined,
+                      *, first: bool = True, base: int = 0) -> dict:
+    """One choice: the whole of it, or a stream chunk's part (`first`: the chunk that
+    carries the echo; `base`: characters of this choice already sent, for text_offset)."""
+    p = index // prep.n
+    text = j.text
+    echo_prompt = None
+    if prep.echo and first:
+        prompt_text = prep.prompt_texts[p]
+        if prompt_text is None:
+            prompt_text = tt.decode(prep.prompts[p])
+        text = prompt_text + text
+        if prep.logprobs is not None:
+            echo_prompt = (prep.prompts[p], j.prompt_logprobs, j.prompt_top_logprobs)
+    logprobs = None
+    if prep.logprobs is not None:
+        logprobs = completion_logprobs(tt, j.token_ids, j.logprobs, j.top_logprobs,
+                                       base=base, prompt=echo_prompt)
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": j.finish_reason}
+
+
+def chat_choice(prep: Prepared, tt: TokenText, index: int, j: Joined) -> dict:
+    logprobs = (chat_logprobs(tt, j.token_ids, j.logprobs, j.top_logprobs)
+                if prep.logprobs is not None else None)
+    return {"index": index, "message": {"role": "assistant", "content": j.text},
+            "logprobs": logprobs, "finish_reason": j.finish_reason}

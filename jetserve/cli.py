@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "generate": "jetserve.commands.generate",
     "convert": "jetserve.commands.convert",
+    "serve": "jetserve.commands.serve",
 }
 
 

@@ -1,0 +1,115 @@
+"""Serve a model over gRPC (JetStream-compatible) and HTTP (OpenAI-compatible).
+
+Runs the orchestrator on this host's devices, interleaved on one slice or disaggregated
+(prefill on N devices, generate on M others), and both servers on one asyncio loop.
+SIGTERM or Ctrl-C: stop accepting, let in-flight streams finish (up to --drain-timeout
+seconds), stop the orchestrator, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from jetserve.commands.common import add_model_arguments, engine_config
+from jetserve.server.config import ServerConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="0.0.0.0", help="address both servers bind")
+    p.add_argument("--grpc-port", type=int, default=9000, help="0: any free port; -1: off")
+    p.add_argument("--http-port", type=int, default=8000, help="0: any free port; -1: off")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--interleaved", action="store_true",
+                      help="prefill and generate on the same devices (the default)")
+    mode.add_argument("--prefill-devices", type=int, default=None,
+                      help="devices for prefill (disaggregated; with --generate-devices)")
+    p.add_argument("--generate-devices", type=int, default=None,
+                   help="devices for generate, disjoint from the prefill devices")
+    p.add_argument("--prefill-sharding", default=None,
+                   help="preset name or YAML path for the prefill slice (default: --sharding)")
+    p.add_argument("--generate-sharding", default=None,
+                   help="preset name or YAML path for the generate slice (default: --sharding)")
+    p.add_argument("--api-key", default=os.environ.get("JETSERVE_API_KEY"),
+                   help="require this key (HTTP 'Authorization: Bearer KEY', gRPC metadata); "
+                        "default: $JETSERVE_API_KEY")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients name (default: the model directory's name)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+
+
+def _port(value: int, flag: str) -> int | None:
+    if value == -1:
+        return None
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{flag} must be in [0, 65535] (or -1 for off), got {value}")
+    return value
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    name = args.served_model_name
+    if name is None:
+        model = args.model or "jetserve"
+        name = os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+    return ServerConfig(host=args.host, grpc_port=_port(args.grpc_port, "--grpc-port"),
+                        http_port=_port(args.http_port, "--http-port"), api_key=args.api_key,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key, model_name=name,
+                        drain_timeout_s=args.drain_timeout)
+
+
+def build_orchestrator(args: argparse.Namespace):
+    from jetserve import orchestrator
+
+    disaggregated = args.prefill_devices is not None or args.generate_devices is not None
+    if disaggregated and (args.prefill_devices is None or args.generate_devices is None):
+        raise ValueError("--prefill-devices and --generate-devices go together")
+    default = args.sharding
+    return orchestrator.build(
+        args.model, interleaved=not disaggregated,
+        prefill_devices=args.prefill_devices, generate_devices=args.generate_devices,
+        prefill_sharding=args.prefill_sharding or default,
+        generate_sharding=args.generate_sharding or default,
+        engine_config=engine_config(args))
+
+
+async def _serve(orch, config: ServerConfig) -> None:
+    from jetserve.server.runner import Servers
+
+    servers = Servers(orch, config)
+    await servers.start()
+    shown = "localhost" if config.host in ("0.0.0.0", "::") else config.host
+    if servers.grpc_port is not None:
+        scheme = "TLS" if config.tls_cert else "plaintext"
+        print(f"jetserve serve: gRPC listening on {shown}:{servers.grpc_port} "
+              f"({scheme}; jetstream_proto.Orchestrator/Decode)", flush=True)
+    if servers.http_port is not None:
+        print(f"jetserve serve: HTTP listening on http://{shown}:{servers.http_port} "
+              f"(OpenAI-compatible /v1, /health, /metrics)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("jetserve serve: draining in-flight requests", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)  # a second Ctrl-C kills at once
+    await servers.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    config = server_config(args)
+    orch = build_orchestrator(args)
+    orch.start()
+    try:
+        asyncio.run(_serve(orch, config))
+    finally:
+        orch.stop(drain=True, timeout=config.drain_timeout_s)
+    print("jetserve serve: stopped", file=sys.stderr, flush=True)
+    return 0

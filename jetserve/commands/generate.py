@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
+
+import jax
 
 from engines import SamplingParams
+from jetserve import distributed
 from jetserve.commands.common import add_model_arguments, engine_config, parse_ids
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
@@ -34,16 +38,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    distributed.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before anything touches a device: join the other processes, pick the devices.
+    devices = distributed.setup(args)
     if not args.prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    seed = args.seed
+    if seed is None and args.temperature > 0 and jax.process_count() > 1:
+        # Every process must feed the same inputs to each step: process 0 draws the seed.
+        seed = int(distributed.broadcast_from_primary([secrets.randbits(31)])[0])
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              min_p=args.min_p, seed=args.seed)
-    engine = build_engine(args.model, sharding=args.sharding, engine_config=engine_config(args))
+                              min_p=args.min_p, seed=seed)
+    engine = build_engine(args.model, sharding=args.sharding, devices=devices,
+                          engine_config=engine_config(args))
     tok = engine.tokenizer
     prompts = []
     for kind, value in args.prompts:
@@ -61,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     params = engine.load_params()
     results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
                             sampling=sampling, ignore_eos=args.ignore_eos)
+    if not distributed.is_primary():  # every process ran the same steps; one prints
+        return 0
     for r in results:
         text = tok.decode([t for t in r.token_ids if t not in engine.eos_ids]) if tok else ""
         if args.json:

@@ -11,6 +11,7 @@ COMMANDS = {
     "generate": "jetserve.commands.generate",
     "convert": "jetserve.commands.convert",
     "serve": "jetserve.commands.serve",
+    "shard-report": "jetserve.commands.shard_report",
 }
 
 

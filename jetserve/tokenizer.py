@@ -125,6 +125,7 @@ Tokenizer = SentencePieceTokenizer | HFTokenizer
 def load_tokenizer(model_dir: str) -> Tokenizer | None:
     """The directory's tokenizer, or None when it has none (token ids only)."""
     cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    cfg = _with_chat_template(model_dir, cfg)
     gen = _read_json(os.path.join(model_dir, "generation_config.json"))
     eos = gen.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
@@ -135,3 +136,21 @@ def load_tokenizer(model_dir: str) -> Tokenizer | None:
     if os.path.exists(sp_path):
         return SentencePieceTokenizer(sp_path, cfg, eos_ids)
     return None
+
+
+def _with_chat_template(model_dir: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """tokenizer_config's `chat_template`; newer transformers save it beside, in
+    chat_template.jinja (or chat_template.json); a list of named templates -> "default"."""
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str):
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.exists(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+        else:
+            template = _read_json(os.path.join(model_dir, "chat_template.json")).get(
+                "chat_template")
+    return {**cfg, "chat_template": template} if isinstance(template, str) else cfg

@@ -1,0 +1,90 @@
+"""The orchestrator: prefill, transfer, generate and detokenize threads over engines.
+
+See driver.py for the threading model. `build()` makes one from a `--model` argument,
+interleaved on one slice or disaggregated over two disjoint slices of jax.devices().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from engines import EngineConfig
+from jetserve.orchestrator.config import OrchestratorConfig
+from jetserve.orchestrator.driver import Orchestrator
+from jetserve.orchestrator.handle import Completion, RequestHandle
+from jetserve.orchestrator.timing import (
+    Event,
+    PrefillDone,
+    RequestFinished,
+    RequestTiming,
+    StepDone,
+)
+from jetserve.request import Delta, Overloaded, Request
+
+__all__ = [
+    "Completion", "Delta", "Event", "Orchestrator", "OrchestratorConfig", "Overloaded",
+    "PrefillDone", "Request", "RequestFinished", "RequestHandle", "RequestTiming", "StepDone",
+    "build", "split_devices",
+]
+
+Devices = int | Sequence[jax.Device] | None
+
+
+def split_devices(interleaved: bool, prefill_devices: Devices = None,
+                  generate_devices: Devices = None,
+                  devices: Sequence[jax.Device] | None = None
+                  ) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(prefill slice, generate slice) of `devices` (default jax.devices()).
+
+    A count takes devices in order: the prefill slice first, the generate slice from what
+    is left, so disaggregated slices are disjoint (default: half each). Interleaved: one
+    slice (generate_devices, default all) serves both.
+    """
+    devs = list(devices if devices is not None else jax.devices())
+    if interleaved:
+        g = _take(devs, generate_devices, len(devs), "generate_devices")
+        return g, g
+    p = _take(devs, prefill_devices, max(1, len(devs) // 2), "prefill_devices")
+    rest = [d for d in devs if d not in p]
+    g = _take(rest, generate_devices, len(rest), "generate_devices")
+    if set(p) & set(g):
+        raise ValueError("prefill_devices and generate_devices overlap; give disjoint slices "
+                         "or use interleaved mode")
+    return p, g
+
+
+def _take(pool: list, spec: Devices, default: int, name: str) -> list:
+    n = default if spec is None else spec
+    if isinstance(n, int) and not isinstance(n, bool):
+        if not 1 <= n <= len(pool):
+            raise ValueError(f"{name}={n}: expected between 1 and {len(pool)} devices "
+                             f"(the devices not taken yet)")
+        return pool[:n]
+    out = list(n)
+    if not out:
+        raise ValueError(f"{name} is empty")
+    return out
+
+
+def build(model: str | None = None, *, interleaved: bool = True,
+          prefill_devices: Devices = None, generate_devices: Devices = None,
+          prefill_sharding: str = "replicated", generate_sharding: str = "replicated",
+          engine_config: EngineConfig | None = None,
+          config: OrchestratorConfig = OrchestratorConfig(), seed: int = 0) -> Orchestrator:
+    """An orchestrator for `--model` (see jetserve.model_loading), not started yet."""
+    from jetserve.model_loading import build_engine
+
+    p_devs, g_devs = split_devices(interleaved, prefill_devices, generate_devices)
+    if interleaved:
+        engine = build_engine(model, devices=g_devs, sharding=generate_sharding,
+                              engine_config=engine_config, seed=seed)
+        return Orchestrator.from_engines(engine, config=config)
+    pe = build_engine(model, devices=p_devs, sharding=prefill_sharding,
+                      engine_config=engine_config, seed=seed)
+    ge = build_engine(model, devices=g_devs, sharding=generate_sharding,
+                      engine_config=engine_config, seed=seed)
+    return Orchestrator(prefill_engines=[pe], generate_engines=[ge],
+                        prefill_params=[pe.load_params()], generate_params=[ge.load_params()],
+                        config=config)

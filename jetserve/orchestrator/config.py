@@ -1,0 +1,39 @@
+"""The orchestrator's own knobs (engine shapes live in engines.EngineConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OrchestratorConfig:
+    """Queue bounds and polling.
+
+    Args:
+      max_queued_requests: admission bound; submit() raises Overloaded beyond it.
+      transfer_queue_size: prefixes waiting for the transfer thread, per generate engine.
+      backlog_size: transferred prefixes waiting for a slot, per generate engine
+        (None: as many as the engine has slots).
+      detokenize_queue_size: step results waiting for the detokenize thread.
+      poll_interval_s: longest an idle thread sleeps before it rechecks for stop,
+        cancellation and deadlines (busy threads check every step).
+    """
+
+    max_queued_requests: int = 256
+    transfer_queue_size: int = 4
+    backlog_size: int | None = None
+    detokenize_queue_size: int = 256
+    poll_interval_s: float = 0.02
+
+    def __post_init__(self):
+        for name in ("max_queued_requests", "transfer_queue_size", "detokenize_queue_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        b = self.backlog_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"backlog_size must be None or an integer >= 1, got {b!r}")
+        p = self.poll_interval_s
+        if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ValueError(f"poll_interval_s must be in (0, 1] seconds, got {p!r}")

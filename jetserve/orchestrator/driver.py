@@ -1,0 +1,387 @@
+"""The orchestrator: requests in, streams of deltas out, over prefill and generate engines.
+
+Threads and who owns what
+-------------------------
+::
+
+  submit() ──> admission queue (bounded: full -> Overloaded at once)
+                 │
+     prefill thread, one per prefill engine (prefill_worker.py)
+       prompt log-probs, engine.prefill -> first token ──────────────┐
+                 │ interleaved: own engine          disaggregated: least loaded engine
+                 │                                  transfer queue (bounded)
+                 │                                  transfer thread, one per generate
+                 │                                  engine: device_put + wait
+                 ▼                                  (transfer_worker.py)
+       backlog of prefixes, per generate engine (bounded)
+                 │
+     generate thread, one per generate engine (generate_worker.py)
+       owns the decode state and its slots: reap, insert, step; reads each step's
+       results one step later; checks stop ids and length ───────────┤
+                                                                     ▼
+     detokenize thread (detokenize_worker.py), one: text, stop strings, deltas,
+       finish reasons; the only writer of request streams (handle.py)
+
+Every queue is bounded, so memory stays flat under overload: a full queue blocks the
+stage before it, back to admission, which refuses. A request is held by one stage at a
+time (live.py says which fields cross threads). Cancellation and deadlines are flags the
+holding stage checks: a request in a slot is released before the next step. The driver
+itself only wires the stages together, admits requests and keeps the registry of requests
+in flight (under a lock).
+
+Interleaved mode: the same engine object (and params) in both lists; its prefill thread
+feeds its own generate thread directly, and that generate thread waits rather than steps
+while it has free slots and prefill work pending (prefill has priority). Disaggregated
+mode: prefill and generate engines are different objects, normally on disjoint slices.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engines import Engine
+from jetserve.orchestrator.config import OrchestratorConfig
+from jetserve.orchestrator.detokenize_worker import STOP, DetokenizeWorker
+from jetserve.orchestrator.generate_worker import GenerateWorker
+from jetserve.orchestrator.handle import RequestHandle
+from jetserve.orchestrator.live import LiveRequest
+from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.stopping import stop_ids, token_budget
+from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
+from jetserve.orchestrator.transfer_worker import TransferWorker
+from jetserve.request import Overloaded, Request
+
+
+class Orchestrator:
+    """Serves Requests on P prefill engines and G generate engines.
+
+    Args:
+      prefill_engines / prefill_params: engines that run prompts, with their weights.
+      generate_engines / generate_params: engines that decode, with their weights. The
+        same engine object in both lists runs interleaved.
+      config: queue bounds (OrchestratorConfig).
+    """
+
+    def __init__(self, *, prefill_engines: Sequence[Engine], generate_engines: Sequence[Engine],
+                 prefill_params: Sequence[Any], generate_params: Sequence[Any],
+                 config: OrchestratorConfig = OrchestratorConfig()):
+        _check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
+        self.config = config
+        self.prefill_engines = list(prefill_engines)
+        self.generate_engines = list(generate_engines)
+        self._stopping = threading.Event()
+        self._listeners = Listeners()
+        self._admission: queue.Queue[LiveRequest] = queue.Queue(config.max_queued_requests)
+        self._outbox: queue.Queue = queue.Queue(config.detokenize_queue_size)
+        self._live: dict[str, LiveRequest] = {}
+        self._live_cond = threading.Condition()
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._accepting = True
+        self._threads: list[threading.Thread] = []
+        poll = config.poll_interval_s
+        self._generate = [
+            GenerateWorker(i, e, p, self._outbox, self._listeners, self._stopping,
+                           backlog_size=config.backlog_size or e.max_concurrent_decodes,
+                           poll_s=poll)
+            for i, (e, p) in enumerate(zip(generate_engines, generate_params))
+        ]
+        self._prefill = [
+            PrefillWorker(i, e, p, self._admission, self._outbox, self._listeners,
+                          self._stopping, poll)
+            for i, (e, p) in enumerate(zip(prefill_engines, prefill_params))
+        ]
+        self._transfer = self._wire()
+        self._detok = DetokenizeWorker(self._outbox, self.tokenizer, self._finished)
+
+    def _wire(self) -> list[TransferWorker]:
+        """Routes each prefill worker to its own generate worker (interleaved) or through
+        transfer threads to the least loaded generate worker (disaggregated)."""
+        by_engine = {id(g.engine): g for g in self._generate}
+        own = {id(p.engine) for p in self._prefill} & set(by_engine)
+        transfers = []
+        if any(id(p.engine) not in own for p in self._prefill):
+            transfers = [TransferWorker(g, self._outbox, self._stopping,
+                                        queue_size=self.config.transfer_queue_size,
+                                        poll_s=self.config.poll_interval_s)
+                         for g in self._generate]
+            for g, t in zip(self._generate, transfers):
+                g.transfer_pending = t.pending
+        for p in self._prefill:
+            if id(p.engine) in own:
+                g = by_engine[id(p.engine)]
+                p.route = _direct_route(g, self._stopping, self.config.poll_interval_s)
+                g.prefill_pending = _pending_for(p, self._admission)
+            else:
+                p.route = _least_loaded_route(self._generate, transfers)
+        return transfers
+
+    @classmethod
+    def from_engines(cls, engine: Engine, *, params: Any = None,
+                     config: OrchestratorConfig = OrchestratorConfig()) -> Orchestrator:
+        """Interleaved on one engine (loads its params unless given)."""
+        params = engine.load_params() if params is None else params
+        return cls(prefill_engines=[engine], generate_engines=[engine],
+                   prefill_params=[params], generate_params=[params], config=config)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._threads:
+            raise RuntimeError("the orchestrator is already started")
+        if self._stopping.is_set():
+            raise RuntimeError("a stopped orchestrator cannot be restarted; build a new one")
+        spawn = lambda name, fn: self._threads.append(
+            threading.Thread(target=fn, name=f"jetserve-{name}", daemon=True))
+        for w in self._prefill:
+            spawn(f"prefill-{w.index}", w.run)
+        for t in self._transfer:
+            spawn(f"transfer-{t.target.index}", t.run)
+        for w in self._generate:
+            spawn(f"generate-{w.index}", w.run)
+        spawn("detokenize", self._detok.run)
+        for t in self._threads:
+            t.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops admitting, finishes (drain) or cancels what is in flight, ends the threads.
+
+        After `timeout` seconds of draining the rest is cancelled. Requests still open
+        when the threads are gone end with "cancelled".
+        """
+        self._accepting = False
+        if not self._threads:
+            self._stopping.set()
+            self._end_leftovers()
+            return
+        end = None if timeout is None else time.monotonic() + timeout
+        if not drain:
+            self._cancel_all()
+        if not self._wait_idle(end):
+            self._cancel_all()
+            self._wait_idle(time.monotonic() + max(1.0, 20 * self.config.poll_interval_s))
+        self._stopping.set()
+        for g in self._generate:
+            g.backlog.poke()
+        workers = [t for t in self._threads if t.name != "jetserve-detokenize"]
+        for t in workers:
+            t.join()
+        self._outbox.put(STOP)
+        for t in self._threads:
+            t.join()
+        self._end_leftovers()
+
+    def __enter__(self) -> Orchestrator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(drain=exc[0] is None)
+
+    def _wait_idle(self, end: float | None) -> bool:
+        with self._live_cond:
+            while self._live:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._live_cond.wait(left)
+        return True
+
+    def _cancel_all(self) -> None:
+        with self._live_cond:
+            lives = list(self._live.values())
+        for live in lives:
+            self._cancel(live)
+
+    def _end_leftovers(self) -> None:
+        from jetserve.request import Delta
+
+        with self._live_cond:
+            lives = list(self._live.values())
+        for live in lives:
+            if not live.finalized:
+                live.done = live.finalized = True
+                live.timing.end = time.monotonic()
+                live.handle._push(Delta(token_ids=[], text="", finish_reason="cancelled"), True)
+            self._finished(live)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Admits a request; raises Overloaded when admission is full, ValueError when the
+        request does not fit the served model."""
+        if not isinstance(request, Request):
+            raise ValueError(f"submit() takes a jetserve.request.Request, got "
+                             f"{type(request).__name__}")
+        self._validate(request)
+        if not self._accepting:
+            raise Overloaded("the orchestrator is shutting down; not accepting requests")
+        timing = RequestTiming(arrival=time.monotonic())
+        live = LiveRequest(
+            request=request, handle=None, timing=timing,  # type: ignore[arg-type]
+            budget=token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len),
+            stop_ids=stop_ids(self.eos_ids, request.stop_token_ids, request.ignore_eos),
+        )
+        live.handle = RequestHandle(request, timing, lambda: self._cancel(live))
+        with self._live_cond:
+            if request.request_id in self._live:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self._live[request.request_id] = live
+        try:
+            self._admission.put_nowait(live)
+        except queue.Full:
+            with self._live_cond:
+                del self._live[request.request_id]
+            self._counters["overloaded"] += 1
+            raise Overloaded(f"admission queue is full ({self.config.max_queued_requests} "
+                             "requests waiting); retry later") from None
+        self._counters["submitted"] += 1
+        return live.handle
+
+    def _validate(self, r: Request) -> None:
+        V = self.vocab_size
+        bad = [t for t in r.prompt_ids if t >= V]
+        if bad:
+            raise ValueError(f"prompt_ids: ids {bad[:5]} are outside the vocabulary [0, {V})")
+        bad = [t for t in r.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"stop_token_ids: ids {bad[:5]} are outside the vocabulary [0, {V})")
+        if len(r.prompt_ids) > self.max_prefill_length:
+            raise ValueError(f"prompt_ids has {len(r.prompt_ids)} tokens; the longest prompt "
+                             f"is max_prefill_length={self.max_prefill_length}")
+        if r.logprobs is not None and r.logprobs > self.top_logprobs:
+            raise ValueError(f"logprobs={r.logprobs} is more than this engine returns "
+                             f"(top_logprobs={self.top_logprobs})")
+        if r.prompt_logprobs and not all(hasattr(e, "prompt_logprobs")
+                                         for e in self.prefill_engines):
+            raise ValueError("prompt_logprobs: this engine cannot score prompts")
+        if r.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer; this model has none "
+                             "(use stop_token_ids)")
+
+    def _cancel(self, live: LiveRequest) -> None:
+        live.cancel_requested = True
+        for g in self._generate:
+            g.backlog.poke()
+
+    def _finished(self, live: LiveRequest) -> None:
+        """Called on the detokenize thread after a request's last delta."""
+        with self._live_cond:
+            if self._live.get(live.request_id) is live:
+                del self._live[live.request_id]
+            self._live_cond.notify_all()
+        last = live.handle._deltas[-1] if live.handle._deltas else None
+        reason = last.finish_reason if last is not None else "cancelled"
+        self._counters[f"finished_{reason}"] += 1
+        if self._listeners:
+            self._listeners.emit(RequestFinished(
+                live.request_id, reason, len(live.request.prompt_ids), live.generated,
+                live.timing))
+
+    # ---- observation ---------------------------------------------------------------------
+
+    def add_listener(self, callback: Callable[[Event], None]) -> None:
+        """`callback(event)` for RequestFinished, StepDone and PrefillDone events (timing.py),
+        called on orchestrator threads: keep it quick."""
+        self._listeners.add(callback)
+
+    def remove_listener(self, callback: Callable[[Event], None]) -> None:
+        self._listeners.remove(callback)
+
+    def stats(self) -> dict:
+        with self._live_cond:
+            in_flight = len(self._live)
+        return {
+            "admission_queue": self._admission.qsize(),
+            "max_queued_requests": self.config.max_queued_requests,
+            "in_flight": in_flight,
+            "detokenize_queue": self._outbox.qsize(),
+            "prefill": [{"engine": w.index, "busy": w.busy, "prefills": w.prefills}
+                        for w in self._prefill],
+            "transfer": [{"engine": t.target.index, "queue": t.pending(),
+                          "transfers": t.transfers} for t in self._transfer],
+            "generate": [{"engine": g.index, "slots": g.slots.size,
+                          "slots_in_use": g.slots.in_use, "backlog": len(g.backlog),
+                          "steps": g.steps, "tokens": g.tokens} for g in self._generate],
+            "counters": dict(self._counters),
+        }
+
+    def warmup(self, prompt_lengths: Sequence[int] = (1,), timeout: float | None = None) -> None:
+        """Compiles prefill (one bucket per length), insert and generate on every engine by
+        running throwaway requests (needs start())."""
+        n = max(len(self._generate), len(self._prefill))
+        handles = [self.submit(Request(prompt_ids=(0,) * L, max_tokens=2, ignore_eos=True))
+                   for L in prompt_lengths for _ in range(n)]
+        for h in handles:
+            h.result(timeout)
+
+    # ---- what the served model is --------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.generate_engines[0].tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.generate_engines[0].vocab_size
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return tuple(self.generate_engines[0].eos_ids)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.generate_engines[0].bos_id
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(e.max_seq_len for e in self.prefill_engines + self.generate_engines)
+
+    @property
+    def max_prefill_length(self) -> int:
+        return min(e.max_prefill_length for e in self.prefill_engines)
+
+    @property
+    def top_logprobs(self) -> int:
+        return min(e.top_logprobs for e in self.prefill_engines + self.generate_engines)
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return sum(e.max_concurrent_decodes for e in self.generate_engines)
+
+
+def _check_engines(pe, ge, pp, gp) -> None:
+    if not pe or not ge:
+        raise ValueError("give at least one prefill engine and one generate engine")
+    if len(pe) != len(pp):
+        raise ValueError(f"prefill_params has {len(pp)} entries for {len(pe)} prefill engines")
+    if len(ge) != len(gp):
+        raise ValueError(f"generate_params has {len(gp)} entries for {len(ge)} generate engines")
+    if len({id(e) for e in ge}) != len(ge) or len({id(e) for e in pe}) != len(pe):
+        raise ValueError("an engine appears twice in one list; each engine runs one thread")
+    vocab = {e.vocab_size for e in list(pe) + list(ge)}
+    if len(vocab) != 1:
+        raise ValueError(f"engines disagree on vocab_size: {sorted(vocab)}")
+
+
+def _direct_route(g: GenerateWorker, stopping: threading.Event, poll_s: float):
+    def route(live, prefix) -> bool:
+        return g.backlog.put((live, prefix), stopping, poll_s)
+
+    return route
+
+
+def _least_loaded_route(generate: list[GenerateWorker], transfers: list[TransferWorker]):
+    def route(live, prefix) -> bool:
+        i = min(range(len(generate)), key=lambda k: generate[k].load())
+        return transfers[i].offer(live, prefix)
+
+    return route
+
+
+def _pending_for(p: PrefillWorker, admission: queue.Queue) -> Callable[[], bool]:
+    return lambda: p.busy or not admission.empty()

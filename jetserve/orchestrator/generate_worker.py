@@ -1,0 +1,252 @@
+"""The generate thread of one generate engine: insert, step, read back one step later.
+
+It alone owns the engine's decode state, its `SlotTable` and the `LiveRequest`s in its
+slots. Each turn of the loop:
+
+  1. reap: free slots whose request is done (stop string, error), cancelled or past its
+     deadline, so a cancelled request leaves its slot before the next step;
+  2. fill: insert waiting prefixes from the backlog into free slots;
+  3. step: dispatch `engine.generate` (asynchronous), start its host copy, then read the
+     *previous* step's results, which had a whole step to land on the host, so the device
+     always has the next step queued while the host looks at tokens. A request whose
+     token budget ends with the step just dispatched leaves its slot at once; one that
+     hit a stop id leaves it when that step is read, one step later.
+
+Token ids are checked here (stop ids, length); text is left to the detokenize thread.
+In interleaved mode (the engine also prefills) the loop waits rather than steps while it
+has free slots and prefill work is pending for it: prefill has priority.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from engines.engine_api import COL_TOKEN, Engine, ResultTokens
+from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from jetserve.orchestrator.slots import SlotTable
+from jetserve.orchestrator.timing import Listeners, StepDone
+
+log = logging.getLogger(__name__)
+
+
+class Backlog:
+    """Prefixes waiting for a slot: bounded; producers block while it is full."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._items: collections.deque[tuple[LiveRequest, Any]] = collections.deque()
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: tuple[LiveRequest, Any], stopping: threading.Event,
+            poll_s: float) -> bool:
+        """Blocks while full; False when the orchestrator stopped meanwhile."""
+        with self._cond:
+            while len(self._items) >= self.maxsize:
+                if stopping.is_set():
+                    return False
+                self._cond.wait(poll_s)
+            self._items.append(item)
+            self._cond.notify_all()
+            return True
+
+    def pop(self) -> tuple[LiveRequest, Any] | None:
+        with self._cond:
+            if not self._items:
+                return None
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def take_if(self, pred: Callable[[LiveRequest], bool]) -> list[LiveRequest]:
+        """Removes and returns the waiting requests for which pred is true."""
+        with self._cond:
+            if not any(pred(live) for live, _ in self._items):
+                return []
+            keep = [(live, p) for live, p in self._items if not pred(live)]
+            gone = [live for live, _ in self._items if pred(live)]
+            self._items = collections.deque(keep)
+            self._cond.notify_all()
+            return gone
+
+    def wait(self, timeout: float) -> None:
+        """Until something arrives, `poke` is called, or timeout."""
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+
+    def poke(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class GenerateWorker:
+    def __init__(self, index: int, engine: Engine, params: Any, outbox: queue.Queue,
+                 listeners: Listeners, stopping: threading.Event, *, backlog_size: int,
+                 poll_s: float):
+        self.index = index
+        self.engine = engine
+        self.params = params
+        self.outbox = outbox
+        self.listeners = listeners
+        self.stopping = stopping
+        self.poll_s = poll_s
+        self.slots: SlotTable[LiveRequest] = SlotTable(engine.max_concurrent_decodes)
+        self.backlog = Backlog(backlog_size)
+        self.state = engine.init_decode_state()
+        # Set by the driver in interleaved mode: is prefill work on its way to this engine?
+        self.prefill_pending: Callable[[], bool] = lambda: False
+        self.transfer_pending: Callable[[], int] = lambda: 0
+        self.steps = 0
+        self.tokens = 0
+        self._pending: tuple[ResultTokens, list[tuple[int, LiveRequest]], float] | None = None
+        self._last_read = 0.0
+
+    def load(self) -> int:
+        """Requests here or on their way: the router sends new ones to the least loaded."""
+        return self.slots.in_use + len(self.backlog) + self.transfer_pending()
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._reap()
+                self._fill()
+                if self.slots.in_use == 0 or self._yield_to_prefill():
+                    self._read_pending()
+                    self.backlog.wait(self.poll_s)
+                    continue
+                self._step()
+        finally:
+            self._read_pending()
+
+    def _yield_to_prefill(self) -> bool:
+        return self.slots.has_free and len(self.backlog) == 0 and self.prefill_pending()
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for slot, live in self.slots.rows():
+            if live.done:
+                self._release(slot)
+                continue
+            why = live.abandoned(now)
+            if why is not None:
+                self._release(slot)
+                self._end(live, why)
+        if len(self.backlog):
+            for live in self.backlog.take_if(lambda r: r.done or r.abandoned(now) is not None):
+                if not live.done:
+                    self._end(live, live.abandoned(now) or "cancelled")
+
+    def _fill(self) -> None:
+        while self.slots.has_free:
+            item = self.backlog.pop()
+            if item is None:
+                return
+            live, prefix = item
+            if live.done:
+                continue
+            why = live.abandoned(time.monotonic())
+            if why is not None:
+                self._end(live, why)
+                continue
+            slot = self.slots.acquire(live)
+            try:
+                self.state = self.engine.insert(prefix, self.state, slot)
+            except Exception as e:
+                log.exception("insert of request %s failed", live.request_id)
+                self._release(slot)
+                self._end(live, "error", e)
+                self._recover_state(e)
+
+    def _step(self) -> None:
+        rows = self.slots.rows()
+        t = time.monotonic()
+        try:
+            self.state, res = self.engine.generate(self.params, self.state)
+            res.copy_to_host_async()
+        except Exception as e:
+            log.exception("generate step failed on engine %d", self.index)
+            self._fail_all(e)
+            return
+        self.steps += 1
+        for slot, live in rows:
+            live.steps += 1
+            if live.last_step_dispatched():
+                self._release(slot)  # its last token is in flight; the slot is free now
+        self._read_pending()
+        self._pending = (res, rows, t)
+
+    def _read_pending(self) -> None:
+        if self._pending is None:
+            return
+        res, rows, t_dispatch = self._pending
+        self._pending = None
+        try:
+            data = res.to_host().data
+        except Exception as e:
+            log.exception("reading step results failed on engine %d", self.index)
+            self._fail_all(e, extra=[live for _, live in rows])
+            return
+        now = time.monotonic()
+        tokens = data[:, COL_TOKEN].tolist()
+        out = []
+        for slot, live in rows:
+            if live.done:
+                continue  # ended meanwhile (cancel, stop string): drop the token
+            finish = live.check_token(tokens[slot])
+            if finish is not None:
+                live.done = True
+                if self.slots.owner(slot) is live:
+                    self._release(slot)
+            out.append((live, slot, finish))
+        self.tokens += len(out)
+        if out:
+            self.outbox.put(StepOutput(data, out, now))
+        step_time = now - max(self._last_read, t_dispatch)
+        self._last_read = now
+        if self.listeners:
+            self.listeners.emit(StepDone(self.index, len(rows), step_time))
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _release(self, slot: int) -> None:
+        self.slots.release(slot)
+        self.engine.free_slot(slot)
+
+    def _end(self, live: LiveRequest, reason: str, exc: BaseException | None = None) -> None:
+        live.done = True
+        err = None if exc is None else f"{type(exc).__name__}: {exc}"
+        self.outbox.put(EndRequest(live, reason, err))
+
+    def _fail_all(self, exc: BaseException, extra: list[LiveRequest] = ()) -> None:
+        """A failed step takes every request in this engine with it; the engine goes on
+        with a fresh decode state."""
+        victims = {id(live): live for live in extra}
+        if self._pending is not None:
+            victims.update({id(live): live for _, live in self._pending[1]})
+            self._pending = None
+        for slot, live in self.slots.rows():
+            self._release(slot)
+            victims[id(live)] = live
+        for live in victims.values():
+            if not live.done:
+                self._end(live, "error", exc)
+        self.state = self.engine.init_decode_state()
+
+    def _recover_state(self, exc: BaseException) -> None:
+        """A failed insert may have consumed the donated decode state: if so, every
+        request in this engine ends with the error and the state is rebuilt."""
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state)):
+            self._fail_all(exc)

@@ -1,0 +1,85 @@
+"""A request in flight, and the messages the engine threads send the detokenize thread.
+
+Ownership: a `LiveRequest` is held by one stage at a time (admission queue -> prefill
+thread -> transfer thread -> generate backlog -> a generate slot); the holder alone
+updates `generated` and `steps`, and hands the request on through a queue (which orders
+memory). Three flags cross threads, each a plain bool written once:
+  - `cancel_requested`: set by the caller (`RequestHandle.cancel`); the holder ends it.
+  - `done`: "stop working on it", set by whichever thread decides it ends (generate
+    thread on a stop id / length / cancel / deadline, detokenize thread on a stop string
+    or an error). Holders drop done requests and free their slots.
+  - `finalized`: set only by the detokenize thread when it pushed the last delta.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jetserve.orchestrator.detokenize import TextStream
+from jetserve.orchestrator.handle import RequestHandle
+from jetserve.orchestrator.stopping import Finish, token_finish
+from jetserve.orchestrator.timing import RequestTiming
+from jetserve.request import Request
+
+
+@dataclasses.dataclass(eq=False)
+class LiveRequest:
+    request: Request
+    handle: RequestHandle
+    timing: RequestTiming
+    budget: int  # tokens it may generate (stopping.token_budget)
+    stop_ids: frozenset[int]
+    generated: int = 0  # tokens decided so far (holder thread)
+    steps: int = 0  # generate steps dispatched for it (generate thread)
+    cancel_requested: bool = False
+    done: bool = False
+    finalized: bool = False
+    prompt_logprobs: tuple[list, list] | None = None  # set by the prefill thread
+    text: TextStream | None = None  # detokenize thread
+    first_sent: bool = False  # detokenize thread
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def abandoned(self, now: float) -> str | None:
+        """"cancelled" / "deadline" when the holder should end it now, else None."""
+        if self.cancel_requested:
+            return "cancelled"
+        d = self.request.deadline
+        if d is not None and now >= d:
+            return "deadline"
+        return None
+
+    def check_token(self, token: int) -> Finish | None:
+        """Counts one generated token; returns how it ends the request, if it does."""
+        self.generated += 1
+        return token_finish(token, self.generated, self.budget, self.stop_ids)
+
+    def last_step_dispatched(self) -> bool:
+        """After a dispatched step: True when that step yields the last budgeted token
+        (the first token came from prefill), so the slot can be freed at once."""
+        return 1 + self.steps >= self.budget
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """One step's host results and which request each used row belongs to."""
+
+    data: np.ndarray  # i32[B, C] (engines.engine_api ResultTokens layout)
+    rows: list[tuple[LiveRequest, int, Finish | None]]  # (request, row, how it ends)
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EndRequest:
+    """End a request without a token (cancelled, deadline, error, score-only)."""
+
+    live: LiveRequest
+    reason: str
+    error: str | None = None
+
+
+Message = StepOutput | EndRequest

@@ -1,0 +1,107 @@
+"""The prefill thread of one prefill engine: admission queue -> first token -> a slot.
+
+It takes the oldest admitted request, runs the prompt (and its prompt log-probs when
+asked), sends the first token to the detokenize thread at once, then hands the prefix on:
+straight into its own engine's backlog in interleaved mode, or to the transfer thread of
+the least loaded generate engine. Handing on blocks while that queue is full, which is
+what bounds memory end to end. An exception ends only the request being prefilled.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engines.engine_api import COL_TOKEN, Engine
+from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from jetserve.orchestrator.timing import Listeners, PrefillDone
+
+log = logging.getLogger(__name__)
+
+# route(live, prefix) hands a prefilled request on; False when the orchestrator stopped.
+Route = Callable[[LiveRequest, Any], bool]
+
+
+class PrefillWorker:
+    def __init__(self, index: int, engine: Engine, params: Any, admission: queue.Queue,
+                 outbox: queue.Queue, listeners: Listeners, stopping: threading.Event,
+                 poll_s: float):
+        self.index = index
+        self.engine = engine
+        self.params = params
+        self.admission = admission
+        self.outbox = outbox
+        self.listeners = listeners
+        self.stopping = stopping
+        self.poll_s = poll_s
+        self.route: Route | None = None  # set by the driver
+        self.busy = False
+        self.prefills = 0
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                live = self.admission.get(timeout=self.poll_s)
+            except queue.Empty:
+                continue
+            self.busy = True
+            try:
+                self._serve(live)
+            except Exception as e:  # this request only
+                log.exception("prefill of request %s failed", live.request_id)
+                self._end(live, "error", f"{type(e).__name__}: {e}")
+            finally:
+                self.busy = False
+
+    def _serve(self, live: LiveRequest) -> None:
+        if live.done:
+            return
+        why = live.abandoned(time.monotonic())
+        if why is not None:
+            self._end(live, why)
+            return
+        req = live.request
+        t0 = time.monotonic()
+        live.timing.prefill_start = t0
+        tokens = np.asarray(req.prompt_ids, np.int32)
+        if req.prompt_logprobs:
+            live.prompt_logprobs = self._prompt_logprobs(tokens, req.logprobs or 0)
+        if req.max_tokens == 0:  # scoring only
+            live.timing.prefill_end = time.monotonic()
+            self._end(live, "length")
+            return
+        prefix, first = self.engine.prefill(self.params, tokens, len(tokens),
+                                            sampling=req.sampling)
+        data = first.to_host().data
+        t1 = time.monotonic()
+        live.timing.prefill_end = t1
+        self.prefills += 1
+        finish = live.check_token(int(data[0, COL_TOKEN]))
+        if finish is not None:
+            live.done = True
+        self.outbox.put(StepOutput(data, [(live, 0, finish)], t1))  # the first token streams now
+        if self.listeners:
+            self.listeners.emit(PrefillDone(self.index, len(tokens), t1 - t0))
+        if finish is None and not self.route(live, prefix):
+            self._end(live, "cancelled")
+
+    def _prompt_logprobs(self, tokens: np.ndarray, n: int):
+        """(log-prob per prompt token, top-n alternatives per prompt token); the first
+        token has no context: None and []."""
+        out = self.engine.prompt_logprobs(self.params, tokens)
+        lps = np.asarray(out.token_logprobs, np.float32).tolist()
+        ids = np.asarray(out.top_ids)[:, :n].tolist()
+        tops = np.asarray(out.top_logprobs, np.float32)[:, :n].tolist()
+        values: list[float | None] = [None] + [float(x) for x in lps[1:]]
+        alts = [[]] + [list(zip(i, t)) for i, t in zip(ids[1:], tops[1:])]
+        return values, alts
+
+    def _end(self, live: LiveRequest, reason: str, error: str | None = None) -> None:
+        live.done = True
+        self.outbox.put(EndRequest(live, reason, error))

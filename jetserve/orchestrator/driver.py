@@ -384,4 +384,6 @@ def _least_loaded_route(generate: list[GenerateWorker], transfers: list[Transfer
 
 
 def _pending_for(p: PrefillWorker, admission: queue.Queue) -> Callable[[], bool]:
-    return lambda: p.busy or not admission.empty()
+    # unfinished_tasks counts admitted requests until a prefill thread has handed them on
+    # (task_done), so there is no gap between taking one off the queue and prefilling it.
+    return lambda: admission.unfinished_tasks > 0

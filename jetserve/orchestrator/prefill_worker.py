@@ -58,6 +58,7 @@ class PrefillWorker:
                 self._end(live, "error", f"{type(e).__name__}: {e}")
             finally:
                 self.busy = False
+                self.admission.task_done()
 
     def _serve(self, live: LiveRequest) -> None:
         if live.done:

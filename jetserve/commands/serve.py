@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model id clients name (default: the model directory's name)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="admission bound: beyond it, RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip compiling before listening (the first requests compile)")
 
 
 def _port(value: int, flag: str) -> int | None:
@@ -66,6 +70,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def build_orchestrator(args: argparse.Namespace):
     from jetserve import orchestrator
+    from jetserve.orchestrator import OrchestratorConfig
 
     disaggregated = args.prefill_devices is not None or args.generate_devices is not None
     if disaggregated and (args.prefill_devices is None or args.generate_devices is None):
@@ -76,7 +81,8 @@ def build_orchestrator(args: argparse.Namespace):
         prefill_devices=args.prefill_devices, generate_devices=args.generate_devices,
         prefill_sharding=args.prefill_sharding or default,
         generate_sharding=args.generate_sharding or default,
-        engine_config=engine_config(args))
+        engine_config=engine_config(args),
+        config=OrchestratorConfig(max_queued_requests=args.max_queued_requests))
 
 
 async def _serve(orch, config: ServerConfig) -> None:
@@ -108,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     orch = build_orchestrator(args)
     orch.start()
     try:
+        if not args.no_warmup:
+            orch.warmup()
         asyncio.run(_serve(orch, config))
     finally:
         orch.stop(drain=True, timeout=config.drain_timeout_s)

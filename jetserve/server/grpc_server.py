@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -26,6 +27,7 @@ from jetserve.request import Delta, Overloaded, Request
 from jetserve.server import validation as v
 from jetserve.server.config import ServerConfig
 from jetserve.server.streams import merge, submit_all
+from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 
@@ -57,7 +59,10 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
         return pb.HealthCheckResponse(is_live=self.is_live())
 
-    async def Decode(self, request: pb.DecodeRequest, context) -> AsyncIterator[pb.DecodeResponse]:
+    async def Decode(self, request: pb.DecodeRequest | Malformed,
+                     context) -> AsyncIterator[pb.DecodeResponse]:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             requests = self.build_requests(request, context.time_remaining())
             handles = submit_all(self.orch, requests)
@@ -116,6 +121,39 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                         max_tokens=max_tokens, stop_token_ids=stop_ids, stop_strings=stop,
                         ignore_eos=r.ignore_eos, logprobs=logprobs, deadline=deadline)
                 for i in range(n)]
+
+
+class Malformed:
+    """A request whose bytes are not a valid message; Decode answers INVALID_ARGUMENT."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _parse_decode_request(raw: bytes) -> pb.DecodeRequest | Malformed:
+    # The protobuf runtime rejects bad UTF-8 without naming the field, and silently drops
+    # a field sent with the wrong wire type (the request would run with a default);
+    # find_malformed names either.
+    problem = find_malformed(raw, pb.DecodeRequest.DESCRIPTOR)
+    if problem is not None:
+        return Malformed(problem)
+    try:
+        return pb.DecodeRequest.FromString(raw)
+    except DecodeError as e:
+        return Malformed(f"request is not a valid DecodeRequest: {e}")
+
+
+def add_servicer(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
+    """Registers `jetstream_proto.Orchestrator` with a lenient Decode deserializer."""
+    handlers = {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            servicer.Decode, request_deserializer=_parse_decode_request,
+            response_serializer=pb.DecodeResponse.SerializeToString),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            servicer.HealthCheck, request_deserializer=pb.HealthCheckRequest.FromString,
+            response_serializer=pb.HealthCheckResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 def _split(d: Delta) -> list[Sample]:
@@ -231,7 +269,7 @@ class GrpcServer:
         c = self.config
         interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
         server = grpc.aio.server(interceptors=interceptors)
-        pb_grpc.add_OrchestratorServicer_to_server(self.servicer, server)
+        add_servicer(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -188,7 +188,7 @@ class OpenAIApp:
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.config.model_name}
         if not prep.run:  # max_tokens 0 and nothing to score: echo (or nothing) at once
-            joined = [Joined(finish_reason="length") for _ in prep.requests]
+            joined = [Joined(finish_reason="length") for _ in range(prep.choices)]
             if prep.stream:
                 return EventStream(self._completion_events(prep, head, None, joined))
             return JSONResponse({**head, "choices": [
@@ -204,9 +204,9 @@ class OpenAIApp:
 
     async def _completion_events(self, prep: fmt.Prepared, head: dict, handles: list | None,
                                  done: list[Joined] | None) -> AsyncIterator[str]:
-        totals = [Joined() for _ in prep.requests]
-        sent_chars = [0] * len(prep.requests)
-        started = [False] * len(prep.requests)
+        totals = [Joined() for _ in range(prep.choices)]
+        sent_chars = [0] * prep.choices
+        started = [False] * prep.choices
 
         def chunk(i: int, part: Joined) -> str:
             choice = fmt.completion_choice(prep, self.tt, i, part, first=not started[i],

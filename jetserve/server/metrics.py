@@ -40,10 +40,13 @@ class _StatsCollector:
             log.exception("orchestrator.stats() failed")
             return
         queues = GaugeMetricFamily("jetserve_queue_depth", "Requests waiting in each queue",
-                                   labels=["queue"])
-        for name, depth in _queue_depths(stats):
-            queues.add_metric([name], depth)
+                                   labels=["queue", "engine"])
+        for name, engine, depth in _queue_depths(stats):
+            queues.add_metric([name, engine], depth)
         yield queues
+        if _number(stats.get("in_flight")):
+            yield GaugeMetricFamily("jetserve_requests_in_flight", "Requests admitted and "
+                                    "not finished", value=float(stats["in_flight"]))
         slots = GaugeMetricFamily("jetserve_slots_in_use", "Decode slots occupied",
                                   labels=["engine"])
         total = GaugeMetricFamily("jetserve_slots_total", "Decode slots", labels=["engine"])
@@ -55,30 +58,31 @@ class _StatsCollector:
         yield total
 
 
-def _queue_depths(stats: dict) -> list[tuple[str, float]]:
-    """{"queues": {name: depth}} or top-level "*_queue" / "*_backlog" numbers."""
+def _queue_depths(stats: dict) -> list[tuple[str, str, float]]:
+    """(queue, engine, depth): admission and detokenize (engine "all"), transfer queues and
+    generate backlogs per engine (see Orchestrator.stats)."""
     out = []
-    queues = stats.get("queues")
-    if isinstance(queues, dict):
-        out.extend((str(k), float(v)) for k, v in queues.items() if _number(v))
-    for k, val in stats.items():
-        if (k.endswith("_queue") or k.endswith("_backlog") or k.endswith("_queue_depth")) \
-                and _number(val):
-            out.append((k.removesuffix("_depth"), float(val)))
+    for name in ("admission", "detokenize"):
+        if _number(stats.get(f"{name}_queue")):
+            out.append((name, "all", float(stats[f"{name}_queue"])))
+    for row in stats.get("transfer") or ():
+        if _number(row.get("queue")):
+            out.append(("transfer", str(row.get("engine", 0)), float(row["queue"])))
+    for row in stats.get("generate") or ():
+        if _number(row.get("backlog")):
+            out.append(("backlog", str(row.get("engine", 0)), float(row["backlog"])))
     return out
 
 
 def _slot_rows(stats: dict) -> list[tuple[str, float, float | None]]:
-    """(engine, in use, total) from "slots_in_use" (a list or number) and "slots"."""
-    used = stats.get("slots_in_use")
-    size = stats.get("slots_total", stats.get("slots"))
-    if isinstance(used, (list, tuple)):
-        sizes = size if isinstance(size, (list, tuple)) else [None] * len(used)
-        return [(str(i), float(u), float(s) if _number(s) else None)
-                for i, (u, s) in enumerate(zip(used, sizes))]
-    if _number(used):
-        return [("all", float(used), float(size) if _number(size) else None)]
-    return []
+    """(generate engine, slots in use, slots)."""
+    out = []
+    for row in stats.get("generate") or ():
+        if _number(row.get("slots_in_use")):
+            size = row.get("slots")
+            out.append((str(row.get("engine", 0)), float(row["slots_in_use"]),
+                        float(size) if _number(size) else None))
+    return out
 
 
 def _number(v: Any) -> bool:

@@ -31,7 +31,8 @@ class Prepared:
 
     prompts: list[list[int]]
     prompt_texts: list[str | None]  # the prompt as the client wrote it, for echo
-    requests: list[Request]
+    requests: list[Request]  # empty when not `run`
+    choices: int
     n: int
     echo: bool
     logprobs: int | None
@@ -105,12 +106,16 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str)
                                                f"got {r.best_of!r}")
         if kw["max_tokens"] == 0 and not scoring:
             run = False  # nothing to generate and nothing to score
+            continue
         requests.extend(Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
                                 logprobs=logprobs, prompt_logprobs=scoring, **kw)
                         for j in range(n))
     stream, usage = _stream_flags(r)
-    return Prepared(prompts=prompts, prompt_texts=texts, requests=requests, n=n, echo=echo,
-                    logprobs=logprobs, stream=stream, include_usage=usage, run=run)
+    if not run:
+        requests = []
+    return Prepared(prompts=prompts, prompt_texts=texts, requests=requests,
+                    choices=len(prompts) * n, n=n, echo=echo, logprobs=logprobs,
+                    stream=stream, include_usage=usage, run=run)
 
 
 def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str) -> Prepared:
@@ -130,8 +135,9 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str) -> Prepared
     requests = [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
                         logprobs=logprobs, **kw) for j in range(n)]
     stream, usage = _stream_flags(r)
-    return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, n=n, echo=False,
-                    logprobs=logprobs, stream=stream, include_usage=usage, run=True)
+    return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
+                    echo=False, logprobs=logprobs, stream=stream, include_usage=usage,
+                    run=True)
 
 
 class TokenText:

@@ -50,25 +50,29 @@ async def merge(handles: Sequence[Any]) -> AsyncIterator[list[tuple[int, Delta]]
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pump(i, h, queue)) for i, h in enumerate(handles)]
     live = set(range(len(handles)))
-    held: collections.deque = collections.deque()  # a second delta of an index in a batch
+    # Arrived, not yet delivered, in arrival order. A second item of an index already in
+    # this batch (a delta, its end marker, an error) waits for the next batch.
+    pending: collections.deque = collections.deque()
     try:
         while live:
-            first = held.popleft() if held else await queue.get()
-            items = [first]
+            if not pending:
+                pending.append(await queue.get())
             while not queue.empty():
-                items.append(queue.get_nowait())
+                pending.append(queue.get_nowait())
             batch: list[tuple[int, Delta]] = []
-            seen: set[int] = set()
-            for i, d in items:
-                if isinstance(d, Exception):
+            later: collections.deque = collections.deque()
+            taken: set[int] = set()  # indices with an item in this batch or deferred
+            for i, d in pending:
+                if i in taken:
+                    later.append((i, d))
+                elif isinstance(d, Exception):
                     raise d
-                if d is None:
+                elif d is None:
                     live.discard(i)
-                elif i in seen:
-                    held.append((i, d))
                 else:
-                    seen.add(i)
                     batch.append((i, d))
+                    taken.add(i)
+            pending = later
             if batch:
                 yield batch
     finally:

@@ -1,0 +1,35 @@
+"""Shared serving fixtures: one disaggregated random:tiny orchestrator for the session
+(prefill on fake CPU devices 0-3, generate on 4-7), and servers over it on 127.0.0.1."""
+
+import pytest
+
+from engines import EngineConfig
+from jetserve.server.config import ServerConfig
+from jetserve.server.runner import BackgroundServers
+
+TINY_MODEL = "random:tiny"
+# Small shapes: compiles fast; max_prefill_length is what the "prompt too long" cases hit.
+TINY_ENGINE = EngineConfig(max_concurrent_decodes=8, max_prefill_length=64, max_seq_len=256)
+
+
+def local_config(**kw) -> ServerConfig:
+    return ServerConfig(host="127.0.0.1", grpc_port=0, http_port=0, model_name=TINY_MODEL,
+                        drain_timeout_s=30.0, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_orch():
+    from jetserve import orchestrator
+
+    orch = orchestrator.build(TINY_MODEL, interleaved=False, prefill_devices=4,
+                              generate_devices=4, engine_config=TINY_ENGINE)
+    orch.start()
+    yield orch
+    orch.stop(drain=False, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def tiny_servers(tiny_orch):
+    """Both servers, no API key, over the session orchestrator."""
+    with BackgroundServers(tiny_orch, local_config()) as s:
+        yield s

@@ -1,4 +1,5 @@
-"""A synchronous continuous-batching loop on one engine, for `jetserve generate` and tests.
+"""A synchronous continuous-batching loop on one engine: tests, and `jetserve generate`
+across several processes (which must dispatch identical steps, so no threads).
 
 Prompts wait in order; whenever a slot is free the next prompt is prefilled and inserted,
 so prompts join the batch at different steps. Every step's results are read back before
@@ -12,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from engines import Engine, SamplingParams
+from jetserve.orchestrator.stopping import stop_ids, token_budget, token_finish
 
 
 @dataclasses.dataclass
@@ -34,7 +36,7 @@ def generate_many(
     """Runs every prompt to completion; results in prompt order."""
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
-    eos = set() if ignore_eos else set(engine.eos_ids)
+    stops = stop_ids(engine.eos_ids, (), ignore_eos)
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
@@ -49,18 +51,17 @@ def generate_many(
     state = engine.init_decode_state()
     free = list(range(engine.max_concurrent_decodes))
 
-    def accept(i: int, token: int, logprob: float, length: int) -> bool:
+    budgets = [token_budget(len(p), max_tokens, engine.max_seq_len) for p in prompts]
+
+    def accept(i: int, token: int, logprob: float) -> bool:
         """Records a token; returns True when request i is finished."""
         r = out[i]
         r.token_ids.append(token)
         r.logprobs.append(logprob)
-        if token in eos:
-            r.finish_reason = "stop"
-            return True
-        if len(r.token_ids) >= max_tokens or length >= engine.max_seq_len:
-            r.finish_reason = "length"
-            return True
-        return False
+        finish = token_finish(token, len(r.token_ids), budgets[i], stops)
+        if finish is not None:
+            r.finish_reason = finish[0]
+        return finish is not None
 
     while waiting or active:
         while waiting and free:
@@ -69,7 +70,7 @@ def generate_many(
                                            sampling=samplings[i])
             out[i] = OfflineResult(list(prompts[i]), [], "length", [])
             h = first.to_host()
-            if accept(i, h.token(0), h.logprob(0), h.length(0)):
+            if accept(i, h.token(0), h.logprob(0)):
                 results[i] = out.pop(i)
                 continue
             slot = free.pop(0)
@@ -80,7 +81,7 @@ def generate_many(
         state, res = engine.generate(params, state)
         h = res.to_host()
         for slot, i in list(active.items()):
-            if accept(i, h.token(slot), h.logprob(slot), h.length(slot)):
+            if accept(i, h.token(slot), h.logprob(slot)):
                 results[i] = out.pop(i)
                 del active[slot]
                 engine.free_slot(slot)

@@ -1,4 +1,10 @@
-"""Generate text for one or more prompts, run concurrently through the engine's slots."""
+"""Generate text for one or more prompts, run concurrently through the engine's slots.
+
+One process: the prompts go through the orchestrator (interleaved on one engine), as a
+server would run them. Several processes (jax.distributed) must dispatch identical
+device steps in the same order, which a threaded scheduler cannot promise, so they run
+the lock-step loop of jetserve.offline; both share the stop logic and the text.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from jetserve import distributed
 from jetserve.commands.common import add_model_arguments, engine_config, parse_ids
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
+from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
+from jetserve.orchestrator.detokenize import completion_text
 
 
 class _PromptAction(argparse.Action):
@@ -71,15 +79,36 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("this model has no tokenizer; use --prompt-ids")
             prompts.append(tok.encode(value, add_bos=True))
     params = engine.load_params()
-    results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
-                            sampling=sampling, ignore_eos=args.ignore_eos)
+    run_all = _orchestrated if jax.process_count() == 1 else _lock_step
+    results = run_all(engine, params, prompts, args, sampling)
     if not distributed.is_primary():  # every process ran the same steps; one prints
         return 0
-    for r in results:
-        text = tok.decode([t for t in r.token_ids if t not in engine.eos_ids]) if tok else ""
+    for prompt, token_ids, text, finish_reason in results:
         if args.json:
-            print(json.dumps({"prompt_ids": r.prompt_ids, "token_ids": r.token_ids,
-                              "text": text, "finish_reason": r.finish_reason}), flush=True)
+            print(json.dumps({"prompt_ids": prompt, "token_ids": token_ids,
+                              "text": text, "finish_reason": finish_reason}), flush=True)
         else:
             print(text, flush=True)
     return 0
+
+
+def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
+    config = OrchestratorConfig(max_queued_requests=max(256, len(prompts)))
+    with Orchestrator.from_engines(engine, params=params, config=config) as orch:
+        handles = [orch.submit(Request(prompt_ids=p, sampling=sampling,
+                                       max_tokens=args.max_tokens, ignore_eos=args.ignore_eos))
+                   for p in prompts]
+        done = [h.result() for h in handles]
+    for i, c in enumerate(done):
+        if c.finish_reason == "error":
+            raise RuntimeError(f"prompt {i} failed: {c.error}")
+    return [(list(p), c.token_ids, c.text, c.finish_reason) for p, c in zip(prompts, done)]
+
+
+def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:
+    results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
+                            sampling=sampling, ignore_eos=args.ignore_eos)
+    tok = engine.tokenizer
+    return [(r.prompt_ids, r.token_ids,
+             completion_text(tok, r.prompt_ids, r.token_ids, r.finish_reason == "stop")
+             if tok else "", r.finish_reason) for r in results]

@@ -127,3 +127,12 @@ class TextStream:
             return ""
         text, hit = self._stops.feed(self._detok.flush())
         return text if hit is not None else text + self._stops.flush()
+
+
+def completion_text(tokenizer, prompt_ids: Sequence[int], token_ids: Sequence[int],
+                    ended_by_stop_token: bool) -> str:
+    """The text the orchestrator streams for `token_ids`, computed in one go (for loops
+    that do not stream, such as jetserve.offline)."""
+    ts = TextStream(tokenizer, prompt_ids, ())
+    ids = token_ids[:-1] if ended_by_stop_token else token_ids
+    return "".join(ts.push(t)[0] for t in ids) + ts.finish()

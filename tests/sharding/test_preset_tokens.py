@@ -1,0 +1,59 @@
+"""Every preset gives the single-device greedy tokens, for every family, on 4 and 8 devices.
+
+Where a preset cannot split a family's shapes on that many devices, building the engine
+fails with a message naming the tensor, the dimension and the mesh axis. A few cases run
+by default; the whole family x preset x devices matrix is `slow` (one compile set each).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import jax
+import pytest
+
+from tests.sharding import families
+
+# Every preset at least once on two families (two reference runs), both device counts.
+# Cases that must fail compile nothing, so they all run by default.
+FAST = {
+    ("llama3", "tp", 4), ("llama3", "tp_kv_batch", 8), ("llama3", "seq_tp", 8),
+    ("mixtral", "ep_tp", 8), ("mixtral", "replicated", 4),
+}
+ALL = list(itertools.product(families.FAMILIES, families.PRESET_NAMES, families.DEVICE_COUNTS))
+MATRIX = [
+    pytest.param(*c, id="-".join(map(str, c)),
+                 marks=() if c in FAST or families.expected_error(*c) else pytest.mark.slow)
+    for c in ALL
+]
+
+
+@pytest.mark.parametrize("family,preset,n", MATRIX)
+def test_preset_matches_single_device(family, preset, n, reference_tokens):
+    devices = jax.devices()[:n]
+    bad = families.expected_error(family, preset, n)
+    if bad is not None:
+        with pytest.raises(ValueError) as e:
+            families.make_engine(family, preset, devices)
+        msg = str(e.value)
+        # Names the tensor, the dimension, its size, the mesh axis and the preset.
+        assert re.search(rf"parameter \S+/[kv]_proj: dimension 1 \({bad}\) of size "
+                         rf"{families.model_config(family).num_kv_heads} does not divide over "
+                         rf"mesh axis 'model' of size \d+ in sharding '{preset}'", msg), msg
+        return
+    engine = families.make_engine(family, preset, devices)
+    params = families.place(engine, families.host_params(engine))
+    tokens = families.greedy_tokens(engine, params)
+    assert tokens == reference_tokens(family)
+    # One program per function: prompts share a bucket, nothing recompiled per step.
+    assert engine.trace_counts() == {"prefill": 1, "insert": 1, "prompt_logprobs": 0,
+                                     "generate": 1}
+
+
+def test_matrix_has_both_outcomes():
+    """The tiny configs are chosen so that the matrix checks tokens and errors alike."""
+    outcomes = {families.expected_error(*c) is None for c in ALL}
+    assert outcomes == {True, False}
+    fast_ok = [c for c in FAST if families.expected_error(*c) is None]
+    assert {c[1] for c in fast_ok} == set(families.PRESET_NAMES)

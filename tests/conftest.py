@@ -7,3 +7,8 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compiled programs are cached on disk across tests and processes (the CLI and subprocess
+# tests build engines whose programs the fixtures already compiled).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jetserve-test-jax-cache")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -68,8 +69,23 @@ def initialize(coordinator: str | None, num_processes: int | None,
         raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}")
     # Only the CPU backend reads this; on TPU/GPU the collectives are the chips' own.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _native_stdout_to_stderr()
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id)
+
+
+def _native_stdout_to_stderr() -> None:
+    """Keeps stdout for our output (`--json` lines are parsed by programs).
+
+    gloo prints a line to the process's stdout for every communicator it connects; from
+    here on, whatever native code writes to fd 1 goes to stderr, and Python's sys.stdout
+    writes to the original stdout.
+    """
+    sys.stdout.flush()
+    encoding = sys.stdout.encoding or "utf-8"
+    original = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = open(original, "w", buffering=1, encoding=encoding)  # noqa: SIM115
 
 
 def request_cpu_devices(n: int) -> None:

@@ -1,0 +1,59 @@
+"""Two processes x 4 fake CPU devices (jax.distributed, gloo on 127.0.0.1) = one process x 8.
+
+Each process runs `jetserve generate` on the same arguments; the engine's mesh spans all 8
+devices, so every step is one SPMD program over both processes. Process 0 prints, process
+1 prints nothing, and the tokens equal a single process's on 8 devices.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jetserve import cli
+
+ARGS = ["generate", "--model", "random:tiny", "--sharding", "tp_kv_batch",
+        "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10", "--prompt-ids", "200,1,3,3,7",
+        "--max-tokens", "8", "--ignore-eos", "--json", "--max-seq-len", "64",
+        "--max-concurrent-decodes", "4"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(port: int, process_id: int) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jetserve", *ARGS, "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", "2", "--process-id", str(process_id)]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(capsys):
+    port = _free_port()
+    procs = [_spawn(port, i) for i in range(2)]
+    try:
+        # The single-process reference runs meanwhile, on this process's 8 devices.
+        assert cli.main([*ARGS, "--devices", "8"]) == 0
+        want = capsys.readouterr().out.splitlines()
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    assert len(want) == 3
+    assert outs[0][0].splitlines() == want
+    assert outs[1][0].strip() == ""

@@ -61,7 +61,8 @@ def _is_int(v: Any) -> bool:
 
 def encode_text(limits: ModelLimits, text: Any, field: str, *,
                 add_bos: bool | None) -> list[int]:
-    """Tokenizes `text`. add_bos None: the tokenizer's own default (tokenizer_config)."""
+    """Tokenizes `text`. add_bos None: the tokenizer's default (tokenizer_config's
+    add_bos_token; True when it has no opinion, as `jetserve generate`)."""
     if not isinstance(text, str):
         raise InvalidArgument(field, f"{field} must be a string, got {type(text).__name__}")
     if text == "":
@@ -69,8 +70,8 @@ def encode_text(limits: ModelLimits, text: Any, field: str, *,
     tok = limits.tokenizer
     if tok is None:
         raise InvalidArgument(field, f"{field}: this model has no tokenizer; send token ids")
-    if add_bos is None and hasattr(tok, "add_bos_default"):
-        return list(tok.encode(text))
+    if add_bos is None:
+        add_bos = bool(getattr(tok, "add_bos_default", True))
     ids = list(tok.encode(text, add_bos=False))
     if add_bos and limits.bos_id is not None:
         ids = [limits.bos_id] + ids

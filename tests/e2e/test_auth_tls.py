@@ -1,0 +1,108 @@
+"""API keys on both servers (missing / wrong rejected, right served) and gRPC over TLS."""
+
+import shutil
+import subprocess
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jetserve.server.runner import BackgroundServers
+from protos import jetstream_pb2 as pb
+from protos import jetstream_pb2_grpc as pb_grpc
+from tests.e2e.conftest import TINY_MODEL, local_config
+
+KEY = "s3cret-key"
+REQUEST = pb.DecodeRequest(max_tokens=3, has_bos=True, ignore_eos=True,
+                           token_content=pb.DecodeRequest.TokenContent(token_ids=[65, 66]))
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_orch):
+    with BackgroundServers(tiny_orch, local_config(api_key=KEY)) as s:
+        yield s
+
+
+def _decode(stub, metadata):
+    return list(stub.Decode(REQUEST, metadata=metadata, timeout=60))
+
+
+@pytest.mark.parametrize("metadata", [None, (("authorization", "Bearer wrong"),),
+                                      (("x-api-key", "wrong"),),
+                                      (("authorization", KEY),)],  # no Bearer scheme
+                         ids=["missing", "wrong bearer", "wrong x-api-key", "no scheme"])
+def test_grpc_rejects_missing_or_wrong_key(keyed, metadata):
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
+        stub = pb_grpc.OrchestratorStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            _decode(stub, metadata)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            stub.HealthCheck(pb.HealthCheckRequest(), metadata=metadata, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("metadata", [(("authorization", f"Bearer {KEY}"),),
+                                      (("x-api-key", KEY),)], ids=["bearer", "x-api-key"])
+def test_grpc_serves_the_right_key(keyed, metadata):
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
+        stub = pb_grpc.OrchestratorStub(ch)
+        msgs = _decode(stub, metadata)
+        assert sum(len(m.stream_content.samples[0].token_ids) for m in msgs) == 3
+        # The standard health service stays open for probes.
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_http_rejects_missing_or_wrong_key(keyed):
+    base = f"http://127.0.0.1:{keyed.http_port}"
+    body = {"model": TINY_MODEL, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
+    wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=TINY_MODEL, prompt="hi", max_tokens=2)
+    assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+
+
+def test_http_serves_the_right_key(keyed):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{keyed.http_port}/v1", api_key=KEY,
+                           max_retries=0, timeout=60)
+    r = client.completions.create(model=TINY_MODEL, prompt="hi", max_tokens=2,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+    r = client.chat.completions.create(model=TINY_MODEL, max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    key, crt = d / "key.pem", d / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(crt), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(crt), str(key)
+
+
+def test_grpc_over_tls(tiny_orch, cert):
+    crt, key = cert
+    with BackgroundServers(tiny_orch, local_config(tls_cert=crt, tls_key=key,
+                                                   api_key=KEY)) as s:
+        with open(crt, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        with grpc.secure_channel(f"localhost:{s.grpc_port}", creds) as ch:
+            msgs = _decode(pb_grpc.OrchestratorStub(ch), (("x-api-key", KEY),))
+            assert sum(len(m.stream_content.samples[0].token_ids) for m in msgs) == 3
+        with grpc.insecure_channel(f"localhost:{s.grpc_port}") as ch:  # plaintext refused
+            with pytest.raises(grpc.RpcError):
+                _decode(pb_grpc.OrchestratorStub(ch), (("x-api-key", KEY),))

@@ -177,18 +177,25 @@ def read_hf_params(
             for i in range(cfg.num_layers) for h, p, t in FAMILY_WEIGHTS[cfg.family]]
     for hf_name, path, fn in table + rows:
         want = _get(abstract, path)
-        if "{e}" in hf_name:
-            names = [hf_name.replace("{e}", str(e)) for e in range(cfg.num_experts)]
-            arr = np.stack([fn(reader.get(n), cfg) for n in names])
-            used.update(names)
-        else:
-            if hf_name not in present:
+        names = ([hf_name.replace("{e}", str(e)) for e in range(cfg.num_experts)]
+                 if "{e}" in hf_name else [hf_name])
+        parts = []
+        for n in names:
+            if n not in present:
                 raise ValueError(
-                    f"{model_dir}: tensor {hf_name!r} is missing from the safetensors files "
+                    f"{model_dir}: tensor {n!r} is missing from the safetensors files "
                     f"(family {cfg.family})"
                 )
-            arr = fn(reader.get(hf_name), cfg)
-            used.add(hf_name)
+            raw = reader.get(n)
+            try:
+                parts.append(fn(raw, cfg))
+            except ValueError:
+                raise ValueError(
+                    f"{model_dir}: tensor {n!r} has shape {raw.shape}, which does not fit "
+                    f"{path} of shape {tuple(want.shape)} from config.json"
+                ) from None
+            used.add(n)
+        arr = np.stack(parts) if "{e}" in hf_name else parts[0]
         if tuple(arr.shape) != tuple(want.shape):
             raise ValueError(
                 f"{model_dir}: tensor {hf_name!r} has shape {arr.shape} after mapping to "

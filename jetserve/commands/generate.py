@@ -102,7 +102,8 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
     for i, c in enumerate(done):
         if c.finish_reason == "error":
             raise RuntimeError(f"prompt {i} failed: {c.error}")
-    return [(list(p), c.token_ids, c.text, c.finish_reason) for p, c in zip(prompts, done)]
+    return [(list(p), c.token_ids, c.text, c.finish_reason)
+            for p, c in zip(prompts, done, strict=True)]
 
 
 def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:

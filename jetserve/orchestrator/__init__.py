@@ -72,7 +72,7 @@ def build(model: str | None = None, *, interleaved: bool = True,
           prefill_devices: Devices = None, generate_devices: Devices = None,
           prefill_sharding: str = "replicated", generate_sharding: str = "replicated",
           engine_config: EngineConfig | None = None,
-          config: OrchestratorConfig = OrchestratorConfig(), seed: int = 0) -> Orchestrator:
+          config: OrchestratorConfig | None = None, seed: int = 0) -> Orchestrator:
     """An orchestrator for `--model` (see jetserve.model_loading), not started yet."""
     from jetserve.model_loading import build_engine
 

@@ -28,7 +28,7 @@ STOP = object()  # queue sentinel: exit after everything before it
 
 class DetokenizeWorker:
     def __init__(self, inbox: queue.Queue, tokenizer,
-                 on_finished: Callable[[LiveRequest], None]):
+                 on_finished: Callable[[LiveRequest, str], None]):
         self.inbox = inbox
         self.tokenizer = tokenizer
         self.on_finished = on_finished
@@ -108,6 +108,7 @@ class DetokenizeWorker:
             live.done = True
             live.finalized = True
             live.timing.end = time.monotonic()
+            # Bookkeeping first, so a caller who sees the last delta sees it gone from
+            # stats() too.
+            self.on_finished(live, delta.finish_reason)
         live.handle._push(delta, final)
-        if final:
-            self.on_finished(live)

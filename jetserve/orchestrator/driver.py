@@ -69,9 +69,9 @@ class Orchestrator:
 
     def __init__(self, *, prefill_engines: Sequence[Engine], generate_engines: Sequence[Engine],
                  prefill_params: Sequence[Any], generate_params: Sequence[Any],
-                 config: OrchestratorConfig = OrchestratorConfig()):
+                 config: OrchestratorConfig | None = None):
         _check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
-        self.config = config
+        self.config = config = config or OrchestratorConfig()
         self.prefill_engines = list(prefill_engines)
         self.generate_engines = list(generate_engines)
         self._stopping = threading.Event()
@@ -79,7 +79,7 @@ class Orchestrator:
         self._admission: queue.Queue[LiveRequest] = queue.Queue(config.max_queued_requests)
         self._outbox: queue.Queue = queue.Queue(config.detokenize_queue_size)
         self._live: dict[str, LiveRequest] = {}
-        self._live_cond = threading.Condition()
+        self._live_cond = threading.Condition()  # guards _live and _counters
         self._counters: collections.Counter[str] = collections.Counter()
         self._accepting = True
         self._threads: list[threading.Thread] = []
@@ -88,12 +88,12 @@ class Orchestrator:
             GenerateWorker(i, e, p, self._outbox, self._listeners, self._stopping,
                            backlog_size=config.backlog_size or e.max_concurrent_decodes,
                            poll_s=poll)
-            for i, (e, p) in enumerate(zip(generate_engines, generate_params))
+            for i, (e, p) in enumerate(zip(generate_engines, generate_params, strict=True))
         ]
         self._prefill = [
             PrefillWorker(i, e, p, self._admission, self._outbox, self._listeners,
                           self._stopping, poll)
-            for i, (e, p) in enumerate(zip(prefill_engines, prefill_params))
+            for i, (e, p) in enumerate(zip(prefill_engines, prefill_params, strict=True))
         ]
         self._transfer = self._wire()
         self._detok = DetokenizeWorker(self._outbox, self.tokenizer, self._finished)
@@ -109,7 +109,7 @@ class Orchestrator:
                                         queue_size=self.config.transfer_queue_size,
                                         poll_s=self.config.poll_interval_s)
                          for g in self._generate]
-            for g, t in zip(self._generate, transfers):
+            for g, t in zip(self._generate, transfers, strict=True):
                 g.transfer_pending = t.pending
         for p in self._prefill:
             if id(p.engine) in own:
@@ -122,7 +122,7 @@ class Orchestrator:
 
     @classmethod
     def from_engines(cls, engine: Engine, *, params: Any = None,
-                     config: OrchestratorConfig = OrchestratorConfig()) -> Orchestrator:
+                     config: OrchestratorConfig | None = None) -> Orchestrator:
         """Interleaved on one engine (loads its params unless given)."""
         params = engine.load_params() if params is None else params
         return cls(prefill_engines=[engine], generate_engines=[engine],
@@ -206,8 +206,8 @@ class Orchestrator:
             if not live.finalized:
                 live.done = live.finalized = True
                 live.timing.end = time.monotonic()
+                self._finished(live, "cancelled")
                 live.handle._push(Delta(token_ids=[], text="", finish_reason="cancelled"), True)
-            self._finished(live)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -236,10 +236,11 @@ class Orchestrator:
         except queue.Full:
             with self._live_cond:
                 del self._live[request.request_id]
-            self._counters["overloaded"] += 1
+                self._counters["overloaded"] += 1
             raise Overloaded(f"admission queue is full ({self.config.max_queued_requests} "
                              "requests waiting); retry later") from None
-        self._counters["submitted"] += 1
+        with self._live_cond:
+            self._counters["submitted"] += 1
         return live.handle
 
     def _validate(self, r: Request) -> None:
@@ -268,15 +269,13 @@ class Orchestrator:
         for g in self._generate:
             g.backlog.poke()
 
-    def _finished(self, live: LiveRequest) -> None:
-        """Called on the detokenize thread after a request's last delta."""
+    def _finished(self, live: LiveRequest, reason: str) -> None:
+        """Called on the detokenize thread just before a request's last delta."""
         with self._live_cond:
             if self._live.get(live.request_id) is live:
                 del self._live[live.request_id]
+            self._counters[f"finished_{reason}"] += 1
             self._live_cond.notify_all()
-        last = live.handle._deltas[-1] if live.handle._deltas else None
-        reason = last.finish_reason if last is not None else "cancelled"
-        self._counters[f"finished_{reason}"] += 1
         if self._listeners:
             self._listeners.emit(RequestFinished(
                 live.request_id, reason, len(live.request.prompt_ids), live.generated,
@@ -295,6 +294,7 @@ class Orchestrator:
     def stats(self) -> dict:
         with self._live_cond:
             in_flight = len(self._live)
+            counters = dict(self._counters)
         return {
             "admission_queue": self._admission.qsize(),
             "max_queued_requests": self.config.max_queued_requests,
@@ -307,7 +307,7 @@ class Orchestrator:
             "generate": [{"engine": g.index, "slots": g.slots.size,
                           "slots_in_use": g.slots.in_use, "backlog": len(g.backlog),
                           "steps": g.steps, "tokens": g.tokens} for g in self._generate],
-            "counters": dict(self._counters),
+            "counters": counters,
         }
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,), timeout: float | None = None) -> None:

@@ -100,7 +100,8 @@ class PrefillWorker:
         ids = np.asarray(out.top_ids)[:, :n].tolist()
         tops = np.asarray(out.top_logprobs, np.float32)[:, :n].tolist()
         values: list[float | None] = [None] + [float(x) for x in lps[1:]]
-        alts = [[]] + [list(zip(i, t)) for i, t in zip(ids[1:], tops[1:])]
+        pairs = zip(ids[1:], tops[1:], strict=True)
+        alts = [[]] + [list(zip(i, t, strict=True)) for i, t in pairs]
         return values, alts
 
     def _end(self, live: LiveRequest, reason: str, error: str | None = None) -> None:

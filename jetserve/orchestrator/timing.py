@@ -49,7 +49,7 @@ class RequestTiming:
 
     def inter_token(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t[:-1], t[1:], strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,7 +63,7 @@ def test_disaggregated_equals_interleaved_equals_offline(disaggregated, interlea
     offline = generate_many(eng, interleaved._generate[0].params, prompts, max_tokens=STEPS)
     dis = run_all(disaggregated, prompts)
     inter = run_all(interleaved, prompts)
-    for o, d, i in zip(offline, dis, inter):
+    for o, d, i in zip(offline, dis, inter, strict=True):
         assert d.token_ids == i.token_ids == o.token_ids
         assert d.finish_reason == i.finish_reason == o.finish_reason
         np.testing.assert_allclose(d.logprobs, o.logprobs, atol=1e-4)

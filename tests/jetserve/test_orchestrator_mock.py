@@ -35,7 +35,7 @@ def logprob(t):
     return -(t % 4) / 4
 
 
-def make(mode, *, config=OrchestratorConfig(), generate_engines=1, **engine_kw):
+def make(mode, *, config=None, generate_engines=1, **engine_kw):
     devs = jax.devices()
     if mode == "interleaved":
         return Orchestrator.from_engines(MockEngine(devices=devs[:1], **engine_kw), config=config)
@@ -79,10 +79,11 @@ def test_many_concurrent_requests_get_exactly_their_tokens(mode):
     prompts = [rng.integers(0, 256, rng.integers(1, 40)).tolist() for _ in range(24)]
     lens = rng.integers(1, 30, len(prompts)).tolist()
     with make(mode, generate_engines=2 if mode == "disaggregated" else 1) as orch:
-        hs = [orch.submit(Request(prompt_ids=p, max_tokens=n)) for p, n in zip(prompts, lens)]
+        hs = [orch.submit(Request(prompt_ids=p, max_tokens=n))
+              for p, n in zip(prompts, lens, strict=True)]
         results = [h.result(30) for h in hs]
         stats = orch.stats()
-    for p, n, r in zip(prompts, lens, results):
+    for p, n, r in zip(prompts, lens, results, strict=True):
         assert r.token_ids == expected(p, n) and r.finish_reason == "length"
         assert r.text == ByteTokenizer().decode(r.token_ids)
     assert all(g["slots_in_use"] == 0 for g in stats["generate"])
@@ -224,7 +225,7 @@ def test_async_stream_and_disconnect(mode):
         h = orch.submit(Request(prompt_ids=[65], max_tokens=4))
         deltas = [d async for d in h.stream()]
         gone = orch.submit(Request(prompt_ids=[1], max_tokens=100))
-        async for d in gone.stream():
+        async for _ in gone.stream():
             break  # the client went away
         return deltas, gone
 

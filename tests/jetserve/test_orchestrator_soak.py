@@ -56,14 +56,14 @@ def test_soak(mode):
     async def main(orch):
         return await asyncio.gather(*[
             client(orch, np.random.default_rng(i), p, n, c)
-            for i, (p, n, c) in enumerate(zip(prompts, lengths, cancel))])
+            for i, (p, n, c) in enumerate(zip(prompts, lengths, cancel, strict=True))])
 
     orch = build(mode)
     with orch:
         results = asyncio.run(main(orch))
         stats = orch.stats()
     n_cancelled = 0
-    for p, n, c, (got, reason) in zip(prompts, lengths, cancel, results):
+    for p, n, c, (got, reason) in zip(prompts, lengths, cancel, results, strict=True):
         want = expected(p, n)
         if reason == "cancelled":
             n_cancelled += 1

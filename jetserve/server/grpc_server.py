@@ -13,6 +13,7 @@ the standard `grpc.health.v1.Health` service and server reflection.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable
@@ -74,13 +75,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         except ValueError as e:  # the orchestrator's own checks; they name the field too
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         n = len(handles)
-        async for batch in merge(handles):
-            for i, d in batch:
-                if d.finish_reason == "error":
-                    await context.abort(grpc.StatusCode.INTERNAL,
-                                        f"sample {i} failed: {d.error or 'internal error'}")
-            for msg in _messages(batch, n):
-                yield msg
+        async with contextlib.aclosing(merge(handles)) as batches:
+            async for batch in batches:
+                for i, d in batch:
+                    if d.finish_reason == "error":
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"sample {i} failed: {d.error or 'internal error'}")
+                for msg in _messages(batch, n):
+                    yield msg
 
     def build_requests(self, r: pb.DecodeRequest, time_remaining: float | None) -> list[Request]:
         """Validates a DecodeRequest; one Request per sample."""

@@ -14,6 +14,7 @@ requests (jetserve.server.streams.merge), freeing their slots within one generat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import socket
@@ -138,9 +139,10 @@ class OpenAIApp:
         out = [Joined() for _ in handles]
 
         async def collect():
-            async for batch in merge(handles):
-                for i, d in batch:
-                    out[i].add(d)
+            async with contextlib.aclosing(merge(handles)) as batches:
+                async for batch in batches:
+                    for i, d in batch:
+                        out[i].add(d)
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -219,16 +221,17 @@ class OpenAIApp:
             for i, j in enumerate(done or ()):
                 yield chunk(i, j)
         else:
-            async for batch in merge(handles):
-                for i, d in batch:
-                    part = Joined()
-                    part.add(d)
-                    totals[i].add(d)
-                    if d.finish_reason == "error":
-                        yield _sse({"error": {"message": f"generation failed: {d.error}",
-                                              "type": "server_error"}})
-                        return
-                    yield chunk(i, part)
+            async with contextlib.aclosing(merge(handles)) as batches:
+                async for batch in batches:
+                    for i, d in batch:
+                        part = Joined()
+                        part.add(d)
+                        totals[i].add(d)
+                        if d.finish_reason == "error":
+                            yield _sse({"error": {"message": f"generation failed: {d.error}",
+                                                  "type": "server_error"}})
+                            return
+                        yield chunk(i, part)
         if prep.include_usage:
             yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
         yield "data: [DONE]\n\n"
@@ -254,19 +257,21 @@ class OpenAIApp:
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
-        async for batch in merge(handles):
-            for i, d in batch:
-                if d.finish_reason == "error":
-                    yield _sse({"error": {"message": f"generation failed: {d.error}",
-                                          "type": "server_error"}})
-                    return
-                totals[i].add(d)
-                logprobs = (fmt.chat_logprobs(self.tt, d.token_ids, d.logprobs, d.top_logprobs)
-                            if prep.logprobs is not None else None)
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                yield _sse({**head, "choices": [{"index": i, "delta": delta,
-                                                 "logprobs": logprobs,
-                                                 "finish_reason": d.finish_reason}]})
+        async with contextlib.aclosing(merge(handles)) as batches:
+            async for batch in batches:
+                for i, d in batch:
+                    if d.finish_reason == "error":
+                        yield _sse({"error": {"message": f"generation failed: {d.error}",
+                                              "type": "server_error"}})
+                        return
+                    totals[i].add(d)
+                    logprobs = (fmt.chat_logprobs(self.tt, d.token_ids, d.logprobs,
+                                                  d.top_logprobs)
+                                if prep.logprobs is not None else None)
+                    delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                    yield _sse({**head, "choices": [{"index": i, "delta": delta,
+                                                     "logprobs": logprobs,
+                                                     "finish_reason": d.finish_reason}]})
         if prep.include_usage:
             yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
         yield "data: [DONE]\n\n"
@@ -276,8 +281,6 @@ class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handlers: `jetserve serve` decides on shutdown."""
 
     def capture_signals(self):  # type: ignore[override]
-        import contextlib
-
         return contextlib.nullcontext()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -115,7 +116,8 @@ class Joined:
 
 async def join(handles: Sequence[Any]) -> list[Joined]:
     out = [Joined() for _ in handles]
-    async for batch in merge(handles):
-        for i, d in batch:
-            out[i].add(d)
+    async with contextlib.aclosing(merge(handles)) as batches:
+        async for batch in batches:
+            for i, d in batch:
+                out[i].add(d)
     return out

@@ -71,7 +71,7 @@ def test_32_concurrent_grpc_streams(tiny_servers, cli_reference):
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(one, PROMPTS))
-    for (ids, text), want in zip(got, cli_reference):
+    for (ids, text), want in zip(got, cli_reference, strict=True):
         assert ids == want["token_ids"]
         assert text == want["text"]
 
@@ -97,6 +97,6 @@ def test_32_concurrent_http_streams(tiny_servers, cli_reference):
             await client.close()
 
     got = asyncio.run(run())
-    for (text, finish), want in zip(got, cli_reference):
+    for (text, finish), want in zip(got, cli_reference, strict=True):
         assert text == want["text"]
         assert finish == want["finish_reason"]

@@ -122,7 +122,7 @@ def test_echo_logprobs_scores_the_prompt_like_generation(client):
     assert len(lp.tokens) == len(ids)
     assert lp.token_logprobs[0] is None
     assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
-    for got, want in zip(lp.token_logprobs[len(PROMPT):], gen_lps):
+    for got, want in zip(lp.token_logprobs[len(PROMPT):], gen_lps, strict=True):
         assert math.isclose(got, want, abs_tol=2e-4)
     for pos in range(len(PROMPT), len(ids)):
         top = lp.top_logprobs[pos]
@@ -145,7 +145,8 @@ def test_health_and_metrics(base, client):
                  "jetserve_time_per_output_token_seconds_bucket",
                  "jetserve_e2e_request_latency_seconds_bucket", "jetserve_queue_depth",
                  "jetserve_slots_in_use", "jetserve_prompt_tokens_total",
-                 "jetserve_generation_tokens_total", 'jetserve_requests_total{finish_reason="length"}'):
+                 "jetserve_generation_tokens_total",
+                 'jetserve_requests_total{finish_reason="length"}'):
         assert name in text, name
     finished = [line for line in text.splitlines()
                 if line.startswith('jetserve_requests_total{finish_reason="length"}')]

@@ -60,7 +60,9 @@ def _port(value: int, flag: str) -> int | None:
 def server_config(args: argparse.Namespace) -> ServerConfig:
     name = args.served_model_name
     if name is None:
-        model = args.model or "jetserve"
+        from jetserve.model_loading import default_model
+
+        model = args.model or default_model()
         name = os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
     return ServerConfig(host=args.host, grpc_port=_port(args.grpc_port, "--grpc-port"),
                         http_port=_port(args.http_port, "--http-port"), api_key=args.api_key,

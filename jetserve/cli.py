@@ -12,6 +12,8 @@ COMMANDS = {
     "convert": "jetserve.commands.convert",
     "serve": "jetserve.commands.serve",
     "shard-report": "jetserve.commands.shard_report",
+    "plan": "jetserve.commands.plan",
+    "bench": "jetserve.commands.bench",
 }
 
 

@@ -1,0 +1,154 @@
+"""`jetserve bench decode`: the jitted generate step against its memory and compute floors.
+
+For each batch size B an engine with B slots is built, every slot is filled with a
+`context`-token prompt (prefill once, insert into each slot), and the generate step runs
+warm: its median time over `steps` steps, each blocked on, is compared with the floor of
+jetserve.plan for this machine, whose bandwidth and matmul FLOP/s are probed in the same
+run (jetserve.bench.bandwidth; before the first batch and after the last, best kept).
+
+    fraction_of_floor = floor_ms / step_ms     (1.0: at the floor)
+
+The live context grows by one token per step; floors use the mean live context of the
+timed steps. Everything runs in this thread; the parameters are loaded once and shared
+by the engines (same devices, same layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from engines import EngineConfig, TransformerEngine
+from jetserve.bench import bandwidth
+from jetserve.hardware import Hardware
+from jetserve.model_loading import build_engine
+from jetserve.plan import ModelSpec, Precision, step_floor
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeBenchConfig:
+    model: str | None = "random:llama-156m"
+    batches: tuple[int, ...] = (1, 8, 32)
+    context: int = 192  # midway through 128 prompt + 128 new tokens
+    steps: int = 24
+    warmup: int = 4
+    dtype: str = "float32"
+    read_bytes: int | None = None  # bandwidth probe size (default 2 GiB)
+    probe_repeats: int = 5
+    matmul_size: int = 2048  # the FLOP/s probe's square matmul
+    max_seq_len: int | None = None  # default: context + warmup + steps, rounded up to 128
+    sharding: str = "replicated"
+
+    def __post_init__(self):
+        if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
+            raise ValueError(f"batches must be positive integers, got {self.batches!r}")
+        for name in ("context", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (the first step compiles), got {self.warmup}")
+        need = self.context + self.warmup + self.steps
+        if self.max_seq_len is not None and self.max_seq_len < need:
+            raise ValueError(f"max_seq_len {self.max_seq_len} is below context + warmup + "
+                             f"steps = {need}")
+
+    @property
+    def seq_len(self) -> int:
+        need = self.context + self.warmup + self.steps
+        return self.max_seq_len or -(-need // 128) * 128
+
+
+def fill_slots(engine: TransformerEngine, params, context: int, seed: int = 0):
+    """A decode state with every slot holding the same `context`-token prompt."""
+    prompt = np.random.RandomState(seed).randint(3, engine.vocab_size, context).astype(np.int32)
+    prefix = None
+    chunk = engine.max_prefill_length
+    for start in range(0, context, chunk):  # long contexts prefill in chunks
+        piece = prompt[start:start + chunk]
+        prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
+    state = engine.init_decode_state()
+    for slot in range(engine.max_concurrent_decodes):
+        state = engine.insert(prefix, state, slot)
+    return state
+
+
+def time_steps(engine: TransformerEngine, params, state, *, warmup: int, steps: int):
+    """Per-step seconds of engine.generate, each blocked on; returns (times, state)."""
+    for _ in range(warmup):
+        state, res = engine.generate(params, state)
+    jax.block_until_ready(res.data)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, res = engine.generate(params, state)
+        jax.block_until_ready(res.data)
+        times.append(time.perf_counter() - t0)
+    return times, state
+
+
+def probe(cfg: DecodeBenchConfig) -> tuple[bandwidth.BandwidthResult, float]:
+    bw = bandwidth.stream_read_bandwidth(read_bytes=cfg.read_bytes, repeats=cfg.probe_repeats)
+    return bw, bandwidth.matmul_flops(cfg.dtype, size=cfg.matmul_size)
+
+
+def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
+        log=print) -> dict:
+    """Runs the benchmark; returns the JSON-ready result."""
+    devices = list(devices or jax.devices()[:1])
+    bw0, flops0 = probe(cfg)
+    log(f"bandwidth {bw0.gbps:.1f} GB/s ({bw0.method}), f32 matmul {flops0 / 1e9:.1f} GFLOP/s"
+        if cfg.dtype == "float32" else
+        f"bandwidth {bw0.gbps:.1f} GB/s ({bw0.method}), {cfg.dtype} matmul "
+        f"{flops0 / 1e9:.1f} GFLOP/s")
+    params = None
+    raw = []
+    for b in cfg.batches:
+        engine = build_engine(cfg.model, devices=devices, sharding=cfg.sharding,
+                              engine_config=EngineConfig(
+                                  max_concurrent_decodes=b, max_seq_len=cfg.seq_len,
+                                  max_prefill_length=min(512, cfg.context), dtype=cfg.dtype))
+        if params is None:
+            params = engine.load_params()
+            spec = ModelSpec.from_config(engine.model_config)
+        state = fill_slots(engine, params, cfg.context)
+        t_compile = time.perf_counter()
+        times, state = time_steps(engine, params, state, warmup=cfg.warmup, steps=cfg.steps)
+        raw.append((b, times))
+        log(f"batch {b}: median {statistics.median(times) * 1e3:.2f} ms, best "
+            f"{min(times) * 1e3:.2f} ms ({time.perf_counter() - t_compile:.1f} s with compile)")
+        del state, engine
+    bw1, flops1 = probe(cfg)
+    bw_best = max(bw0.best_bps, bw1.best_bps)
+    flops = max(flops0, flops1)
+    hw = Hardware(name="this machine", hbm_bytes=1e12, hbm_bandwidth=bw_best,
+                  flops_bf16=flops, flops_int8=flops, flops_f32=flops, ici_bandwidth=None,
+                  measured=True)
+    prec = Precision.from_dtype(cfg.dtype)
+    live = cfg.context + cfg.warmup + (cfg.steps + 1) / 2  # mean cache length while timed
+    rows = []
+    for b, times in raw:
+        fl = step_floor(spec, hw, batch=b, context=round(live), precision=prec)
+        med = statistics.median(times) * 1e3
+        rows.append({
+            "batch": b, "context": cfg.context, "step_ms": round(med, 3),
+            "step_ms_best": round(min(times) * 1e3, 3), "floor_ms": round(fl.step_ms_floor, 3),
+            "fraction_of_floor": round(fl.step_ms_floor / med, 3),
+            "memory_floor_ms": round(fl.step_ms_memory, 3),
+            "compute_floor_ms": round(fl.step_ms_compute, 3), "bound": fl.bound,
+            "tokens_per_s": round(b / med * 1e3, 1),
+        })
+    return {
+        "model": cfg.model, "dtype": cfg.dtype, "max_seq_len": cfg.seq_len,
+        "bandwidth_gbps": round(bw_best / 1e9, 2),
+        "bandwidth_probes_gbps": [round(bw0.gbps, 2), round(bw1.gbps, 2)],
+        "bandwidth_method": bw0.method if bw0.best_bps >= bw1.best_bps else bw1.method,
+        "matmul_gflops": round(flops / 1e9, 1),
+        "matmul_probes_gflops": [round(flops0 / 1e9, 1), round(flops1 / 1e9, 1)],
+        "weights_read_bytes": int(spec.read_params(1) * prec.weight_bits / 8),
+        "rows": rows,
+    }

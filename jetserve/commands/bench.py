@@ -1,0 +1,122 @@
+"""Benchmarks that print figures: decode against its floor, jetserve against transformers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+from jetserve.commands.plan import parse_batches
+
+OVERHEAD_MODULE = "jetserve.bench.orchestrator_overhead"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+
+    d = sub.add_parser("decode", help="generate-step time against the memory/compute floor")
+    d.add_argument("--model", default="random:llama-156m",
+                   help="HF or Orbax directory, or random:NAME")
+    d.add_argument("--batch", default="1,8,32")
+    d.add_argument("--context", type=int, default=192, help="live tokens in every slot")
+    d.add_argument("--steps", type=int, default=24, help="timed steps per batch")
+    d.add_argument("--warmup", type=int, default=4)
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    d.add_argument("--max-seq-len", type=int, default=None,
+                   help="default: context + warmup + steps, rounded up to 128")
+    d.add_argument("--read-gb", type=float, default=None,
+                   help="bandwidth probe size in GB (default 2 GiB)")
+    d.add_argument("--matmul-size", type=int, default=2048, help="FLOP/s probe matmul size")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(_bench=_decode)
+
+    c = sub.add_parser("compare-hf", help="jetserve vs transformers generate, same weights")
+    c.add_argument("--model", default=None,
+                   help="HF directory (default: a random llama-156m written to a temp dir)")
+    c.add_argument("--batch", default="1,32")
+    c.add_argument("--prompt-len", type=int, default=128)
+    c.add_argument("--new-tokens", type=int, default=128)
+    c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--max-seq-len", type=int, default=1024)
+    c.add_argument("--no-bf16", action="store_true", help="skip the transformers bf16 column")
+    c.add_argument("--read-gb", type=float, default=None)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(_bench=_compare_hf)
+
+    m = sub.add_parser("make-hf-model", help="write a random HF Llama of a random:NAME shape")
+    m.add_argument("--preset", default="llama-156m")
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(_bench=_make_hf_model)
+
+    if importlib.util.find_spec(OVERHEAD_MODULE) is not None:
+        o = sub.add_parser("overhead", help="orchestrator generate loop vs bare engine step",
+                           add_help=False)
+        o.add_argument("rest", nargs=argparse.REMAINDER)
+        o.set_defaults(_bench=_overhead)
+
+
+def _read_bytes(gb: float | None) -> int | None:
+    if gb is None:
+        return None
+    if not gb > 0:
+        raise ValueError(f"--read-gb must be > 0, got {gb}")
+    return int(gb * 1e9)
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from jetserve.bench import decode
+
+    cfg = decode.DecodeBenchConfig(
+        model=args.model, batches=tuple(parse_batches(args.batch)), context=args.context,
+        steps=args.steps, warmup=args.warmup, dtype=args.dtype,
+        max_seq_len=args.max_seq_len, read_bytes=_read_bytes(args.read_gb),
+        matmul_size=args.matmul_size)
+    out = decode.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"bandwidth {out['bandwidth_gbps']} GB/s (probes {out['bandwidth_probes_gbps']}), "
+          f"matmul {out['matmul_gflops']} GFLOP/s, weights read {out['weights_read_bytes'] / 1e6:.1f} MB")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'fraction':>8} "
+          f"{'bound':>7} {'tokens/s':>9}")
+    for r in out["rows"]:
+        print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
+              f"{r['fraction_of_floor']:>8.3f} {r['bound']:>7} {r['tokens_per_s']:>9.1f}")
+    return 0
+
+
+def _compare_hf(args: argparse.Namespace) -> int:
+    from jetserve.bench import compare_hf
+
+    cfg = compare_hf.CompareConfig(
+        model=args.model, batches=tuple(parse_batches(args.batch)), prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens, repeats=args.repeats, max_seq_len=args.max_seq_len,
+        bf16=not args.no_bf16, read_bytes=_read_bytes(args.read_gb))
+    out = compare_hf.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'batch':>5} {'jetserve tok/s':>15} {'hf f32 tok/s':>13} {'ratio':>6} "
+          f"{'hf bf16 tok/s':>14} {'same seqs':>9}")
+    for r in out["rows"]:
+        print(f"{r['batch']:>5} {r['jetserve_tok_s']:>15.1f} {r['hf_tok_s']:>13.1f} "
+              f"{r['ratio']:>6.2f} {r.get('hf_bf16_tok_s', float('nan')):>14.1f} "
+              f"{r['sequences_identical']:>9.2f}")
+    return 0
+
+
+def _make_hf_model(args: argparse.Namespace) -> int:
+    from jetserve.bench.hf_model import make_hf_model
+
+    print(f"wrote {make_hf_model(args.preset, args.out, seed=args.seed)}")
+    return 0
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    mod = importlib.import_module(OVERHEAD_MODULE)
+    return int(mod.main(args.rest) or 0)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args._bench(args)

@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--prefill-devices", type=int, default=None,
                       help="devices for prefill (disaggregated; with --generate-devices)")
     p.add_argument("--generate-devices", type=int, default=None,
-                   help="devices for generate, disjoint from the prefill devices")
+                   help="devices for generate, disjoint from the prefill devices "
+                        "(with --interleaved: the devices that do both)")
     p.add_argument("--prefill-sharding", default=None,
                    help="preset name or YAML path for the prefill slice (default: --sharding)")
     p.add_argument("--generate-sharding", default=None,
@@ -74,9 +75,12 @@ def build_orchestrator(args: argparse.Namespace):
     from jetserve import orchestrator
     from jetserve.orchestrator import OrchestratorConfig
 
-    disaggregated = args.prefill_devices is not None or args.generate_devices is not None
+    # --interleaved (the default) may still limit the slice with --generate-devices.
+    disaggregated = not args.interleaved and (args.prefill_devices is not None
+                                              or args.generate_devices is not None)
     if disaggregated and (args.prefill_devices is None or args.generate_devices is None):
-        raise ValueError("--prefill-devices and --generate-devices go together")
+        raise ValueError("--prefill-devices and --generate-devices go together "
+                         "(or add --interleaved to serve on the first --generate-devices)")
     default = args.sharding
     return orchestrator.build(
         args.model, interleaved=not disaggregated,

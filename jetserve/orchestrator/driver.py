@@ -54,7 +54,7 @@ from jetserve.orchestrator.prefill_worker import PrefillWorker
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
-from jetserve.request import Overloaded, Request
+from jetserve.request import Delta, Overloaded, Request
 
 
 class Orchestrator:
@@ -154,6 +154,8 @@ class Orchestrator:
         when the threads are gone end with "cancelled".
         """
         self._accepting = False
+        if self._stopping.is_set():
+            return  # stopped already
         if not self._threads:
             self._stopping.set()
             self._end_leftovers()
@@ -198,8 +200,6 @@ class Orchestrator:
             self._cancel(live)
 
     def _end_leftovers(self) -> None:
-        from jetserve.request import Delta
-
         with self._live_cond:
             lives = list(self._live.values())
         for live in lives:

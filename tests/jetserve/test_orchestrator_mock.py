@@ -252,6 +252,7 @@ def test_stop_drains_by_default(mode):
     orch.start()
     hs = [orch.submit(Request(prompt_ids=[i], max_tokens=10)) for i in range(10)]
     orch.stop()
+    orch.stop()  # a second stop is a no-op
     assert [h.result(0).token_ids for h in hs] == [expected([i], 10) for i in range(10)]
 
 

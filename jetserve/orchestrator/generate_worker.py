@@ -121,15 +121,22 @@ class GenerateWorker:
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                self._reap()
-                self._fill()
-                if self.slots.in_use == 0 or self._yield_to_prefill():
-                    self._read_pending()
-                    self.backlog.wait(self.poll_s)
-                    continue
-                self._step()
+                try:
+                    self._turn()
+                except Exception as e:  # a bug here must not end the thread silently
+                    log.exception("generate loop of engine %d failed", self.index)
+                    self._fail_all(e)
         finally:
             self._read_pending()
+
+    def _turn(self) -> None:
+        self._reap()
+        self._fill()
+        if self.slots.in_use == 0 or self._yield_to_prefill():
+            self._read_pending()
+            self.backlog.wait(self.poll_s)
+            return
+        self._step()
 
     def _yield_to_prefill(self) -> bool:
         return self.slots.has_free and len(self.backlog) == 0 and self.prefill_pending()

@@ -5,8 +5,10 @@ the start of the stream (each iterator keeps its own cursor over the list of del
 Sync readers wait on a condition variable; async readers register a future that the
 writer completes with `loop.call_soon_threadsafe`, so no thread is blocked per request.
 
-A reader that stops early (its iterator or async generator is closed before the final
-delta: a client disconnected) cancels the request, which frees its slot within one step.
+An async reader that stops early (its `stream()` generator is closed or its task
+cancelled before the final delta: the client disconnected) cancels the request, which frees
+its slot within one step. A sync iterator may be dropped and taken up again freely; sync
+callers cancel with `cancel()`.
 """
 
 from __future__ import annotations
@@ -100,20 +102,16 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[Delta]:
         i = 0
-        try:
-            while True:
-                with self._cond:
-                    while i >= len(self._deltas) and not self._done:
-                        self._cond.wait()
-                    batch = self._deltas[i:]
-                    done = self._done
-                i += len(batch)
-                yield from batch
-                if done and i >= len(self._deltas):
-                    return
-        finally:
-            if not self._done:
-                self.cancel()
+        while True:
+            with self._cond:
+                while i >= len(self._deltas) and not self._done:
+                    self._cond.wait()
+                batch = self._deltas[i:]
+                done = self._done
+            i += len(batch)
+            yield from batch
+            if done and i >= len(self._deltas):
+                return
 
     async def stream(self) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()

@@ -307,3 +307,28 @@ def test_request_validation_names_the_field():
             Request(**{"prompt_ids": [1], **kw})
     assert Request(prompt_ids=[1], max_tokens=0, prompt_logprobs=True).max_tokens == 0
     assert Request(prompt_ids=[1, 2]).prompt_ids == (1, 2)
+
+
+class _FailingStep(MockEngine):
+    fail_next = False
+
+    def generate(self, params, decode_state):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device lost")
+        return super().generate(params, decode_state)
+
+
+def test_a_failed_step_ends_its_batch_and_the_engine_goes_on():
+    eng = _FailingStep(devices=jax.devices()[:1], max_concurrent_decodes=2, step_delay_s=0.002)
+    with Orchestrator.from_engines(eng) as orch:
+        hs = [orch.submit(Request(prompt_ids=[i], max_tokens=100)) for i in (1, 2)]
+        for h in hs:
+            next(iter(h))
+        eng.fail_next = True
+        rs = [h.result(10) for h in hs]
+        after = orch.submit(Request(prompt_ids=[7], max_tokens=5)).result(10)
+    for i, r in zip((1, 2), rs, strict=True):
+        assert (r.finish_reason, r.error) == ("error", "RuntimeError: device lost")
+        assert r.token_ids == expected([i], len(r.token_ids))
+    assert after.token_ids == expected([7], 5) and after.finish_reason == "length"

@@ -8,6 +8,9 @@ with the new tokens; the new text is the difference. Text is held back while it 
 U+FFFD (a character whose bytes are split across tokens), so concatenating everything
 emitted, plus `flush()` at the end, equals decoding all the tokens at once.
 
+A tokenizer whose tokens are bytes (`id_to_bytes`, the byte tokenizer of random models)
+takes a shortcut with the same result: Python's incremental UTF-8 decoder.
+
 Decoding is seeded with the tail of the prompt, so a sentencepiece piece's leading space
 is kept ("is" + "▁Paris" streams " Paris"): prompt text + streamed text == decode(prompt +
 generated tokens).
@@ -18,6 +21,7 @@ text before the first stop string found; the stop string itself is never emitted
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 REPLACEMENT = "\ufffd"
@@ -65,6 +69,28 @@ class IncrementalDetokenizer:
         return out
 
 
+class ByteDetokenizer:
+    """For tokenizers whose token i is a byte string: incremental UTF-8 with replacement,
+    which holds back a split character exactly as decoding everything at once would."""
+
+    def __init__(self, tokenizer):
+        self._bytes = tokenizer.id_to_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._utf8.decode(self._bytes(int(token)))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def make_detokenizer(tokenizer, context_ids: Sequence[int] = ()):
+    """The detokenizer for this tokenizer (context is irrelevant for byte tokens)."""
+    if hasattr(tokenizer, "id_to_bytes"):
+        return ByteDetokenizer(tokenizer)
+    return IncrementalDetokenizer(tokenizer, context_ids)
+
+
 class StopStrings:
     """Holds back possible stop-string prefixes; finds the first stop string."""
 
@@ -109,7 +135,7 @@ class TextStream:
     """Detokenizer plus stop strings for one request: what the stream emits as text."""
 
     def __init__(self, tokenizer, context_ids: Sequence[int], stop_strings: Sequence[str]):
-        self._detok = IncrementalDetokenizer(tokenizer, context_ids) if tokenizer else None
+        self._detok = make_detokenizer(tokenizer, context_ids) if tokenizer else None
         self._stops = StopStrings(stop_strings)
 
     def push(self, token: int) -> tuple[str, str | None]:

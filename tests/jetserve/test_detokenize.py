@@ -17,6 +17,7 @@ from engines.mock_engine import ByteTokenizer
 from jetserve.orchestrator.detokenize import (
     REPLACEMENT,
     IncrementalDetokenizer,
+    make_detokenizer,
     StopStrings,
     TextStream,
 )
@@ -86,7 +87,7 @@ unicode_text = st.lists(
 
 
 def stream(tok, ids, context=()):
-    d = IncrementalDetokenizer(tok, context)
+    d = make_detokenizer(tok, context)
     chunks = [d.push(t) for t in ids]
     chunks.append(d.flush())
     return chunks
@@ -152,10 +153,22 @@ def test_stop_string_spanning_tokens_is_cut_and_never_emitted(kind, text, data):
 # ---- examples ---------------------------------------------------------------------------
 
 
-def test_byte_tokens_of_an_emoji_wait_for_the_last_byte():
+@pytest.mark.parametrize("make", [make_detokenizer, IncrementalDetokenizer])
+def test_byte_tokens_of_an_emoji_wait_for_the_last_byte(make):
     tok = ByteTokenizer()
-    ids = list("a😀b".encode())
-    assert stream(tok, ids) == ["a", "", "", "", "😀", "b", ""]
+    d = make(tok)
+    chunks = [d.push(t) for t in "a😀b".encode()] + [d.flush()]
+    assert chunks == ["a", "", "", "", "😀", "b", ""]
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=30))
+def test_byte_shortcut_equals_the_window_method_on_any_bytes(data):
+    tok = ByteTokenizer()
+    fast, slow = make_detokenizer(tok), IncrementalDetokenizer(tok)
+    a = [fast.push(b) for b in data] + [fast.flush()]
+    b = [slow.push(b) for b in data] + [slow.flush()]
+    assert "".join(a) == "".join(b) == tok.decode(list(data))
 
 
 def test_sentencepiece_continuation_keeps_its_leading_space():

@@ -198,10 +198,10 @@ class _FailingPrefill(MockEngine):
 
 
 class _FailingTokenizer(ByteTokenizer):
-    def decode(self, ids):
-        if 99 in ids:
+    def id_to_bytes(self, i):
+        if i == 99:
             raise UnicodeError("cannot decode 99")
-        return super().decode(ids)
+        return super().id_to_bytes(i)
 
 
 def test_an_exception_ends_only_its_request():

@@ -1,8 +1,8 @@
-"""Prefill on one slice, generate on another with another layout, the same tokens as one engine.
+"""Prefill on one slice, generate on another with another layout: the same tokens as one engine.
 
-The orchestrator's transfer thread does `jax.device_put(prefix,
-engine_g.prefix_destination_sharding())`; here the engine calls are made directly, so a
-layout mismatch between the slices shows up without threads in the way.
+The prefix crosses slices by `jax.device_put(prefix, engine_g.prefix_destination_sharding())`:
+first called here directly (a layout mismatch shows up without threads in the way), then
+through the orchestrator's transfer thread on the same engines (nothing recompiles).
 """
 
 from __future__ import annotations
@@ -10,15 +10,33 @@ from __future__ import annotations
 import jax
 import pytest
 
+from jetserve.orchestrator import Orchestrator, Request
 from tests.sharding import families
 
+CASES = {
+    # Same logical layout on disjoint devices (model 4 on both).
+    "llama3-tp-to-tp_kv_batch": ("llama3", "tp", "tp_kv_batch"),
+    # A real reshard: seq 2 x model 2 -> data 2 x model 2 (two kv heads).
+    "mistral-seq_tp-to-tp_kv_batch": ("mistral", "seq_tp", "tp_kv_batch"),
+}
 
-def disaggregated_tokens(family: str, prefill_preset: str, generate_preset: str):
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def slices(request):
+    family, prefill_preset, generate_preset = CASES[request.param]
     devices = jax.devices()
     pe = families.make_engine(family, prefill_preset, devices[:4])
     ge = families.make_engine(family, generate_preset, devices[4:8])
     host = families.host_params(pe)
-    pp, gp = families.place(pe, host), families.place(ge, host)
+    return family, pe, ge, families.place(pe, host), families.place(ge, host)
+
+
+def test_engine_level_transfer(slices, reference_tokens):
+    family, pe, ge, pp, gp = slices
+    if family == "mistral":
+        assert dict(pe.mesh.shape) == {"seq": 2, "model": 2}
+        assert dict(ge.mesh.shape) == {"data": 2, "model": 2}
+    devices = jax.devices()
     state = ge.init_decode_state()
     dest = ge.prefix_destination_sharding()
     tokens = []
@@ -35,19 +53,19 @@ def disaggregated_tokens(family: str, prefill_preset: str, generate_preset: str)
         h = res.to_host()
         for slot in range(len(families.PROMPTS)):
             tokens[slot].append(h.token(slot))
-    return tokens, pe, ge
-
-
-@pytest.mark.parametrize("family,prefill_preset,generate_preset", [
-    # Same logical layout on disjoint devices (model 4 on both).
-    ("llama3", "tp", "tp_kv_batch"),
-    # A real reshard: seq 2 x model 2 -> data 2 x model 2 (two kv heads).
-    ("mistral", "seq_tp", "tp_kv_batch"),
-])
-def test_prefill_slice_to_generate_slice(family, prefill_preset, generate_preset,
-                                         reference_tokens):
-    tokens, pe, ge = disaggregated_tokens(family, prefill_preset, generate_preset)
-    if family == "mistral":
-        assert dict(pe.mesh.shape) == {"seq": 2, "model": 2}
-        assert dict(ge.mesh.shape) == {"data": 2, "model": 2}
     assert tokens == reference_tokens(family)
+
+
+def test_through_the_orchestrator(slices, reference_tokens):
+    family, pe, ge, pp, gp = slices
+    orch = Orchestrator(prefill_engines=[pe], generate_engines=[ge],
+                        prefill_params=[pp], generate_params=[gp])
+    orch.start()
+    try:
+        handles = [orch.submit(Request(prompt_ids=tuple(p), max_tokens=families.MAX_TOKENS,
+                                       ignore_eos=True)) for p in families.PROMPTS]
+        tokens = [list(h.result(120).token_ids) for h in handles]
+    finally:
+        orch.stop()
+    assert tokens == reference_tokens(family)
+    assert pe.trace_counts()["prefill"] == 1 and ge.trace_counts()["generate"] == 1

@@ -14,6 +14,7 @@ COMMANDS = {
     "shard-report": "jetserve.commands.shard_report",
     "plan": "jetserve.commands.plan",
     "bench": "jetserve.commands.bench",
+    "batch": "jetserve.commands.batch",
 }
 
 

@@ -1,0 +1,208 @@
+"""One input row (a JSON object) -> a validated job, or a RowError naming the problem.
+
+Plain functions of a `ModelLimits` snapshot (jetserve.server.validation), so the batch
+reader checks fields exactly as the servers do. Two kinds of rows:
+
+- generation: `{"id", "prompt" | "prompt_ids" | "messages", "max_tokens", sampling
+  fields, "stop", "stop_token_ids", "ignore_eos", "logprobs"}` -> `GenerateJob`
+- scoring: `{"id", "context" | "context_ids", "continuation" | "continuation_ids"}`
+  -> `ScoreJob` (the continuation's summed log-likelihood and whether it is greedy)
+
+Either kind may carry `"metadata"` (any JSON), copied to its output row untouched; any
+other field is an error (a misspelt "temprature" would otherwise sample greedily).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jetserve.request import Request
+from jetserve.server import chat_template
+from jetserve.server import validation as v
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty", "seed")
+GENERATE_FIELDS = frozenset(("id", "prompt", "prompt_ids", "messages", "max_tokens", "stop",
+                             "stop_token_ids", "ignore_eos", "logprobs", "metadata",
+                             *SAMPLING_FIELDS))
+SCORE_FIELDS = frozenset(("id", "context", "context_ids", "continuation",
+                          "continuation_ids", "metadata"))
+PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
+
+
+class RowError(ValueError):
+    """A row that cannot run; its message names the field and the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateJob:
+    id: Any
+    request: Request
+    metadata: Any = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def work(self) -> int:
+        """Tokens the job may touch: what orders the queue."""
+        return len(self.request.prompt_ids) + self.request.max_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreJob:
+    id: Any
+    request: Request  # prompt = context + continuation, max_tokens 0, prompt log-probs
+    context_len: int
+    metadata: Any = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def work(self) -> int:
+        return len(self.request.prompt_ids)
+
+
+Job = GenerateJob | ScoreJob
+
+
+def row_id(obj: Any) -> Any:
+    """The row's id (a string or an integer), or raises RowError."""
+    if not isinstance(obj, dict):
+        raise RowError(f"a row must be a JSON object, got {type(obj).__name__}")
+    if "id" not in obj:
+        raise RowError('the row has no "id"; give each row a unique string or integer id')
+    rid = obj["id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        raise RowError(f'"id" must be a non-empty string or an integer, got {rid!r}')
+    return rid
+
+
+def id_key(rid: Any) -> str:
+    """A canonical string for an id (1 and "1" stay distinct)."""
+    return json.dumps(rid)
+
+
+def parse_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RowError(f"the line is not valid JSON: {e.msg} at column {e.colno}") from None
+
+
+def build_job(obj: dict, limits: v.ModelLimits, *, default_max_tokens: int) -> Job:
+    """The job for a parsed row (its id already checked by `row_id`)."""
+    try:
+        if any(k in obj for k in ("context", "context_ids", "continuation",
+                                  "continuation_ids")):
+            return _score_job(obj, limits)
+        return _generate_job(obj, limits, default_max_tokens)
+    except v.InvalidArgument as e:
+        raise RowError(e.message) from None
+    except ValueError as e:  # Request / SamplingParams validation
+        raise RowError(str(e)) from None
+
+
+def _unknown(obj: dict, allowed: frozenset, kind: str) -> None:
+    extra = sorted(k for k in obj if k not in allowed)
+    if extra:
+        raise RowError(f"unknown field(s) {extra} in a {kind} row; expected some of "
+                       f"{sorted(allowed)} (put your own data under \"metadata\")")
+
+
+def _exactly_one(obj: dict, names: tuple[str, ...], what: str) -> str:
+    given = [n for n in names if n in obj]
+    if len(given) != 1:
+        got = f"got {given}" if given else "got none"
+        raise RowError(f"give exactly one of {list(names)} as the {what}, {got}")
+    return given[0]
+
+
+def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int) -> GenerateJob:
+    _unknown(obj, GENERATE_FIELDS, "generation")
+    kind = _exactly_one(obj, PROMPT_FIELDS, "prompt")
+    if kind == "prompt":
+        ids = v.encode_text(limits, obj["prompt"], "prompt", add_bos=None)
+    elif kind == "prompt_ids":
+        ids = v.check_token_ids(limits, obj["prompt_ids"], "prompt_ids")
+    else:
+        ids = chat_template.chat_prompt_ids(limits, obj["messages"])
+    v.check_prompt_length(limits, ids, kind)
+    max_tokens = v.check_max_tokens(limits, obj.get("max_tokens", default_max_tokens), len(ids))
+    sampling = v.sampling_params(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
+    logprobs = _logprobs(obj.get("logprobs"), limits)
+    ignore_eos = obj.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise RowError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+    stops = v.check_stop(obj.get("stop"))
+    if stops and limits.tokenizer is None:
+        raise RowError("stop: this model has no tokenizer, so stop strings cannot be "
+                       "matched; use stop_token_ids")
+    req = Request(prompt_ids=tuple(ids), sampling=sampling, max_tokens=max_tokens,
+                  stop_strings=stops,
+                  stop_token_ids=v.check_stop_token_ids(limits, obj.get("stop_token_ids")),
+                  ignore_eos=ignore_eos, logprobs=logprobs)
+    return GenerateJob(id=obj["id"], request=req, metadata=obj.get("metadata"))
+
+
+def _logprobs(value: Any, limits: v.ModelLimits) -> int | None:
+    """None / false: none; true: the chosen token's; n: plus the top-n alternatives."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return 0
+    return v.check_logprobs(limits, value)
+
+
+def _score_job(obj: dict, limits: v.ModelLimits) -> ScoreJob:
+    _unknown(obj, SCORE_FIELDS, "scoring")
+    ck = _exactly_one(obj, ("context", "context_ids"), "context")
+    nk = _exactly_one(obj, ("continuation", "continuation_ids"), "continuation")
+    if ck == "context" and nk == "continuation":
+        ctx, cont = _split_text(limits, obj["context"], obj["continuation"])
+    else:
+        ctx = (_context_text(limits, obj["context"]) if ck == "context"
+               else v.check_token_ids(limits, obj["context_ids"], "context_ids"))
+        cont = (v.encode_text(limits, obj["continuation"], "continuation", add_bos=False)
+                if nk == "continuation"
+                else v.check_token_ids(limits, obj["continuation_ids"], "continuation_ids"))
+    ids = ctx + cont
+    cap = min(limits.max_prefill_length, limits.max_seq_len)
+    if len(ids) > cap:
+        raise RowError(f"context + continuation have {len(ids)} tokens ({len(ctx)} + "
+                       f"{len(cont)}); this model scores at most {cap}")
+    # logprobs=1: the top alternative at each position tells whether the token is greedy.
+    req = Request(prompt_ids=tuple(ids), max_tokens=0, prompt_logprobs=True,
+                  logprobs=min(1, limits.top_logprobs))
+    return ScoreJob(id=obj["id"], request=req, context_len=len(ctx),
+                    metadata=obj.get("metadata"))
+
+
+def _split_text(limits: v.ModelLimits, context: Any, continuation: Any
+                ) -> tuple[list[int], list[int]]:
+    """Context and continuation tokenized separately, then joined, as evaluation harnesses
+    do: whitespace ending the context moves to the continuation (so " Paris" keeps its
+    space), and an empty context scores the continuation after BOS alone."""
+    for name, val in (("context", context), ("continuation", continuation)):
+        if not isinstance(val, str):
+            raise RowError(f"{name} must be a string, got {type(val).__name__}")
+    stripped = context.rstrip()
+    if len(stripped) < len(context):
+        continuation = context[len(stripped):] + continuation
+        context = stripped
+    return (_context_text(limits, context),
+            v.encode_text(limits, continuation, "continuation", add_bos=False))
+
+
+def _context_text(limits: v.ModelLimits, context: Any) -> list[int]:
+    if context == "" and limits.bos_id is not None:
+        return [limits.bos_id]
+    ids = v.encode_text(limits, context, "context", add_bos=None)
+    if not ids:
+        raise RowError("context tokenized to nothing; give a longer context or context_ids")
+    return ids

@@ -1,0 +1,202 @@
+"""A batch job from input file to output file: what to run, in what order, and the record.
+
+`run_job` owns the job's bookkeeping and leaves the device work to an executor (a function
+that takes an iterator of jobs and calls `emit` with finished rows):
+`orchestrated.execute` (one process: the threaded orchestrator at full occupancy) or
+`lockstep.execute` (one model sharded over several processes). Both write through the
+same `Journal`, so resume and exactly-once hold whichever ran.
+
+Order: the rows still to run are read a window at a time (`window` rows: bounded memory
+for inputs of millions of rows), tokenized, and sorted by prompt-length bucket, longest
+first. The engine pads each prompt to a power-of-two bucket, so a window's prompts of one
+bucket run back to back (one compiled prefill, no padding beyond the bucket), and the
+longest jobs start first, so the end of the job is not a few long rows on an idle batch.
+Results are written as they complete; `jetserve batch --merge` (or sorting by input
+line) restores input order.
+
+Threads: everything here runs on the caller's thread; the orchestrated executor's
+orchestrator has its own (see jetserve/orchestrator/driver.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from jetserve.batch import inputs
+from jetserve.batch.journal import Journal
+from jetserve.batch.rows import Job, RowError, build_job, parse_line
+from jetserve.server.validation import ModelLimits
+
+Emit = Callable[[list[tuple[Job | None, dict]]], None]
+Executor = Callable[[Iterator[Job], Emit], None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """Args:
+      input / output: the JSONL files (output: the file this process writes).
+      resume: continue an existing output file (skip the ids it holds).
+      process_id / num_processes: this process's share of the rows (by id hash).
+      default_max_tokens: max_tokens of rows that give none.
+      window: rows tokenized and ordered at a time.
+      progress: draw a progress bar on stderr.
+      primary: this process writes the output (False: a lock-step helper process).
+    """
+
+    input: str
+    output: str
+    resume: bool = False
+    process_id: int = 0
+    num_processes: int = 1
+    default_max_tokens: int = 16
+    window: int = 4096
+    progress: bool = True
+    primary: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.num_processes, int) or self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes!r}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), "
+                             f"got {self.process_id!r}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+
+@dataclasses.dataclass
+class Summary:
+    rows: int = 0  # rows this process owns
+    resumed: int = 0  # already in the output before this run
+    ok: int = 0
+    failed: int = 0  # in this run
+    failed_before: int = 0  # error rows already in the output
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        t = self.prompt_tokens + self.completion_tokens
+        return t / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def all_ok(self) -> bool:
+        return self.failed == 0 and self.failed_before == 0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["wall_s"] = round(self.wall_s, 3)
+        d["tokens_per_s"] = round(self.tokens_per_s, 1)
+        d["total_tokens_per_s"] = round(self.total_tokens_per_s, 1)
+        return d
+
+    def line(self) -> str:
+        before = f", {self.failed_before} failed earlier" if self.failed_before else ""
+        return (f"batch: {self.rows} rows ({self.resumed} done before this run, {self.ok} ok, "
+                f"{self.failed} failed{before}); tokens in {self.prompt_tokens}, out "
+                f"{self.completion_tokens}; wall {self.wall_s:.1f} s; "
+                f"{self.tokens_per_s:.1f} tokens/s out, {self.total_tokens_per_s:.1f} "
+                "tokens/s in+out")
+
+
+def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor,
+            done_keys: Callable[[list[inputs.Entry], dict[str, bool]], dict[str, bool]]
+            | None = None) -> Summary:
+    """Runs the rows of cfg.input this process owns that cfg.output does not hold yet.
+
+    done_keys(entries, done) -> done lets lock-step processes agree on process 0's view
+    of the output (only process 0 reads it).
+    """
+    t0 = time.monotonic()
+    entries = inputs.mine(inputs.scan(cfg.input), cfg.process_id, cfg.num_processes)
+    journal = Journal(cfg.output, resume=cfg.resume) if cfg.primary else None
+    done = journal.done if journal else {}
+    if journal and journal.torn_bytes:
+        print(f"jetserve batch: removed a torn last line ({journal.torn_bytes} bytes) from "
+              f"{cfg.output}", file=sys.stderr)
+    if done_keys is not None:
+        done = done_keys(entries, done)
+    s = Summary(rows=len(entries))
+    todo = [e for e in entries if e.key not in done]
+    s.resumed = len(entries) - len(todo)
+    s.failed_before = sum(1 for e in entries if done.get(e.key) is False)
+    bar = _progress(cfg, len(todo))
+
+    def emit(items: list[tuple[Job | None, dict]]) -> None:
+        for job, row in items:
+            if "error" in row:
+                s.failed += 1
+            else:
+                s.ok += 1
+                s.prompt_tokens += job.prompt_len if job else 0
+                s.completion_tokens += len(row.get("token_ids", ()))
+        if journal:
+            journal.append(row for _, row in items)
+        if bar is not None:
+            bar.update(len(items))
+            elapsed = max(time.monotonic() - t0, 1e-9)
+            bar.set_postfix_str(f"{s.completion_tokens / elapsed:.0f} tok/s", refresh=False)
+
+    try:
+        emit([(None, e.error_row()) for e in todo if e.error is not None])
+        runnable = [e for e in todo if e.error is None]
+        execute(_jobs(cfg, limits, runnable, emit), emit)
+    finally:
+        if bar is not None:
+            bar.close()
+        if journal:
+            journal.close()
+    s.wall_s = time.monotonic() - t0
+    return s
+
+
+def _jobs(cfg: BatchConfig, limits: ModelLimits, entries: list[inputs.Entry],
+          emit: Emit) -> Iterator[Job]:
+    """Jobs of the given entries, a window at a time, each window in run order; rows that
+    fail validation are emitted as error rows on the way."""
+    by_line = {e.line: e for e in entries}
+    window: list[tuple[int, Job]] = []
+    for n, text in inputs.read_lines(cfg.input, by_line):
+        entry = by_line[n]
+        try:
+            job = build_job(parse_line(text), limits, default_max_tokens=cfg.default_max_tokens)
+        except RowError as e:
+            emit([(None, entry.error_row(f"line {n}: {e}"))])
+            continue
+        window.append((n, job))
+        if len(window) >= cfg.window:
+            yield from _ordered(window)
+            window = []
+    yield from _ordered(window)
+
+
+def _ordered(window: list[tuple[int, Job]]) -> Iterator[Job]:
+    def key(item: tuple[int, Job]):
+        n, job = item
+        return (-_bucket(job.prompt_len), -job.work, n)
+
+    for _, job in sorted(window, key=key):
+        yield job
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _progress(cfg: BatchConfig, total: int):
+    if not cfg.progress or not cfg.primary:
+        return None
+    from tqdm import tqdm
+
+    # ETA comes from tqdm's smoothed rate of rows; tokens/s is the job's average so far.
+    return tqdm(total=total, unit="row", desc="batch", file=sys.stderr, mininterval=0.5,
+                dynamic_ncols=True)

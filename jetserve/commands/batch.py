@@ -1,0 +1,162 @@
+"""Run a JSONL file of generation and scoring rows; resumable; one host or many.
+
+Input rows (one JSON object a line), each with a unique "id":
+  generation: "prompt" | "prompt_ids" | "messages" (chat template), "max_tokens",
+    "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos",
+    "logprobs" (true, or n for the top-n alternatives too)
+  scoring: "context" | "context_ids" and "continuation" | "continuation_ids": the
+    continuation's summed log-likelihood, whether greedy decoding would produce it
+  either may carry "metadata", copied to the output row.
+Output rows (appended and fsync'd as each finishes, in completion order): "id" with
+"text", "token_ids", "finish_reason", "logprobs", "ttft", "latency"; or "logprob",
+"is_greedy", "num_tokens"; or "error" naming what is wrong with the row.
+
+--resume continues a killed job: rows already in --output are skipped (a torn last line
+is removed), so every id ends up there exactly once.
+
+Several hosts: without --coordinator, --num-processes N --process-id I runs the rows
+whose id hashes to I and writes OUTPUT.part-I-of-N; then `--merge --num-processes N`
+joins the parts into OUTPUT in input order. With --coordinator, the N processes share one
+model sharded over all their devices and process 0 writes OUTPUT.
+
+Exit status: 0 when every row succeeded, 1 when any row is an error row (including ones
+written by an earlier run of a resumed job), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jetserve import distributed
+from jetserve.commands.common import add_model_arguments, engine_config
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_model_arguments(p)
+    p.add_argument("--input", required=True, help="JSONL file of rows")
+    p.add_argument("--output", required=True,
+                   help="JSONL results (with --num-processes and no --coordinator: the "
+                        "prefix of this process's part file)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an existing --output, skipping the ids it holds")
+    p.add_argument("--merge", action="store_true",
+                   help="join OUTPUT.part-I-of-N (I < --num-processes) into OUTPUT in "
+                        "input order, then exit")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens of rows that give none")
+    p.add_argument("--max-queued", type=int, default=None,
+                   help="admission bound: jobs submitted ahead of a free slot "
+                        "(default: 4 x --max-concurrent-decodes, at least 32)")
+    p.add_argument("--window", type=int, default=4096,
+                   help="rows read, tokenized and ordered at a time")
+    p.add_argument("--summary", default=None, metavar="PATH",
+                   help="also write the end-of-job summary here as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    distributed.add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return _merge(args)
+    from jetserve.batch.journal import part_path
+    from jetserve.batch.runner import BatchConfig
+
+    independent = args.coordinator is None and (
+        args.num_processes is not None or args.process_id is not None)
+    n_proc, proc = 1, 0
+    if independent:
+        n_proc, proc = _independent_share(args)
+    # Before anything touches a device: join the other processes (--coordinator only).
+    shared = argparse.Namespace(**vars(args))
+    if independent:
+        shared.num_processes = shared.process_id = None
+    devices = distributed.setup(shared)
+
+    import jax
+
+    lock_step = jax.process_count() > 1
+    output = part_path(args.output, proc, n_proc) if independent else args.output
+    cfg = BatchConfig(input=args.input, output=output, resume=args.resume,
+                      process_id=proc, num_processes=n_proc,
+                      default_max_tokens=args.max_tokens, window=args.window,
+                      progress=not args.no_progress, primary=distributed.is_primary())
+    summary = _run_lock_step(args, cfg, devices) if lock_step else _run_orchestrated(
+        args, cfg, devices)
+    if not cfg.primary:
+        return 0
+    print(summary.line(), file=sys.stderr)
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump({"output": output, **summary.as_dict()}, f, indent=1)
+    return 0 if summary.all_ok else 1
+
+
+def _independent_share(args: argparse.Namespace) -> tuple[int, int]:
+    n, i = args.num_processes, args.process_id
+    if n is None or i is None:
+        raise ValueError("--num-processes and --process-id go together (without "
+                         "--coordinator each process runs its own share of the rows)")
+    if n < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {n}")
+    if not 0 <= i < n:
+        raise ValueError(f"--process-id must be in [0, {n}), got {i}")
+    return n, i
+
+
+def _engine(args, devices):
+    from jetserve.model_loading import build_engine
+
+    return build_engine(args.model, sharding=args.sharding, devices=devices,
+                        engine_config=engine_config(args))
+
+
+def _limits(engine):
+    from jetserve.server.validation import ModelLimits
+
+    return ModelLimits.from_orchestrator(engine)  # an engine answers the same properties
+
+
+def _run_orchestrated(args, cfg, devices):
+    from jetserve.batch import orchestrated
+    from jetserve.batch.runner import run_job
+    from jetserve.orchestrator import Orchestrator, OrchestratorConfig
+
+    if args.max_queued is not None and args.max_queued < 1:
+        raise ValueError(f"--max-queued must be >= 1, got {args.max_queued}")
+    engine = _engine(args, devices)
+    queued = args.max_queued or max(32, 4 * engine.max_concurrent_decodes)
+    orch = Orchestrator.from_engines(engine, config=OrchestratorConfig(
+        max_queued_requests=queued))
+    with orch:
+        return run_job(cfg, _limits(engine),
+                       lambda jobs, emit: orchestrated.execute(orch, jobs, emit))
+
+
+def _run_lock_step(args, cfg, devices):
+    from jetserve.batch import lockstep
+    from jetserve.batch.runner import run_job
+
+    engine = _engine(args, devices)
+    params = engine.load_params()
+    chunk = max(1, args.max_queued or 4 * engine.max_concurrent_decodes)
+    return run_job(cfg, _limits(engine),
+                   lambda jobs, emit: lockstep.execute(engine, params, jobs, emit, chunk=chunk),
+                   done_keys=lockstep.agree_on_done)
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from jetserve.batch.merge import merge
+
+    if args.num_processes is None:
+        raise ValueError("--merge needs --num-processes N (the parts to join)")
+    rows, errors = merge(args.input, args.output, args.num_processes)
+    print(f"batch merge: {rows} rows ({errors} errors) from {args.num_processes} parts "
+          f"into {args.output}", file=sys.stderr)
+    return 0 if errors == 0 else 1

@@ -1,0 +1,162 @@
+"""`jetserve batch` as users run it: real subprocesses on the random tiny model.
+
+One uninterrupted run is the reference. A second run is SIGKILLed part-way (a torn last
+line is added, as a kill during a write leaves), then resumed: every id is in the output
+exactly once and every row equals the reference's. Two independent processes
+(`--num-processes 2 --process-id I`) write parts that `--merge` joins, in input order,
+into the reference's rows. Timing fields differ between runs and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jetserve.batch.journal import part_path, read_rows
+
+pytestmark = pytest.mark.slow  # about 2 minutes of subprocesses on 2 busy cores
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+MODEL_ARGS = ["--model", "random:tiny", "--max-seq-len", "64", "--max-concurrent-decodes",
+              "4", "--devices", "1", "--max-tokens", "12"]
+TIMING = ("ttft", "latency")
+BAD_LINES = 2
+
+
+def input_lines() -> list[str]:
+    rng = np.random.default_rng(0)
+    rows = [{"id": f"g{i}", "prompt_ids": rng.integers(1, 256, size=int(n)).tolist()}
+            for i, n in enumerate(rng.integers(2, 40, size=40))]
+    rows[3]["max_tokens"] = 20
+    rows[5].update(logprobs=2)
+    rows += [{"id": 100 + i, "prompt": p, "temperature": 0.9, "seed": i}
+             for i, p in enumerate(["Once upon a time", "The answer is"])]
+    rows += [{"id": f"s{i}", "context": c, "continuation": x, "metadata": {"q": i}}
+             for i, (c, x) in enumerate([("The capital of France is", " Paris"),
+                                         ("2 + 2 =", " 4"), ("abc", "def"), ("x ", "y")])]
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(7, '{"id": "broken", "prompt": ')  # not JSON
+    lines.insert(20, json.dumps({"id": "typo", "prompt": "hi", "temprature": 1.0}))
+    return lines
+
+
+def batch(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jetserve", "batch", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen) -> tuple[int, str]:
+    _, err = p.communicate(timeout=600)
+    return p.returncode, err
+
+
+def without_timing(rows: list[dict]) -> dict:
+    """id (or line, for rows without a usable id) -> row without its timing fields."""
+    return {json.dumps(r["line"] if "line" in r else r["id"]):
+            {k: v for k, v in r.items() if k not in TIMING} for r in rows}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batch")
+    inp = d / "in.jsonl"
+    lines = input_lines()
+    inp.write_text("\n".join(lines) + "\n")
+    out, summary = d / "ref.jsonl", d / "summary.json"
+    rc, err = finish(batch("--input", str(inp), "--output", str(out), "--summary",
+                           str(summary), *MODEL_ARGS))
+    return dict(dir=d, input=str(inp), n=len(lines), rc=rc, err=err, rows=read_rows(out),
+                summary=json.loads(summary.read_text()))
+
+
+def test_uninterrupted_run(job):
+    rows, err = job["rows"], job["err"]
+    assert job["rc"] == 1, err  # the two bad rows fail the job; the rest ran
+    assert len(rows) == job["n"] == len(without_timing(rows))
+    errors = {r["id"]: r["error"] for r in rows if "error" in r}
+    assert len(errors) == BAD_LINES
+    assert "line 8: the line is not valid JSON" in errors[None]
+    assert "unknown field(s) ['temprature']" in errors["typo"]
+    by_id = {r["id"]: r for r in rows}
+    for i in range(40):
+        r = by_id[f"g{i}"]
+        assert r["finish_reason"] in ("stop", "length") and r["text"] is not None
+        assert 1 <= r["completion_tokens"] == len(r["token_ids"]) <= (20 if i == 3 else 12)
+        assert r["ttft"] <= r["latency"]
+    assert len(by_id["g5"]["logprobs"]) == len(by_id["g5"]["top_logprobs"]) == len(
+        by_id["g5"]["token_ids"])
+    assert "logprobs" not in by_id["g4"]
+    s0 = by_id["s0"]
+    assert s0["num_tokens"] == 6 and s0["logprob"] < 0 and s0["metadata"] == {"q": 0}
+    assert isinstance(s0["is_greedy"], bool)
+    # Progress bar (requests, tokens/s, ETA) and the summary on stderr, and as JSON.
+    assert "tok/s" in err and "<00:00" in err
+    s = job["summary"]
+    assert (s["rows"], s["ok"], s["failed"], s["resumed"]) == (job["n"], job["n"] - 2, 2, 0)
+    assert s["completion_tokens"] == sum(len(r.get("token_ids", ())) for r in rows)
+    assert s["tokens_per_s"] > 0 and f"tokens in {s['prompt_tokens']}" in err
+
+
+def test_sigkill_then_resume_gives_every_id_once_as_uninterrupted(job):
+    out = job["dir"] / "killed.jsonl"
+    p = batch("--input", job["input"], "--output", str(out), "--no-progress", *MODEL_ARGS)
+    try:
+        while p.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= BAD_LINES + 10:
+                p.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGKILL
+    written = len(read_rows(str(out)))
+    assert BAD_LINES + 10 <= written < job["n"]  # killed part-way
+    with open(out, "ab") as f:  # a kill in the middle of a write leaves a torn line
+        f.write(b'{"id": "g1", "text": "tor')
+
+    with pytest.raises(subprocess.CalledProcessError):  # no --resume: refuses to overwrite
+        subprocess.run([sys.executable, "-m", "jetserve", "batch", "--input", job["input"],
+                        "--output", str(out), *MODEL_ARGS], cwd=ROOT, check=True,
+                       capture_output=True)
+    rc, err = finish(batch("--input", job["input"], "--output", str(out), "--resume",
+                           "--no-progress", *MODEL_ARGS))
+    assert rc == 1, err
+    assert "removed a torn last line" in err
+    assert f"({written} done before this run" in err
+    rows = read_rows(str(out))
+    assert len(rows) == job["n"]  # every id exactly once
+    assert without_timing(rows) == without_timing(job["rows"])
+
+
+def test_two_processes_merged_equal_one(job):
+    out = str(job["dir"] / "two.jsonl")
+    procs = [batch("--input", job["input"], "--output", out, "--num-processes", "2",
+                   "--process-id", str(i), "--no-progress", *MODEL_ARGS) for i in range(2)]
+    results = [finish(p) for p in procs]
+    parts = [read_rows(part_path(out, i, 2)) for i in range(2)]
+    assert all(parts) and sum(map(len, parts)) == job["n"]
+    assert [rc for rc, _ in results] == [1 if any("error" in r for r in part) else 0
+                                         for part in parts], results
+    rc, err = finish(batch("--merge", "--input", job["input"], "--output", out,
+                           "--num-processes", "2"))
+    assert rc == 1 and f"{job['n']} rows (2 errors) from 2 parts" in err
+    merged = read_rows(out)
+    assert without_timing(merged) == without_timing(job["rows"])
+    ids = [json.dumps(r["line"] if "line" in r else r["id"]) for r in merged]
+    want = []
+    for n, line in enumerate(input_lines(), 1):
+        try:
+            want.append(json.dumps(json.loads(line)["id"]))
+        except json.JSONDecodeError:
+            want.append(json.dumps(n))
+    assert ids == want  # input order

@@ -155,6 +155,12 @@ class Engine(abc.ABC):
         """Returns the slot's resources (pages); a contiguous cache needs nothing."""
         del slot
 
+    @property
+    def kv_pages(self) -> Any | None:
+        """A paged engine's page bookkeeping (engines.page_pool.SlotPages), which the
+        scheduler reads to admit by free pages and to preempt; None when contiguous."""
+        return None
+
     @abc.abstractmethod
     def prefix_destination_sharding(self) -> Any:
         """Pytree of shardings a Prefix must have to be inserted into this engine."""

@@ -118,7 +118,12 @@ class Attention(nn.Module):
         k = constrain(rope(k, positions, inv_freq), _KV_ACT, "attention k")
         v = constrain(v, _KV_ACT, "attention v")
         k_all, v_all, k_pos = kv.update(self.layer, k, v)
-        out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
+        # A store may attend itself (the paged store's TPU kernel reads pages in place).
+        attend = getattr(kv, "attend", None)
+        if attend is not None:
+            out = attend(self.layer, q, positions, c.sliding_window)
+        else:
+            out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
         out = constrain(out, _HEADS_ACT, "attention output")
         return jnp.einsum("btnh,nhd->btd", out, wo)
 

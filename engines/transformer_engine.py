@@ -40,8 +40,15 @@ class EngineConfig:
     max_seq_len: int = 512
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on TPU/GPU
     top_logprobs: int = 5
+    # KV layout: "contiguous" (a [S] row per slot) or "paged" (engines/paged_engine.py:
+    # pages of page_size tokens from a pool of num_pages, default enough for every slot).
+    kv_layout: str = "contiguous"
+    page_size: int = 16
+    num_pages: int | None = None
+    paged_attention: str = "auto"  # auto | xla | pallas_tpu (engines/paged_kv.py)
 
     def __post_init__(self):
+        _check_kv_layout(self)
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -55,6 +62,22 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+
+
+def _check_kv_layout(c: EngineConfig) -> None:
+    if c.kv_layout not in ("contiguous", "paged"):
+        raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {c.kv_layout!r}")
+    if not isinstance(c.page_size, int) or c.page_size < 1:
+        raise ValueError(f"page_size must be a positive integer, got {c.page_size!r}")
+    if c.num_pages is not None:
+        need = -(-c.max_seq_len // c.page_size) if isinstance(c.max_seq_len, int) else 1
+        if not isinstance(c.num_pages, int) or c.num_pages < need:
+            raise ValueError(f"num_pages must be an integer >= {need} (one sequence of "
+                             f"max_seq_len={c.max_seq_len} in pages of {c.page_size}), "
+                             f"got {c.num_pages!r}")
+    if c.paged_attention not in ("auto", "xla", "pallas_tpu"):
+        raise ValueError(f"paged_attention must be auto, xla or pallas_tpu, "
+                         f"got {c.paged_attention!r}")
 
 
 def resolve_dtype(name: str, devices: Sequence[jax.Device]) -> Any:
@@ -163,6 +186,14 @@ class TransformerEngine(Engine):
       tokenizer: host tokenizer, or None for a token-ids-only model.
       seed: RNG seed for random weights.
     """
+
+    def __new__(cls, *args, config: EngineConfig | None = None, **kwargs):
+        # kv_layout="paged" selects the paged subclass (engines/paged_engine.py).
+        if cls is TransformerEngine and config is not None and config.kv_layout == "paged":
+            from engines.paged_engine import PagedTransformerEngine
+
+            cls = PagedTransformerEngine
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -2,7 +2,9 @@
 across several processes (which must dispatch identical steps, so no threads).
 
 Prompts wait in order; whenever a slot is free the next prompt is prefilled and inserted,
-so prompts join the batch at different steps. Every step's results are read back before
+so prompts join the batch at different steps. On a paged engine a prompt also waits until
+the pages its whole sequence may take (prompt + token budget) are not promised to the
+running ones, so a step never runs out of pages. Every step's results are read back before
 the next step (the threaded orchestrator overlaps this; here simplicity wins).
 """
 
@@ -52,6 +54,14 @@ def generate_many(
     free = list(range(engine.max_concurrent_decodes))
 
     budgets = [token_budget(len(p), max_tokens, engine.max_seq_len) for p in prompts]
+    pages = engine.kv_pages
+    promised: dict[int, int] = {}  # slot -> pages its sequence may take at most
+
+    def fits(i: int) -> bool:
+        if pages is None:
+            return True
+        need = pages.pages_to_insert(len(prompts[i]) + budgets[i])
+        return need + sum(promised.values()) <= pages.pool.num_pages
 
     def accept(i: int, token: int, logprob: float) -> bool:
         """Records a token; returns True when request i is finished."""
@@ -64,7 +74,7 @@ def generate_many(
         return finish is not None
 
     while waiting or active:
-        while waiting and free:
+        while waiting and free and fits(waiting[0]):
             i = waiting.popleft()
             prefix, first = engine.prefill(params, list(prompts[i]), len(prompts[i]),
                                            sampling=samplings[i])
@@ -76,6 +86,8 @@ def generate_many(
             slot = free.pop(0)
             state = engine.insert(prefix, state, slot)
             active[slot] = i
+            if pages is not None:
+                promised[slot] = pages.pages_to_insert(len(prompts[i]) + budgets[i])
         if not active:
             continue
         state, res = engine.generate(params, state)
@@ -85,5 +97,6 @@ def generate_many(
                 results[i] = out.pop(i)
                 del active[slot]
                 engine.free_slot(slot)
+                promised.pop(slot, None)
                 free.append(slot)
     return [r for r in results if r is not None]

@@ -17,13 +17,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: min(512, max-seq-len)")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--sharding", default="replicated", help="preset name or YAML path")
+    p.add_argument("--kv-layout", default="contiguous", choices=["contiguous", "paged"],
+                   help="paged: KV in fixed-size pages taken as sequences grow")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (paged)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages in the pool (paged; default: enough for every slot at "
+                        "max-seq-len)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     prefill = args.max_prefill_length or min(512, args.max_seq_len)
     return EngineConfig(max_concurrent_decodes=args.max_concurrent_decodes,
                         max_prefill_length=prefill, max_seq_len=args.max_seq_len,
-                        dtype=args.dtype)
+                        dtype=args.dtype, kv_layout=args.kv_layout,
+                        page_size=args.page_size, num_pages=args.num_pages)
 
 
 def parse_ids(text: str) -> list[int]:

@@ -1,0 +1,161 @@
+"""The transformer engine with a paged KV cache (`EngineConfig(kv_layout="paged")`).
+
+Same Engine contract and prefill as the contiguous engine; the decode state keeps each
+layer's KV in a page pool (engines/paged_kv.py) and the host decides which pages each
+slot holds (engines/page_pool.py): insert takes pages for the prefix, each generate step
+first takes a page for every slot that starts a new one, free_slot gives them back.
+
+Programs: prefill as the contiguous engine (one per bucket); insert one per prefix bucket;
+generate one per gather width W in width_buckets(max_pages) (powers of two up to
+ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
+
+Concurrency: the page bookkeeping is changed only by insert / generate / free_slot,
+which the orchestrator calls from one thread (the engine's generate thread).
+`TransformerEngine(..., config=EngineConfig(kv_layout="paged"))` builds this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engines.engine_api import ResultTokens, pack_results
+from engines.kv_cache import Prefix
+from engines.model import Decoder
+from engines.page_pool import SlotPages, pages_for, width_buckets
+from engines.paged_kv import (
+    PagedDecodeKV,
+    PagedDecodeState,
+    insert_paged,
+    resolve_attention,
+)
+from engines.sampling import SlotSampling, sample, token_logprobs
+from engines.transformer_engine import TransformerEngine
+from sharding import axes, traced_under
+
+POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
+
+
+def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
+                    state: PagedDecodeState, table):
+    """One decode step; table i32[B, W] is each slot's first W pages (trash-padded)."""
+    S = max_seq_len
+    valid = state.lengths < S
+    pos = jnp.minimum(state.lengths, S - 1)  # (B,)
+    kv = PagedDecodeKV(state, table, pos, valid, impl)
+    logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
+    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
+    B = tok.shape[0]
+    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
+    new_state = PagedDecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), lengths=lengths, tokens=tok,
+        sampling=dataclasses.replace(state.sampling, key=next_keys),
+        prompt_mask=state.prompt_mask,
+        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
+    )
+    return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
+
+
+class PagedTransformerEngine(TransformerEngine):
+    """TransformerEngine whose decode state is a page pool per layer (see module doc)."""
+
+    def __init__(self, model_config, **kwargs):
+        config = kwargs.get("config")
+        if config is None or config.kv_layout != "paged":
+            raise ValueError("PagedTransformerEngine needs config=EngineConfig(kv_layout='paged')")
+        B, S, ps = config.max_concurrent_decodes, config.max_seq_len, config.page_size
+        num_pages = config.num_pages or B * pages_for(S, ps)
+        self.pages = SlotPages(slots=B, page_size=ps, num_pages=num_pages, max_seq_len=S)
+        devices = list(kwargs.get("devices") or jax.devices())
+        self.attention_impl = resolve_attention(config.paged_attention, devices[0].platform,
+                                                model_config.sliding_window, len(devices))
+        super().__init__(model_config, **kwargs)
+
+    # ---- layout ------------------------------------------------------------------------
+
+    def _pool_shape(self) -> tuple[int, int, int, int]:
+        c = self.model_config
+        return (c.num_kv_heads, self.pages.pool.num_pages + 1, self.pages.page_size, c.head_dim)
+
+    def decode_state_shardings(self) -> PagedDecodeState:
+        base = super().decode_state_shardings()
+        pool = self._named(POOL_AXES, self._pool_shape(), "kv page pool")
+        L = self.model_config.num_layers
+        return PagedDecodeState(k=(pool,) * L, v=(pool,) * L, lengths=base.lengths,
+                                tokens=base.tokens, sampling=base.sampling,
+                                prompt_mask=base.prompt_mask, counts=base.counts)
+
+    def _build_jits(self):
+        super()._build_jits()  # prefill and prompt log-probs as the contiguous engine
+        top_n = self.config.top_logprobs
+        state_sh = self.decode_state_shardings()
+        prefix_sh = self.prefix_destination_sharding()
+        r = self._replicated()
+        laid_out = functools.partial(traced_under, self.sharding, self._mesh)
+        self._insert_jit = jax.jit(
+            self._counted("insert", insert_paged), in_shardings=(prefix_sh, state_sh, r, r),
+            out_shardings=state_sh, donate_argnums=(1,),
+        )
+        gen = functools.partial(_generate_paged, self.model, top_n, self.config.max_seq_len,
+                                self.attention_impl)
+        self._generate_jit = jax.jit(
+            self._counted("generate", laid_out(gen)),
+            in_shardings=(self.param_shardings, state_sh, r), out_shardings=(state_sh, r),
+            donate_argnums=(1,),
+        )
+
+    # ---- Engine API --------------------------------------------------------------------
+
+    def init_decode_state(self) -> PagedDecodeState:
+        """An empty state; every slot's pages go back to the pool (nothing is inserted)."""
+        for s in self.pages.live_slots():
+            self.pages.free(s)
+        c, e = self.model_config, self.config
+        B, S = e.max_concurrent_decodes, e.max_seq_len
+        shape = self._pool_shape()
+
+        def make():
+            pool = jnp.zeros(shape, self.dtype)
+            return PagedDecodeState(
+                k=(pool,) * c.num_layers, v=(pool,) * c.num_layers,
+                lengths=jnp.full((B,), S, jnp.int32),  # empty slots count as full
+                tokens=jnp.zeros((B,), jnp.int32),
+                sampling=SlotSampling.empty(B),
+                prompt_mask=jnp.zeros((B, c.vocab_size), bool),
+                counts=jnp.zeros((B, c.vocab_size), jnp.int32),
+            )
+
+        return jax.jit(make, out_shardings=self.decode_state_shardings())()
+
+    def insert(self, prefix: Prefix, decode_state: PagedDecodeState,
+               slot: int) -> PagedDecodeState:
+        n = int(prefix.length)  # the prefix is ready: its first token was read already
+        pages = self.pages.insert(slot, n)
+        T = prefix.k[0].shape[1]
+        arr = np.full((pages_for(T, self.pages.page_size),), self.pages.trash, np.int32)
+        arr[: len(pages)] = pages
+        return self._insert_jit(prefix, decode_state, np.int32(slot), arr)
+
+    def generate(self, params, decode_state: PagedDecodeState
+                 ) -> tuple[PagedDecodeState, ResultTokens]:
+        width = self.pages.before_step()  # raises OutOfPages before touching the device
+        table = self.pages.table[:, :width].copy()  # the device may read it later
+        out = self._generate_jit(params, decode_state, table)
+        self.pages.after_step()
+        return out
+
+    def free_slot(self, slot: int) -> None:
+        self.pages.free(slot)
+
+    @property
+    def kv_pages(self) -> SlotPages:
+        return self.pages
+
+    def generate_widths(self) -> tuple[int, ...]:
+        """The gather widths (pages) generate compiles for: one program each."""
+        return width_buckets(self.pages.max_pages)

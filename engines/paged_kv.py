@@ -1,0 +1,177 @@
+"""The paged KV layout: device state, the decode-step KV store, insert, and attention.
+
+Each layer keeps its keys and values in a pool of pages, [K, P + 1, page_size, H]
+(kv head, page, offset, head dim): kv heads lead because that is the layout the TPU
+paged-attention kernel reads, so one pool serves both attention paths. Page P is
+scratch ("trash"): writes of empty slots land there and reads of it are masked. Which
+pages a slot holds is host bookkeeping (`engines.page_pool.SlotPages`); the device gets
+the page table with every step, cut to the batch's widest live sequence W (a power of
+two), so a batch of short sequences gathers little and the step compiles once per W.
+
+Attention in the decode step:
+  - "xla": gather the slot's W pages (pool[:, table] -> [K, B, W, ps, H]) and run the
+    model's own masked attention over them; runs everywhere.
+  - "pallas_tpu": jax.experimental.pallas.ops.tpu.paged_attention reads the pages in
+    place; picked automatically on a one-device TPU slice when the model has no sliding
+    window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from engines.kv_cache import Prefix
+from engines.model import attention
+from engines.sampling import SlotSampling
+
+ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedDecodeState:
+    """What the paged generate step reads and writes, for all B slots."""
+
+    k: tuple[jax.Array, ...]  # L x [K, P + 1, ps, H]
+    v: tuple[jax.Array, ...]  # L x [K, P + 1, ps, H]
+    lengths: jax.Array  # i32[B] tokens in each slot's cache (= position of `tokens`)
+    tokens: jax.Array  # i32[B] last sampled token, fed to the next step
+    sampling: SlotSampling
+    prompt_mask: jax.Array  # bool[B, V]
+    counts: jax.Array  # i32[B, V]
+
+
+def resolve_attention(impl: str, platform: str, sliding_window: int | None,
+                      num_devices: int) -> str:
+    """The attention path a paged engine uses ("auto": the kernel where it runs).
+
+    The kernel is called on whole arrays, so it runs on a one-device slice only (a sharded
+    pool would need it wrapped per shard); elsewhere the gather path serves.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"paged_attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    kernel_fits = platform == "tpu" and sliding_window is None and num_devices == 1
+    if impl == "auto":
+        return "pallas_tpu" if kernel_fits else "xla"
+    if impl == "pallas_tpu" and not kernel_fits:
+        raise ValueError(
+            f"paged_attention='pallas_tpu' needs a TPU slice of one device and a model "
+            f"without a sliding window (got platform {platform!r}, {num_devices} devices, "
+            f"sliding_window={sliding_window}); use 'xla' or 'auto'")
+    return impl
+
+
+def _write(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array) -> jax.Array:
+    """pool [K, P+1, ps, H]; new [n, K, H] goes to (pages[i], offsets[i]); out-of-range
+    page indices are dropped."""
+    return pool.at[:, pages, offsets].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype),
+                                          mode="drop")
+
+
+def gather_pages(pool: jax.Array, table: jax.Array) -> jax.Array:
+    """pool [K, P+1, ps, H], table i32[B, W] -> [B, W * ps, K, H] (each slot's keys in
+    position order)."""
+    K, _, ps, H = pool.shape
+    B, W = table.shape
+    g = jnp.take(pool, table, axis=1)  # (K, B, W, ps, H)
+    return jnp.transpose(g.reshape(K, B, W * ps, H), (1, 2, 0, 3))
+
+
+class PagedDecodeKV:
+    """KVStore of the paged decode step: write each slot's new k, v into its page, then
+    attend over its live pages (gathered, or read in place by the kernel)."""
+
+    def __init__(self, state: PagedDecodeState, table: jax.Array, pos: jax.Array,
+                 live: jax.Array, impl: str):
+        self.state = state
+        self.table = table  # i32[B, W]
+        self.pos = pos  # i32[B] where this step's token goes
+        self.impl = impl
+        K, P1, ps, H = state.k[0].shape
+        self.page_size = ps
+        trash = P1 - 1
+        idx = pos // ps
+        in_table = live & (idx < table.shape[1])
+        page = jnp.take_along_axis(table, jnp.minimum(idx, table.shape[1] - 1)[:, None], 1)[:, 0]
+        self.write_page = jnp.where(in_table, page, trash)  # (B,)
+        self.write_off = pos % ps
+        self.k: list[jax.Array] = []
+        self.v: list[jax.Array] = []
+        # The model attends through `attend` when a store offers one; the gathers that
+        # `update` returns are then unused and XLA drops them.
+        self.attend = self._kernel_attend if impl == "pallas_tpu" else None
+
+    def update(self, layer, k, v):
+        k_pool = _write(self.state.k[layer], self.write_page, self.write_off, k[:, 0])
+        v_pool = _write(self.state.v[layer], self.write_page, self.write_off, v[:, 0])
+        self.k.append(k_pool)
+        self.v.append(v_pool)
+        k_all = gather_pages(k_pool, self.table)
+        v_all = gather_pages(v_pool, self.table)
+        j = jnp.arange(k_all.shape[1])[None, :]
+        k_pos = jnp.where(j <= self.pos[:, None], j, -1)  # (B, W * ps)
+        return k_all, v_all, k_pos
+
+    def _kernel_attend(self, layer, q, positions, sliding_window):
+        """Attention of this step's queries q [B, 1, N, H], read in place by the kernel
+        (after `update(layer)`); the model calls it instead of its own attention."""
+        del positions, sliding_window  # positions are pos; no window (resolve_attention)
+        return pallas_decode_attention(q, self.k[layer], self.v[layer], self.table,
+                                       self.pos + 1)
+
+
+def xla_decode_attention(q, k_pool, v_pool, table, lengths):
+    """Reference paged attention: q [B, N, H], pools [K, P+1, ps, H], table i32[B, W],
+    lengths i32[B] (keys 0..length-1 are visible) -> [B, N, H]."""
+    k_all = gather_pages(k_pool, table)
+    v_all = gather_pages(v_pool, table)
+    j = jnp.arange(k_all.shape[1])[None, :]
+    k_pos = jnp.where(j < lengths[:, None], j, -1)
+    out = attention(q[:, None], k_all, v_all, (lengths - 1)[:, None], k_pos, None)
+    return out[:, 0]
+
+
+def pallas_decode_attention(q, k_pool, v_pool, table, lengths):
+    """The TPU kernel over the same pools: q [B, 1, N, H] -> [B, 1, N, H]."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    H = q.shape[-1]
+    W = table.shape[1]
+    # The kernel does not scale the logits itself.
+    scaled = (q[:, 0].astype(jnp.float32) / math.sqrt(H)).astype(q.dtype)
+    out = paged_attention(scaled, k_pool, v_pool, lengths.astype(jnp.int32), table,
+                          pages_per_compute_block=math.gcd(W, 8))
+    return out[:, None].astype(q.dtype)
+
+
+def insert_paged(prefix: Prefix, state: PagedDecodeState, slot: jax.Array,
+                 pages: jax.Array) -> PagedDecodeState:
+    """Scatters a prefix into the pages the host gave its slot (pages i32[ceil(T/ps)],
+    in position order); other slots' pages and rows are untouched."""
+    ps = state.k[0].shape[2]
+    P1 = state.k[0].shape[1]
+    kp = prefix.k_pos[0]  # (T,)
+    valid = kp >= 0
+    safe = jnp.where(valid, kp, 0)
+    page = jnp.where(valid, pages[jnp.minimum(safe // ps, pages.shape[0] - 1)], P1)  # P1: drop
+    off = safe % ps
+
+    def row(arr, value):
+        return jax.lax.dynamic_update_index_in_dim(arr, value.astype(arr.dtype), slot, 0)
+
+    sampling = jax.tree.map(lambda a, p: row(a, p[0]), state.sampling, prefix.sampling)
+    V = state.counts.shape[1]
+    first = jax.nn.one_hot(prefix.token, V, dtype=state.counts.dtype)
+    return PagedDecodeState(
+        k=tuple(_write(c, page, off, n[0]) for c, n in zip(state.k, prefix.k, strict=True)),
+        v=tuple(_write(c, page, off, n[0]) for c, n in zip(state.v, prefix.v, strict=True)),
+        lengths=row(state.lengths, prefix.length),
+        tokens=row(state.tokens, prefix.token),
+        sampling=sampling,
+        prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
+        counts=row(state.counts, first),
+    )

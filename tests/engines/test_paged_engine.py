@@ -1,0 +1,149 @@
+"""The paged KV layout: same greedy tokens as the contiguous cache for every family, pages
+taken as sequences grow and given back on free_slot, and the TPU kernel against the
+gather path where a TPU exists."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engines import EngineConfig, TransformerEngine
+from engines.page_pool import OutOfPages, width_buckets
+from engines.paged_engine import PagedTransformerEngine
+from engines.paged_kv import pallas_decode_attention, resolve_attention, xla_decode_attention
+from jetserve.offline import generate_many
+from tests.sharding.families import FAMILIES, host_params, model_config
+
+# Prompts and lengths that cross several 4-token pages, and a sliding window (mistral: 16).
+PROMPTS = ([5, 17, 33, 2, 9], [100, 3, 3, 64, 12, 7, 90, 1, 45, 11, 8, 19, 4], [77, 6, 120],
+           [9] * 16)
+SHAPES = dict(max_concurrent_decodes=3, max_prefill_length=16, max_seq_len=40)
+
+
+def _engines(family, **paged):
+    cfg = model_config(family)
+    dev = jax.devices()[:1]
+    contiguous = TransformerEngine(cfg, devices=dev, config=EngineConfig(**SHAPES))
+    p = TransformerEngine(cfg, devices=dev, config=EngineConfig(
+        **SHAPES, kv_layout="paged", page_size=4, **paged))
+    return contiguous, p
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_and_contiguous_give_identical_greedy_tokens(family):
+    contiguous, paged = _engines(family)
+    assert isinstance(paged, PagedTransformerEngine)
+    host = host_params(contiguous)
+    outs = []
+    for eng in (contiguous, paged):
+        params = jax.device_put(host, eng.param_shardings)
+        # 4 prompts on 3 slots: the fourth joins when a slot (and its pages) frees up.
+        outs.append(generate_many(eng, params, PROMPTS, max_tokens=22, ignore_eos=True))
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    paged.kv_pages.check()
+    assert paged.kv_pages.free_count == paged.kv_pages.pool.num_pages
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A paged llama with a pool of 12 pages of 4 (3 slots of up to 40 tokens would need 30)."""
+    _, eng = _engines("llama", num_pages=12)
+    return eng, jax.device_put(host_params(eng), eng.param_shardings)
+
+
+def test_pages_follow_the_sequence_and_return_on_free(small):
+    eng, params = small
+    pages = eng.kv_pages
+    state = eng.init_decode_state()
+    prefix, _ = eng.prefill(params, list(range(1, 7)), 6)  # 6 tokens: 2 pages
+    state = eng.insert(prefix, state, 1)
+    assert len(pages.pages_of(1)) == 2 and pages.free_count == 10
+    for _ in range(3):  # lengths 6 -> 9: the step writing position 8 takes a third page
+        state, res = eng.generate(params, state)
+        pages.check()
+    assert len(pages.pages_of(1)) == 3 and pages.length(1) == 9
+    assert int(state.lengths[1]) == 9
+    eng.free_slot(1)
+    pages.check()
+    assert pages.free_count == 12 and pages.live_slots() == []
+
+
+def test_insert_leaves_other_slots_pages_bit_identical(small):
+    eng, params = small
+    state = eng.init_decode_state()
+    p0, _ = eng.prefill(params, [3, 1, 4, 1, 5, 9, 2], 7)
+    state = eng.insert(p0, state, 0)
+    state, _ = eng.generate(params, state)
+    held = eng.kv_pages.pages_of(0)
+    before = [np.asarray(k)[:, held] for k in state.k]
+    p2, _ = eng.prefill(params, [8, 8, 8, 8, 8], 5)
+    state = eng.insert(p2, state, 2)
+    after = [np.asarray(k)[:, held] for k in state.k]
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not set(held) & set(eng.kv_pages.pages_of(2))
+    for s in (0, 2):
+        eng.free_slot(s)
+
+
+def test_step_without_pages_raises_and_takes_nothing(small):
+    eng, params = small
+    pages = eng.kv_pages
+    state = eng.init_decode_state()
+    for slot in range(3):  # 3 x 16 tokens = 12 pages: the pool is full
+        prefix, _ = eng.prefill(params, [slot + 1] * 16, 16)
+        state = eng.insert(prefix, state, slot)
+    assert pages.free_count == 0 and pages.pages_for_step() == 3
+    with pytest.raises(OutOfPages):
+        eng.generate(params, state)
+    pages.check()  # nothing was taken
+    eng.free_slot(2)  # freeing one sequence makes room for the other two to grow
+    state, res = eng.generate(params, state)
+    assert res.to_host().valid(0) and pages.free_count == 2
+    pages.check()
+    for s in (0, 1):
+        eng.free_slot(s)
+    assert pages.free_count == 12
+
+
+def test_generate_compiles_once_per_width(small):
+    eng, params = small
+    assert eng.generate_widths() == width_buckets(10) == (1, 2, 4, 8, 10)
+    prefix, _ = eng.prefill(params, [4] * 3, 3)
+    for slot in (0, 1):  # the second run (another slot) must compile nothing new
+        state = eng.insert(prefix, eng.init_decode_state(), slot)
+        for _ in range(37):  # 3 -> 40 tokens: gathers 1, 2, 4, 8 then 10 pages
+            state, _ = eng.generate(params, state)
+        assert eng.trace_counts()["generate"] == len(eng.generate_widths())
+        eng.free_slot(slot)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="kv_layout"):
+        EngineConfig(kv_layout="ragged")
+    with pytest.raises(ValueError, match="num_pages"):
+        EngineConfig(kv_layout="paged", page_size=16, max_seq_len=512, num_pages=8)
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(kv_layout="paged", page_size=0)
+    with pytest.raises(ValueError, match="pallas_tpu"):
+        resolve_attention("pallas_tpu", "cpu", None, 1)
+    assert resolve_attention("auto", "cpu", None, 1) == "xla"
+    assert resolve_attention("auto", "tpu", None, 1) == "pallas_tpu"
+    assert resolve_attention("auto", "tpu", 16, 1) == "xla"
+
+
+@pytest.mark.device
+@pytest.mark.skipif(jax.devices()[0].platform != "tpu", reason="the kernel needs a TPU")
+def test_pallas_kernel_agrees_with_gather_path():
+    rng = np.random.default_rng(0)
+    K, N, H, ps, P, B, W = 2, 8, 128, 16, 64, 4, 8
+    k_pool = jnp.asarray(rng.standard_normal((K, P + 1, ps, H)), jnp.float32)
+    v_pool = jnp.asarray(rng.standard_normal((K, P + 1, ps, H)), jnp.float32)
+    table = jnp.asarray(rng.permutation(P)[: B * W].reshape(B, W), jnp.int32)
+    lengths = jnp.asarray([1, 17, 64, 128], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, N, H)), jnp.float32)
+    ref = xla_decode_attention(q, k_pool, v_pool, table, lengths)
+    out = pallas_decode_attention(q[:, None], k_pool, v_pool, table, lengths)[:, 0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-2, rtol=2e-2)

@@ -121,14 +121,14 @@ def _timed(fn, ids, n) -> tuple[float, np.ndarray]:
 
 
 @contextlib.contextmanager
-def model_dir(path: str | None, seed: int):
+def model_dir(path: str | None, seed: int, preset: str = "llama-156m"):
     if path is not None:
         yield path
         return
     from jetserve.bench.hf_model import make_hf_model
 
     with tempfile.TemporaryDirectory(prefix="jetserve-bench-") as d:
-        yield make_hf_model("llama-156m", d, seed=seed)
+        yield make_hf_model(preset, d, seed=seed)
 
 
 def run(cfg: CompareConfig, devices: Sequence[jax.Device] | None = None, log=print) -> dict:

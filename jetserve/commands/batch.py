@@ -117,36 +117,21 @@ def _engine(args, devices):
                         engine_config=engine_config(args))
 
 
-def _limits(engine):
-    from jetserve.server.validation import ModelLimits
-
-    return ModelLimits.from_orchestrator(engine)  # an engine answers the same properties
-
-
 def _run_orchestrated(args, cfg, devices):
     from jetserve.batch import orchestrated
-    from jetserve.batch.runner import run_job
-    from jetserve.orchestrator import Orchestrator, OrchestratorConfig
 
-    if args.max_queued is not None and args.max_queued < 1:
-        raise ValueError(f"--max-queued must be >= 1, got {args.max_queued}")
-    engine = _engine(args, devices)
-    queued = args.max_queued or max(32, 4 * engine.max_concurrent_decodes)
-    orch = Orchestrator.from_engines(engine, config=OrchestratorConfig(
-        max_queued_requests=queued))
-    with orch:
-        return run_job(cfg, _limits(engine),
-                       lambda jobs, emit: orchestrated.execute(orch, jobs, emit))
+    return orchestrated.run(cfg, _engine(args, devices), max_queued=args.max_queued)
 
 
 def _run_lock_step(args, cfg, devices):
     from jetserve.batch import lockstep
     from jetserve.batch.runner import run_job
+    from jetserve.server.validation import ModelLimits
 
     engine = _engine(args, devices)
     params = engine.load_params()
     chunk = max(1, args.max_queued or 4 * engine.max_concurrent_decodes)
-    return run_job(cfg, _limits(engine),
+    return run_job(cfg, ModelLimits.from_orchestrator(engine),
                    lambda jobs, emit: lockstep.execute(engine, params, jobs, emit, chunk=chunk),
                    done_keys=lockstep.agree_on_done)
 

@@ -43,6 +43,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(_bench=_compare_hf)
 
+    b = sub.add_parser("batch", help="a jetserve batch job vs transformers batched generate")
+    b.add_argument("--model", default=None,
+                   help="HF directory (default: a random llama of --preset in a temp dir)")
+    b.add_argument("--preset", default="small", help="random:NAME shape when --model is not given")
+    b.add_argument("--prompts", type=int, default=1000)
+    b.add_argument("--min-len", type=int, default=8)
+    b.add_argument("--max-len", type=int, default=64)
+    b.add_argument("--new-tokens", type=int, default=32)
+    b.add_argument("--slots", type=int, default=32, help="jetserve max_concurrent_decodes")
+    b.add_argument("--hf-batch", type=int, default=32, help="prompts per transformers generate")
+    b.add_argument("--torch-threads", type=int, default=None,
+                   help="transformers' intra-op threads (default: every core; on a machine "
+                        "busy with other work, 1 avoids spinning threads)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(_bench=_batch)
+
     m = sub.add_parser("make-hf-model", help="write a random HF Llama of a random:NAME shape")
     m.add_argument("--preset", default="llama-156m")
     m.add_argument("--out", required=True)
@@ -103,6 +119,25 @@ def _compare_hf(args: argparse.Namespace) -> int:
         print(f"{r['batch']:>5} {r['jetserve_tok_s']:>15.1f} {r['hf_tok_s']:>13.1f} "
               f"{r['ratio']:>6.2f} {r.get('hf_bf16_tok_s', float('nan')):>14.1f} "
               f"{r['sequences_identical']:>9.2f}")
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from jetserve.bench import batch_job
+
+    cfg = batch_job.BatchBenchConfig(
+        model=args.model, preset=args.preset, prompts=args.prompts, min_len=args.min_len,
+        max_len=args.max_len, new_tokens=args.new_tokens, slots=args.slots,
+        hf_batch=args.hf_batch, torch_threads=args.torch_threads)
+    out = batch_job.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"tokens/s: batch job {out['batch_tok_s']}, engine loop {out['engine_loop_tok_s']}, "
+          f"transformers {out['hf_tok_s']}; batch / transformers {out['batch_over_hf']:.2f}, "
+          f"batch / engine loop {out['batch_over_engine_loop']:.2f}; same tokens as "
+          f"transformers {out['same_as_hf']:.3f}, as the engine loop "
+          f"{out['same_as_engine_loop']:.3f}")
     return 0
 
 

@@ -160,3 +160,58 @@ def test_two_processes_merged_equal_one(job):
         except json.JSONDecodeError:
             want.append(json.dumps(n))
     assert ids == want  # input order
+
+
+def lock_step_lines() -> list[str]:
+    """Rows whose stopping the lock-step loop applies after the fact: each row's own
+    max_tokens, stop strings, stop token ids; greedy, so both executors agree."""
+    rng = np.random.default_rng(1)
+    rows = [{"id": i, "prompt_ids": rng.integers(1, 256, size=int(n)).tolist(),
+             "max_tokens": int(m)}
+            for i, (n, m) in enumerate(zip(rng.integers(2, 30, size=12),
+                                           rng.integers(1, 16, size=12), strict=True))]
+    rows[0].update(logprobs=True)
+    rows[1].update(stop_token_ids=list(range(128, 256)), max_tokens=16)
+    # Byte tokens >= 128 alone decode to U+FFFD, which the random model emits often.
+    rows[2].update(prompt="Hello", stop=["\ufffd"], max_tokens=16)
+    del rows[2]["prompt_ids"]
+    rows += [{"id": "s", "context": "The capital of France is", "continuation": " Paris"},
+             {"id": "t", "context_ids": [5, 6, 7], "continuation_ids": [8, 9]}]
+    return [json.dumps(r) for r in rows]
+
+
+def test_coordinator_lock_step_equals_one_process(tmp_path):
+    """Two processes sharing one model sharded over 2 x 4 devices (jax.distributed, gloo on
+    127.0.0.1) write what one process on 8 devices writes; process 0 alone writes, and
+    --resume skips the rows already there (process 0 tells the other which)."""
+    from tests.sharding.test_multiprocess import _free_port
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lock_step_lines()) + "\n")
+    args = ["--input", str(inp), "--model", "random:tiny", "--sharding", "tp_kv_batch",
+            "--max-seq-len", "64", "--max-concurrent-decodes", "4", "--no-progress"]
+    ref = tmp_path / "one.jsonl"
+    rc, err = finish(batch(*args, "--output", str(ref), "--devices", "8"))
+    assert rc == 0, err
+    want = read_rows(str(ref))
+    by_id = {r["id"]: r for r in want}
+    assert by_id[1]["finish_reason"] == "stop" and by_id[1]["stop_reason"] >= 128
+    assert by_id[1]["token_ids"][-1] == by_id[1]["stop_reason"]
+    assert by_id[2]["finish_reason"] == "stop" and by_id[2]["stop_reason"] == "\ufffd"
+    assert "\ufffd" not in by_id[2]["text"]
+    out = tmp_path / "two.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in want[:5]))  # as a killed run left
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jetserve", "batch", *args, "--output", str(out), "--resume",
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    results = [finish(p) for p in procs]
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert "(5 done before this run" in results[0][1]
+    got = read_rows(str(out))
+    assert len(got) == len(want)
+    assert without_timing(got) == without_timing(want)
+    assert not list(tmp_path.glob("two.jsonl.part-*"))  # one output, written by process 0

@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill prompts longer than this in chunks between decode steps")
     distributed.add_arguments(p)
 
 
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
-    config = OrchestratorConfig(max_queued_requests=max(256, len(prompts)))
+    config = OrchestratorConfig(max_queued_requests=max(256, len(prompts)),
+                                prefill_chunk=args.prefill_chunk)
     with Orchestrator.from_engines(engine, params=params, config=config) as orch:
         handles = [orch.submit(Request(prompt_ids=p, sampling=sampling,
                                        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos))

@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound: beyond it, RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill prompts longer than this in chunks between decode steps")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before listening (the first requests compile)")
 
@@ -88,7 +90,8 @@ def build_orchestrator(args: argparse.Namespace):
         prefill_sharding=args.prefill_sharding or default,
         generate_sharding=args.generate_sharding or default,
         engine_config=engine_config(args),
-        config=OrchestratorConfig(max_queued_requests=args.max_queued_requests))
+        config=OrchestratorConfig(max_queued_requests=args.max_queued_requests,
+                                  prefill_chunk=args.prefill_chunk))
 
 
 async def _serve(orch, config: ServerConfig) -> None:

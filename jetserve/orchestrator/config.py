@@ -18,6 +18,9 @@ class OrchestratorConfig:
       detokenize_queue_size: step results waiting for the detokenize thread.
       poll_interval_s: longest an idle thread sleeps before it rechecks for stop,
         cancellation and deadlines (busy threads check every step).
+      prefill_chunk: prefill prompts longer than this in chunks of it, letting running
+        requests step between chunks; prompts may then be up to max_seq_len - 1 tokens.
+        None: one prefill per prompt (at most max_prefill_length tokens).
     """
 
     max_queued_requests: int = 256
@@ -25,6 +28,7 @@ class OrchestratorConfig:
     backlog_size: int | None = None
     detokenize_queue_size: int = 256
     poll_interval_s: float = 0.02
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("max_queued_requests", "transfer_queue_size", "detokenize_queue_size"):
@@ -34,6 +38,9 @@ class OrchestratorConfig:
         b = self.backlog_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"backlog_size must be None or an integer >= 1, got {b!r}")
+        c = self.prefill_chunk
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {c!r}")
         p = self.poll_interval_s
         if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"poll_interval_s must be in (0, 1] seconds, got {p!r}")

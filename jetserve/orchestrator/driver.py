@@ -33,6 +33,12 @@ Interleaved mode: the same engine object (and params) in both lists; its prefill
 feeds its own generate thread directly, and that generate thread waits rather than steps
 while it has free slots and prefill work pending (prefill has priority). Disaggregated
 mode: prefill and generate engines are different objects, normally on disjoint slices.
+
+KV pages (a paged generate engine): its generate thread admits from the backlog only what
+fits in the free pages and preempts when a step would run out; preempted requests go back
+to the prefill threads through the resume queue (unbounded, but never longer than the
+number of slots) and are recomputed. With `prefill_chunk`, long prompts are prefilled in
+chunks and, interleaved, the generate thread steps between chunks.
 """
 
 from __future__ import annotations
@@ -72,12 +78,17 @@ class Orchestrator:
                  config: OrchestratorConfig | None = None):
         _check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
         self.config = config = config or OrchestratorConfig()
+        longest = min(e.max_prefill_length for e in prefill_engines)
+        if config.prefill_chunk is not None and config.prefill_chunk > longest:
+            raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
+                             f"engine's max_prefill_length={longest}")
         self.prefill_engines = list(prefill_engines)
         self.generate_engines = list(generate_engines)
         self._stopping = threading.Event()
         self._listeners = Listeners()
         self._admission: queue.Queue[LiveRequest] = queue.Queue(config.max_queued_requests)
         self._outbox: queue.Queue = queue.Queue(config.detokenize_queue_size)
+        self._resume: queue.Queue[LiveRequest] = queue.Queue()  # preempted, to recompute
         self._live: dict[str, LiveRequest] = {}
         self._live_cond = threading.Condition()  # guards _live and _counters
         self._counters: collections.Counter[str] = collections.Counter()
@@ -90,9 +101,11 @@ class Orchestrator:
                            poll_s=poll)
             for i, (e, p) in enumerate(zip(generate_engines, generate_params, strict=True))
         ]
+        for g in self._generate:
+            g.resume = self._resume.put
         self._prefill = [
             PrefillWorker(i, e, p, self._admission, self._outbox, self._listeners,
-                          self._stopping, poll)
+                          self._stopping, poll, resume=self._resume, chunk=config.prefill_chunk)
             for i, (e, p) in enumerate(zip(prefill_engines, prefill_params, strict=True))
         ]
         self._transfer = self._wire()
@@ -115,7 +128,9 @@ class Orchestrator:
             if id(p.engine) in own:
                 g = by_engine[id(p.engine)]
                 p.route = _direct_route(g, self._stopping, self.config.poll_interval_s)
-                g.prefill_pending = _pending_for(p, self._admission)
+                g.prefill_pending = _pending_for(p, self._admission, self._resume)
+                if self.config.prefill_chunk:
+                    p.between_chunks = _step_between(g)
             else:
                 p.route = _least_loaded_route(self._generate, transfers)
         return transfers
@@ -251,9 +266,16 @@ class Orchestrator:
         bad = [t for t in r.stop_token_ids if t >= V]
         if bad:
             raise ValueError(f"stop_token_ids: ids {bad[:5]} are outside the vocabulary [0, {V})")
-        if len(r.prompt_ids) > self.max_prefill_length:
+        longest, why = self.max_prompt_length, "max_prefill_length"
+        if self.config.prefill_chunk:
+            why = f"max_seq_len - 1 (chunked prefill; max_seq_len={self.max_seq_len})"
+        if len(r.prompt_ids) > longest:
             raise ValueError(f"prompt_ids has {len(r.prompt_ids)} tokens; the longest prompt "
-                             f"is max_prefill_length={self.max_prefill_length}")
+                             f"is {why}={longest}")
+        if r.prompt_logprobs and len(r.prompt_ids) > self.max_prefill_length:
+            raise ValueError(f"prompt_logprobs: a prompt of {len(r.prompt_ids)} tokens is "
+                             f"scored in one pass; the longest is "
+                             f"max_prefill_length={self.max_prefill_length}")
         if r.logprobs is not None and r.logprobs > self.top_logprobs:
             raise ValueError(f"logprobs={r.logprobs} is more than this engine returns "
                              f"(top_logprobs={self.top_logprobs})")
@@ -306,7 +328,9 @@ class Orchestrator:
                           "transfers": t.transfers} for t in self._transfer],
             "generate": [{"engine": g.index, "slots": g.slots.size,
                           "slots_in_use": g.slots.in_use, "backlog": len(g.backlog),
-                          "steps": g.steps, "tokens": g.tokens} for g in self._generate],
+                          "steps": g.steps, "tokens": g.tokens, **_page_stats(g)}
+                         for g in self._generate],
+            "resume_queue": self._resume.qsize(),
             "counters": counters,
         }
 
@@ -346,12 +370,26 @@ class Orchestrator:
         return min(e.max_prefill_length for e in self.prefill_engines)
 
     @property
+    def max_prompt_length(self) -> int:
+        """The longest prompt admitted: one prefill, or max_seq_len - 1 when chunked."""
+        if self.config.prefill_chunk:
+            return self.max_seq_len - 1
+        return self.max_prefill_length
+
+    @property
     def top_logprobs(self) -> int:
         return min(e.top_logprobs for e in self.prefill_engines + self.generate_engines)
 
     @property
     def max_concurrent_decodes(self) -> int:
         return sum(e.max_concurrent_decodes for e in self.generate_engines)
+
+
+def _page_stats(g: GenerateWorker) -> dict:
+    if g.pages is None:
+        return {}
+    return {"kv_pages": g.pages.pool.num_pages, "kv_pages_free": g.pages.free_count,
+            "preemptions": g.preemptions}
 
 
 def _check_engines(pe, ge, pp, gp) -> None:
@@ -383,7 +421,21 @@ def _least_loaded_route(generate: list[GenerateWorker], transfers: list[Transfer
     return route
 
 
-def _pending_for(p: PrefillWorker, admission: queue.Queue) -> Callable[[], bool]:
+def _pending_for(p: PrefillWorker, admission: queue.Queue,
+                 resume: queue.Queue) -> Callable[[], bool]:
     # unfinished_tasks counts admitted requests until a prefill thread has handed them on
     # (task_done), so there is no gap between taking one off the queue and prefilling it.
-    return lambda: admission.unfinished_tasks > 0
+    # A prefill waiting between its chunks is waiting for this very engine to step.
+    def pending() -> bool:
+        work = admission.unfinished_tasks > 0 or resume.qsize() > 0 or p.busy
+        return work and not p.waiting_between_chunks
+
+    return pending
+
+
+def _step_between(g: GenerateWorker) -> Callable[[], None]:
+    def between() -> None:
+        g.backlog.poke()  # it may be idling on the backlog, waiting for prefill
+        g.wait_for_step()
+
+    return between

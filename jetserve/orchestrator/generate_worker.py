@@ -12,6 +12,11 @@ slots. Each turn of the loop:
      token budget ends with the step just dispatched leaves its slot at once; one that
      hit a stop id leaves it when that step is read, one step later.
 
+On a paged engine (`engine.kv_pages`) a prefix is inserted only when the pool has its
+pages plus what the next step needs; otherwise it waits in the backlog. When a step needs
+more pages than are free, the most recently inserted request is preempted: its slot and
+pages are freed and it goes back to a prefill thread (`resume`) to be recomputed.
+
 Token ids are checked here (stop ids, length); text is left to the detokenize thread.
 In interleaved mode (the engine also prefills) the loop waits rather than steps while it
 has free slots and prefill work is pending for it: prefill has priority.
@@ -60,6 +65,10 @@ class Backlog:
             self._cond.notify_all()
             return True
 
+    def peek(self) -> tuple[LiveRequest, Any] | None:
+        with self._cond:
+            return self._items[0] if self._items else None
+
     def pop(self) -> tuple[LiveRequest, Any] | None:
         with self._cond:
             if not self._items:
@@ -104,6 +113,13 @@ class GenerateWorker:
         self.slots: SlotTable[LiveRequest] = SlotTable(engine.max_concurrent_decodes)
         self.backlog = Backlog(backlog_size)
         self.state = engine.init_decode_state()
+        self.pages = engine.kv_pages  # None: a contiguous cache, slots are the only limit
+        self._inserted: dict[int, int] = {}  # slot -> insert order (the newest is preempted)
+        self._inserts = 0
+        # Set by the driver: hands a preempted request back to a prefill thread.
+        self.resume: Callable[[LiveRequest], None] = lambda live: None
+        self.preemptions = 0
+        self._step_cond = threading.Condition()
         # Set by the driver in interleaved mode: is prefill work on its way to this engine?
         self.prefill_pending: Callable[[], bool] = lambda: False
         self.transfer_pending: Callable[[], int] = lambda: 0
@@ -158,9 +174,10 @@ class GenerateWorker:
 
     def _fill(self) -> None:
         while self.slots.has_free:
-            item = self.backlog.pop()
-            if item is None:
+            item = self.backlog.peek()
+            if item is None or not self._pages_for(item[1]):
                 return
+            self.backlog.pop()
             live, prefix = item
             if live.done:
                 continue
@@ -169,6 +186,8 @@ class GenerateWorker:
                 self._end(live, why)
                 continue
             slot = self.slots.acquire(live)
+            self._inserts += 1
+            self._inserted[slot] = self._inserts
             try:
                 self.state = self.engine.insert(prefix, self.state, slot)
             except Exception as e:
@@ -177,7 +196,40 @@ class GenerateWorker:
                 self._end(live, "error", e)
                 self._recover_state(e)
 
+    def _pages_for(self, prefix: Any) -> bool:
+        """Whether the pool has room for this prefix and its next token, besides what the
+        next step takes for the running requests."""
+        if self.pages is None:
+            return True
+        need = self.pages.pages_to_insert(int(prefix.length) + 1) + self.pages.pages_for_step()
+        return need <= self.pages.free_count
+
+    def _make_room(self) -> None:
+        """Preempts the newest requests until the next step's pages are free."""
+        if self.pages is None or self.pages.pages_for_step() <= self.pages.free_count:
+            return
+        self._read_pending()  # every token of a victim must be known before it leaves
+        while self.slots.in_use and self.pages.pages_for_step() > self.pages.free_count:
+            slot = max(self.slots.rows(), key=lambda r: self._inserted[r[0]])[0]
+            live = self.slots.owner(slot)
+            self._release(slot)
+            self.preemptions += 1
+            if not live.done:
+                live.preempted()
+                self.resume(live)
+
+    def wait_for_step(self) -> None:
+        """Until this engine dispatched one more step, has no request to step, or stops
+        (a chunked prefill lets the running requests move between its chunks)."""
+        with self._step_cond:
+            seen = self.steps
+            while self.steps == seen and self.slots.in_use and not self.stopping.is_set():
+                self._step_cond.wait(self.poll_s)
+
     def _step(self) -> None:
+        self._make_room()
+        if not self.slots.in_use:
+            return
         rows = self.slots.rows()
         t = time.monotonic()
         try:
@@ -187,7 +239,9 @@ class GenerateWorker:
             log.exception("generate step failed on engine %d", self.index)
             self._fail_all(e)
             return
-        self.steps += 1
+        with self._step_cond:
+            self.steps += 1
+            self._step_cond.notify_all()
         for slot, live in rows:
             live.steps += 1
             if live.last_step_dispatched():
@@ -230,6 +284,7 @@ class GenerateWorker:
 
     def _release(self, slot: int) -> None:
         self.slots.release(slot)
+        self._inserted.pop(slot, None)
         self.engine.free_slot(slot)
 
     def _end(self, live: LiveRequest, reason: str, exc: BaseException | None = None) -> None:

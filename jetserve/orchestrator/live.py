@@ -9,6 +9,8 @@ memory). Three flags cross threads, each a plain bool written once:
     thread on a stop id / length / cancel / deadline, detokenize thread on a stop string
     or an error). Holders drop done requests and free their slots.
   - `finalized`: set only by the detokenize thread when it pushed the last delta.
+A request preempted for KV pages goes back from its slot to a prefill thread (the
+resume queue), which recomputes its KV from `sequence()`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class LiveRequest:
     budget: int  # tokens it may generate (stopping.token_budget)
     stop_ids: frozenset[int]
     generated: int = 0  # tokens decided so far (holder thread)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # their ids (holder thread)
+    preemptions: int = 0  # times its KV pages were taken back for recompute
     steps: int = 0  # generate steps dispatched for it (generate thread)
     cancel_requested: bool = False
     done: bool = False
@@ -56,7 +60,18 @@ class LiveRequest:
     def check_token(self, token: int) -> Finish | None:
         """Counts one generated token; returns how it ends the request, if it does."""
         self.generated += 1
+        self.tokens.append(token)
         return token_finish(token, self.generated, self.budget, self.stop_ids)
+
+    def sequence(self) -> list[int]:
+        """Prompt and generated tokens: what a preempted request prefills again."""
+        return list(self.request.prompt_ids) + self.tokens
+
+    def preempted(self) -> None:
+        """Its slot is gone; the next prefill recomputes `sequence()` and samples the next
+        token, after which steps count as if that prefill had been its first."""
+        self.preemptions += 1
+        self.steps = self.generated
 
     def last_step_dispatched(self) -> bool:
         """After a dispatched step: True when that step yields the last budgeted token

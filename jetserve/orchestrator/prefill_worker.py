@@ -5,6 +5,15 @@ asked), sends the first token to the detokenize thread at once, then hands the p
 straight into its own engine's backlog in interleaved mode, or to the transfer thread of
 the least loaded generate engine. Handing on blocks while that queue is full, which is
 what bounds memory end to end. An exception ends only the request being prefilled.
+
+Requests preempted by a generate thread (paged KV, out of pages) come back through the
+resume queue, which goes before new admissions: their prompt and generated tokens are
+prefilled again and the next token streams as if decoded.
+
+Chunked prefill: a sequence longer than `chunk` tokens is prefilled in chunks, each
+continuing the last (`existing_prefix`); between chunks `between_chunks()` lets the
+generate thread of the same engine run a step, so running requests keep streaming while
+a long prompt arrives.
 """
 
 from __future__ import annotations
@@ -31,8 +40,13 @@ Route = Callable[[LiveRequest, Any], bool]
 class PrefillWorker:
     def __init__(self, index: int, engine: Engine, params: Any, admission: queue.Queue,
                  outbox: queue.Queue, listeners: Listeners, stopping: threading.Event,
-                 poll_s: float):
+                 poll_s: float, *, resume: queue.Queue | None = None,
+                 chunk: int | None = None):
         self.index = index
+        self.resume: queue.Queue[LiveRequest] = resume if resume is not None else queue.Queue()
+        self.chunk = chunk or engine.max_prefill_length
+        self.between_chunks: Callable[[], None] = lambda: None  # set by the driver
+        self.waiting_between_chunks = False
         self.engine = engine
         self.params = params
         self.admission = admission
@@ -46,9 +60,8 @@ class PrefillWorker:
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            try:
-                live = self.admission.get(timeout=self.poll_s)
-            except queue.Empty:
+            live, admitted = self._next()
+            if live is None:
                 continue
             self.busy = True
             try:
@@ -58,7 +71,19 @@ class PrefillWorker:
                 self._end(live, "error", f"{type(e).__name__}: {e}")
             finally:
                 self.busy = False
-                self.admission.task_done()
+                if admitted:
+                    self.admission.task_done()
+
+    def _next(self) -> tuple[LiveRequest | None, bool]:
+        """A preempted request if one waits, else the oldest admitted; (None, _) if idle."""
+        try:
+            return self.resume.get_nowait(), False
+        except queue.Empty:
+            pass
+        try:
+            return self.admission.get(timeout=self.poll_s), True
+        except queue.Empty:
+            return None, False
 
     def _serve(self, live: LiveRequest) -> None:
         if live.done:
@@ -69,19 +94,24 @@ class PrefillWorker:
             return
         req = live.request
         t0 = time.monotonic()
-        live.timing.prefill_start = t0
-        tokens = np.asarray(req.prompt_ids, np.int32)
-        if req.prompt_logprobs:
-            live.prompt_logprobs = self._prompt_logprobs(tokens, req.logprobs or 0)
-        if req.max_tokens == 0:  # scoring only
-            live.timing.prefill_end = time.monotonic()
-            self._end(live, "length")
-            return
-        prefix, first = self.engine.prefill(self.params, tokens, len(tokens),
-                                            sampling=req.sampling)
+        resumed = live.preemptions > 0
+        tokens = np.asarray(live.sequence(), np.int32)
+        if not resumed:
+            live.timing.prefill_start = t0
+            if req.prompt_logprobs:
+                live.prompt_logprobs = self._prompt_logprobs(tokens, req.logprobs or 0)
+            if req.max_tokens == 0:  # scoring only
+                live.timing.prefill_end = time.monotonic()
+                self._end(live, "length")
+                return
+        out = self._prefill(live, tokens)
+        if out is None:
+            return  # ended between chunks
+        prefix, first = out
         data = first.to_host().data
         t1 = time.monotonic()
-        live.timing.prefill_end = t1
+        if not resumed:
+            live.timing.prefill_end = t1
         self.prefills += 1
         finish = live.check_token(int(data[0, COL_TOKEN]))
         if finish is not None:
@@ -91,6 +121,28 @@ class PrefillWorker:
             self.listeners.emit(PrefillDone(self.index, len(tokens), t1 - t0))
         if finish is None and not self.route(live, prefix):
             self._end(live, "cancelled")
+
+    def _prefill(self, live: LiveRequest, tokens: np.ndarray):
+        """(prefix, first token) for `tokens`, in chunks of at most `chunk`; None when the
+        request was cancelled or timed out between chunks (it is ended here)."""
+        prefix = None
+        for start in range(0, len(tokens), self.chunk):
+            if start:
+                self.waiting_between_chunks = True
+                try:
+                    self.between_chunks()
+                finally:
+                    self.waiting_between_chunks = False
+                why = "cancelled" if live.done else live.abandoned(time.monotonic())
+                if why is not None:
+                    if not live.done:
+                        self._end(live, why)
+                    return None
+            piece = tokens[start:start + self.chunk]
+            prefix, first = self.engine.prefill(self.params, piece, len(piece),
+                                                sampling=live.request.sampling,
+                                                existing_prefix=prefix)
+        return prefix, first
 
     def _prompt_logprobs(self, tokens: np.ndarray, n: int):
         """(log-prob per prompt token, top-n alternatives per prompt token); the first

@@ -35,7 +35,7 @@ class ModelLimits:
     """What the served model accepts; read once from the orchestrator."""
 
     vocab_size: int
-    max_prefill_length: int
+    max_prefill_length: int  # the longest prompt admitted (longer with chunked prefill)
     max_seq_len: int
     bos_id: int | None
     eos_ids: tuple[int, ...]
@@ -46,7 +46,7 @@ class ModelLimits:
     def from_orchestrator(cls, orch: Any) -> ModelLimits:
         return cls(
             vocab_size=int(orch.vocab_size),
-            max_prefill_length=int(orch.max_prefill_length),
+            max_prefill_length=int(getattr(orch, "max_prompt_length", orch.max_prefill_length)),
             max_seq_len=int(orch.max_seq_len),
             bos_id=orch.bos_id,
             eos_ids=tuple(orch.eos_ids),

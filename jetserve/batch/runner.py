@@ -193,7 +193,7 @@ def _bucket(n: int) -> int:
 
 
 def _progress(cfg: BatchConfig, total: int):
-    if not cfg.progress or not cfg.primary:
+    if not cfg.progress or not cfg.primary or total == 0:
         return None
     from tqdm import tqdm
 

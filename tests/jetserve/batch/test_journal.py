@@ -76,14 +76,14 @@ def fake_executor(jobs, emit):
         emit([(job, {"id": job.id, "text": str(job.prompt_len), "token_ids": [1]})])
 
 
-def test_run_job_orders_by_length_writes_errors_and_resumes(tmp_path):
+def test_run_job_orders_by_length_writes_errors_and_resumes(tmp_path, capsys):
     lines = ['{"id": "short", "prompt": "ab"}', '{"id": "long", "prompt": "' + "x" * 40 + '"}',
              "{not json", '{"id": "mid", "prompt": "' + "y" * 10 + '"}',
              '{"id": "bad", "prompt": "z", "max_tokens": -1}']
     inp = write_lines(tmp_path / "in.jsonl", lines)
     out = str(tmp_path / "out.jsonl")
-    cfg = BatchConfig(input=inp, output=out, progress=False)
-    s = run_job(cfg, LIMITS, fake_executor)
+    s = run_job(BatchConfig(input=inp, output=out), LIMITS, fake_executor)
+    assert "5/5" in capsys.readouterr().err  # the progress bar
     rows = read_rows(out)
     assert [r["id"] for r in rows] == [None, "bad", "long", "mid", "short"]
     assert "line 3" in rows[0]["error"] and rows[0]["line"] == 3
@@ -91,8 +91,8 @@ def test_run_job_orders_by_length_writes_errors_and_resumes(tmp_path):
     assert (s.rows, s.ok, s.failed, s.prompt_tokens, s.all_ok) == (5, 3, 2, 52, False)
 
     # Resume: nothing left to run; the earlier failures still fail the job.
-    s2 = run_job(BatchConfig(input=inp, output=out, resume=True, progress=False), LIMITS,
-                 fake_executor)
+    s2 = run_job(BatchConfig(input=inp, output=out, resume=True), LIMITS, fake_executor)
+    assert capsys.readouterr().err == ""  # no bar for nothing to do
     assert (s2.resumed, s2.ok, s2.failed, s2.failed_before) == (5, 0, 0, 2)
     assert not s2.all_ok and len(read_rows(out)) == 5
 

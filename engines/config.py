@@ -48,8 +48,18 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # How the matmul kernels are stored (engines/quantization.py): "none", "int8" (per
+    # output channel) or "int4" (groups of quant_group_size along the input axis).
+    weight_quant: str = "none"
+    quant_group_size: int = 32
 
     def __post_init__(self):
+        if self.weight_quant not in ("none", "int8", "int4"):
+            raise ValueError(
+                f"weight_quant must be 'none', 'int8' or 'int4', got {self.weight_quant!r}")
+        g = self.quant_group_size
+        if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
+            raise ValueError(f"quant_group_size must be an even integer >= 2, got {g!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",

@@ -3,6 +3,11 @@
 The contiguous layout: each layer keeps k, v as [B, S, K, H] (slot, position, kv head,
 head dim); a slot's key at index j holds sequence position j. `PrefillKV` and `DecodeKV`
 implement `engines.model.KVStore` for the two device functions.
+
+An int8 cache (`EngineConfig.kv_dtype="int8"`) stores each token's k and v per kv head as
+int8 values with one f32 scale (max |x| over H / 127) in `k_scale`/`v_scale` [B, S, K];
+the generate step dequantizes the rows it attends over. Prefixes stay in the model dtype
+(prefill attends over exact keys) and are quantized when inserted into a slot.
 """
 
 from __future__ import annotations
@@ -34,13 +39,28 @@ class Prefix:
 class DecodeState:
     """Everything the generate step reads and writes, for all B slots."""
 
-    k: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    k: tuple[jax.Array, ...]  # L x [B, S, K, H], int8 for a quantized cache
     v: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    k_scale: tuple[jax.Array, ...]  # L x f32[B, S, K] for an int8 cache, else ()
+    v_scale: tuple[jax.Array, ...]
     lengths: jax.Array  # i32[B] tokens in each slot's cache (= position of `tokens`)
     tokens: jax.Array  # i32[B] last sampled token, fed to the next step
     sampling: SlotSampling  # per-slot parameters and RNG keys
     prompt_mask: jax.Array  # bool[B, V] tokens of the prompt (repetition penalty)
     counts: jax.Array  # i32[B, V] generated-token counts (frequency/presence penalty)
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K, H] -> (int8 [..., K, H], f32 scale [..., K]), symmetric per token and head."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(xf), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(xf / safe[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 class PrefillKV:
@@ -75,14 +95,26 @@ class DecodeKV:
         self.pos = pos  # i32[B]
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
+        self.k_scale: list[jax.Array] = []
+        self.v_scale: list[jax.Array] = []
 
     def update(self, layer, k, v):
         B = k.shape[0]
         rows = jnp.arange(B)
-        k_all = self.state.k[layer].at[rows, self.pos].set(k[:, 0])
-        v_all = self.state.v[layer].at[rows, self.pos].set(v[:, 0])
-        self.k.append(k_all)
-        self.v.append(v_all)
+        st = self.state
+        if st.k_scale:  # int8 cache: store quantized, attend over the dequantized rows
+            (kq, ks), (vq, vs) = quantize_kv(k[:, 0]), quantize_kv(v[:, 0])
+            self.k.append(st.k[layer].at[rows, self.pos].set(kq))
+            self.v.append(st.v[layer].at[rows, self.pos].set(vq))
+            self.k_scale.append(st.k_scale[layer].at[rows, self.pos].set(ks))
+            self.v_scale.append(st.v_scale[layer].at[rows, self.pos].set(vs))
+            k_all = dequantize_kv(self.k[-1], self.k_scale[-1], k.dtype)
+            v_all = dequantize_kv(self.v[-1], self.v_scale[-1], v.dtype)
+        else:
+            k_all = st.k[layer].at[rows, self.pos].set(k[:, 0])
+            v_all = st.v[layer].at[rows, self.pos].set(v[:, 0])
+            self.k.append(k_all)
+            self.v.append(v_all)
         S = k_all.shape[1]
         j = jnp.arange(S)[None, :]
         k_pos = jnp.where(j <= self.pos[:, None], j, -1)  # (B, S)
@@ -95,8 +127,16 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
     # Each prefix entry goes to the index of its position; padding (-1) is dropped.
     idx = jnp.where(prefix.k_pos[0] >= 0, prefix.k_pos[0], S)  # (T,)
 
-    def put(cache, new):  # cache [B, S, K, H], new [1, T, K, H]
+    def put(cache, new):  # cache [B, S, K, H] (or scales [B, S, K]), new [1, T, ...]
         return cache.at[slot, idx].set(new[0], mode="drop")
+
+    if state.k_scale:
+        kq, ks = zip(*map(quantize_kv, prefix.k))
+        vq, vs = zip(*map(quantize_kv, prefix.v))
+        k_scale = tuple(put(c, n) for c, n in zip(state.k_scale, ks))
+        v_scale = tuple(put(c, n) for c, n in zip(state.v_scale, vs))
+    else:
+        kq, vq, k_scale, v_scale = prefix.k, prefix.v, (), ()
 
     def row(arr, value):
         return jax.lax.dynamic_update_index_in_dim(arr, value.astype(arr.dtype), slot, 0)
@@ -105,8 +145,10 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
     V = state.counts.shape[1]
     first = jax.nn.one_hot(prefix.token, V, dtype=state.counts.dtype)
     return DecodeState(
-        k=tuple(put(c, n) for c, n in zip(state.k, prefix.k)),
-        v=tuple(put(c, n) for c, n in zip(state.v, prefix.v)),
+        k=tuple(put(c, n) for c, n in zip(state.k, kq)),
+        v=tuple(put(c, n) for c, n in zip(state.v, vq)),
+        k_scale=k_scale,
+        v_scale=v_scale,
         lengths=row(state.lengths, prefix.length),
         tokens=row(state.tokens, prefix.token),
         sampling=sampling,

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from engines import quantization
 from engines.config import ModelConfig, llama3_inv_freq
 from sharding import axes
 from sharding.layout import constrain
@@ -91,6 +92,15 @@ def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, 
     return mod.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
 
 
+def _kernel(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
+            dtype: Any) -> jax.Array:
+    """A matmul kernel: a plain param, or stored quantized (cfg.weight_quant) and
+    dequantized here, inside the jitted step, right before its einsum."""
+    if mod.cfg.weight_quant == "none":
+        return _param(mod, name, shape, names, dtype)
+    return quantization.quantized_kernel(mod, name, shape, names, dtype)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any
@@ -100,10 +110,10 @@ class Attention(nn.Module):
     def __call__(self, x, positions, inv_freq, kv: KVStore):
         c = self.cfg
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        wq = _param(self, "q_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), self.dtype)
-        wk = _param(self, "k_proj", (D, K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), self.dtype)
-        wv = _param(self, "v_proj", (D, K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), self.dtype)
-        wo = _param(self, "o_proj", (N, H, D), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
+        wq = _kernel(self, "q_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), self.dtype)
+        wk = _kernel(self, "k_proj", (D, K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), self.dtype)
+        wv = _kernel(self, "v_proj", (D, K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), self.dtype)
+        wo = _kernel(self, "o_proj", (N, H, D), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
         q = jnp.einsum("btd,dnh->btnh", x, wq)  # (B, T, N, H)
         k = jnp.einsum("btd,dkh->btkh", x, wk)  # (B, T, K, H)
         v = jnp.einsum("btd,dkh->btkh", x, wv)
@@ -139,9 +149,9 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         D, F = self.cfg.hidden_size, self.cfg.intermediate_size
-        wg = _param(self, "gate_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
-        wu = _param(self, "up_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
-        wd = _param(self, "down_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
+        wg = _kernel(self, "gate_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
+        wu = _kernel(self, "up_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
+        wd = _kernel(self, "down_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         h = _act(self.cfg, x @ wg) * (x @ wu)  # (B, T, F)
         h = constrain(h, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
         return h @ wd
@@ -159,9 +169,9 @@ class MoeMlp(nn.Module):
         c = self.cfg
         D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
         router = _param(self, "router", (D, E), (axes.EMBED, None), self.dtype)
-        w1 = _param(self, "w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
-        w3 = _param(self, "w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
-        w2 = _param(self, "w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED), self.dtype)
+        w1 = _kernel(self, "w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
+        w3 = _kernel(self, "w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
+        w2 = _kernel(self, "w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED), self.dtype)
         probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # (B, T, E)
         top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
@@ -220,6 +230,6 @@ class Decoder(nn.Module):
         if c.tie_word_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)
         else:
-            head = _param(self, "lm_head", (D, V), (axes.EMBED, axes.VOCAB), self.dtype)
+            head = _kernel(self, "lm_head", (D, V), (axes.EMBED, axes.VOCAB), self.dtype)
             logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
         return constrain(logits, (axes.BATCH, axes.SEQ, axes.VOCAB), "logits")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint
+from engines import checkpoint, quantization
 from engines.config import ModelConfig
 from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
 from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix, insert_prefix
@@ -29,6 +29,7 @@ from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
 CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_SEQ, axes.CACHE_HEADS, axes.HEAD_DIM)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
+KV_DTYPES = ("auto", "int8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,9 +47,16 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None
     paged_attention: str = "auto"  # auto | xla | pallas_tpu (engines/paged_kv.py)
+    # Matmul weights quantized at load time (engines/quantization.py): none | int8 | int4
+    # (int4 in groups of quant_group_size along the input axis).
+    quantize: str = "none"
+    quant_group_size: int = quantization.DEFAULT_GROUP
+    # KV cache storage: auto (the model dtype) or int8 with a scale per token and kv head.
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         _check_kv_layout(self)
+        quantization.check_scheme("quantize", self.quantize, self.quant_group_size)
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -60,6 +68,11 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_dtype == "int8" and self.kv_layout == "paged":
+            # TODO(#10): int8 pages with per-token scales.
+            raise ValueError("kv_dtype int8 works with kv_layout contiguous only, for now")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
 
@@ -155,7 +168,8 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
     B = tok.shape[0]
     lengths = jnp.where(valid, state.lengths + 1, state.lengths)
     new_state = DecodeState(
-        k=tuple(kv.k), v=tuple(kv.v), lengths=lengths, tokens=tok,
+        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
+        lengths=lengths, tokens=tok,
         sampling=dataclasses.replace(state.sampling, key=next_keys),
         prompt_mask=state.prompt_mask,
         counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
@@ -206,8 +220,9 @@ class TransformerEngine(Engine):
         tokenizer: Tokenizer | None = None,
         seed: int = 0,
     ):
-        self.model_config = model_config
         self.config = config or EngineConfig()
+        self.model_config = model_config = quantization.with_weight_quant(
+            model_config, self.config.quantize, self.config.quant_group_size)
         self.weights = weights
         self.seed = seed
         self._tokenizer = tokenizer
@@ -239,7 +254,11 @@ class TransformerEngine(Engine):
     def _param_shardings(self) -> dict:
         def one(path, spec, abstract):
             name = "/".join(str(getattr(k, "key", k)) for k in path)
-            return self._named(tuple(spec), abstract.shape, f"parameter {name}")
+            # Quantization scales are 1/group the size of their kernel: where their groups
+            # do not divide over the channel's mesh axis they stay whole on every device.
+            return self.sharding.named(self._mesh, tuple(spec), abstract.shape,
+                                       f"parameter {name}",
+                                       strict=not name.endswith(f"/{quantization.SCALE}"))
 
         return jax.tree_util.tree_map_with_path(
             one, self._logical, self.abstract_params,
@@ -264,7 +283,11 @@ class TransformerEngine(Engine):
         bv = self._named((axes.CACHE_BATCH, None), (e.max_concurrent_decodes, c.vocab_size),
                          "token counts")
         L = c.num_layers
-        return DecodeState(k=(cache,) * L, v=(cache,) * L, lengths=vec, tokens=vec,
+        scales = ()
+        if e.kv_dtype == "int8":
+            scales = (self._named(CACHE_AXES[:3], cache_shape[:3], "kv cache scales"),) * L
+        return DecodeState(k=(cache,) * L, v=(cache,) * L, k_scale=scales, v_scale=scales,
+                           lengths=vec, tokens=vec,
                            sampling=self._sampling_shardings(axes.CACHE_BATCH),
                            prompt_mask=bv, counts=bv)
 
@@ -320,6 +343,8 @@ class TransformerEngine(Engine):
     # ---- Engine API --------------------------------------------------------------------
 
     def load_params(self) -> dict:
+        if quantization.needs_quantizing(self.model_config, self.weights):
+            return quantization.load_quantized(self)
         if self.weights is None:
             init = jax.jit(
                 lambda key: nn.meta.unbox(
@@ -348,9 +373,13 @@ class TransformerEngine(Engine):
         B, S = e.max_concurrent_decodes, e.max_seq_len
 
         def make():
-            cache = jnp.zeros((B, S, c.num_kv_heads, c.head_dim), self.dtype)
+            int8 = e.kv_dtype == "int8"
+            cache = jnp.zeros((B, S, c.num_kv_heads, c.head_dim),
+                              jnp.int8 if int8 else self.dtype)
+            L = c.num_layers
+            scales = (jnp.zeros((B, S, c.num_kv_heads), jnp.float32),) * L if int8 else ()
             return DecodeState(
-                k=(cache,) * c.num_layers, v=(cache,) * c.num_layers,
+                k=(cache,) * L, v=(cache,) * L, k_scale=scales, v_scale=scales,
                 lengths=jnp.full((B,), S, jnp.int32),  # empty slots count as full
                 tokens=jnp.zeros((B,), jnp.int32),
                 sampling=SlotSampling.empty(B),

@@ -79,7 +79,8 @@ def decode_state_layouts(engine: TransformerEngine) -> list[TensorLayout]:
     abstract = jax.eval_shape(engine.init_decode_state)
     out = []
     for t in _layouts("decode_state", abstract, engine.decode_state_shardings()):
-        kind = "kv_cache" if t.name.split("/")[0] in ("k", "v") else "decode_state"
+        kind = ("kv_cache" if t.name.split("/")[0] in ("k", "v", "k_scale", "v_scale")
+                else "decode_state")
         out.append(dataclasses.replace(t, kind=kind))
     return out
 
@@ -116,7 +117,8 @@ def build_report(engine: TransformerEngine, *, params=None, decode_state=None,
     pred_p = predicted_bytes(p_lay, devices)
     pred_kv = predicted_bytes(kv_lay, devices)
     meas_p = measured_bytes(params) if params is not None else {}
-    meas_kv = (measured_bytes((decode_state.k, decode_state.v))
+    kv_fields = ("k", "v", "k_scale", "v_scale")  # a paged state has no scales
+    meas_kv = (measured_bytes([getattr(decode_state, f, ()) for f in kv_fields])
                if decode_state is not None else {})
     per_device = []
     for d in devices:

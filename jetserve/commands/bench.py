@@ -1,4 +1,5 @@
-"""Benchmarks that print figures: decode against its floor, jetserve against transformers."""
+"""Benchmarks that print figures: decode against its floor, jetserve against transformers,
+quantized variants against the float model."""
 
 from __future__ import annotations
 
@@ -58,6 +59,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "busy with other work, 1 avoids spinning threads)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(_bench=_batch)
+
+    q = sub.add_parser("quality", help="quantized weights / KV cache vs the float model")
+    q.add_argument("--model", default=None,
+                   help="HF or Orbax directory, or random:NAME (default: bundled model)")
+    q.add_argument("--variants", default="none,int8,int4,kv-int8,int8+kv-int8",
+                   help="comma-separated, from none,int8,int4,kv-int8,int8+kv-int8")
+    q.add_argument("--steps", type=int, default=256, help="decode steps per prompt")
+    q.add_argument("--prompts", type=int, default=4)
+    q.add_argument("--prompt-len", type=int, default=16)
+    q.add_argument("--text", default=None, help="text file for perplexity")
+    q.add_argument("--text-tokens", type=int, default=512)
+    q.add_argument("--quant-group-size", type=int, default=32)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(_bench=_quality)
 
     m = sub.add_parser("make-hf-model", help="write a random HF Llama of a random:NAME shape")
     m.add_argument("--preset", default="llama-156m")
@@ -138,6 +153,19 @@ def _batch(args: argparse.Namespace) -> int:
           f"batch / engine loop {out['batch_over_engine_loop']:.2f}; same tokens as "
           f"transformers {out['same_as_hf']:.3f}, as the engine loop "
           f"{out['same_as_engine_loop']:.3f}")
+    return 0
+
+
+def _quality(args: argparse.Namespace) -> int:
+    from jetserve.bench import quality
+
+    cfg = quality.QualityConfig(
+        model=args.model, variants=tuple(v for v in args.variants.split(",") if v),
+        steps=args.steps, prompts=args.prompts, prompt_len=args.prompt_len, text=args.text,
+        text_tokens=args.text_tokens, group=args.quant_group_size)
+    out = quality.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engines import EngineConfig
+from engines import EngineConfig, quantization
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pages in the pool (paged; default: enough for every slot at "
                         "max-seq-len)")
+    add_quantize_arguments(p)
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache: auto (the model dtype) or int8 with a scale per token "
+                        "and kv head")
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default="none", choices=quantization.SCHEMES,
+                   help="matmul weights: int8 per output channel, int4 group-wise "
+                        "(a checkpoint converted with --quantize is loaded as stored)")
+    p.add_argument("--quant-group-size", type=int, default=quantization.DEFAULT_GROUP,
+                   help="int4: weights per scale along the input dimension")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -30,7 +42,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_concurrent_decodes=args.max_concurrent_decodes,
                         max_prefill_length=prefill, max_seq_len=args.max_seq_len,
                         dtype=args.dtype, kv_layout=args.kv_layout,
-                        page_size=args.page_size, num_pages=args.num_pages)
+                        page_size=args.page_size, num_pages=args.num_pages,
+                        quantize=args.quantize, quant_group_size=args.quant_group_size,
+                        kv_dtype=args.kv_dtype)
 
 
 def parse_ids(text: str) -> list[int]:

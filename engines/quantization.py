@@ -1,0 +1,311 @@
+"""Weight quantization: int8 per output channel and int4 group-wise, both symmetric.
+
+Storage. A quantized matmul kernel W (laid out [in..., out...] as the decoder uses it)
+becomes a subtree `{"qvalue": int8[...], "scale": f32[...]}` at W's path:
+
+  int8  one scale per output channel: max |W| over the input axes / 127; qvalue has W's
+        shape.
+  int4  one scale per group of `group` consecutive elements along the kernel's last
+        input axis: max |W| in the group / 7; values in [-8, 7] are packed two per byte
+        along that same axis (element 2j in the low nibble, 2j+1 in the high one), so
+        qvalue has that axis halved and each byte stays on the device of its elements.
+
+Logical axis names: qvalue keeps W's names (a packed axis keeps its name and splits over
+the same mesh axis as before); a scale keeps the names of the dimensions it has, so it
+splits with its channel (an int4 group axis keeps the input axis's name).
+
+Dequantization happens inside the jitted model, right before each einsum
+(`QuantizedKernel`): XLA sees convert * scale feeding the dot and fuses it where the
+backend allows; no float copy of the weights exists outside jit. Only matmul kernels are
+quantized: the embedding table (a gather, and Gemma's tied LM head), norms, biases and
+the MoE router stay in the model dtype.
+
+On XLA CPU this saves memory, not time: int8 -> f32 dequantize-then-dot is slower than a
+plain f32 dot (see docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCHEMES = ("none", "int8", "int4")
+DEFAULT_GROUP = 32
+QVALUE, SCALE = "qvalue", "scale"
+
+# Kernel name -> its input (contracted) axes, for every kernel the decoder may quantize.
+KERNEL_INPUT_AXES: dict[str, tuple[int, ...]] = {
+    "q_proj": (0,),  # [D, N, H]
+    "k_proj": (0,),  # [D, K, H]
+    "v_proj": (0,),  # [D, K, H]
+    "o_proj": (0, 1),  # [N, H, D]
+    "gate_proj": (0,),  # [D, F]
+    "up_proj": (0,),  # [D, F]
+    "down_proj": (0,),  # [F, D]
+    "w1": (1,),  # [E, D, F]
+    "w3": (1,),  # [E, D, F]
+    "w2": (1,),  # [E, F, D]
+    "lm_head": (0,),  # [D, V]
+}
+
+
+def check_scheme(field: str, scheme: str, group: int) -> None:
+    """Validates a (scheme, group size) pair; errors name `field`."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"{field} must be one of {SCHEMES}, got {scheme!r}")
+    if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2:
+        raise ValueError(f"{field} group size must be an even integer >= 2, got {group!r}")
+
+
+def group_for(n_in: int, group: int) -> int:
+    """The group actually used along an input axis of n_in: the largest divisor of n_in
+    that divides `group` (so a head_dim of 16 with group 32 gives groups of 16)."""
+    return math.gcd(group, n_in)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Shapes and logical names of one quantized kernel's two arrays."""
+
+    qshape: tuple[int, ...]
+    sshape: tuple[int, ...]
+    snames: tuple[str | None, ...]
+    group: int  # int4: elements per scale along the last input axis; int8: 0
+
+
+def layout(shape: Sequence[int], names: Sequence[str | None], in_axes: Sequence[int],
+           scheme: str, group: int, tensor: str = "kernel") -> Layout:
+    shape, names = tuple(shape), tuple(names)
+    if scheme == "int8":
+        keep = [i for i in range(len(shape)) if i not in in_axes]
+        return Layout(shape, tuple(shape[i] for i in keep), tuple(names[i] for i in keep), 0)
+    a = in_axes[-1]
+    n = shape[a]
+    if n % 2:
+        raise ValueError(f"{tensor}: int4 packs two values per byte along input dimension "
+                         f"{a} of size {n}, which must be even")
+    g = group_for(n, group)
+    qshape = shape[:a] + (n // 2,) + shape[a + 1:]
+    sshape = shape[:a] + (n // g,) + shape[a + 1:]
+    return Layout(qshape, sshape, names, g)
+
+
+# ---- quantize (host numpy or device jax.numpy: `xp`) ----------------------------------
+
+
+def quantize(w: Any, in_axes: Sequence[int], scheme: str, group: int,
+             xp: Any = np) -> tuple[Any, Any]:
+    """W -> (qvalue int8, scale f32) as described in the module docstring."""
+    w = w.astype(xp.float32)
+    if scheme == "int8":
+        amax = xp.max(xp.abs(w), axis=tuple(in_axes), keepdims=True)
+        scale = amax / 127.0
+        safe = xp.where(scale > 0, scale, 1.0)
+        q = xp.clip(xp.round(w / safe), -127, 127).astype(xp.int8)
+        return q, xp.squeeze(scale, axis=tuple(in_axes)).astype(xp.float32)
+    a = in_axes[-1]
+    n = w.shape[a]
+    lay = layout(w.shape, (None,) * w.ndim, in_axes, scheme, group)
+    g = lay.group
+    wg = w.reshape(w.shape[:a] + (n // g, g) + w.shape[a + 1:])
+    amax = xp.max(xp.abs(wg), axis=a + 1, keepdims=True)
+    scale = amax / 7.0
+    safe = xp.where(scale > 0, scale, 1.0)
+    q = xp.clip(xp.round(wg / safe), -8, 7).astype(xp.int8).reshape(w.shape)
+    pairs = q.reshape(w.shape[:a] + (n // 2, 2) + w.shape[a + 1:])
+    lo = xp.take(pairs, 0, axis=a + 1).astype(xp.uint8) & 0x0F
+    hi = xp.take(pairs, 1, axis=a + 1).astype(xp.uint8) & 0x0F
+    packed = lo | (hi << 4)
+    packed = packed.view(np.int8) if xp is np else jax.lax.bitcast_convert_type(packed, jnp.int8)
+    return packed, xp.squeeze(scale, axis=a + 1).astype(xp.float32)
+
+
+def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
+    """int8 bytes holding two signed nibbles -> int8 values, `axis` doubled."""
+    lo = jnp.right_shift(jnp.left_shift(packed, 4), 4)  # arithmetic: sign-extends
+    hi = jnp.right_shift(packed, 4)
+    both = jnp.stack([lo, hi], axis=axis + 1)
+    shape = packed.shape[:axis] + (packed.shape[axis] * 2,) + packed.shape[axis + 1:]
+    return both.reshape(shape)
+
+
+def dequantize(qvalue: jax.Array, scale: jax.Array, in_axes: Sequence[int], scheme: str,
+               group: int, dtype: Any) -> jax.Array:
+    """(qvalue, scale) -> W in `dtype`; meant to run inside jit, next to its einsum."""
+    if scheme == "int8":
+        return qvalue.astype(dtype) * jnp.expand_dims(scale, tuple(in_axes)).astype(dtype)
+    a = in_axes[-1]
+    q = unpack_int4(qvalue, a)
+    n = q.shape[a]
+    g = n // scale.shape[a]
+    qg = q.reshape(q.shape[:a] + (n // g, g) + q.shape[a + 1:])
+    w = qg.astype(dtype) * jnp.expand_dims(scale, a + 1).astype(dtype)
+    return w.reshape(q.shape)
+
+
+# ---- the decoder side -------------------------------------------------------------------
+
+
+class QuantizedKernel(nn.Module):
+    """Declares one kernel's qvalue and scale (with logical names) and returns the
+    dequantized kernel. Initial values are placeholders: quantized weights always come
+    from quantizing float ones (`quantize_params`) or from a quantized checkpoint."""
+
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    in_axes: tuple[int, ...]
+    scheme: str
+    group: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        lay = layout(self.shape, self.names, self.in_axes, self.scheme, self.group,
+                     self.name or "kernel")
+        q = self.param(QVALUE, nn.with_logical_partitioning(nn.initializers.zeros, self.names),
+                       lay.qshape, jnp.int8)
+        s = self.param(SCALE, nn.with_logical_partitioning(nn.initializers.ones, lay.snames),
+                       lay.sshape, jnp.float32)
+        return dequantize(q, s, self.in_axes, self.scheme, self.group, self.dtype)
+
+
+def quantized_kernel(mod: nn.Module, name: str, shape: tuple[int, ...],
+                     names: tuple[str | None, ...], dtype: Any) -> jax.Array:
+    """For the decoder: kernel `name` of `mod`, stored as mod.cfg.weight_quant says."""
+    cfg = mod.cfg
+    return QuantizedKernel(tuple(shape), tuple(names), KERNEL_INPUT_AXES[name],
+                           cfg.weight_quant, cfg.quant_group_size, dtype, name=name,
+                           parent=mod)()
+
+
+def with_weight_quant(cfg: Any, scheme: str, group: int) -> Any:
+    """The ModelConfig whose params hold weights quantized by `scheme` ("none": as is).
+
+    A config that already describes quantized storage (an Orbax checkpoint written by
+    `jetserve convert --quantize`) keeps it; asking for another scheme is an error, since
+    quantized weights cannot be requantized without loss.
+    """
+    check_scheme("quantize", scheme, group)
+    if scheme == "none":
+        return cfg
+    stored = (cfg.weight_quant, cfg.quant_group_size if cfg.weight_quant == "int4" else None)
+    wanted = (scheme, group if scheme == "int4" else None)
+    if cfg.weight_quant != "none":
+        if stored != wanted:
+            raise ValueError(
+                f"quantize: the checkpoint holds {cfg.weight_quant} weights"
+                f"{f' (group {cfg.quant_group_size})' if cfg.weight_quant == 'int4' else ''}; "
+                f"cannot load them as {scheme}"
+                f"{f' (group {group})' if scheme == 'int4' else ''}; convert from the "
+                f"float weights instead")
+        return cfg
+    return dataclasses.replace(cfg, weight_quant=scheme, quant_group_size=group)
+
+
+def quantize_params(params: dict, scheme: str, group: int, xp: Any = jnp) -> dict:
+    """A float param tree -> the same tree with every matmul kernel quantized."""
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out[k] = quantize_params(v, scheme, group, xp)
+        elif k in KERNEL_INPUT_AXES:
+            q, s = quantize(v, KERNEL_INPUT_AXES[k], scheme, group, xp)
+            out[k] = {QVALUE: q, SCALE: s}
+        else:
+            out[k] = v
+    return out
+
+
+def dequantize_params(params: dict, scheme: str, dtype: Any = jnp.float32) -> dict:
+    """The inverse, for tests and quality reports (materialises every kernel)."""
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict) and set(v) == {QVALUE, SCALE}:
+            out[k] = dequantize(v[QVALUE], v[SCALE], KERNEL_INPUT_AXES[k], scheme, 0, dtype)
+        elif isinstance(v, dict):
+            out[k] = dequantize_params(v, scheme, dtype)
+        else:
+            out[k] = v
+    return out
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes the param arrays occupy (int4 values count their packed bytes)."""
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+
+def _path(p) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in p)
+
+
+def load_quantized(engine: Any) -> dict:
+    """Float weights (random, HF safetensors, or a float Orbax checkpoint) quantized as
+    engine.model_config says, placed with engine.param_shardings.
+
+    HF weights are quantized tensor by tensor on the host, so the float model never sits
+    on the devices; random and Orbax weights are quantized by one jitted function whose
+    float input is dropped as soon as it returns.
+    """
+    from engines import checkpoint
+    from engines.model import Decoder
+    from engines.transformer_engine import _ShapeOnlyKV
+
+    cfg = engine.model_config
+    scheme, group = cfg.weight_quant, cfg.quant_group_size
+    float_cfg = dataclasses.replace(cfg, weight_quant="none")
+    model = Decoder(float_cfg, dtype=engine.dtype)
+    one = jnp.zeros((1, 1), jnp.int32)
+
+    def init(key):
+        return model.init(key, one, one, _ShapeOnlyKV(one))["params"]
+
+    boxed = jax.eval_shape(init, jax.random.key(0))
+    abstract = nn.meta.unbox(boxed)
+    specs = nn.get_partition_spec(boxed)
+    float_sh = jax.tree_util.tree_map_with_path(
+        lambda p, spec, a: engine.sharding.named(engine.mesh, tuple(spec), a.shape,
+                                                 f"parameter {_path(p)}"),
+        specs, abstract, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    quantize_jit = jax.jit(lambda p: quantize_params(p, scheme, group, jnp),
+                           out_shardings=engine.param_shardings)
+    if engine.weights is None:
+        make = jax.jit(lambda key: quantize_params(nn.meta.unbox(init(key)), scheme, group, jnp),
+                       out_shardings=engine.param_shardings)
+        return make(jax.random.key(engine.seed))
+    if checkpoint.is_orbax_dir(engine.weights):
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract, float_sh)
+        return quantize_jit(checkpoint.read_orbax_params(engine.weights, target))
+    flat_sh = {_path(p): s for p, s in
+               jax.tree_util.tree_flatten_with_path(engine.param_shardings)[0]}
+
+    def place(path: str, arr: np.ndarray):
+        leaf = path.rsplit("/", 1)[-1]
+        if leaf not in KERNEL_INPUT_AXES:
+            return jax.device_put(arr, flat_sh[path])
+        q, s = quantize(arr, KERNEL_INPUT_AXES[leaf], scheme, group, np)
+        return {QVALUE: jax.device_put(q, flat_sh[f"{path}/{QVALUE}"]),
+                SCALE: jax.device_put(s, flat_sh[f"{path}/{SCALE}"])}
+
+    return checkpoint.read_hf_params(engine.weights, float_cfg, abstract, place)
+
+
+def needs_quantizing(cfg: Any, weights: str | None) -> bool:
+    """True when the engine's params are quantized but its weights are stored float."""
+    if cfg.weight_quant == "none":
+        return False
+    from engines import checkpoint
+
+    if weights is not None and checkpoint.is_orbax_dir(weights):
+        return checkpoint.read_orbax_config(weights).weight_quant == "none"
+    return True

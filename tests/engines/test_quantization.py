@@ -1,0 +1,146 @@
+"""Weight quantization: int8 per channel and int4 group-wise, their error bounds and
+packing, quantizing HF weights at load time, `jetserve convert --quantize` (Orbax round
+trip), and a tensor-parallel quantized engine."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from engines import EngineConfig, ModelConfig, TransformerEngine, load_hf_config
+from engines import quantization as qz
+from engines.checkpoint import read_orbax_config
+from jetserve import cli
+from jetserve.offline import generate_many
+from sharding import load_preset
+from tests.parity.hf_models import make_hf_model
+
+ECFG = dict(max_concurrent_decodes=2, max_prefill_length=16, max_seq_len=48)
+PROMPTS = [[5, 9, 11, 3], [7, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("quant") / "llama")
+    make_hf_model("llama", d)
+    return d
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _tokens(eng, params, n=10):
+    return [r.token_ids for r in generate_many(eng, params, PROMPTS, max_tokens=n,
+                                               ignore_eos=True)]
+
+
+@pytest.mark.parametrize("shape,in_axes", [((64, 4, 16), (0,)), ((4, 16, 64), (0, 1)),
+                                           ((3, 32, 48), (1,))])
+def test_int8_per_channel_error_bound(shape, in_axes):
+    w = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    w[..., 0] = 0.0  # an all-zero output channel must not divide by zero
+    q, s = qz.quantize(w, in_axes, "int8", 0)
+    assert q.dtype == np.int8 and q.shape == w.shape
+    amax = np.max(np.abs(w), axis=in_axes)
+    np.testing.assert_allclose(s, amax / 127, rtol=1e-6)
+    dq = np.asarray(qz.dequantize(q, s, in_axes, "int8", 0, np.float32))
+    bound = np.expand_dims(s, in_axes) / 2 + 1e-7
+    assert np.all(np.abs(dq - w) <= bound)
+    assert np.all(dq[..., 0] == 0)
+
+
+@pytest.mark.parametrize("shape,in_axes,group,g", [((64, 4, 16), (0,), 32, 32),
+                                                   ((4, 16, 64), (0, 1), 32, 16),
+                                                   ((2, 48, 8), (1,), 32, 16)])
+def test_int4_group_error_bound_and_packing(shape, in_axes, group, g):
+    w = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+    q, s = qz.quantize(w, in_axes, "int4", group)
+    a = in_axes[-1]
+    assert q.dtype == np.int8 and q.shape[a] == shape[a] // 2  # two values per byte
+    assert s.shape[a] == shape[a] // g
+    # The host (numpy) and device (jax) quantizers agree (XLA may divide by 7 through a
+    # reciprocal: scales within an ulp, values equal unless one sits on a rounding edge).
+    qj, sj = qz.quantize(jax.numpy.asarray(w), in_axes, "int4", group, jax.numpy)
+    np.testing.assert_allclose(np.asarray(sj), s, rtol=2e-7)
+    assert np.mean(np.asarray(qj) != q) < 1e-3
+    values = np.asarray(qz.unpack_int4(q, a))
+    assert values.min() >= -8 and values.max() <= 7
+    dq = np.asarray(qz.dequantize(q, s, in_axes, "int4", group, np.float32))
+    scale_full = np.repeat(s, g, axis=a)
+    assert np.all(np.abs(dq - w) <= scale_full / 2 + 1e-6)
+    # Every value of a group is within its scale's range; the largest hits +-7 or -8.
+    wg = np.abs(w).reshape(shape[:a] + (shape[a] // g, g) + shape[a + 1:]).max(axis=a + 1)
+    np.testing.assert_allclose(s, wg / 7, rtol=1e-6)
+
+
+def test_bad_quantize_settings_are_named():
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        EngineConfig(quantize="int3")
+    with pytest.raises(ValueError, match="group size must be an even integer"):
+        EngineConfig(quantize="int4", quant_group_size=7)
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=7)
+    with pytest.raises(ValueError, match="must be even"):
+        TransformerEngine(cfg, config=EngineConfig(quantize="int4", **ECFG),
+                          devices=jax.devices()[:1])
+
+
+def test_hf_weights_quantized_at_load_time(hf_dir):
+    cfg = load_hf_config(hf_dir)
+    plain = TransformerEngine(cfg, weights=hf_dir, config=EngineConfig(**ECFG),
+                              devices=jax.devices()[:1])
+    float_params = plain.load_params()
+    for scheme in ("int8", "int4"):
+        eng = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                                config=EngineConfig(quantize=scheme, **ECFG))
+        params = _np(eng.load_params())
+        want = _np(qz.quantize_params(_np(float_params), scheme, qz.DEFAULT_GROUP, np))
+        assert jax.tree.structure(params) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
+        q_proj = params["layers_0"]["self_attn"]["q_proj"]
+        assert q_proj[qz.QVALUE].dtype == np.int8  # no float copy is kept
+        # Kernel bytes: int8 a quarter of f32 plus one scale per channel; int4 an eighth
+        # plus one scale per 32 weights (the embedding and norms stay f32).
+        layer, float_layer = params["layers_0"], _np(float_params)["layers_0"]
+        ratio = qz.param_bytes(layer) / qz.param_bytes(float_layer)
+        assert (0.25 < ratio < 0.27) if scheme == "int8" else (0.125 < ratio < 0.17), ratio
+
+
+def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path):
+    cfg = load_hf_config(hf_dir)
+    on_load = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                                config=EngineConfig(quantize="int4", quant_group_size=16,
+                                                    **ECFG))
+    want_params = on_load.load_params()
+    out = str(tmp_path / "int4")
+    assert cli.main(["convert", "--from-hf", hf_dir, "--to", out, "--quantize", "int4",
+                     "--quant-group-size", "16"]) == 0
+    meta = json.load(open(os.path.join(out, "jetserve_model.json")))["model"]
+    assert (meta["weight_quant"], meta["quant_group_size"]) == ("int4", 16)
+    stored = read_orbax_config(out)
+    eng = TransformerEngine(stored, weights=out, config=EngineConfig(**ECFG),
+                            devices=jax.devices()[:1])
+    params = eng.load_params()
+    for a, b in zip(jax.tree.leaves(_np(params)), jax.tree.leaves(_np(want_params))):
+        np.testing.assert_array_equal(a, b)
+    assert _tokens(eng, params) == _tokens(on_load, want_params)
+    with pytest.raises(ValueError, match="holds int4 weights .* cannot load them as int8"):
+        TransformerEngine(stored, weights=out, config=EngineConfig(quantize="int8", **ECFG))
+
+
+@pytest.mark.slow
+def test_tp_quantized_engine_matches_one_device(hf_dir):
+    cfg = load_hf_config(hf_dir)  # 4 heads, 2 kv heads, F 128
+    for scheme in ("int8", "int4"):
+        ec = EngineConfig(quantize=scheme, **ECFG)
+        one = TransformerEngine(cfg, weights=hf_dir, config=ec, devices=jax.devices()[:1])
+        tp = TransformerEngine(cfg, weights=hf_dir, config=ec, devices=jax.devices()[:2],
+                               sharding=load_preset("tp"))
+        tp_params = tp.load_params()
+        down = tp_params["layers_0"]["mlp"]["down_proj"][qz.QVALUE]
+        assert down.sharding.shard_shape(down.shape)[0] == down.shape[0] // 2  # split over F
+        assert _tokens(tp, tp_params) == _tokens(one, one.load_params())

@@ -43,6 +43,8 @@ class DecodeBenchConfig:
     matmul_size: int = 2048  # the FLOP/s probe's square matmul
     max_seq_len: int | None = None  # default: context + warmup + steps, rounded up to 128
     sharding: str = "replicated"
+    quantize: str = "none"  # matmul weights: none | int8 | int4
+    kv_dtype: str = "auto"  # auto | int8
 
     def __post_init__(self):
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
@@ -111,7 +113,8 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
         engine = build_engine(cfg.model, devices=devices, sharding=cfg.sharding,
                               engine_config=EngineConfig(
                                   max_concurrent_decodes=b, max_seq_len=cfg.seq_len,
-                                  max_prefill_length=min(512, cfg.context), dtype=cfg.dtype))
+                                  max_prefill_length=min(512, cfg.context), dtype=cfg.dtype,
+                                  quantize=cfg.quantize, kv_dtype=cfg.kv_dtype))
         if params is None:
             params = engine.load_params()
             spec = ModelSpec.from_config(engine.model_config)
@@ -128,7 +131,9 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
     hw = Hardware(name="this machine", hbm_bytes=1e12, hbm_bandwidth=bw_best,
                   flops_bf16=flops, flops_int8=flops, flops_f32=flops, ici_bandwidth=None,
                   measured=True)
-    prec = Precision.from_dtype(cfg.dtype)
+    # The floor counts quantized weights and cache at their stored width (scales aside).
+    prec = Precision.from_dtype(cfg.dtype, weight_bits={"int8": 8, "int4": 4}.get(cfg.quantize),
+                                kv_bits=8 if cfg.kv_dtype == "int8" else None)
     live = cfg.context + cfg.warmup + (cfg.steps + 1) / 2  # mean cache length while timed
     rows = []
     for b, times in raw:
@@ -143,7 +148,8 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
             "tokens_per_s": round(b / med * 1e3, 1),
         })
     return {
-        "model": cfg.model, "dtype": cfg.dtype, "max_seq_len": cfg.seq_len,
+        "model": cfg.model, "dtype": cfg.dtype, "quantize": cfg.quantize,
+        "kv_dtype": cfg.kv_dtype, "max_seq_len": cfg.seq_len,
         "bandwidth_gbps": round(bw_best / 1e9, 2),
         "bandwidth_probes_gbps": [round(bw0.gbps, 2), round(bw1.gbps, 2)],
         "bandwidth_method": bw0.method if bw0.best_bps >= bw1.best_bps else bw1.method,

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--read-gb", type=float, default=None,
                    help="bandwidth probe size in GB (default 2 GiB)")
     d.add_argument("--matmul-size", type=int, default=2048, help="FLOP/s probe matmul size")
+    d.add_argument("--quantize", default="none", choices=["none", "int8", "int4"])
+    d.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
     d.add_argument("--json", action="store_true")
     d.set_defaults(_bench=_decode)
 
@@ -102,7 +104,7 @@ def _decode(args: argparse.Namespace) -> int:
         model=args.model, batches=tuple(parse_batches(args.batch)), context=args.context,
         steps=args.steps, warmup=args.warmup, dtype=args.dtype,
         max_seq_len=args.max_seq_len, read_bytes=_read_bytes(args.read_gb),
-        matmul_size=args.matmul_size)
+        matmul_size=args.matmul_size, quantize=args.quantize, kv_dtype=args.kv_dtype)
     out = decode.run(cfg, log=(lambda *a: None) if args.json else print)
     if args.json:
         print(json.dumps(out))

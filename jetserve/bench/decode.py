@@ -140,11 +140,11 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
         fl = step_floor(spec, hw, batch=b, context=round(live), precision=prec)
         med = statistics.median(times) * 1e3
         rows.append({
-            "batch": b, "context": cfg.context, "step_ms": round(med, 3),
-            "step_ms_best": round(min(times) * 1e3, 3), "floor_ms": round(fl.step_ms_floor, 3),
-            "fraction_of_floor": round(fl.step_ms_floor / med, 3),
-            "memory_floor_ms": round(fl.step_ms_memory, 3),
-            "compute_floor_ms": round(fl.step_ms_compute, 3), "bound": fl.bound,
+            "batch": b, "context": cfg.context, "step_ms": _sig(med),
+            "step_ms_best": _sig(min(times) * 1e3), "floor_ms": _sig(fl.step_ms_floor),
+            "fraction_of_floor": _sig(fl.step_ms_floor / med),
+            "memory_floor_ms": _sig(fl.step_ms_memory),
+            "compute_floor_ms": _sig(fl.step_ms_compute), "bound": fl.bound,
             "tokens_per_s": round(b / med * 1e3, 1),
         })
     return {
@@ -158,3 +158,8 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
         "weights_read_bytes": int(spec.read_params(1) * prec.weight_bits / 8),
         "rows": rows,
     }
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits (a tiny model's floor is far below 1 ms)."""
+    return float(f"{x:.{digits}g}")

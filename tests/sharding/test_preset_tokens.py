@@ -38,7 +38,9 @@ def test_preset_matches_single_device(family, preset, n, reference_tokens):
             families.make_engine(family, preset, devices)
         msg = str(e.value)
         # Names the tensor, the dimension, its size, the mesh axis and the preset.
-        assert re.search(rf"parameter \S+/[kv]_proj: dimension 1 \({bad}\) of size "
+        # (A q/k/v projection's kernel, or its bias where the family has one: qwen2.)
+        assert re.search(rf"parameter \S+/[kv]_(proj: dimension 1|bias: dimension 0) "
+                         rf"\({bad}\) of size "
                          rf"{families.model_config(family).num_kv_heads} does not divide over "
                          rf"mesh axis 'model' of size \d+ in sharding '{preset}'", msg), msg
         return

@@ -77,23 +77,11 @@ class Orchestrator:
                  prefill_params: Sequence[Any], generate_params: Sequence[Any],
                  config: OrchestratorConfig | None = None):
         _check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
-        self.config = config = config or OrchestratorConfig()
+        config = self._init_intake(prefill_engines, generate_engines, config)
         longest = min(e.max_prefill_length for e in prefill_engines)
         if config.prefill_chunk is not None and config.prefill_chunk > longest:
             raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
                              f"engine's max_prefill_length={longest}")
-        self.prefill_engines = list(prefill_engines)
-        self.generate_engines = list(generate_engines)
-        self._stopping = threading.Event()
-        self._listeners = Listeners()
-        self._admission: queue.Queue[LiveRequest] = queue.Queue(config.max_queued_requests)
-        self._outbox: queue.Queue = queue.Queue(config.detokenize_queue_size)
-        self._resume: queue.Queue[LiveRequest] = queue.Queue()  # preempted, to recompute
-        self._live: dict[str, LiveRequest] = {}
-        self._live_cond = threading.Condition()  # guards _live and _counters
-        self._counters: collections.Counter[str] = collections.Counter()
-        self._accepting = True
-        self._threads: list[threading.Thread] = []
         poll = config.poll_interval_s
         self._generate = [
             GenerateWorker(i, e, p, self._outbox, self._listeners, self._stopping,
@@ -109,7 +97,29 @@ class Orchestrator:
             for i, (e, p) in enumerate(zip(prefill_engines, prefill_params, strict=True))
         ]
         self._transfer = self._wire()
+
+    def _init_intake(self, prefill_engines: Sequence[Engine], generate_engines: Sequence[Engine],
+                     config: OrchestratorConfig | None) -> OrchestratorConfig:
+        """What every driver shares: admission, the registry of requests in flight, the
+        detokenize thread and listeners (lockstep.py drives the engines differently)."""
+        self.config = config = config or OrchestratorConfig()
+        self.prefill_engines = list(prefill_engines)
+        self.generate_engines = list(generate_engines)
+        self._stopping = threading.Event()
+        self._listeners = Listeners()
+        self._admission: queue.Queue[LiveRequest] = queue.Queue(config.max_queued_requests)
+        self._outbox: queue.Queue = queue.Queue(config.detokenize_queue_size)
+        self._resume: queue.Queue[LiveRequest] = queue.Queue()  # preempted, to recompute
+        self._live: dict[str, LiveRequest] = {}
+        self._live_cond = threading.Condition()  # guards _live and _counters
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._accepting = True
+        self._threads: list[threading.Thread] = []
+        self._generate: list[GenerateWorker] = []
+        self._prefill: list[PrefillWorker] = []
+        self._transfer: list[TransferWorker] = []
         self._detok = DetokenizeWorker(self._outbox, self.tokenizer, self._finished)
+        return config
 
     def _wire(self) -> list[TransferWorker]:
         """Routes each prefill worker to its own generate worker (interleaved) or through
@@ -150,17 +160,17 @@ class Orchestrator:
             raise RuntimeError("the orchestrator is already started")
         if self._stopping.is_set():
             raise RuntimeError("a stopped orchestrator cannot be restarted; build a new one")
-        spawn = lambda name, fn: self._threads.append(
-            threading.Thread(target=fn, name=f"jetserve-{name}", daemon=True))
-        for w in self._prefill:
-            spawn(f"prefill-{w.index}", w.run)
-        for t in self._transfer:
-            spawn(f"transfer-{t.target.index}", t.run)
-        for w in self._generate:
-            spawn(f"generate-{w.index}", w.run)
-        spawn("detokenize", self._detok.run)
+        self._threads = [threading.Thread(target=fn, name=f"jetserve-{name}", daemon=True)
+                         for name, fn in self._thread_bodies()]
         for t in self._threads:
             t.start()
+
+    def _thread_bodies(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, body) of every thread; the detokenize thread last."""
+        return [*((f"prefill-{w.index}", w.run) for w in self._prefill),
+                *((f"transfer-{t.target.index}", t.run) for t in self._transfer),
+                *((f"generate-{w.index}", w.run) for w in self._generate),
+                ("detokenize", self._detok.run)]
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stops admitting, finishes (drain) or cancels what is in flight, ends the threads.
@@ -337,7 +347,7 @@ class Orchestrator:
     def warmup(self, prompt_lengths: Sequence[int] = (1,), timeout: float | None = None) -> None:
         """Compiles prefill (one bucket per length), insert and generate on every engine by
         running throwaway requests (needs start())."""
-        n = max(len(self._generate), len(self._prefill))
+        n = max(len(self.generate_engines), len(self.prefill_engines))
         handles = [self.submit(Request(prompt_ids=(0,) * L, max_tokens=2, ignore_eos=True))
                    for L in prompt_lengths for _ in range(n)]
         for h in handles:

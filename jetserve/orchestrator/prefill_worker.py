@@ -99,7 +99,8 @@ class PrefillWorker:
         if not resumed:
             live.timing.prefill_start = t0
             if req.prompt_logprobs:
-                live.prompt_logprobs = self._prompt_logprobs(tokens, req.logprobs or 0)
+                live.prompt_logprobs = prompt_logprobs(self.engine, self.params, tokens,
+                                                     req.logprobs or 0)
             if req.max_tokens == 0:  # scoring only
                 live.timing.prefill_end = time.monotonic()
                 self._end(live, "length")
@@ -144,18 +145,19 @@ class PrefillWorker:
                                                 existing_prefix=prefix)
         return prefix, first
 
-    def _prompt_logprobs(self, tokens: np.ndarray, n: int):
-        """(log-prob per prompt token, top-n alternatives per prompt token); the first
-        token has no context: None and []."""
-        out = self.engine.prompt_logprobs(self.params, tokens)
-        lps = np.asarray(out.token_logprobs, np.float32).tolist()
-        ids = np.asarray(out.top_ids)[:, :n].tolist()
-        tops = np.asarray(out.top_logprobs, np.float32)[:, :n].tolist()
-        values: list[float | None] = [None] + [float(x) for x in lps[1:]]
-        pairs = zip(ids[1:], tops[1:], strict=True)
-        alts = [[]] + [list(zip(i, t, strict=True)) for i, t in pairs]
-        return values, alts
-
     def _end(self, live: LiveRequest, reason: str, error: str | None = None) -> None:
         live.done = True
         self.outbox.put(EndRequest(live, reason, error))
+
+
+def prompt_logprobs(engine: Engine, params: Any, tokens: np.ndarray, n: int):
+    """(log-prob per prompt token, top-n alternatives per prompt token); the first token
+    has no context: None and []."""
+    out = engine.prompt_logprobs(params, tokens)
+    lps = np.asarray(out.token_logprobs, np.float32).tolist()
+    ids = np.asarray(out.top_ids)[:, :n].tolist()
+    tops = np.asarray(out.top_logprobs, np.float32)[:, :n].tolist()
+    values: list[float | None] = [None] + [float(x) for x in lps[1:]]
+    pairs = zip(ids[1:], tops[1:], strict=True)
+    alts = [[]] + [list(zip(i, t, strict=True)) for i, t in pairs]
+    return values, alts

@@ -1,0 +1,300 @@
+"""Serving from several processes (jax.distributed): one engine, steps taken in lock step.
+
+Why not the threaded orchestrator: each engine call is one SPMD program over the devices
+of every process, so every process must make the same calls in the same order with the
+same inputs. Threads that prefill and step whenever they like cannot promise that, and
+only process 0 has the requests.
+
+The loop, one turn at a time, on every process::
+
+  process 0: plan  ── free the slots of requests that ended (stop id, length, stop
+                      string, cancel, deadline), admit waiting requests into free slots
+                      (seed drawn here when the request gave none)
+  all:       exchange ── broadcast_from_primary of the encoded plan (step_plan.py)
+  all:       apply ── free_slot; prefill (+ prompt log-probs) and insert per admission;
+                      one generate step when any slot is occupied
+  process 0: read ── the previous step's tokens (one step late, as generate_worker.py,
+                      so the host reads while the device runs) -> the detokenize thread
+
+Process 0 keeps everything else of `Orchestrator` (it is a subclass): submit, validation,
+the bounded admission queue, the detokenize thread, request handles, listeners, stats,
+drain on stop. So the servers run on it unchanged. Its loop runs on a thread of its own
+(`start`); the other processes run the same loop in their main thread (`run`) and never
+look at tokens: the plan alone tells them which slots are in use.
+
+Idle: process 0 waits up to `idle_wait_s` for a request before it broadcasts an empty
+plan (a request arriving wakes it at once); the others block in the broadcast.
+Shutdown: `stop()` on process 0 drains as `Orchestrator.stop` does, then the loop
+broadcasts a stop plan and every process leaves its loop. An engine call that fails
+fails on every process alike (same program, same inputs), and every process recovers the
+same way: the request (or, for a failed step, every request) ends with "error" and the
+loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from engines.engine_api import COL_TOKEN, Engine, ResultTokens
+from jetserve import distributed
+from jetserve.orchestrator.config import OrchestratorConfig
+from jetserve.orchestrator.driver import Orchestrator
+from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from jetserve.orchestrator.prefill_worker import prompt_logprobs
+from jetserve.orchestrator.step_plan import Admission, Broadcast, PlanCodec, StepPlan, exchange
+from jetserve.orchestrator.timing import PrefillDone, StepDone
+
+log = logging.getLogger(__name__)
+
+
+class LockStepOrchestrator(Orchestrator):
+    """One interleaved engine driven in lock step by every process.
+
+    Args:
+      engine / params: the engine (its mesh spans the devices of all processes) and its
+        weights.
+      config: queue bounds (OrchestratorConfig), read on process 0.
+      primary: whether this is process 0 (default: jax.process_index() == 0).
+      broadcast: process 0's array on every process (default:
+        distributed.broadcast_from_primary).
+      idle_wait_s: how long process 0 waits for a request before an empty turn.
+    """
+
+    def __init__(self, engine: Engine, params: Any, *, config: OrchestratorConfig | None = None,
+                 primary: bool | None = None, broadcast: Broadcast | None = None,
+                 idle_wait_s: float = 0.25):
+        self._init_intake([engine], [engine], config)
+        self.engine = engine
+        self.params = params
+        self.primary = distributed.is_primary() if primary is None else primary
+        self._broadcast = broadcast or distributed.broadcast_from_primary
+        self.idle_wait_s = idle_wait_s
+        self._codec = PlanCodec(engine.max_concurrent_decodes)
+        self._state = engine.init_decode_state()
+        # slot -> its request (process 0) or None (the others only know it is in use).
+        self._rows: dict[int, LiveRequest | None] = {}
+        self._pending: tuple[ResultTokens, list[tuple[int, LiveRequest]], float] | None = None
+        self._last_read = 0.0
+        self.steps = self.tokens = self.prefills = 0
+
+    def _thread_bodies(self):
+        return [("lockstep", self.run), ("detokenize", self._detok.run)]
+
+    def submit(self, request):
+        if not self.primary:
+            raise RuntimeError("requests go to process 0; this process follows its plans")
+        return super().submit(request)
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s["prefill"] = [{"engine": 0, "busy": False, "prefills": self.prefills}]
+        s["generate"] = [{"engine": 0, "slots": self._codec.slots,
+                          "slots_in_use": len(self._rows), "backlog": 0,
+                          "steps": self.steps, "tokens": self.tokens}]
+        return s
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Turns until process 0 stops: the loop thread on process 0, the main thread of
+        the others."""
+        try:
+            while True:
+                plan, lives = self._plan() if self.primary else (None, [])
+                plan = exchange(plan, self._codec, self._broadcast)
+                if plan.stop:
+                    break
+                self._apply(plan, lives or [None] * len(plan.admissions))
+        except Exception as e:  # a broadcast or a plan failed: no way to stay in step
+            log.exception("lock-step loop failed; this process stops serving")
+            self._accepting = False
+            self._pending = None
+            with self._live_cond:
+                lives = [lv for lv in self._live.values() if not lv.done]
+            for live in lives:
+                self._end(live, "error", e)
+            raise
+        self._read_pending()
+
+    # ---- process 0: what to do this turn ---------------------------------------------------
+
+    def _plan(self) -> tuple[StepPlan, list[LiveRequest]]:
+        if self._stopping.is_set():
+            return StepPlan(stop=True), []
+        now = time.monotonic()
+        releases = []
+        for slot, live in sorted(self._rows.items()):
+            why = None if live.done else live.abandoned(now)
+            if live.done or why is not None or live.last_step_dispatched():
+                releases.append(slot)  # nothing more to compute for it
+                if why is not None:
+                    self._end(live, why)
+        free = sorted(set(range(self._codec.slots)) - self._rows.keys() | set(releases))
+        admissions, lives = [], []
+        while free and len(admissions) < self._codec.slots:
+            idle = len(self._rows) == len(releases) and not admissions
+            live = self._next_request(idle)
+            if live is None:
+                break
+            scoring = live.request.max_tokens == 0
+            sp = live.request.sampling
+            admissions.append(Admission(
+                slot=None if scoring else free.pop(0), prompt_ids=live.request.prompt_ids,
+                sampling=sp, seed=sp.seed if sp.seed is not None else secrets.randbits(31),
+                prompt_logprobs=live.request.prompt_logprobs))
+            lives.append(live)
+        return StepPlan(releases=tuple(releases), admissions=tuple(admissions)), lives
+
+    def _next_request(self, idle: bool) -> LiveRequest | None:
+        """The next admitted request still wanted; when idle, waits a little for one."""
+        if idle:
+            self._read_pending()  # nothing will be dispatched: deliver the last tokens now
+        wait = self.idle_wait_s if idle else 0.0
+        while True:
+            try:
+                live = self._admission.get(timeout=wait) if wait else self._admission.get_nowait()
+            except queue.Empty:
+                return None
+            self._admission.task_done()
+            why = None if live.done else live.abandoned(time.monotonic())
+            if why is not None:
+                self._end(live, why)
+            elif not live.done:
+                return live
+            wait = 0.0
+
+    # ---- every process: doing it ---------------------------------------------------------
+
+    def _apply(self, plan: StepPlan, lives: list[LiveRequest | None]) -> None:
+        for slot in plan.releases:
+            del self._rows[slot]
+            self.engine.free_slot(slot)
+        for a, live in zip(plan.admissions, lives, strict=True):
+            self._admit(a, live)
+        if self._rows:
+            self._step()
+
+    def _admit(self, a: Admission, live: LiveRequest | None) -> None:
+        tokens = np.asarray(a.prompt_ids, np.int32)
+        t0 = time.monotonic()
+        if live is not None:
+            live.timing.prefill_start = t0
+        try:
+            if a.prompt_logprobs:
+                if live is None:
+                    self.engine.prompt_logprobs(self.params, tokens)
+                else:
+                    live.prompt_logprobs = prompt_logprobs(self.engine, self.params, tokens,
+                                                           live.request.logprobs or 0)
+            if a.slot is None:  # scoring only
+                if live is not None:
+                    live.timing.prefill_end = time.monotonic()
+                    self._end(live, "length")
+                return
+            prefix, first = self.engine.prefill(self.params, tokens, len(tokens),
+                                                sampling=a.sampling, seed=a.seed)
+            self._state = self.engine.insert(prefix, self._state, a.slot)
+        except Exception as e:  # the same failure on every process
+            log.exception("prefill or insert failed")
+            if live is not None:
+                self._end(live, "error", e)
+            if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
+                self._fail_all(e)
+            return
+        self._rows[a.slot] = live
+        self.prefills += 1
+        if live is not None:
+            self._first_token(live, first, t0)
+
+    def _first_token(self, live: LiveRequest, first: ResultTokens, t0: float) -> None:
+        """Process 0: the prefill's token streams now. A request it ends keeps its slot
+        until the next plan frees it (every process inserted it)."""
+        try:
+            data = first.to_host().data
+        except Exception as e:
+            log.exception("reading the first token failed")
+            self._end(live, "error", e)
+            return
+        t1 = time.monotonic()
+        live.timing.prefill_end = t1
+        finish = live.check_token(int(data[0, COL_TOKEN]))
+        if finish is not None:
+            live.done = True
+        self._outbox.put(StepOutput(data, [(live, 0, finish)], t1))
+        if self._listeners:
+            self._listeners.emit(PrefillDone(0, len(live.request.prompt_ids), t1 - t0))
+
+    def _step(self) -> None:
+        rows = sorted(self._rows.items())
+        t = time.monotonic()
+        try:
+            self._state, res = self.engine.generate(self.params, self._state)
+        except Exception as e:  # the same failure on every process
+            log.exception("generate step failed")
+            self._fail_all(e)
+            return
+        self.steps += 1
+        if not self.primary:
+            return
+        res.copy_to_host_async()
+        for _, live in rows:
+            live.steps += 1
+        self._read_pending()
+        self._pending = (res, rows, t)
+
+    def _read_pending(self) -> None:
+        """Process 0: the last dispatched step's tokens -> stop ids, length -> detokenize."""
+        if self._pending is None:
+            return
+        res, rows, t_dispatch = self._pending
+        self._pending = None
+        try:
+            data = res.to_host().data
+        except Exception as e:
+            log.exception("reading step results failed")
+            for _, live in rows:
+                self._end(live, "error", e)
+            return
+        now = time.monotonic()
+        tokens = data[:, COL_TOKEN].tolist()
+        out = []
+        for slot, live in rows:
+            if live.done:
+                continue  # ended meanwhile (cancel, stop string): drop the token
+            finish = live.check_token(tokens[slot])
+            if finish is not None:
+                live.done = True  # the next plan frees its slot
+            out.append((live, slot, finish))
+        self.tokens += len(out)
+        if out:
+            self._outbox.put(StepOutput(data, out, now))
+        step_time = now - max(self._last_read, t_dispatch)
+        self._last_read = now
+        if self._listeners:
+            self._listeners.emit(StepDone(0, len(rows), step_time))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A failed step ends every request in a slot; a fresh decode state follows."""
+        victims = list(self._rows.values())
+        if self._pending is not None:
+            victims += [live for _, live in self._pending[1]]
+            self._pending = None
+        for slot in list(self._rows):
+            del self._rows[slot]
+            self.engine.free_slot(slot)
+        for live in victims:
+            if live is not None and not live.done:
+                self._end(live, "error", exc)
+        self._state = self.engine.init_decode_state()
+
+    def _end(self, live: LiveRequest, reason: str, exc: BaseException | None = None) -> None:
+        live.done = True
+        err = None if exc is None else f"{type(exc).__name__}: {exc}"
+        self._outbox.put(EndRequest(live, reason, err))

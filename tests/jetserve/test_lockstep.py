@@ -1,0 +1,205 @@
+"""The lock-step driver (several processes serving one engine), inside one process.
+
+Two LockStepOrchestrators stand in for process 0 and process 1: each has its own
+MockEngine (exact arithmetic: engines/mock_engine.py) and their broadcast is a queue
+between threads, so the follower gets exactly the arrays process 0 sends. Both engines
+record every call; lock step means both records are identical, while process 0's streams
+carry the tokens MockEngine predicts.
+"""
+
+import queue
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from engines import MockEngine, SamplingParams
+from jetserve.orchestrator import OrchestratorConfig, Request
+from jetserve.orchestrator.lockstep import LockStepOrchestrator
+from jetserve.orchestrator.step_plan import Admission, PlanCodec, StepPlan, exchange
+
+
+def expected(prompt, n, V=256):
+    t = sum(prompt) % V
+    return [(t + i) % V for i in range(n)]
+
+
+# ---- the plan on the wire -------------------------------------------------------------------
+
+def test_plan_round_trip():
+    codec = PlanCodec(4)
+    plan = StepPlan(releases=(0, 3), admissions=(
+        Admission(slot=2, prompt_ids=(1, 2, 300000), seed=2**32 - 1,
+                  sampling=SamplingParams(temperature=0.5, top_k=40, top_p=0.25, min_p=0.125,
+                                          repetition_penalty=1.5, frequency_penalty=-2.0,
+                                          presence_penalty=0.75)),
+        Admission(slot=None, prompt_ids=(7,), seed=0, sampling=SamplingParams(),
+                  prompt_logprobs=True),
+    ))
+    header, payload = codec.encode(plan)
+    assert header.shape == (codec.header_size,) and header.dtype == np.uint32
+    assert payload.shape == (16,)  # 4 prompt tokens, padded to the smallest bucket
+    assert codec.decode(header, payload) == plan
+    assert codec.decode(*codec.encode(StepPlan(stop=True))).stop
+    idle_header, idle_payload = codec.encode(StepPlan())
+    assert idle_payload is None and codec.decode(idle_header, None) == StepPlan()
+
+
+def test_plan_floats_are_float32_on_every_process():
+    codec = PlanCodec(2)
+    plan = StepPlan(admissions=(Admission(slot=0, prompt_ids=(1,), seed=5,
+                                          sampling=SamplingParams(temperature=0.7, top_p=0.9)),))
+    got = codec.decode(*codec.encode(plan)).admissions[0].sampling
+    assert got.temperature == float(np.float32(0.7)) and got.top_p == float(np.float32(0.9))
+
+
+def test_plan_payload_sizes_are_powers_of_two():
+    codec = PlanCodec(8)
+    for n in (1, 16, 17, 100, 1000):
+        plan = StepPlan(admissions=(Admission(slot=0, prompt_ids=(3,) * n, seed=1,
+                                              sampling=SamplingParams()),))
+        _, payload = codec.encode(plan)
+        assert payload.shape[0] == max(16, 1 << (n - 1).bit_length())
+    with pytest.raises(ValueError, match="at most 8 prompts"):
+        codec.encode(StepPlan(admissions=(plan.admissions[0],) * 9))
+
+
+def test_exchange_followers_pass_arrays_of_process_0s_shapes():
+    codec = PlanCodec(4)
+    plan = StepPlan(releases=(1,), admissions=(
+        Admission(slot=1, prompt_ids=tuple(range(20)), seed=9, sampling=SamplingParams()),))
+    sent = []
+
+    def primary(x):
+        sent.append(x)
+        return x
+
+    assert exchange(plan, codec, primary) == plan
+    shapes = iter(sent)
+
+    def follower(x):  # a real broadcast needs the same shape from every process
+        want = next(shapes)
+        assert x.shape == want.shape and x.dtype == want.dtype
+        return want
+
+    assert exchange(None, codec, follower) == plan
+    assert len(sent) == 2  # header, then the payload
+
+
+# ---- two drivers in lock step ---------------------------------------------------------------
+
+class RecordingEngine(MockEngine):
+    """MockEngine that logs every device call with its inputs."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = []
+
+    def prefill(self, params, tokens, true_length, *, sampling=None, existing_prefix=None,
+                seed=None):
+        self.calls.append(("prefill", tuple(np.asarray(tokens).tolist()), seed,
+                           None if sampling is None else sampling.temperature))
+        return super().prefill(params, tokens, true_length, sampling=sampling, seed=seed)
+
+    def insert(self, prefix, decode_state, slot):
+        self.calls.append(("insert", slot))
+        return super().insert(prefix, decode_state, slot)
+
+    def generate(self, params, decode_state):
+        self.calls.append(("generate",))
+        return super().generate(params, decode_state)
+
+    def free_slot(self, slot):
+        self.calls.append(("free", slot))
+
+
+def _queue_broadcast():
+    """(process 0's broadcast, the follower's): the follower gets what process 0 sent."""
+    q = queue.Queue()
+
+    def send(x):
+        q.put(np.array(x))
+        return x
+
+    def receive(x):
+        got = q.get(timeout=60)
+        assert got.shape == x.shape
+        return got
+
+    return send, receive
+
+
+@pytest.fixture
+def pair():
+    send, receive = _queue_broadcast()
+    devs = jax.devices()
+    engines = [RecordingEngine(devices=devs[i:i + 1], max_concurrent_decodes=3, eos_ids=(0,))
+               for i in range(2)]
+    config = OrchestratorConfig(max_queued_requests=64)
+    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), config=config,
+                                primary=True, broadcast=send, idle_wait_s=0.01)
+    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
+                                    broadcast=receive)
+    errors = []
+
+    def follow():
+        try:
+            follower.run()
+        except Exception as e:  # shown by the test
+            errors.append(e)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    lead.start()
+    yield lead, follower, engines, t, errors
+    lead.stop(drain=False, timeout=10)
+    t.join(30)
+
+
+def test_lock_step_streams_and_identical_calls(pair):
+    lead, follower, engines, thread, errors = pair
+    prompts = [[1, 2], [10], [100, 100, 50], [7] * 5, [3], [250, 5]]  # 6 requests, 3 slots
+    handles = [lead.submit(Request(prompt_ids=p, max_tokens=n, ignore_eos=True))
+               for p, n in zip(prompts, [5, 1, 9, 3, 12, 4], strict=True)]
+    stopped = lead.submit(Request(prompt_ids=[254], max_tokens=10))  # 254, 255, 0 = EOS
+    seeded = lead.submit(Request(prompt_ids=[9], max_tokens=2, ignore_eos=True,
+                                 sampling=SamplingParams(temperature=1.0)))
+    for h, p, n in zip(handles, prompts, [5, 1, 9, 3, 12, 4], strict=True):
+        c = h.result(timeout=60)
+        assert c.token_ids == expected(p, n) and c.finish_reason == "length"
+    c = stopped.result(timeout=60)
+    assert c.token_ids == [254, 255, 0] and c.finish_reason == "stop"
+    seeded.result(timeout=60)
+    lead.stop(timeout=10)
+    thread.join(30)
+    assert not thread.is_alive() and not errors  # the stop plan ended the follower's loop
+    lead_calls, follower_calls = engines[0].calls, engines[1].calls
+    assert lead_calls == follower_calls
+    assert sum(c[0] == "prefill" for c in lead_calls) == 8
+    # A random request without a seed: process 0 drew one and the follower used it too.
+    (random_prefill,) = [c for c in lead_calls if c[0] == "prefill" and c[3] == 1.0]
+    assert random_prefill[2] is not None
+    assert lead.stats()["generate"][0]["slots_in_use"] == 0
+
+
+def test_lock_step_cancel(pair):
+    lead, follower, engines, thread, errors = pair
+    long = lead.submit(Request(prompt_ids=[1], max_tokens=100, ignore_eos=True))
+    first = next(iter(long))  # streaming: it holds a slot
+    assert first.token_ids == [1]
+    long.cancel()
+    assert long.result(timeout=30).finish_reason == "cancelled"
+    after = lead.submit(Request(prompt_ids=[4, 4], max_tokens=3, ignore_eos=True))
+    assert after.result(timeout=30).token_ids == [8, 9, 10]
+    lead.stop(timeout=10)
+    thread.join(30)
+    assert not errors and engines[0].calls == engines[1].calls
+    # the cancelled request's slot was freed on both processes before more steps ran
+    assert ("free", 0) in engines[1].calls
+
+
+def test_follower_refuses_requests(pair):
+    _, follower, _, _, _ = pair
+    with pytest.raises(RuntimeError, match="process 0"):
+        follower.submit(Request(prompt_ids=[1]))

@@ -4,6 +4,11 @@ Runs the orchestrator on this host's devices, interleaved on one slice or disagg
 (prefill on N devices, generate on M others), and both servers on one asyncio loop.
 SIGTERM or Ctrl-C: stop accepting, let in-flight streams finish (up to --drain-timeout
 seconds), stop the orchestrator, exit 0.
+
+Several processes (--coordinator HOST:PORT --num-processes N --process-id I, the same
+other arguments on each): one engine sharded over the devices of all of them, driven in
+lock step (jetserve/orchestrator/lockstep.py). Process 0 runs the servers and takes the
+requests; the others follow its step plans and exit when it stops (SIGTERM process 0).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import signal
 import sys
 
+from jetserve import distributed
 from jetserve.commands.common import add_model_arguments, engine_config
 from jetserve.server.config import ServerConfig
 
@@ -50,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill prompts longer than this in chunks between decode steps")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before listening (the first requests compile)")
+    distributed.add_arguments(p)
 
 
 def _port(value: int, flag: str) -> int | None:
@@ -73,7 +80,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         drain_timeout_s=args.drain_timeout)
 
 
-def build_orchestrator(args: argparse.Namespace):
+def build_orchestrator(args: argparse.Namespace, devices=None):
+    """The orchestrator over `devices` (default: all); lock-step over several processes."""
+    import jax
+
     from jetserve import orchestrator
     from jetserve.orchestrator import OrchestratorConfig
 
@@ -84,14 +94,30 @@ def build_orchestrator(args: argparse.Namespace):
         raise ValueError("--prefill-devices and --generate-devices go together "
                          "(or add --interleaved to serve on the first --generate-devices)")
     default = args.sharding
+    config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
+                                prefill_chunk=args.prefill_chunk)
+    if jax.process_count() > 1:
+        return _lock_step_orchestrator(args, devices, config)
     return orchestrator.build(
-        args.model, interleaved=not disaggregated,
+        args.model, interleaved=not disaggregated, devices=devices,
         prefill_devices=args.prefill_devices, generate_devices=args.generate_devices,
         prefill_sharding=args.prefill_sharding or default,
         generate_sharding=args.generate_sharding or default,
-        engine_config=engine_config(args),
-        config=OrchestratorConfig(max_queued_requests=args.max_queued_requests,
-                                  prefill_chunk=args.prefill_chunk))
+        engine_config=engine_config(args), config=config)
+
+
+def _lock_step_orchestrator(args: argparse.Namespace, devices, config):
+    from jetserve.model_loading import build_engine
+    from jetserve.orchestrator.lockstep import LockStepOrchestrator
+
+    if args.prefill_devices is not None or args.generate_devices is not None:
+        # Every process must own devices of each engine's mesh to take part in its steps.
+        raise ValueError("--prefill-devices / --generate-devices: with several processes "
+                         "one engine spans every device; leave them out")
+    engine = build_engine(args.model, devices=devices,
+                          sharding=args.generate_sharding or args.sharding,
+                          engine_config=engine_config(args))
+    return LockStepOrchestrator(engine, engine.load_params(), config=config)
 
 
 async def _serve(orch, config: ServerConfig) -> None:
@@ -120,7 +146,15 @@ async def _serve(orch, config: ServerConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = server_config(args)
-    orch = build_orchestrator(args)
+    # Before anything touches a device: join the other processes, pick the devices.
+    devices = distributed.setup(args)
+    orch = build_orchestrator(args, devices)
+    if not distributed.is_primary():
+        print(f"jetserve serve: process {args.process_id} follows process 0's steps",
+              file=sys.stderr, flush=True)
+        orch.run()  # until process 0 stops
+        print("jetserve serve: stopped", file=sys.stderr, flush=True)
+        return 0
     orch.start()
     try:
         if not args.no_warmup:

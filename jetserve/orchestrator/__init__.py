@@ -69,14 +69,16 @@ def _take(pool: list, spec: Devices, default: int, name: str) -> list:
 
 
 def build(model: str | None = None, *, interleaved: bool = True,
+          devices: Sequence[jax.Device] | None = None,
           prefill_devices: Devices = None, generate_devices: Devices = None,
           prefill_sharding: str = "replicated", generate_sharding: str = "replicated",
           engine_config: EngineConfig | None = None,
           config: OrchestratorConfig | None = None, seed: int = 0) -> Orchestrator:
-    """An orchestrator for `--model` (see jetserve.model_loading), not started yet."""
+    """An orchestrator for `--model` (see jetserve.model_loading) on `devices` (default
+    jax.devices()), not started yet."""
     from jetserve.model_loading import build_engine
 
-    p_devs, g_devs = split_devices(interleaved, prefill_devices, generate_devices)
+    p_devs, g_devs = split_devices(interleaved, prefill_devices, generate_devices, devices)
     if interleaved:
         engine = build_engine(model, devices=g_devs, sharding=generate_sharding,
                               engine_config=engine_config, seed=seed)

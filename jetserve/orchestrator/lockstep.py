@@ -11,8 +11,9 @@ The loop, one turn at a time, on every process::
                       string, cancel, deadline), admit waiting requests into free slots
                       (seed drawn here when the request gave none)
   all:       exchange ── broadcast_from_primary of the encoded plan (step_plan.py)
-  all:       apply ── free_slot; prefill (+ prompt log-probs) and insert per admission;
-                      one generate step when any slot is occupied
+  all:       apply ── free_slot; prefill (+ prompt log-probs; in chunks with
+                      `prefill_chunk`) and insert per admission; one generate step when
+                      any slot is occupied
   process 0: read ── the previous step's tokens (one step late, as generate_worker.py,
                       so the host reads while the device runs) -> the detokenize thread
 
@@ -21,6 +22,11 @@ the bounded admission queue, the detokenize thread, request handles, listeners, 
 drain on stop. So the servers run on it unchanged. Its loop runs on a thread of its own
 (`start`); the other processes run the same loop in their main thread (`run`) and never
 look at tokens: the plan alone tells them which slots are in use.
+
+On a paged engine (`engine.kv_pages`) a request is admitted only when the pages its whole
+sequence may take (prompt + token budget) are not promised to the running ones, as in
+jetserve.offline, so no step runs out of pages and nothing is preempted. Every process
+inserts and frees in the same order, so their page tables agree.
 
 Idle: process 0 waits up to `idle_wait_s` for a request before it broadcasts an empty
 plan (a request arriving wakes it at once); the others block in the broadcast.
@@ -81,6 +87,9 @@ class LockStepOrchestrator(Orchestrator):
         # slot -> its request (process 0) or None (the others only know it is in use).
         self._rows: dict[int, LiveRequest | None] = {}
         self._pending: tuple[ResultTokens, list[tuple[int, LiveRequest]], float] | None = None
+        self._pages = engine.kv_pages  # None: a contiguous cache, slots are the only limit
+        self._promised: dict[int, int] = {}  # slot -> pages its sequence may take (process 0)
+        self._held: LiveRequest | None = None  # next in line, waiting for pages (process 0)
         self._last_read = 0.0
         self.steps = self.tokens = self.prefills = 0
 
@@ -98,6 +107,9 @@ class LockStepOrchestrator(Orchestrator):
         s["generate"] = [{"engine": 0, "slots": self._codec.slots,
                           "slots_in_use": len(self._rows), "backlog": 0,
                           "steps": self.steps, "tokens": self.tokens}]
+        if self._pages is not None:
+            s["generate"][0].update(kv_pages=self._pages.pool.num_pages,
+                                    kv_pages_free=self._pages.free_count, preemptions=0)
         return s
 
     # ---- the loop ------------------------------------------------------------------------
@@ -136,6 +148,8 @@ class LockStepOrchestrator(Orchestrator):
                 releases.append(slot)  # nothing more to compute for it
                 if why is not None:
                     self._end(live, why)
+        for slot in releases:
+            self._promised.pop(slot, None)
         free = sorted(set(range(self._codec.slots)) - self._rows.keys() | set(releases))
         admissions, lives = [], []
         while free and len(admissions) < self._codec.slots:
@@ -144,30 +158,51 @@ class LockStepOrchestrator(Orchestrator):
             if live is None:
                 break
             scoring = live.request.max_tokens == 0
+            slot = None if scoring else free[0]
+            if slot is not None and not self._promise_pages(slot, live):
+                break  # it waits, first in line, until running requests give pages back
+            self._held = None
+            if slot is not None:
+                free.pop(0)
             sp = live.request.sampling
             admissions.append(Admission(
-                slot=None if scoring else free.pop(0), prompt_ids=live.request.prompt_ids,
-                sampling=sp, seed=sp.seed if sp.seed is not None else secrets.randbits(31),
+                slot=slot, prompt_ids=live.request.prompt_ids, sampling=sp,
+                seed=sp.seed if sp.seed is not None else secrets.randbits(31),
                 prompt_logprobs=live.request.prompt_logprobs))
             lives.append(live)
         return StepPlan(releases=tuple(releases), admissions=tuple(admissions)), lives
 
+    def _promise_pages(self, slot: int, live: LiveRequest) -> bool:
+        """Paged engine: reserves the pages `live`'s whole sequence may take, if free."""
+        if self._pages is None:
+            return True
+        need = self._pages.pages_to_insert(len(live.request.prompt_ids) + live.budget)
+        if need + sum(self._promised.values()) > self._pages.pool.num_pages:
+            return False
+        self._promised[slot] = need
+        return True
+
     def _next_request(self, idle: bool) -> LiveRequest | None:
-        """The next admitted request still wanted; when idle, waits a little for one."""
+        """The next request still wanted (held, or from the admission queue: it stays held
+        until admitted); when idle, waits a little for one."""
         if idle:
             self._read_pending()  # nothing will be dispatched: deliver the last tokens now
         wait = self.idle_wait_s if idle else 0.0
         while True:
-            try:
-                live = self._admission.get(timeout=wait) if wait else self._admission.get_nowait()
-            except queue.Empty:
-                return None
-            self._admission.task_done()
+            if self._held is None:
+                try:
+                    self._held = (self._admission.get(timeout=wait) if wait
+                                  else self._admission.get_nowait())
+                except queue.Empty:
+                    return None
+                self._admission.task_done()
+            live = self._held
             why = None if live.done else live.abandoned(time.monotonic())
+            if why is None and not live.done:
+                return live
+            self._held = None
             if why is not None:
                 self._end(live, why)
-            elif not live.done:
-                return live
             wait = 0.0
 
     # ---- every process: doing it ---------------------------------------------------------
@@ -198,11 +233,17 @@ class LockStepOrchestrator(Orchestrator):
                     live.timing.prefill_end = time.monotonic()
                     self._end(live, "length")
                 return
-            prefix, first = self.engine.prefill(self.params, tokens, len(tokens),
-                                                sampling=a.sampling, seed=a.seed)
+            chunk = self.config.prefill_chunk or len(tokens)
+            prefix = None
+            for start in range(0, len(tokens), chunk):
+                piece = tokens[start:start + chunk]
+                prefix, first = self.engine.prefill(self.params, piece, len(piece),
+                                                    sampling=a.sampling, seed=a.seed,
+                                                    existing_prefix=prefix)
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")
+            self._promised.pop(a.slot, None)
             if live is not None:
                 self._end(live, "error", e)
             if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
@@ -289,6 +330,7 @@ class LockStepOrchestrator(Orchestrator):
         for slot in list(self._rows):
             del self._rows[slot]
             self.engine.free_slot(slot)
+        self._promised.clear()
         for live in victims:
             if live is not None and not live.done:
                 self._end(live, "error", exc)

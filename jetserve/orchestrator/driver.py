@@ -78,10 +78,6 @@ class Orchestrator:
                  config: OrchestratorConfig | None = None):
         _check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
         config = self._init_intake(prefill_engines, generate_engines, config)
-        longest = min(e.max_prefill_length for e in prefill_engines)
-        if config.prefill_chunk is not None and config.prefill_chunk > longest:
-            raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
-                             f"engine's max_prefill_length={longest}")
         poll = config.poll_interval_s
         self._generate = [
             GenerateWorker(i, e, p, self._outbox, self._listeners, self._stopping,
@@ -103,6 +99,10 @@ class Orchestrator:
         """What every driver shares: admission, the registry of requests in flight, the
         detokenize thread and listeners (lockstep.py drives the engines differently)."""
         self.config = config = config or OrchestratorConfig()
+        longest = min(e.max_prefill_length for e in prefill_engines)
+        if config.prefill_chunk is not None and config.prefill_chunk > longest:
+            raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
+                             f"engine's max_prefill_length={longest}")
         self.prefill_engines = list(prefill_engines)
         self.generate_engines = list(generate_engines)
         self._stopping = threading.Event()

@@ -66,7 +66,8 @@ class LockStepOrchestrator(Orchestrator):
     Args:
       engine / params: the engine (its mesh spans the devices of all processes) and its
         weights.
-      config: queue bounds (OrchestratorConfig), read on process 0.
+      config: queue bounds, read on process 0, and prefill_chunk, which every process
+        must be given alike (OrchestratorConfig).
       primary: whether this is process 0 (default: jax.process_index() == 0).
       broadcast: process 0's array on every process (default:
         distributed.broadcast_from_primary).

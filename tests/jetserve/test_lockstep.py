@@ -240,3 +240,10 @@ def test_lock_step_on_paged_engine_with_chunked_prefill():
     assert max(most) < 4  # pages, not slots, limited the batch
     paged.kv_pages.check()
     assert paged.kv_pages.free_count == 16
+
+
+def test_prefill_chunk_longer_than_a_prefill_is_refused():
+    engine = MockEngine(devices=jax.devices()[:1], max_prefill_length=64)
+    with pytest.raises(ValueError, match="prefill_chunk=100 is longer than"):
+        LockStepOrchestrator(engine, engine.load_params(), primary=True,
+                             config=OrchestratorConfig(prefill_chunk=100))

@@ -29,29 +29,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(port: int, process_id: int) -> subprocess.Popen:
+def _spawn(port: int, process_id: int, log_dir) -> tuple[subprocess.Popen, object, object]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jetserve", *ARGS, "--coordinator", f"127.0.0.1:{port}",
            "--num-processes", "2", "--process-id", str(process_id)]
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # Files, not pipes: nobody reads a pipe while the reference runs, and a process blocked
+    # on a full pipe (gloo logs a line per communicator) would stall its peer's collectives.
+    out = open(log_dir / f"p{process_id}.out", "w+")  # noqa: SIM115
+    err = open(log_dir / f"p{process_id}.err", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=err, text=True)
+    return proc, out, err
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read()
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(capsys):
+def test_two_processes_match_one(capsys, tmp_path):
     port = _free_port()
-    procs = [_spawn(port, i) for i in range(2)]
+    spawned = [_spawn(port, i, tmp_path) for i in range(2)]
+    procs = [p for p, _, _ in spawned]
     try:
         # The single-process reference runs meanwhile, on this process's 8 devices.
         assert cli.main([*ARGS, "--devices", "8"]) == 0
         want = capsys.readouterr().out.splitlines()
-        outs = [p.communicate(timeout=400) for p in procs]
-    finally:
         for p in procs:
+            p.wait(timeout=400)
+        outs = [(_read(out), _read(err)) for _, out, err in spawned]
+    finally:
+        for p, out, err in spawned:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            out.close()
+            err.close()
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert len(want) == 3

@@ -85,8 +85,11 @@ def two_processes(tmp_path_factory, preset):
                "--process-id", str(i)]
         err = open(logs / f"process-{i}.stderr", "w+")  # noqa: SIM115 (closed below)
         errs.append(err)
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=err, text=True))
+        # Process 0's stdout says where it listens (read, then drained); everything else
+        # goes to files, so no process can block on a full pipe and stall its peer.
+        out = subprocess.PIPE if i == 0 else err
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=err,
+                                      text=True))
     try:
         yield procs, errs
     finally:

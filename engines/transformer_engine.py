@@ -22,7 +22,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from engines import checkpoint, quantization
 from engines.config import ModelConfig
 from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
-from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix, insert_prefix
+from engines.kv_cache import (
+    DecodeKV,
+    DecodeState,
+    PrefillKV,
+    Prefix,
+    insert_prefix,
+    prefix_head,
+)
 from engines.model import Decoder
 from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
@@ -412,6 +419,13 @@ class TransformerEngine(Engine):
                       else np.zeros((1, self.model_config.vocab_size), bool))
         return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
                                  prior_mask, existing_prefix)
+
+    def prefix_head(self, prefix: Prefix, n: int, tokens) -> Prefix:
+        """A prefill's prefix cut to its first n tokens (`tokens`), for a prefix cache hit
+        to continue with existing_prefix."""
+        mask = np.zeros((1, self.model_config.vocab_size), bool)
+        mask[0, np.asarray(tokens[:n], np.int64)] = True
+        return prefix_head(prefix, n, mask)
 
     def prompt_logprobs(self, params, tokens, true_length: int | None = None) -> PromptLogprobs:
         """Scores a prompt: host arrays of length true_length (see PromptLogprobs)."""

@@ -1,5 +1,6 @@
 """Benchmarks that print figures: decode against its floor, jetserve against transformers,
-quantized variants against the float model."""
+quantized variants against the float model, KV capacity of the paged layout,
+inter-token latency under chunked prefill, TTFT with the prefix cache."""
 
 from __future__ import annotations
 
@@ -75,6 +76,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--quant-group-size", type=int, default=32)
     q.add_argument("--json", action="store_true")
     q.set_defaults(_bench=_quality)
+    k = sub.add_parser("capacity", help="concurrent sequences in one KV budget, paged vs "
+                                        "contiguous")
+    k.add_argument("--model", default="random:tiny", help="HF or Orbax directory, or random:NAME")
+    k.add_argument("--kv-tokens", type=int, default=8192,
+                   help="KV budget: cached positions per layer, the same for both layouts")
+    k.add_argument("--max-seq-len", type=int, default=1024)
+    k.add_argument("--page-size", type=int, default=16)
+    k.add_argument("--paged-slots", type=int, default=40)
+    k.add_argument("--requests", type=int, default=120)
+    k.add_argument("--prompt-median", type=int, default=160)
+    k.add_argument("--output-median", type=int, default=96)
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(_bench=_capacity)
+
+    h = sub.add_parser("chunked", help="inter-token latency while long prompts arrive, "
+                                       "chunked prefill vs whole")
+    h.add_argument("--model", default="random:small", help="HF or Orbax directory, or random:NAME")
+    h.add_argument("--prompt-len", type=int, default=1000, help="tokens of each arriving prompt")
+    h.add_argument("--chunk", type=int, default=128, help="--prefill-chunk of the chunked run")
+    h.add_argument("--running", type=int, default=4, help="requests streaming meanwhile")
+    h.add_argument("--arrivals", type=int, default=4, help="long prompts, one after another")
+    h.add_argument("--max-seq-len", type=int, default=2048)
+    h.add_argument("--json", action="store_true")
+    h.set_defaults(_bench=_chunked)
+
+    x = sub.add_parser("prefix", help="TTFT with a shared system prompt: prefix cache off, "
+                                      "on, host tier only")
+    x.add_argument("--model", default="random:small", help="HF or Orbax directory, or random:NAME")
+    x.add_argument("--system-len", type=int, default=1000, help="tokens of the shared prompt")
+    x.add_argument("--question-len", type=int, default=16)
+    x.add_argument("--requests", type=int, default=8)
+    x.add_argument("--cache-mb", type=int, default=512, help="budget of the tier in use")
+    x.add_argument("--json", action="store_true")
+    x.set_defaults(_bench=_prefix)
 
     m = sub.add_parser("make-hf-model", help="write a random HF Llama of a random:NAME shape")
     m.add_argument("--preset", default="llama-156m")
@@ -168,6 +203,63 @@ def _quality(args: argparse.Namespace) -> int:
     out = quality.run(cfg, log=(lambda *a: None) if args.json else print)
     if args.json:
         print(json.dumps(out))
+def _capacity(args: argparse.Namespace) -> int:
+    from jetserve.bench import capacity
+
+    cfg = capacity.CapacityConfig(
+        model=args.model, kv_tokens=args.kv_tokens, max_seq_len=args.max_seq_len,
+        page_size=args.page_size, paged_slots=args.paged_slots, requests=args.requests,
+        prompt_median=args.prompt_median, output_median=args.output_median)
+    out = capacity.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'layout':>10} {'slots':>5} {'mean conc.':>10} {'max conc.':>9} {'steps':>6} "
+          f"{'wall s':>7} {'preempt':>7}")
+    for name, r in out["rows"].items():
+        print(f"{name:>10} {r['slots']:>5} {r['mean_concurrency']:>10.2f} "
+              f"{r['max_concurrency']:>9} {r['steps']:>6} {r['wall_s']:>7.1f} "
+              f"{r['preemptions']:>7}")
+    print(f"paged / contiguous concurrency: {out['concurrency_ratio']:.2f}x")
+    return 0
+
+
+def _chunked(args: argparse.Namespace) -> int:
+    from jetserve.bench import chunked
+
+    cfg = chunked.ChunkedConfig(model=args.model, prompt_len=args.prompt_len, chunk=args.chunk,
+                                running=args.running, arrivals=args.arrivals,
+                                max_seq_len=args.max_seq_len)
+    out = chunked.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'prefill':>8} {'gaps':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for name, r in out["rows"].items():
+        print(f"{name:>8} {r['gaps']:>5} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+              f"{r['max_ms']:>8.2f}")
+    print(f"p99 inter-token latency, whole / chunked: {out['p99_ratio']:.2f}x")
+    return 0
+
+
+def _prefix(args: argparse.Namespace) -> int:
+    from jetserve.bench import prefix
+
+    cfg = prefix.PrefixBenchConfig(model=args.model, system_len=args.system_len,
+                                   question_len=args.question_len, requests=args.requests,
+                                   cache_mb=args.cache_mb)
+    out = prefix.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'cache':>5} {'miss ms':>8} {'p50 ms':>8} {'mean ms':>8} {'hit rate':>8} "
+          f"{'hbm MB':>7} {'host MB':>7}")
+    for name, r in out["rows"].items():
+        print(f"{name:>5} {r['first_ms']:>8.2f} {r['p50_ms']:>8.2f} {r['mean_ms']:>8.2f} "
+              f"{r['hit_rate']:>8.3f} {r['hbm_bytes'] / 2**20:>7.1f} "
+              f"{r['host_bytes'] / 2**20:>7.1f}")
+    print(f"TTFT off / on: {out['speedup_hbm']:.2f}x; off / host tier only: "
+          f"{out['speedup_host']:.2f}x")
     return 0
 
 

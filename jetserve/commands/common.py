@@ -47,6 +47,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_dtype=args.kv_dtype)
 
 
+def prefix_cache_budgets(args: argparse.Namespace) -> dict:
+    """OrchestratorConfig fields from --prefix-cache-hbm-mb / --prefix-cache-host-mb."""
+    out = {}
+    for tier in ("hbm", "host"):
+        mb = getattr(args, f"prefix_cache_{tier}_mb")
+        if not mb >= 0:
+            raise ValueError(f"--prefix-cache-{tier}-mb must be >= 0, got {mb}")
+        out[f"prefix_cache_{tier}_bytes"] = int(mb * 2**20)
+    return out
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]

@@ -16,10 +16,15 @@ import jax
 
 from engines import SamplingParams
 from jetserve import distributed
-from jetserve.commands.common import add_model_arguments, engine_config, parse_ids
+from jetserve.commands.common import (
+    add_model_arguments,
+    engine_config,
+    parse_ids,
+    prefix_cache_budgets,
+)
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
-from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
+from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, keyed
 from jetserve.orchestrator.detokenize import completion_text
 
 
@@ -48,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill prompts longer than this in chunks between decode steps")
+    p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
+                   help="prefix cache: device memory for cached prompt KV (0: none)")
+    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
+                   help="prefix cache: host memory tier for KV evicted from the device")
     distributed.add_arguments(p)
 
 
@@ -95,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
-    config = OrchestratorConfig(max_queued_requests=max(256, len(prompts)),
-                                prefill_chunk=args.prefill_chunk)
+    config = keyed(OrchestratorConfig(max_queued_requests=max(256, len(prompts)),
+                                      prefill_chunk=args.prefill_chunk,
+                                      **prefix_cache_budgets(args)), args.model, engine)
     with Orchestrator.from_engines(engine, params=params, config=config) as orch:
         handles = [orch.submit(Request(prompt_ids=p, sampling=sampling,
                                        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos))
@@ -110,6 +120,9 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
 
 
 def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:
+    if args.prefix_cache_hbm_mb or args.prefix_cache_host_mb:
+        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix cache "
+                         "does not run over several processes; leave them out")
     results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
                             sampling=sampling, ignore_eos=args.ignore_eos)
     tok = engine.tokenizer

@@ -20,7 +20,7 @@ import signal
 import sys
 
 from jetserve import distributed
-from jetserve.commands.common import add_model_arguments, engine_config
+from jetserve.commands.common import add_model_arguments, engine_config, prefix_cache_budgets
 from jetserve.server.config import ServerConfig
 
 
@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admission bound: beyond it, RESOURCE_EXHAUSTED / HTTP 429")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill prompts longer than this in chunks between decode steps")
+    p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
+                   help="prefix cache: device memory for cached prompt KV (0: none)")
+    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
+                   help="prefix cache: host memory tier for KV evicted from the device")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before listening (the first requests compile)")
     distributed.add_arguments(p)
@@ -95,7 +99,7 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
                          "(or add --interleaved to serve on the first --generate-devices)")
     default = args.sharding
     config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
-                                prefill_chunk=args.prefill_chunk)
+                                prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args))
     if jax.process_count() > 1:
         return _lock_step_orchestrator(args, devices, config)
     return orchestrator.build(
@@ -114,6 +118,9 @@ def _lock_step_orchestrator(args: argparse.Namespace, devices, config):
         # Every process must own devices of each engine's mesh to take part in its steps.
         raise ValueError("--prefill-devices / --generate-devices: with several processes "
                          "one engine spans every device; leave them out")
+    if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
+        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix cache "
+                         "does not run over several processes; leave them out")
     engine = build_engine(args.model, devices=devices,
                           sharding=args.generate_sharding or args.sharding,
                           engine_config=engine_config(args))

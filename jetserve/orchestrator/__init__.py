@@ -6,14 +6,16 @@ interleaved on one slice or disaggregated over two disjoint slices of jax.device
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 
-from engines import EngineConfig
+from engines import Engine, EngineConfig
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
 from jetserve.orchestrator.handle import Completion, RequestHandle
+from jetserve.orchestrator.prefix_cache import model_cache_key
 from jetserve.orchestrator.timing import (
     Event,
     PrefillDone,
@@ -26,7 +28,7 @@ from jetserve.request import Delta, Overloaded, Request
 __all__ = [
     "Completion", "Delta", "Event", "Orchestrator", "OrchestratorConfig", "Overloaded",
     "PrefillDone", "Request", "RequestFinished", "RequestHandle", "RequestTiming", "StepDone",
-    "build", "split_devices",
+    "build", "keyed", "split_devices",
 ]
 
 Devices = int | Sequence[jax.Device] | None
@@ -55,6 +57,17 @@ def split_devices(interleaved: bool, prefill_devices: Devices = None,
     return p, g
 
 
+def keyed(config: OrchestratorConfig | None, model: str | None,
+          engine: Engine) -> OrchestratorConfig | None:
+    """`config` with its prefix cache keyed by the served model, when it has a cache and
+    no key yet."""
+    if config is None or config.prefix_cache_key or not (
+            config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes):
+        return config
+    key = model_cache_key(model, getattr(engine, "model_config", type(engine).__name__))
+    return dataclasses.replace(config, prefix_cache_key=key)
+
+
 def _take(pool: list, spec: Devices, default: int, name: str) -> list:
     n = default if spec is None else spec
     if isinstance(n, int) and not isinstance(n, bool):
@@ -75,18 +88,20 @@ def build(model: str | None = None, *, interleaved: bool = True,
           engine_config: EngineConfig | None = None,
           config: OrchestratorConfig | None = None, seed: int = 0) -> Orchestrator:
     """An orchestrator for `--model` (see jetserve.model_loading) on `devices` (default
-    jax.devices()), not started yet."""
+    jax.devices()), not started yet. A prefix cache in `config` is keyed by this model
+    (prefix_cache.model_cache_key)."""
     from jetserve.model_loading import build_engine
 
     p_devs, g_devs = split_devices(interleaved, prefill_devices, generate_devices, devices)
     if interleaved:
         engine = build_engine(model, devices=g_devs, sharding=generate_sharding,
                               engine_config=engine_config, seed=seed)
-        return Orchestrator.from_engines(engine, config=config)
+        return Orchestrator.from_engines(engine, config=keyed(config, model, engine))
     pe = build_engine(model, devices=p_devs, sharding=prefill_sharding,
                       engine_config=engine_config, seed=seed)
     ge = build_engine(model, devices=g_devs, sharding=generate_sharding,
                       engine_config=engine_config, seed=seed)
+    config = keyed(config, model, pe)
     return Orchestrator(prefill_engines=[pe], generate_engines=[ge],
                         prefill_params=[pe.load_params()], generate_params=[ge.load_params()],
                         config=config)

@@ -21,6 +21,10 @@ class OrchestratorConfig:
       prefill_chunk: prefill prompts longer than this in chunks of it, letting running
         requests step between chunks; prompts may then be up to max_seq_len - 1 tokens.
         None: one prefill per prompt (at most max_prefill_length tokens).
+      prefix_cache_hbm_bytes / prefix_cache_host_bytes: budgets of the prefix cache's
+        device and host tiers, per prefill engine (both 0: no prefix cache).
+      prefix_cache_block: tokens per cached block; a hit reuses whole blocks.
+      prefix_cache_key: what the cached KV depends on (prefix_cache.model_cache_key).
     """
 
     max_queued_requests: int = 256
@@ -29,6 +33,10 @@ class OrchestratorConfig:
     detokenize_queue_size: int = 256
     poll_interval_s: float = 0.02
     prefill_chunk: int | None = None
+    prefix_cache_hbm_bytes: int = 0
+    prefix_cache_host_bytes: int = 0
+    prefix_cache_block: int = 16
+    prefix_cache_key: str = ""
 
     def __post_init__(self):
         for name in ("max_queued_requests", "transfer_queue_size", "detokenize_queue_size"):
@@ -41,6 +49,13 @@ class OrchestratorConfig:
         c = self.prefill_chunk
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {c!r}")
+        for name in ("prefix_cache_hbm_bytes", "prefix_cache_host_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        b = self.prefix_cache_block
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"prefix_cache_block must be an integer >= 1, got {b!r}")
         p = self.poll_interval_s
         if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"poll_interval_s must be in (0, 1] seconds, got {p!r}")

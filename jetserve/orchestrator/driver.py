@@ -50,6 +50,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from engines import Engine
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.detokenize_worker import STOP, DetokenizeWorker
@@ -57,6 +59,7 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.prefix_cache import PrefixCache
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
@@ -89,7 +92,8 @@ class Orchestrator:
             g.resume = self._resume.put
         self._prefill = [
             PrefillWorker(i, e, p, self._admission, self._outbox, self._listeners,
-                          self._stopping, poll, resume=self._resume, chunk=config.prefill_chunk)
+                          self._stopping, poll, resume=self._resume, chunk=config.prefill_chunk,
+                          cache=_prefix_cache(e, config), cache_key=config.prefix_cache_key)
             for i, (e, p) in enumerate(zip(prefill_engines, prefill_params, strict=True))
         ]
         self._transfer = self._wire()
@@ -341,6 +345,8 @@ class Orchestrator:
                           "steps": g.steps, "tokens": g.tokens, **_page_stats(g)}
                          for g in self._generate],
             "resume_queue": self._resume.qsize(),
+            "prefix_cache": [{"engine": w.index, **w.cache.stats()} for w in self._prefill
+                             if w.cache is not None],
             "counters": counters,
         }
 
@@ -393,6 +399,20 @@ class Orchestrator:
     @property
     def max_concurrent_decodes(self) -> int:
         return sum(e.max_concurrent_decodes for e in self.generate_engines)
+
+
+def _prefix_cache(engine: Engine, config: OrchestratorConfig) -> PrefixCache | None:
+    """A prefix cache for one prefill engine, when the config gives it a budget."""
+    hbm, host = config.prefix_cache_hbm_bytes, config.prefix_cache_host_bytes
+    if not hbm and not host:
+        return None
+    if not hasattr(engine, "prefix_head"):
+        raise ValueError(f"a prefix cache needs an engine that continues prefixes; "
+                         f"{type(engine).__name__} does not")
+    destination = engine.prefix_destination_sharding()
+    return PrefixCache(block=config.prefix_cache_block, hbm_bytes=hbm, host_bytes=host,
+                       to_device=lambda tree: jax.device_put(tree, destination),
+                       head=engine.prefix_head)
 
 
 def _page_stats(g: GenerateWorker) -> dict:

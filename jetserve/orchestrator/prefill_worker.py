@@ -14,6 +14,10 @@ Chunked prefill: a sequence longer than `chunk` tokens is prefilled in chunks, e
 continuing the last (`existing_prefix`); between chunks `between_chunks()` lets the
 generate thread of the same engine run a step, so running requests keep streaming while
 a long prompt arrives.
+
+Prefix cache (`cache`, prefix_cache.py): before prefilling, the longest cached whole-block
+prefix of the sequence is looked up and only the rest is prefilled on top of it; every
+prefill's prefix is offered to the cache afterwards.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 
 from engines.engine_api import COL_TOKEN, Engine
 from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.timing import Listeners, PrefillDone
 
 log = logging.getLogger(__name__)
@@ -41,12 +46,14 @@ class PrefillWorker:
     def __init__(self, index: int, engine: Engine, params: Any, admission: queue.Queue,
                  outbox: queue.Queue, listeners: Listeners, stopping: threading.Event,
                  poll_s: float, *, resume: queue.Queue | None = None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, cache: PrefixCache | None = None,
+                 cache_key: str = ""):
         self.index = index
         self.resume: queue.Queue[LiveRequest] = resume if resume is not None else queue.Queue()
         self.chunk = chunk or engine.max_prefill_length
         self.between_chunks: Callable[[], None] = lambda: None  # set by the driver
         self.waiting_between_chunks = False
+        self.cache, self.cache_key = cache, cache_key
         self.engine = engine
         self.params = params
         self.admission = admission
@@ -105,10 +112,17 @@ class PrefillWorker:
                 live.timing.prefill_end = time.monotonic()
                 self._end(live, "length")
                 return
-        out = self._prefill(live, tokens)
+        hit = self.cache.lookup(self.cache_key, tokens) if self.cache is not None else None
+        try:
+            out = self._prefill(live, tokens, hit)
+        finally:
+            if hit is not None:
+                hit.release()
         if out is None:
             return  # ended between chunks
         prefix, first = out
+        if self.cache is not None:
+            self.cache.insert(self.cache_key, tokens, prefix)
         data = first.to_host().data
         t1 = time.monotonic()
         if not resumed:
@@ -123,12 +137,14 @@ class PrefillWorker:
         if finish is None and not self.route(live, prefix):
             self._end(live, "cancelled")
 
-    def _prefill(self, live: LiveRequest, tokens: np.ndarray):
-        """(prefix, first token) for `tokens`, in chunks of at most `chunk`; None when the
-        request was cancelled or timed out between chunks (it is ended here)."""
-        prefix = None
-        for start in range(0, len(tokens), self.chunk):
-            if start:
+    def _prefill(self, live: LiveRequest, tokens: np.ndarray, hit: Hit | None):
+        """(prefix, first token) for `tokens`, after the cached part of a hit, in chunks of
+        at most `chunk`; None when the request was cancelled or timed out between chunks
+        (it is ended here)."""
+        done = 0 if hit is None else hit.tokens
+        prefix = None if hit is None else hit.prefix
+        for start in range(done, len(tokens), self.chunk):
+            if start > done:
                 self.waiting_between_chunks = True
                 try:
                     self.between_chunks()

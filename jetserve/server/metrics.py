@@ -56,6 +56,31 @@ class _StatsCollector:
                 total.add_metric([engine], size)
         yield slots
         yield total
+        yield from _kv_gauges(stats)
+
+
+def _kv_gauges(stats: dict) -> Iterator[GaugeMetricFamily]:
+    """KV pages of paged generate engines; hit rate and bytes per tier of prefix caches."""
+    pages = GaugeMetricFamily("jetserve_kv_pages_free", "Free KV pages", labels=["engine"])
+    pages_total = GaugeMetricFamily("jetserve_kv_pages_total", "KV pages", labels=["engine"])
+    preempted = GaugeMetricFamily("jetserve_preemptions", "Requests preempted for KV pages "
+                                  "(recomputed later)", labels=["engine"])
+    for row in stats.get("generate") or ():
+        if _number(row.get("kv_pages")):
+            e = str(row.get("engine", 0))
+            pages.add_metric([e], float(row["kv_pages_free"]))
+            pages_total.add_metric([e], float(row["kv_pages"]))
+            preempted.add_metric([e], float(row["preemptions"]))
+    hit_rate = GaugeMetricFamily("jetserve_prefix_cache_hit_rate", "Prefix cache lookups "
+                                 "that hit", labels=["engine"])
+    nbytes = GaugeMetricFamily("jetserve_prefix_cache_bytes", "Prefix cache bytes per tier",
+                               labels=["engine", "tier"])
+    for row in stats.get("prefix_cache") or ():
+        e = str(row.get("engine", 0))
+        hit_rate.add_metric([e], float(row["hit_rate"]))
+        for tier in ("hbm", "host"):
+            nbytes.add_metric([e, tier], float(row[f"{tier}_bytes"]))
+    yield from (pages, pages_total, preempted, hit_rate, nbytes)
 
 
 def _queue_depths(stats: dict) -> list[tuple[str, str, float]]:

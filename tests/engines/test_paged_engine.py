@@ -1,5 +1,5 @@
 """The paged KV layout: same greedy tokens as the contiguous cache for every family (also
-with the prompt prefilled in chunks), pages taken as sequences grow and given back on
+with the prompt prefilled in chunks, and continued from a cached prefix), pages taken as sequences grow and given back on
 free_slot, and the TPU kernel against the gather path where a TPU exists."""
 
 import jax
@@ -42,19 +42,28 @@ def test_paged_and_contiguous_give_identical_greedy_tokens(family):
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    # Chunked: the 13-token prompt prefilled 5 tokens at a time into the paged cache.
     prompt, params = PROMPTS[1], jax.device_put(host, paged.param_shardings)
+
+    def decode(prefix, first):
+        state = paged.insert(prefix, paged.init_decode_state(), 2)
+        tokens = [first.to_host().token(0)]
+        for _ in range(21):
+            state, res = paged.generate(params, state)
+            tokens.append(res.to_host().token(2))
+        paged.free_slot(2)
+        return tokens
+
+    # Chunked: the 13-token prompt prefilled 5 tokens at a time into the paged cache.
     prefix = None
     for start in range(0, len(prompt), 5):
         piece = prompt[start:start + 5]
         prefix, first = paged.prefill(params, piece, len(piece), existing_prefix=prefix)
-    state = paged.insert(prefix, paged.init_decode_state(), 2)
-    chunked = [first.to_host().token(0)]
-    for _ in range(21):
-        state, res = paged.generate(params, state)
-        chunked.append(res.to_host().token(2))
-    assert chunked == outs[0][1].token_ids
-    paged.free_slot(2)
+    assert decode(prefix, first) == outs[0][1].token_ids
+    # Prefix-cached: another prompt's prefill, cut to the 8 tokens they share, continued.
+    donor, _ = paged.prefill(params, prompt[:8] + [1, 2, 3], 11)
+    head = paged.prefix_head(donor, 8, prompt[:8])
+    prefix, first = paged.prefill(params, prompt[8:], 5, existing_prefix=head)
+    assert decode(prefix, first) == outs[0][1].token_ids
     paged.kv_pages.check()
     assert paged.kv_pages.free_count == paged.kv_pages.pool.num_pages
 

@@ -139,15 +139,17 @@ def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
 def dequantize(qvalue: jax.Array, scale: jax.Array, in_axes: Sequence[int], scheme: str,
                group: int, dtype: Any) -> jax.Array:
     """(qvalue, scale) -> W in `dtype`; meant to run inside jit, next to its einsum."""
+    # The product is taken in f32 (a bf16 scale would add up to 0.4% error), then cast.
     if scheme == "int8":
-        return qvalue.astype(dtype) * jnp.expand_dims(scale, tuple(in_axes)).astype(dtype)
+        w = qvalue.astype(jnp.float32) * jnp.expand_dims(scale, tuple(in_axes))
+        return w.astype(dtype)
     a = in_axes[-1]
     q = unpack_int4(qvalue, a)
     n = q.shape[a]
     g = n // scale.shape[a]
     qg = q.reshape(q.shape[:a] + (n // g, g) + q.shape[a + 1:])
-    w = qg.astype(dtype) * jnp.expand_dims(scale, a + 1).astype(dtype)
-    return w.reshape(q.shape)
+    w = qg.astype(jnp.float32) * jnp.expand_dims(scale, a + 1)
+    return w.reshape(q.shape).astype(dtype)
 
 
 # ---- the decoder side -------------------------------------------------------------------

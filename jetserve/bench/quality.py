@@ -1,7 +1,8 @@
 """`jetserve bench quality`: what quantizing weights or the KV cache costs in accuracy.
 
 Every variant decodes the same sequences teacher-forced: the unquantized model's greedy
-continuation of a few prompts (and, for perplexity, a text file's tokens) is fed one token
+continuation of a few prompts (windows of the text file when one is given, else random
+ids; and, for perplexity, the text file's tokens) is fed one token
 per step through the decode path (KV cache included), and each step's logits are compared
 with the unquantized model's at the same step. Reported per variant:
 
@@ -101,6 +102,17 @@ def _text_tokens(engine: TransformerEngine, path: str, n: int) -> list[int]:
     return ids[:n]
 
 
+def _prompts(vocab: int, text: list[int] | None, cfg: QualityConfig, rng) -> list[list[int]]:
+    """Evenly spaced windows of the text when there is one (what a model was trained on
+    looks like text), else random ids."""
+    n = cfg.prompt_len
+    if text is not None and len(text) >= n + cfg.prompts:
+        starts = np.linspace(0, len(text) - n, cfg.prompts).astype(int)
+        return [text[s:s + n] for s in starts]
+    lo = 3 if vocab > 16 else 0
+    return [list(map(int, rng.integers(lo, vocab, n))) for _ in range(cfg.prompts)]
+
+
 def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
     logp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
     chosen = np.take_along_axis(np.asarray(logp), targets[..., None], axis=-1)[..., 0]
@@ -123,11 +135,8 @@ def run(cfg: QualityConfig, log=print) -> dict:
             quant_group_size=cfg.group, kv_dtype=kv))
         params = engine.load_params()
         if base is None:
-            V = engine.vocab_size
-            lo = 3 if V > 16 else 0
-            prompts = [list(map(int, rng.integers(lo, V, cfg.prompt_len)))
-                       for _ in range(cfg.prompts)]
             text = _text_tokens(engine, cfg.text, cfg.text_tokens) if cfg.text else None
+            prompts = _prompts(engine.vocab_size, text, cfg, rng)
         greedy = generate_many(engine, params, prompts, max_tokens=cfg.steps, ignore_eos=True)
         greedy = [r.token_ids for r in greedy]
         if base is None:

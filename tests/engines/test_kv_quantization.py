@@ -43,6 +43,8 @@ def test_quantize_kv_error_bound():
 def test_bad_kv_dtype_is_named():
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         EngineConfig(kv_dtype="int4")
+    with pytest.raises(ValueError, match="kv_dtype int8 works with kv_layout contiguous"):
+        EngineConfig(kv_dtype="int8", kv_layout="paged")
 
 
 def test_int8_cache_layout_and_insert_isolation(engines):

@@ -110,7 +110,7 @@ def test_hf_weights_quantized_at_load_time(hf_dir):
         assert (0.25 < ratio < 0.27) if scheme == "int8" else (0.125 < ratio < 0.17), ratio
 
 
-def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path):
+def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path, capsys):
     cfg = load_hf_config(hf_dir)
     on_load = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
                                 config=EngineConfig(quantize="int4", quant_group_size=16,
@@ -127,7 +127,15 @@ def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path):
     params = eng.load_params()
     for a, b in zip(jax.tree.leaves(_np(params)), jax.tree.leaves(_np(want_params))):
         np.testing.assert_array_equal(a, b)
-    assert _tokens(eng, params) == _tokens(on_load, want_params)
+    want_tokens = _tokens(eng, params)
+    assert want_tokens == _tokens(on_load, want_params)
+    # The CLI loads the checkpoint quantized with no flag, through the orchestrator.
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", out, "--prompt-ids", "5,9,11,3", "--max-tokens",
+                     "10", "--ignore-eos", "--json", "--max-concurrent-decodes", "2",
+                     "--max-prefill-length", "16", "--max-seq-len", "48"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["token_ids"] == want_tokens[0]
     with pytest.raises(ValueError, match="holds int4 weights .* cannot load them as int8"):
         TransformerEngine(stored, weights=out, config=EngineConfig(quantize="int8", **ECFG))
 
@@ -144,3 +152,28 @@ def test_tp_quantized_engine_matches_one_device(hf_dir):
         down = tp_params["layers_0"]["mlp"]["down_proj"][qz.QVALUE]
         assert down.sharding.shard_shape(down.shape)[0] == down.shape[0] // 2  # split over F
         assert _tokens(tp, tp_params) == _tokens(one, one.load_params())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma", "qwen2"])
+def test_every_family_quantizes_its_kernels(family, tmp_path):
+    """MoE experts, Gemma's tied head (the embedding stays float) and Qwen2's biases."""
+    d = str(tmp_path / family)
+    make_hf_model(family, d)
+    cfg = load_hf_config(d)
+    plain = TransformerEngine(cfg, weights=d, config=EngineConfig(**ECFG),
+                              devices=jax.devices()[:1])
+    eng = TransformerEngine(cfg, weights=d, config=EngineConfig(quantize="int4", **ECFG),
+                            devices=jax.devices()[:1])
+    params = _np(eng.load_params())
+    want = _np(qz.quantize_params(_np(plain.load_params()), "int4", qz.DEFAULT_GROUP, np))
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    quantized = {str(path[-2].key) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+                 if path[-1].key == qz.QVALUE}
+    expect = {"mixtral": {"w1", "w2", "w3", "q_proj", "lm_head"},
+              "gemma": {"q_proj", "o_proj", "down_proj"},
+              "qwen2": {"q_proj", "k_proj", "v_proj", "gate_proj"}}[family]
+    assert expect <= quantized
+    assert params["embed_tokens"].dtype == np.float32
+    assert ("lm_head" in quantized) == (not cfg.tie_word_embeddings)

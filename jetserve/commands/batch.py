@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=None,
                    help="admission bound: jobs submitted ahead of a free slot "
                         "(default: 4 x --max-concurrent-decodes, at least 32)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill prompts longer than this in chunks between decode steps "
+                        "(not with --coordinator)")
     p.add_argument("--window", type=int, default=4096,
                    help="rows read, tokenized and ordered at a time")
     p.add_argument("--summary", default=None, metavar="PATH",
@@ -120,7 +123,8 @@ def _engine(args, devices):
 def _run_orchestrated(args, cfg, devices):
     from jetserve.batch import orchestrated
 
-    return orchestrated.run(cfg, _engine(args, devices), max_queued=args.max_queued)
+    return orchestrated.run(cfg, _engine(args, devices), max_queued=args.max_queued,
+                            prefill_chunk=args.prefill_chunk)
 
 
 def _run_lock_step(args, cfg, devices):
@@ -128,6 +132,9 @@ def _run_lock_step(args, cfg, devices):
     from jetserve.batch.runner import run_job
     from jetserve.server.validation import ModelLimits
 
+    if args.prefill_chunk is not None:
+        raise ValueError("--prefill-chunk needs the orchestrator, which runs without "
+                         "--coordinator; leave it out for a model shared by several processes")
     engine = _engine(args, devices)
     params = engine.load_params()
     chunk = max(1, args.max_queued or 4 * engine.max_concurrent_decodes)

@@ -5,7 +5,8 @@ ending in a newline) with one `write` and then `os.fsync`, so after a SIGKILL or
 loss the file holds every row appended so far, plus at most one torn line at the end (a
 write cut short). `recover` truncates that torn line and returns the keys of the rows
 that are there, so `--resume` runs only the rest and every input row ends up in the file
-exactly once.
+exactly once. `--retry-failed` also rewrites the file without its error rows (a new file
+renamed over the old: a crash leaves one or the other), so those rows run again.
 
 A row's key is what identifies its input row: the id (canonical JSON, see rows.id_key)
 for rows that have a usable id, and "#line N" for error rows about input lines without
@@ -105,12 +106,16 @@ def _parse(raw: bytes) -> dict | None:
 class Journal:
     """An output file opened for appending durable rows."""
 
-    def __init__(self, path: str, *, resume: bool):
+    def __init__(self, path: str, *, resume: bool, retry_failed: bool = False):
         if not resume and os.path.exists(path) and os.path.getsize(path) > 0:
             raise ValueError(f"--output {path} already exists; pass --resume to continue "
                              "that job, or remove the file to start over")
         self.path = path
         self.done, self.torn_bytes = recover(path) if resume else ({}, 0)
+        self.dropped = 0  # error rows removed to run again
+        if retry_failed and not all(self.done.values()):
+            self.dropped = _drop_failed(path)
+            self.done = {k: ok for k, ok in self.done.items() if ok}
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         created = not os.path.exists(path)
@@ -135,6 +140,20 @@ class Journal:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _drop_failed(path: str) -> int:
+    """Rewrites the (recovered) output without its error rows; returns how many."""
+    rows = read_rows(path)
+    kept = [r for r in rows if "error" not in r]
+    tmp = f"{path}.retrying"
+    with open(tmp, "wb") as f:
+        f.write(b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return len(rows) - len(kept)
 
 
 def _fsync_dir(path: str) -> None:

@@ -39,6 +39,8 @@ class BatchConfig:
     """Args:
       input / output: the JSONL files (output: the file this process writes).
       resume: continue an existing output file (skip the ids it holds).
+      retry_failed: with resume, run the rows whose output is an error row again (they
+        are removed from the output first).
       process_id / num_processes: this process's share of the rows (by id hash).
       default_max_tokens: max_tokens of rows that give none.
       window: rows tokenized and ordered at a time.
@@ -49,6 +51,7 @@ class BatchConfig:
     input: str
     output: str
     resume: bool = False
+    retry_failed: bool = False
     process_id: int = 0
     num_processes: int = 1
     default_max_tokens: int = 16
@@ -64,6 +67,8 @@ class BatchConfig:
                              f"got {self.process_id!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.retry_failed and not self.resume:
+            raise ValueError("retry_failed continues an existing output: it needs resume")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
@@ -118,11 +123,15 @@ def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor,
     """
     t0 = time.monotonic()
     entries = inputs.mine(inputs.scan(cfg.input), cfg.process_id, cfg.num_processes)
-    journal = Journal(cfg.output, resume=cfg.resume) if cfg.primary else None
+    journal = (Journal(cfg.output, resume=cfg.resume, retry_failed=cfg.retry_failed)
+               if cfg.primary else None)
     done = journal.done if journal else {}
     if journal and journal.torn_bytes:
         print(f"jetserve batch: removed a torn last line ({journal.torn_bytes} bytes) from "
               f"{cfg.output}", file=sys.stderr)
+    if journal and journal.dropped:
+        print(f"jetserve batch: running {journal.dropped} failed rows again (removed from "
+              f"{cfg.output})", file=sys.stderr)
     if done_keys is not None:
         done = done_keys(entries, done)
     s = Summary(rows=len(entries))

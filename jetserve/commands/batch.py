@@ -13,7 +13,8 @@ Output rows (appended and fsync'd as each finishes, in completion order): "id" w
 "is_greedy", "num_tokens"; or "error" naming what is wrong with the row.
 
 --resume continues a killed job: rows already in --output are skipped (a torn last line
-is removed), so every id ends up there exactly once.
+is removed), so every id ends up there exactly once; --retry-failed also runs the rows
+whose result is an error row again (after the input is fixed, say), replacing those rows.
 
 Several hosts: without --coordinator, --num-processes N --process-id I runs the rows
 whose id hashes to I and writes OUTPUT.part-I-of-N; then `--merge --num-processes N`
@@ -46,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prefix of this process's part file)")
     p.add_argument("--resume", action="store_true",
                    help="continue an existing --output, skipping the ids it holds")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume: run the rows whose result is an error row again")
     p.add_argument("--merge", action="store_true",
                    help="join OUTPUT.part-I-of-N (I < --num-processes) into OUTPUT in "
                         "input order, then exit")
@@ -86,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
     lock_step = jax.process_count() > 1
     output = part_path(args.output, proc, n_proc) if independent else args.output
+    if args.retry_failed and not args.resume:
+        raise ValueError("--retry-failed continues a job: add --resume")
     cfg = BatchConfig(input=args.input, output=output, resume=args.resume,
+                      retry_failed=args.retry_failed,
                       process_id=proc, num_processes=n_proc,
                       default_max_tokens=args.max_tokens, window=args.window,
                       progress=not args.no_progress, primary=distributed.is_primary())

@@ -138,3 +138,26 @@ def test_merge_names_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match=r"have no result yet .*process 1.*--resume"):
         merge(inp, out, 2)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_retry_failed_runs_error_rows_again_once(tmp_path, capsys):
+    lines = ['{"id": "a", "prompt": "ab"}', "{not json", '{"id": "b", "prompt": "z", '
+             '"max_tokens": -1}', '{"id": "c", "prompt": "xyz"}']
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, lines)
+    out = str(tmp_path / "out.jsonl")
+    s = run_job(BatchConfig(input=str(inp), output=out, progress=False), LIMITS, fake_executor)
+    assert (s.ok, s.failed) == (2, 2)
+    with pytest.raises(ValueError, match="retry_failed .* needs resume"):
+        BatchConfig(input=str(inp), output=out, retry_failed=True)
+    # The user fixes the two bad lines and runs the failed rows again.
+    lines[1], lines[2] = '{"id": "fixed", "prompt": "abcd"}', '{"id": "b", "prompt": "z"}'
+    write_lines(inp, lines)
+    s2 = run_job(BatchConfig(input=str(inp), output=out, resume=True, retry_failed=True,
+                             progress=False), LIMITS, fake_executor)
+    assert "running 2 failed rows again" in capsys.readouterr().err
+    assert (s2.resumed, s2.ok, s2.failed, s2.failed_before, s2.all_ok) == (2, 2, 0, 0, True)
+    rows = read_rows(out)
+    assert sorted(r["id"] for r in rows) == ["a", "b", "c", "fixed"]
+    assert not any("error" in r for r in rows)
+    assert not (tmp_path / "out.jsonl.retrying").exists()

@@ -209,7 +209,10 @@ def test_coordinator_lock_step_equals_one_process(tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     results = [finish(p) for p in procs]
-    assert [rc for rc, _ in results] == [0, 0], results
+    for i, (rc, err) in enumerate(results):
+        if rc != 0:  # gloo prints a line per communicator; what matters is the rest
+            tail = "\n".join(x for x in err.splitlines() if "[Gloo]" not in x)[-4000:]
+            pytest.fail(f"process {i} exited with {rc}:\n{tail}")
     assert "(5 done before this run" in results[0][1]
     got = read_rows(str(out))
     assert len(got) == len(want)

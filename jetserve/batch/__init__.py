@@ -2,7 +2,7 @@
 
 rows.py (an input row -> a job), inputs.py (reading the input; who runs which row),
 journal.py (the durable output; resume), results.py (output rows), runner.py (a job's
-bookkeeping and order), orchestrated.py (one process: the orchestrator at full
-occupancy), lockstep.py (one model over several processes), merge.py (joining the parts
-of an independent multi-process run). The command is jetserve/commands/batch.py.
+bookkeeping and order), orchestrated.py (an orchestrator at full occupancy: the threaded
+one, or the lock-step one of a model shared by several processes), merge.py (joining the
+parts of an independent multi-process run). The command is jetserve/commands/batch.py.
 """

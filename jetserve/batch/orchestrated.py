@@ -27,18 +27,22 @@ from jetserve.server.validation import ModelLimits
 WAIT_S = 0.5  # longest wait for a completion before trying to submit again
 
 
-def run(cfg: BatchConfig, engine, *, max_queued: int | None = None,
-        prefill_chunk: int | None = None, params=None,
-        warmup_lengths: tuple[int, ...] = ()) -> Summary:
-    """The whole job on one engine: an orchestrator over it, admission bounded by
-    max_queued (default: 4 x the engine's slots, at least 32), prompts longer than
-    prefill_chunk prefilled in chunks (see OrchestratorConfig). warmup_lengths: prompt
-    lengths compiled before the job starts (benchmarks; a job compiles as it goes)."""
+def config(engine, *, max_queued: int | None = None,
+           prefill_chunk: int | None = None) -> OrchestratorConfig:
+    """Admission bounded by max_queued (default: 4 x the engine's slots, at least 32),
+    prompts longer than prefill_chunk prefilled in chunks (see OrchestratorConfig)."""
     if max_queued is not None and max_queued < 1:
         raise ValueError(f"--max-queued must be >= 1, got {max_queued}")
-    queued = max_queued or max(32, 4 * engine.max_concurrent_decodes)
-    orch = Orchestrator.from_engines(engine, params=params, config=OrchestratorConfig(
-        max_queued_requests=queued, prefill_chunk=prefill_chunk))
+    return OrchestratorConfig(
+        max_queued_requests=max_queued or max(32, 4 * engine.max_concurrent_decodes),
+        prefill_chunk=prefill_chunk)
+
+
+def run(cfg: BatchConfig, orch: Orchestrator,
+        warmup_lengths: tuple[int, ...] = ()) -> Summary:
+    """The whole job on an orchestrator (not yet started; stopped at the end).
+    warmup_lengths: prompt lengths compiled before the job starts (benchmarks; a job
+    compiles as it goes)."""
     with orch:
         if warmup_lengths:
             orch.warmup(prompt_lengths=warmup_lengths)

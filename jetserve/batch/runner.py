@@ -1,10 +1,9 @@
 """A batch job from input file to output file: what to run, in what order, and the record.
 
 `run_job` owns the job's bookkeeping and leaves the device work to an executor (a function
-that takes an iterator of jobs and calls `emit` with finished rows):
-`orchestrated.execute` (one process: the threaded orchestrator at full occupancy) or
-`lockstep.execute` (one model sharded over several processes). Both write through the
-same `Journal`, so resume and exactly-once hold whichever ran.
+that takes an iterator of jobs and calls `emit` with finished rows), in practice
+`orchestrated.execute` (an orchestrator at full occupancy). Every row goes through the
+`Journal`, so resume and exactly-once hold however the rows ran.
 
 Order: the rows still to run are read a window at a time (`window` rows: bounded memory
 for inputs of millions of rows), tokenized, and sorted by prompt-length bucket, longest
@@ -45,7 +44,6 @@ class BatchConfig:
       default_max_tokens: max_tokens of rows that give none.
       window: rows tokenized and ordered at a time.
       progress: draw a progress bar on stderr.
-      primary: this process writes the output (False: a lock-step helper process).
     """
 
     input: str
@@ -57,7 +55,6 @@ class BatchConfig:
     default_max_tokens: int = 16
     window: int = 4096
     progress: bool = True
-    primary: bool = True
 
     def __post_init__(self):
         if not isinstance(self.num_processes, int) or self.num_processes < 1:
@@ -113,27 +110,18 @@ class Summary:
                 "tokens/s in+out")
 
 
-def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor,
-            done_keys: Callable[[list[inputs.Entry], dict[str, bool]], dict[str, bool]]
-            | None = None) -> Summary:
-    """Runs the rows of cfg.input this process owns that cfg.output does not hold yet.
-
-    done_keys(entries, done) -> done lets lock-step processes agree on process 0's view
-    of the output (only process 0 reads it).
-    """
+def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor) -> Summary:
+    """Runs the rows of cfg.input this process owns that cfg.output does not hold yet."""
     t0 = time.monotonic()
     entries = inputs.mine(inputs.scan(cfg.input), cfg.process_id, cfg.num_processes)
-    journal = (Journal(cfg.output, resume=cfg.resume, retry_failed=cfg.retry_failed)
-               if cfg.primary else None)
-    done = journal.done if journal else {}
-    if journal and journal.torn_bytes:
+    journal = Journal(cfg.output, resume=cfg.resume, retry_failed=cfg.retry_failed)
+    done = journal.done
+    if journal.torn_bytes:
         print(f"jetserve batch: removed a torn last line ({journal.torn_bytes} bytes) from "
               f"{cfg.output}", file=sys.stderr)
-    if journal and journal.dropped:
+    if journal.dropped:
         print(f"jetserve batch: running {journal.dropped} failed rows again (removed from "
               f"{cfg.output})", file=sys.stderr)
-    if done_keys is not None:
-        done = done_keys(entries, done)
     s = Summary(rows=len(entries))
     todo = [e for e in entries if e.key not in done]
     s.resumed = len(entries) - len(todo)
@@ -148,8 +136,7 @@ def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor,
                 s.ok += 1
                 s.prompt_tokens += job.prompt_len if job else 0
                 s.completion_tokens += len(row.get("token_ids", ()))
-        if journal:
-            journal.append(row for _, row in items)
+        journal.append(row for _, row in items)
         if bar is not None:
             bar.update(len(items))
             elapsed = max(time.monotonic() - t0, 1e-9)
@@ -162,8 +149,7 @@ def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor,
     finally:
         if bar is not None:
             bar.close()
-        if journal:
-            journal.close()
+        journal.close()
     s.wall_s = time.monotonic() - t0
     return s
 
@@ -202,7 +188,7 @@ def _bucket(n: int) -> int:
 
 
 def _progress(cfg: BatchConfig, total: int):
-    if not cfg.progress or not cfg.primary or total == 0:
+    if not cfg.progress or total == 0:
         return None
     from tqdm import tqdm
 

@@ -81,6 +81,7 @@ def run_batch_side(engine, params, prompts, cfg: BatchBenchConfig, workdir: str)
     from jetserve.batch import orchestrated
     from jetserve.batch.journal import read_rows
     from jetserve.batch.runner import BatchConfig
+    from jetserve.orchestrator import Orchestrator
 
     inp = os.path.join(workdir, "in.jsonl")
     with open(inp, "w") as f:
@@ -89,8 +90,9 @@ def run_batch_side(engine, params, prompts, cfg: BatchBenchConfig, workdir: str)
                                 "ignore_eos": True}) + "\n")
     out = os.path.join(workdir, "out.jsonl")
     job = BatchConfig(input=inp, output=out, progress=False)
-    summary = orchestrated.run(job, engine, params=params,
-                               warmup_lengths=tuple(_buckets(engine, prompts)))
+    orch = Orchestrator.from_engines(engine, params=params,
+                                     config=orchestrated.config(engine))
+    summary = orchestrated.run(job, orch, warmup_lengths=tuple(_buckets(engine, prompts)))
     rows = {r["id"]: r for r in read_rows(out)}
     if summary.failed or len(rows) != len(prompts):
         raise RuntimeError(f"the batch job failed: {summary.line()}")

@@ -19,7 +19,8 @@ whose result is an error row again (after the input is fixed, say), replacing th
 Several hosts: without --coordinator, --num-processes N --process-id I runs the rows
 whose id hashes to I and writes OUTPUT.part-I-of-N; then `--merge --num-processes N`
 joins the parts into OUTPUT in input order. With --coordinator, the N processes share one
-model sharded over all their devices and process 0 writes OUTPUT.
+model sharded over all their devices: process 0 reads the input, plans every step and
+writes OUTPUT; the others follow its steps.
 
 Exit status: 0 when every row succeeded, 1 when any row is an error row (including ones
 written by an earlier run of a resumed job), 2 for a usage error.
@@ -58,8 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admission bound: jobs submitted ahead of a free slot "
                         "(default: 4 x --max-concurrent-decodes, at least 32)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill prompts longer than this in chunks between decode steps "
-                        "(not with --coordinator)")
+                   help="prefill prompts longer than this in chunks between decode steps")
     p.add_argument("--window", type=int, default=4096,
                    help="rows read, tokenized and ordered at a time")
     p.add_argument("--summary", default=None, metavar="PATH",
@@ -71,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.merge:
         return _merge(args)
+    from jetserve.batch import orchestrated
     from jetserve.batch.journal import part_path
     from jetserve.batch.runner import BatchConfig
 
@@ -85,9 +86,6 @@ def run(args: argparse.Namespace) -> int:
         shared.num_processes = shared.process_id = None
     devices = distributed.setup(shared)
 
-    import jax
-
-    lock_step = jax.process_count() > 1
     output = part_path(args.output, proc, n_proc) if independent else args.output
     if args.retry_failed and not args.resume:
         raise ValueError("--retry-failed continues a job: add --resume")
@@ -95,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
                       retry_failed=args.retry_failed,
                       process_id=proc, num_processes=n_proc,
                       default_max_tokens=args.max_tokens, window=args.window,
-                      progress=not args.no_progress, primary=distributed.is_primary())
-    summary = _run_lock_step(args, cfg, devices) if lock_step else _run_orchestrated(
-        args, cfg, devices)
-    if not cfg.primary:
+                      progress=not args.no_progress)
+    orch = _orchestrator(args, devices)
+    if not distributed.is_primary():
+        orch.run()  # process 0's steps, until it stops
         return 0
+    summary = orchestrated.run(cfg, orch)
     print(summary.line(), file=sys.stderr)
     if args.summary:
         with open(args.summary, "w") as f:
@@ -119,34 +118,23 @@ def _independent_share(args: argparse.Namespace) -> tuple[int, int]:
     return n, i
 
 
-def _engine(args, devices):
-    from jetserve.model_loading import build_engine
+def _orchestrator(args: argparse.Namespace, devices):
+    """The threaded orchestrator on one process; with --coordinator, the lock-step one
+    (one engine over the devices of every process; process 0 plans every step)."""
+    import jax
 
-    return build_engine(args.model, sharding=args.sharding, devices=devices,
-                        engine_config=engine_config(args))
-
-
-def _run_orchestrated(args, cfg, devices):
     from jetserve.batch import orchestrated
+    from jetserve.model_loading import build_engine
+    from jetserve.orchestrator import Orchestrator
+    from jetserve.orchestrator.lockstep import LockStepOrchestrator
 
-    return orchestrated.run(cfg, _engine(args, devices), max_queued=args.max_queued,
-                            prefill_chunk=args.prefill_chunk)
-
-
-def _run_lock_step(args, cfg, devices):
-    from jetserve.batch import lockstep
-    from jetserve.batch.runner import run_job
-    from jetserve.server.validation import ModelLimits
-
-    if args.prefill_chunk is not None:
-        raise ValueError("--prefill-chunk needs the orchestrator, which runs without "
-                         "--coordinator; leave it out for a model shared by several processes")
-    engine = _engine(args, devices)
-    params = engine.load_params()
-    chunk = max(1, args.max_queued or 4 * engine.max_concurrent_decodes)
-    return run_job(cfg, ModelLimits.from_orchestrator(engine),
-                   lambda jobs, emit: lockstep.execute(engine, params, jobs, emit, chunk=chunk),
-                   done_keys=lockstep.agree_on_done)
+    engine = build_engine(args.model, sharding=args.sharding, devices=devices,
+                          engine_config=engine_config(args))
+    config = orchestrated.config(engine, max_queued=args.max_queued,
+                                 prefill_chunk=args.prefill_chunk)
+    if jax.process_count() > 1:
+        return LockStepOrchestrator(engine, engine.load_params(), config=config)
+    return Orchestrator.from_engines(engine, config=config)
 
 
 def _merge(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -48,13 +49,21 @@ def input_lines() -> list[str]:
     return lines
 
 
-def batch(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jetserve", "batch", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def batch(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """A `jetserve batch` subprocess; its stderr goes to a file (a pipe that nobody reads
+    while another process is awaited could fill and stall it)."""
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by finish())
+    p = subprocess.Popen([sys.executable, "-m", "jetserve", "batch", *args], cwd=ROOT,
+                         env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    p.log = log
+    return p
 
 
 def finish(p: subprocess.Popen) -> tuple[int, str]:
-    _, err = p.communicate(timeout=600)
+    p.wait(timeout=600)
+    p.log.seek(0)
+    err = p.log.read()
+    p.log.close()
     return p.returncode, err
 
 
@@ -114,7 +123,7 @@ def test_sigkill_then_resume_gives_every_id_once_as_uninterrupted(job):
                 p.send_signal(signal.SIGKILL)
                 break
             time.sleep(0.02)
-        p.communicate(timeout=60)
+        finish(p)
     finally:
         if p.poll() is None:
             p.kill()
@@ -163,8 +172,8 @@ def test_two_processes_merged_equal_one(job):
 
 
 def lock_step_lines() -> list[str]:
-    """Rows whose stopping the lock-step loop applies after the fact: each row's own
-    max_tokens, stop strings, stop token ids; greedy, so both executors agree."""
+    """Greedy rows with their own max_tokens, stop strings and stop token ids, log-probs,
+    and scoring rows."""
     rng = np.random.default_rng(1)
     rows = [{"id": i, "prompt_ids": rng.integers(1, 256, size=int(n)).tolist(),
              "max_tokens": int(m)}
@@ -182,8 +191,8 @@ def lock_step_lines() -> list[str]:
 
 def test_coordinator_lock_step_equals_one_process(tmp_path):
     """Two processes sharing one model sharded over 2 x 4 devices (jax.distributed, gloo on
-    127.0.0.1) write what one process on 8 devices writes; process 0 alone writes, and
-    --resume skips the rows already there (process 0 tells the other which)."""
+    127.0.0.1; the lock-step orchestrator) write what one process on 8 devices writes;
+    process 0 alone reads and writes, and --resume skips the rows already there."""
     from tests.sharding.test_multiprocess import _free_port
 
     inp = tmp_path / "in.jsonl"
@@ -203,11 +212,9 @@ def test_coordinator_lock_step_equals_one_process(tmp_path):
     out.write_text("".join(json.dumps(r) + "\n" for r in want[:5]))  # as a killed run left
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "jetserve", "batch", *args, "--output", str(out), "--resume",
-         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)]
+    procs = [batch(*args, "--output", str(out), "--resume", "--coordinator",
+                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), env=env)
+             for i in range(2)]
     results = [finish(p) for p in procs]
     for i, (rc, err) in enumerate(results):
         if rc != 0:  # gloo prints a line per communicator; what matters is the rest

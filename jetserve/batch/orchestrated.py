@@ -27,15 +27,14 @@ from jetserve.server.validation import ModelLimits
 WAIT_S = 0.5  # longest wait for a completion before trying to submit again
 
 
-def config(engine, *, max_queued: int | None = None,
-           prefill_chunk: int | None = None) -> OrchestratorConfig:
-    """Admission bounded by max_queued (default: 4 x the engine's slots, at least 32),
-    prompts longer than prefill_chunk prefilled in chunks (see OrchestratorConfig)."""
+def config(engine, *, max_queued: int | None = None, **fields) -> OrchestratorConfig:
+    """Admission bounded by max_queued (default: 4 x the engine's slots, at least 32);
+    fields: other OrchestratorConfig fields (prefill_chunk, prefix cache budgets)."""
     if max_queued is not None and max_queued < 1:
         raise ValueError(f"--max-queued must be >= 1, got {max_queued}")
     return OrchestratorConfig(
         max_queued_requests=max_queued or max(32, 4 * engine.max_concurrent_decodes),
-        prefill_chunk=prefill_chunk)
+        **fields)
 
 
 def run(cfg: BatchConfig, orch: Orchestrator,

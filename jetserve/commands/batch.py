@@ -33,7 +33,7 @@ import json
 import sys
 
 from jetserve import distributed
-from jetserve.commands.common import add_model_arguments, engine_config
+from jetserve.commands.common import add_model_arguments, engine_config, prefix_cache_budgets
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -60,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 4 x --max-concurrent-decodes, at least 32)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill prompts longer than this in chunks between decode steps")
+    p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
+                   help="prefix cache: device memory for cached prompt KV, so rows sharing "
+                        "a prompt prefix (few-shot examples) prefill only the rest (0: none)")
+    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
+                   help="prefix cache: host memory tier for KV evicted from the device")
     p.add_argument("--window", type=int, default=4096,
                    help="rows read, tokenized and ordered at a time")
     p.add_argument("--summary", default=None, metavar="PATH",
@@ -125,16 +130,20 @@ def _orchestrator(args: argparse.Namespace, devices):
 
     from jetserve.batch import orchestrated
     from jetserve.model_loading import build_engine
-    from jetserve.orchestrator import Orchestrator
+    from jetserve.orchestrator import Orchestrator, keyed
     from jetserve.orchestrator.lockstep import LockStepOrchestrator
 
     engine = build_engine(args.model, sharding=args.sharding, devices=devices,
                           engine_config=engine_config(args))
     config = orchestrated.config(engine, max_queued=args.max_queued,
-                                 prefill_chunk=args.prefill_chunk)
+                                 prefill_chunk=args.prefill_chunk,
+                                 **prefix_cache_budgets(args))
     if jax.process_count() > 1:
+        if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
+            raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix "
+                             "cache does not run over several processes; leave them out")
         return LockStepOrchestrator(engine, engine.load_params(), config=config)
-    return Orchestrator.from_engines(engine, config=config)
+    return Orchestrator.from_engines(engine, config=keyed(config, args.model, engine))
 
 
 def _merge(args: argparse.Namespace) -> int:

@@ -37,6 +37,9 @@ def input_lines() -> list[str]:
     rows = [{"id": f"g{i}", "prompt_ids": rng.integers(1, 256, size=int(n)).tolist()}
             for i, n in enumerate(rng.integers(2, 40, size=40))]
     rows[3]["max_tokens"] = 20
+    shared = rng.integers(1, 256, size=20).tolist()  # a few-shot style common prefix
+    for r in rows[30:]:
+        r["prompt_ids"] = shared + r["prompt_ids"][:8]
     rows[5].update(logprobs=2)
     rows += [{"id": 100 + i, "prompt": p, "temperature": 0.9, "seed": i}
              for i, p in enumerate(["Once upon a time", "The answer is"])]
@@ -148,9 +151,11 @@ def test_sigkill_then_resume_gives_every_id_once_as_uninterrupted(job):
 
 
 def test_two_processes_merged_equal_one(job):
+    """(Also with the prefix cache on: ten rows share a 20-token prefix.)"""
     out = str(job["dir"] / "two.jsonl")
     procs = [batch("--input", job["input"], "--output", out, "--num-processes", "2",
-                   "--process-id", str(i), "--no-progress", *MODEL_ARGS) for i in range(2)]
+                   "--process-id", str(i), "--no-progress", "--prefix-cache-hbm-mb", "1",
+                   *MODEL_ARGS) for i in range(2)]
     results = [finish(p) for p in procs]
     parts = [read_rows(part_path(out, i, 2)) for i in range(2)]
     assert all(parts) and sum(map(len, parts)) == job["n"]

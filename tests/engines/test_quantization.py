@@ -177,3 +177,16 @@ def test_every_family_quantizes_its_kernels(family, tmp_path):
     assert expect <= quantized
     assert params["embed_tokens"].dtype == np.float32
     assert ("lm_head" in quantized) == (not cfg.tie_word_embeddings)
+
+
+def test_paged_engine_with_quantized_weights(hf_dir):
+    cfg = load_hf_config(hf_dir)
+    want = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                             config=EngineConfig(quantize="int8", **ECFG))
+    paged = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                              config=EngineConfig(quantize="int8", kv_layout="paged",
+                                                  page_size=8, **ECFG))
+    assert paged.kv_pages is not None  # the paged engine, not the contiguous one
+    params = paged.load_params()
+    assert params["layers_1"]["mlp"]["up_proj"][qz.QVALUE].dtype == np.int8
+    assert _tokens(paged, params) == _tokens(want, want.load_params())

@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--new-tokens", type=int, default=32)
     b.add_argument("--slots", type=int, default=32, help="jetserve max_concurrent_decodes")
     b.add_argument("--hf-batch", type=int, default=32, help="prompts per transformers generate")
+    b.add_argument("--repeats", type=int, default=2, help="runs per side; the best counts")
     b.add_argument("--torch-threads", type=int, default=None,
                    help="transformers' intra-op threads (default: every core; on a machine "
                         "busy with other work, 1 avoids spinning threads)")
@@ -180,7 +181,7 @@ def _batch(args: argparse.Namespace) -> int:
     cfg = batch_job.BatchBenchConfig(
         model=args.model, preset=args.preset, prompts=args.prompts, min_len=args.min_len,
         max_len=args.max_len, new_tokens=args.new_tokens, slots=args.slots,
-        hf_batch=args.hf_batch, torch_threads=args.torch_threads)
+        hf_batch=args.hf_batch, torch_threads=args.torch_threads, repeats=args.repeats)
     out = batch_job.run(cfg, log=(lambda *a: None) if args.json else print)
     if args.json:
         print(json.dumps(out))

@@ -106,10 +106,11 @@ def _one_device():
 def test_cli_bench_batch_same_tokens_as_transformers(tiny_hf, capsys):
     rc = cli.main(["bench", "batch", "--model", tiny_hf, "--prompts", "10", "--min-len", "3",
                    "--max-len", "12", "--new-tokens", "4", "--slots", "4", "--hf-batch", "4",
-                   "--torch-threads", "1", "--json"])
+                   "--torch-threads", "1", "--repeats", "2", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["prompts"], out["new_tokens"], out["torch_threads"]) == (10, 4, 1)
+    assert (out["prompts"], out["new_tokens"], out["torch_threads"], out["repeats"]) == (
+        10, 4, 1, 2)
     assert out["batch_over_hf"] == pytest.approx(out["batch_tok_s"] / out["hf_tok_s"], rel=0.01)
     assert out["batch_over_engine_loop"] == pytest.approx(
         out["batch_tok_s"] / out["engine_loop_tok_s"], rel=0.01)

@@ -1,9 +1,10 @@
 """Machine probes that set the floors: streaming-read bandwidth and matmul FLOP/s.
 
-Bandwidth is read with code that is not jetserve's: a float32 array of at least 1 GB is
+Bandwidth is read with code that is not jetserve's. On the host: a float32 array of at least 1 GB is
 summed by one thread per core (numpy, whose reductions release the GIL), and by torch's
 own thread pool when torch is installed; each is repeated and the best pass wins, since
-noise (other processes, page faults) only ever slows a pass down. Matmul FLOP/s is a
+noise (other processes, page faults) only ever slows a pass down. On an accelerator: XLA's
+own sum over an array in device memory (`device_read_bandwidth`). Matmul FLOP/s is a
 square matmul jitted through XLA, the compiler jetserve's decode runs through.
 """
 
@@ -84,6 +85,30 @@ def stream_read_bandwidth(*, read_bytes: int | None = None, repeats: int = 5,
     del arr
     return BandwidthResult(best_bps=max(passes[method]), method=method,
                            read_bytes=read_bytes, repeats=repeats, passes=passes)
+
+
+def device_read_bandwidth(device, *, read_bytes: int | None = None,
+                          repeats: int = 5) -> BandwidthResult:
+    """An accelerator's memory: the best of `repeats` jitted XLA sums of a float32 array of
+    `read_bytes` in the device's own memory (XLA's reduction, not jetserve code)."""
+    import jax
+    import jax.numpy as jnp
+
+    read_bytes = read_bytes or DEFAULT_READ_BYTES
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    x = jax.jit(lambda: jnp.ones(read_bytes // 4, jnp.float32),
+                out_shardings=jax.sharding.SingleDeviceSharding(device))()
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()  # compile
+    passes = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        passes.append(x.nbytes / (time.perf_counter() - t0))
+    del x
+    return BandwidthResult(best_bps=max(passes), method=f"xla-sum on {device.platform}",
+                           read_bytes=read_bytes, repeats=repeats, passes={"xla-sum": passes})
 
 
 def matmul_flops(dtype: str = "float32", *, size: int = 2048, repeats: int = 5) -> float:

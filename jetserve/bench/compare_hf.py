@@ -136,6 +136,7 @@ def run(cfg: CompareConfig, devices: Sequence[jax.Device] | None = None, log=pri
 
     devices = list(devices or jax.devices()[:1])
     torch.set_num_threads(os.cpu_count() or 1)
+    load0 = os.getloadavg()[0]
     bw = bandwidth.stream_read_bandwidth(read_bytes=cfg.read_bytes)
     log(f"bandwidth {bw.gbps:.1f} GB/s ({bw.method})")
     rows = []
@@ -179,4 +180,6 @@ def run(cfg: CompareConfig, devices: Sequence[jax.Device] | None = None, log=pri
                 f"{row['hf_tok_s']} tok/s, ratio {row['ratio']}")
     return {"serving_path": SERVING_PATH, "bandwidth_gbps": round(bw.gbps, 2), "prompt_len": cfg.prompt_len,
             "new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "max_seq_len": cfg.max_seq_len,
-            "torch_threads": torch.get_num_threads(), "rows": rows}
+            "torch_threads": torch.get_num_threads(),
+            "load_average_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end
+            "rows": rows}

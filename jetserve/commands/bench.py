@@ -118,6 +118,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(_bench=_make_hf_model)
 
+    s = sub.add_parser("serve", help="load generator against a running server: latency, "
+                       "throughput, goodput over request rates")
+    s.add_argument("--url", required=True, help="grpc://HOST:PORT or http://HOST:PORT")
+    s.add_argument("--rates", default="1,2,4", help="requests/s, comma-separated; inf: all at once")
+    s.add_argument("--num-requests", type=int, default=64, help="requests per rate")
+    s.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
+    s.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: < 1 bursty, 1 Poisson-like")
+    s.add_argument("--lengths", default="fixed", choices=["fixed", "synthetic"],
+                   help="synthetic: log-normal, ShareGPT-like tails around the medians")
+    s.add_argument("--prompt-len", type=int, default=128)
+    s.add_argument("--output-len", type=int, default=128)
+    s.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens shared by every prompt, in front")
+    s.add_argument("--max-total", type=int, default=1024,
+                   help="cap on prompt + output tokens (the server's --max-seq-len)")
+    s.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn below this")
+    s.add_argument("--slo", default=None, help="e.g. ttft_ms=500,tpot_ms=50 (goodput)")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--model-name", default=None,
+                   help="the HTTP requests' model field (default: the one /v1/models lists)")
+    s.add_argument("--label", default=None, help="name of this run in the plot")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ready-timeout", type=float, default=600.0)
+    s.add_argument("--out", default=None, help="write the JSON (with per-request records) here")
+    s.add_argument("--plot", default=None, help="write a latency-vs-throughput PNG here")
+    s.add_argument("--json", action="store_true", help="print the JSON (without per-request records)")
+    s.set_defaults(_bench=_serve)
+
+    pl = sub.add_parser("plot", help="one latency-vs-throughput PNG from `bench serve --out` files")
+    pl.add_argument("results", nargs="+")
+    pl.add_argument("--out", required=True)
+    pl.set_defaults(_bench=_plot)
+
     if importlib.util.find_spec(OVERHEAD_MODULE) is not None:
         o = sub.add_parser("overhead", help="orchestrator generate loop vs bare engine step",
                            add_help=False)
@@ -146,12 +180,14 @@ def _decode(args: argparse.Namespace) -> int:
         print(json.dumps(out))
         return 0
     print(f"bandwidth {out['bandwidth_gbps']} GB/s (probes {out['bandwidth_probes_gbps']}), "
-          f"matmul {out['matmul_gflops']} GFLOP/s, weights read {out['weights_read_bytes'] / 1e6:.1f} MB")
-    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'fraction':>8} "
-          f"{'bound':>7} {'tokens/s':>9}")
+          f"matmul {out['matmul_gflops']} GFLOP/s, weights read {out['weights_read_bytes'] / 1e6:.1f} MB, "
+          f"load average {out['load_average_1m']} on {out['cpus']} CPUs")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'best ms':>8} {'floor ms':>8} "
+          f"{'fraction':>8} {'best':>6} {'bound':>7} {'tokens/s':>9}")
     for r in out["rows"]:
-        print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
-              f"{r['fraction_of_floor']:>8.3f} {r['bound']:>7} {r['tokens_per_s']:>9.1f}")
+        print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['step_ms_best']:>8.2f} "
+              f"{r['floor_ms']:>8.2f} {r['fraction_of_floor']:>8.3f} "
+              f"{r['fraction_of_floor_best']:>6.3f} {r['bound']:>7} {r['tokens_per_s']:>9.1f}")
     return 0
 
 
@@ -261,6 +297,39 @@ def _prefix(args: argparse.Namespace) -> int:
               f"{r['host_bytes'] / 2**20:>7.1f}")
     print(f"TTFT off / on: {out['speedup_hbm']:.2f}x; off / host tier only: "
           f"{out['speedup_host']:.2f}x")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jetserve.bench import serve
+
+    w = serve.Workload(num_requests=args.num_requests, prompt_len=args.prompt_len,
+                       output_len=args.output_len, lengths=args.lengths,
+                       shared_prefix=args.shared_prefix, max_total=args.max_total,
+                       vocab=args.vocab, seed=args.seed)
+    out = serve.run(args.url, serve.parse_rates(args.rates), w, arrival=args.arrival,
+                    burstiness=args.burstiness, slo=serve.parse_slo(args.slo),
+                    api_key=args.api_key, model=args.model_name,
+                    ready_timeout_s=args.ready_timeout, label=args.label,
+                    log=(lambda *a: None) if args.json else print)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    if args.plot:
+        serve.plot([out], args.plot)
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items() if k != "requests"}))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from jetserve.bench import serve
+
+    results = []
+    for path in args.results:
+        with open(path) as f:
+            results.append(json.load(f))
+    print(f"wrote {serve.plot(results, args.out)}")
     return 0
 
 

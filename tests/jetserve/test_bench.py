@@ -24,6 +24,13 @@ def test_bandwidth_probe_keeps_the_best_pass():
         bandwidth.stream_read_bandwidth(read_bytes=1000)
 
 
+def test_device_probe_reads_the_array_in_device_memory():
+    r = bandwidth.device_read_bandwidth(_one_device()[0], read_bytes=16 * MB, repeats=3)
+    assert r.read_bytes == 16 * MB and len(r.passes["xla-sum"]) == 3
+    assert r.best_bps == max(r.passes["xla-sum"]) > 0
+    assert r.method == "xla-sum on cpu"
+
+
 def test_matmul_probe_counts_flops():
     assert bandwidth.matmul_flops("float32", size=64, repeats=1) > 0
     with pytest.raises(ValueError, match="size"):
@@ -90,6 +97,8 @@ def test_cli_bench_decode_json(capsys):
         assert r["fraction_of_floor"] == pytest.approx(r["floor_ms"] / r["step_ms"], rel=0.01,
                                                       abs=1e-3)
         assert r["floor_ms"] >= max(r["memory_floor_ms"], r["compute_floor_ms"]) * 0.999
+        assert r["fraction_of_floor_best"] >= r["fraction_of_floor"]  # best step <= median
+    assert len(out["load_average_1m"]) == 2
     # The tiny model reads its weights (minus the input embedding) per step.
     tiny = RANDOM_MODELS["tiny"]
     expect = (tiny.param_count() - tiny.vocab_size * tiny.hidden_size) * 4

@@ -1,12 +1,20 @@
 """Decode state, prefixes, and the KV stores the decoder writes through.
 
-The contiguous layout: each layer keeps k, v as [B, S, K, H] (slot, position, kv head,
-head dim); a slot's key at index j holds sequence position j. `PrefillKV` and `DecodeKV`
-implement `engines.model.KVStore` for the two device functions.
+The contiguous layout: a slot's entry at index j holds sequence position j. Prefixes keep
+k, v as [1, T, K, H] (as the projections make them). The decode cache keeps each layer's
+keys as [B, K, H, S] and values as [B, K, S, H]: a decode step contracts q with the keys
+over H and the probabilities with the values over S, and with these layouts both are
+batched over (B, K) and read the cache once, in memory order. With [B, S, K, H], XLA's
+CPU backend transposed the whole cache of every layer on every step (docs/BENCHMARKS.md).
+Each step reads a slot's cache only up to a window: the longest live sequence in the
+batch rounded up to a power of two (`window_sizes`), one compiled branch per size, picked
+on the device.
+
+`PrefillKV` and `DecodeKV` implement `engines.model.KVStore` for the two device functions.
 
 An int8 cache (`EngineConfig.kv_dtype="int8"`) stores each token's k and v per kv head as
-int8 values with one f32 scale (max |x| over H / 127) in `k_scale`/`v_scale` [B, S, K];
-the generate step dequantizes the rows it attends over. Prefixes stay in the model dtype
+int8 values with one f32 scale (max |x| over H / 127) in `k_scale`/`v_scale` [B, K, S];
+the generate step dequantizes the window it attends over. Prefixes stay in the model dtype
 (prefill attends over exact keys) and are quantized when inserted into a slot.
 """
 
@@ -17,7 +25,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from engines.model import decode_attention
 from engines.sampling import SlotSampling
+
+MIN_WINDOW = 128  # smallest decode read window (engines.kv_cache.window_sizes)
 
 
 @jax.tree_util.register_dataclass
@@ -39,9 +50,9 @@ class Prefix:
 class DecodeState:
     """Everything the generate step reads and writes, for all B slots."""
 
-    k: tuple[jax.Array, ...]  # L x [B, S, K, H], int8 for a quantized cache
-    v: tuple[jax.Array, ...]  # L x [B, S, K, H]
-    k_scale: tuple[jax.Array, ...]  # L x f32[B, S, K] for an int8 cache, else ()
+    k: tuple[jax.Array, ...]  # L x [B, K, H, S], int8 for a quantized cache
+    v: tuple[jax.Array, ...]  # L x [B, K, S, H]
+    k_scale: tuple[jax.Array, ...]  # L x f32[B, K, S] for an int8 cache, else ()
     v_scale: tuple[jax.Array, ...]
     lengths: jax.Array  # i32[B] tokens in each slot's cache (= position of `tokens`)
     tokens: jax.Array  # i32[B] last sampled token, fed to the next step
@@ -87,8 +98,23 @@ class PrefillKV:
         return jnp.concatenate([self.existing.k_pos, self.new_k_pos], axis=1)
 
 
+def window_sizes(S: int) -> tuple[int, ...]:
+    """The decode read windows of a cache of S entries: MIN_WINDOW, doubling, then S."""
+    sizes = []
+    w = MIN_WINDOW
+    while w < S:
+        sizes.append(w)
+        w *= 2
+    return (*sizes, S)
+
+
 class DecodeKV:
-    """Generate: write each slot's new k, v at its own position, attend over its row."""
+    """Generate: write each slot's new k, v at its own position, attend over its row.
+
+    Attention reads the first W entries of every slot, W the smallest of window_sizes(S)
+    that holds every live slot's position; slots that are not live (length S) do not widen
+    it, and their outputs are not used.
+    """
 
     def __init__(self, state: DecodeState, pos: jax.Array):
         self.state = state
@@ -97,38 +123,62 @@ class DecodeKV:
         self.v: list[jax.Array] = []
         self.k_scale: list[jax.Array] = []
         self.v_scale: list[jax.Array] = []
+        S = state.k[0].shape[-1]
+        j = jnp.arange(S)[None, :]
+        self.k_pos = jnp.where(j <= pos[:, None], j, -1)  # (B, S)
+        self.sizes = window_sizes(S)
+        live = jnp.max(jnp.where(state.lengths < S, pos + 1, 1))
+        self.window = jnp.searchsorted(jnp.asarray(self.sizes), live)  # index into sizes
 
     def update(self, layer, k, v):
-        B = k.shape[0]
-        rows = jnp.arange(B)
+        """Writes the new k, v; returns the protocol's [B, S, K, H] views (the model
+        attends through `attend`, so XLA drops them)."""
+        rows = jnp.arange(k.shape[0])
         st = self.state
-        if st.k_scale:  # int8 cache: store quantized, attend over the dequantized rows
+        if st.k_scale:  # int8 cache: store quantized, attend over the dequantized window
             (kq, ks), (vq, vs) = quantize_kv(k[:, 0]), quantize_kv(v[:, 0])
-            self.k.append(st.k[layer].at[rows, self.pos].set(kq))
-            self.v.append(st.v[layer].at[rows, self.pos].set(vq))
-            self.k_scale.append(st.k_scale[layer].at[rows, self.pos].set(ks))
-            self.v_scale.append(st.v_scale[layer].at[rows, self.pos].set(vs))
-            k_all = dequantize_kv(self.k[-1], self.k_scale[-1], k.dtype)
-            v_all = dequantize_kv(self.v[-1], self.v_scale[-1], v.dtype)
+            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(kq))
+            self.v.append(st.v[layer].at[rows, :, self.pos].set(vq))
+            self.k_scale.append(st.k_scale[layer].at[rows, :, self.pos].set(ks))
+            self.v_scale.append(st.v_scale[layer].at[rows, :, self.pos].set(vs))
         else:
-            k_all = st.k[layer].at[rows, self.pos].set(k[:, 0])
-            v_all = st.v[layer].at[rows, self.pos].set(v[:, 0])
-            self.k.append(k_all)
-            self.v.append(v_all)
-        S = k_all.shape[1]
-        j = jnp.arange(S)[None, :]
-        k_pos = jnp.where(j <= self.pos[:, None], j, -1)  # (B, S)
-        return k_all, v_all, k_pos
+            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(k[:, 0]))  # (B, K, H, S)
+            self.v.append(st.v[layer].at[rows, :, self.pos].set(v[:, 0]))  # (B, K, S, H)
+        k_all, v_all = self._read(layer, self.sizes[-1], k.dtype)
+        return jnp.transpose(k_all, (0, 3, 1, 2)), jnp.transpose(v_all, (0, 2, 1, 3)), self.k_pos
+
+    def _read(self, layer, w, dtype):
+        """The first w entries of this layer's keys [B, K, H, w] and values [B, K, w, H]."""
+        k, v = self.k[layer][..., :w], self.v[layer][:, :, :w]
+        if self.k_scale:
+            k = (k.astype(jnp.float32) * self.k_scale[layer][:, :, None, :w]).astype(dtype)
+            v = dequantize_kv(v, self.v_scale[layer][:, :, :w], dtype)
+        return k, v
+
+    def attend(self, layer, q, positions, sliding_window):
+        def within(w):
+            def branch(q):
+                k, v = self._read(layer, w, q.dtype)
+                return decode_attention(q, k, v, positions, self.k_pos[:, :w], sliding_window)
+            return branch
+
+        branches = [within(w) for w in self.sizes]
+        if len(branches) == 1:
+            return branches[0](q)
+        return jax.lax.switch(self.window, branches, q)
 
 
 def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
     """Scatters a prefix into one slot's rows; other slots are untouched."""
-    S = state.k[0].shape[1]
+    S = state.k[0].shape[-1]
     # Each prefix entry goes to the index of its position; padding (-1) is dropped.
     idx = jnp.where(prefix.k_pos[0] >= 0, prefix.k_pos[0], S)  # (T,)
 
-    def put(cache, new):  # cache [B, S, K, H] (or scales [B, S, K]), new [1, T, ...]
-        return cache.at[slot, idx].set(new[0], mode="drop")
+    def put_k(cache, new):  # cache [B, K, H, S], new [1, T, K, H]
+        return cache.at[slot, :, :, idx].set(new[0], mode="drop")
+
+    def put(cache, new):  # cache [B, K, S, H] (or scales [B, K, S]), new [1, T, K, ...]
+        return cache.at[slot, :, idx].set(new[0], mode="drop")
 
     if state.k_scale:
         kq, ks = zip(*map(quantize_kv, prefix.k))
@@ -145,7 +195,7 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
     V = state.counts.shape[1]
     first = jax.nn.one_hot(prefix.token, V, dtype=state.counts.dtype)
     return DecodeState(
-        k=tuple(put(c, n) for c, n in zip(state.k, kq)),
+        k=tuple(put_k(c, n) for c, n in zip(state.k, kq)),
         v=tuple(put(c, n) for c, n in zip(state.v, vq)),
         k_scale=k_scale,
         v_scale=v_scale,

@@ -86,6 +86,34 @@ def attention(
     return out.reshape(B, T, N, H)
 
 
+def decode_attention(
+    q: jax.Array,  # [B, 1, N, H]
+    k: jax.Array,  # [B, K, H, S] positions minor
+    v: jax.Array,  # [B, K, S, H]
+    q_pos: jax.Array,  # i32[B, 1]
+    k_pos: jax.Array,  # i32[B, S], -1 = empty
+    sliding_window: int | None,
+) -> jax.Array:
+    """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
+
+    Both contractions are batched over (B, K) and run along the cache's memory order, so
+    the cache is read once and never transposed (see engines.kv_cache)."""
+    B, _, N, H = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
+    scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(H)
+    qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
+    kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
+    visible = (kp >= 0) & (kp <= qp)
+    if sliding_window is not None:
+        visible &= kp > qp - sliding_window
+    scores = jnp.where(visible, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
+    return out.reshape(B, 1, N, H)
+
+
 def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
            dtype: Any, init=None) -> jax.Array:
     init = init or nn.initializers.normal(0.02)
@@ -128,14 +156,18 @@ class Attention(nn.Module):
         k = constrain(rope(k, positions, inv_freq), _KV_ACT, "attention k")
         v = constrain(v, _KV_ACT, "attention v")
         k_all, v_all, k_pos = kv.update(self.layer, k, v)
-        # A store may attend itself (the paged store's TPU kernel reads pages in place).
+        # A store may attend itself (the contiguous decode store over its own layout; the
+        # paged store's TPU kernel reads pages in place).
         attend = getattr(kv, "attend", None)
         if attend is not None:
             out = attend(self.layer, q, positions, c.sliding_window)
         else:
             out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
         out = constrain(out, _HEADS_ACT, "attention output")
-        return jnp.einsum("btnh,nhd->btd", out, wo)
+        # A 2-D matmul over (N H): as an einsum, XLA's CPU backend transposed wo on every
+        # decode step to match the attention output's layout.
+        B, T = out.shape[:2]
+        return (out.reshape(B * T, N * H) @ wo.reshape(N * H, D)).reshape(B, T, D)
 
 
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:

@@ -34,7 +34,11 @@ from engines.model import Decoder
 from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
-CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_SEQ, axes.CACHE_HEADS, axes.HEAD_DIM)
+# Decode cache layouts (engines.kv_cache): keys [B, K, H, S], values [B, K, S, H], int8
+# scales [B, K, S].
+K_CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.HEAD_DIM, axes.CACHE_SEQ)
+V_CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ, axes.HEAD_DIM)
+SCALE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
 KV_DTYPES = ("auto", "int8")
 
@@ -165,7 +169,7 @@ def _prompt_logprobs(model: Decoder, top_n: int, params, tokens, true_length):
 
 
 def _generate(model: Decoder, top_n: int, params, state: DecodeState):
-    S = state.k[0].shape[1]
+    S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
     kv = DecodeKV(state, pos)
@@ -284,16 +288,17 @@ class TransformerEngine(Engine):
 
     def decode_state_shardings(self) -> DecodeState:
         c, e = self.model_config, self.config
-        cache_shape = (e.max_concurrent_decodes, e.max_seq_len, c.num_kv_heads, c.head_dim)
-        cache = self._named(CACHE_AXES, cache_shape, "kv cache")
+        B, S, K, H = e.max_concurrent_decodes, e.max_seq_len, c.num_kv_heads, c.head_dim
+        k_cache = self._named(K_CACHE_AXES, (B, K, H, S), "key cache")
+        v_cache = self._named(V_CACHE_AXES, (B, K, S, H), "value cache")
         vec = self._named((axes.CACHE_BATCH,), (e.max_concurrent_decodes,), "slot lengths")
         bv = self._named((axes.CACHE_BATCH, None), (e.max_concurrent_decodes, c.vocab_size),
                          "token counts")
         L = c.num_layers
         scales = ()
         if e.kv_dtype == "int8":
-            scales = (self._named(CACHE_AXES[:3], cache_shape[:3], "kv cache scales"),) * L
-        return DecodeState(k=(cache,) * L, v=(cache,) * L, k_scale=scales, v_scale=scales,
+            scales = (self._named(SCALE_AXES, (B, K, S), "kv cache scales"),) * L
+        return DecodeState(k=(k_cache,) * L, v=(v_cache,) * L, k_scale=scales, v_scale=scales,
                            lengths=vec, tokens=vec,
                            sampling=self._sampling_shardings(axes.CACHE_BATCH),
                            prompt_mask=bv, counts=bv)
@@ -381,12 +386,12 @@ class TransformerEngine(Engine):
 
         def make():
             int8 = e.kv_dtype == "int8"
-            cache = jnp.zeros((B, S, c.num_kv_heads, c.head_dim),
-                              jnp.int8 if int8 else self.dtype)
+            K, H, dtype = c.num_kv_heads, c.head_dim, jnp.int8 if int8 else self.dtype
             L = c.num_layers
-            scales = (jnp.zeros((B, S, c.num_kv_heads), jnp.float32),) * L if int8 else ()
+            scales = (jnp.zeros((B, K, S), jnp.float32),) * L if int8 else ()
             return DecodeState(
-                k=(cache,) * L, v=(cache,) * L, k_scale=scales, v_scale=scales,
+                k=(jnp.zeros((B, K, H, S), dtype),) * L, v=(jnp.zeros((B, K, S, H), dtype),) * L,
+                k_scale=scales, v_scale=scales,
                 lengths=jnp.full((B,), S, jnp.int32),  # empty slots count as full
                 tokens=jnp.zeros((B,), jnp.int32),
                 sampling=SlotSampling.empty(B),

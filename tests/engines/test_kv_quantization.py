@@ -50,7 +50,9 @@ def test_bad_kv_dtype_is_named():
 def test_int8_cache_layout_and_insert_isolation(engines):
     _, eng, params = engines
     state = eng.init_decode_state()
-    assert state.k[0].dtype == jnp.int8 and state.k_scale[0].shape == (4, 64, 2)
+    # keys [B, K, H, S], values [B, K, S, H], scales [B, K, S] (engines.kv_cache)
+    assert state.k[0].dtype == jnp.int8 and state.k[0].shape == (4, 2, 16, 64)
+    assert state.v[0].shape == (4, 2, 64, 16) and state.k_scale[0].shape == (4, 2, 64)
     prefix, _ = eng.prefill(params, PROMPTS[0], len(PROMPTS[0]))
     state = eng.insert(prefix, state, 0)
     state, _ = eng.generate(params, state)
@@ -61,9 +63,13 @@ def test_int8_cache_layout_and_insert_isolation(engines):
         np.testing.assert_array_equal(a[[0, 1, 3]], b[[0, 1, 3]])
     # The inserted rows hold the prefix, quantized: scale * value within half a step.
     n = len(PROMPTS[1])
-    k = dequantize_kv(after.k[1][2, :n], after.k_scale[1][2, :n], jnp.float32)
-    err = np.abs(np.asarray(k) - np.asarray(p2.k[1][0, :n]))
-    assert np.all(err <= after.k_scale[1][2, :n, :, None] / 2 + 1e-6)
+    ks, vs = after.k_scale[1][2, :, :n], after.v_scale[1][2, :, :n]  # (K, n)
+    k = after.k[1][2, :, :, :n].astype(np.float32) * ks[:, None, :]  # (K, H, n)
+    err = np.abs(k - np.transpose(np.asarray(p2.k[1][0, :n]), (1, 2, 0)))
+    assert np.all(err <= ks[:, None, :] / 2 + 1e-6)
+    v = dequantize_kv(after.v[1][2, :, :n], vs, jnp.float32)  # (K, n, H)
+    err = np.abs(np.asarray(v) - np.transpose(np.asarray(p2.v[1][0, :n]), (1, 0, 2)))
+    assert np.all(err <= vs[:, :, None] / 2 + 1e-6)
 
 
 def test_int8_cache_decodes_close_to_float(engines):

@@ -1,13 +1,16 @@
 """Engine contract on a tiny random-weight model: insert isolation, prefill/decode
 consistency with one forward pass, buckets, and no recompiles after warm-up."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from engines import EngineConfig, ModelConfig, TransformerEngine, prefill_buckets
-from engines.kv_cache import PrefillKV
+from engines.kv_cache import PrefillKV, window_sizes
 from jetserve.offline import generate_many
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -87,6 +90,41 @@ def test_prefill_plus_decode_equals_one_forward_pass(engine):
         row = logp[len(prompt) - 1 + i]
         assert int(jnp.argmax(row)) == t
         assert abs(float(row[t]) - r.logprobs[i]) < 1e-5
+
+
+def test_window_sizes():
+    assert window_sizes(1024) == (128, 256, 512, 1024)
+    assert window_sizes(320) == (128, 256, 320)
+    assert window_sizes(64) == (64,)
+
+
+def test_decode_reads_through_growing_windows():
+    # Full attention (no sliding window), so every cached key counts: two live slots cross
+    # the 128 and 256 windows while a third slot sits empty (length S, never widening).
+    cfg = dataclasses.replace(CFG, sliding_window=None)
+    eng = TransformerEngine(cfg, config=EngineConfig(max_concurrent_decodes=3,
+                                                     max_prefill_length=128, max_seq_len=320),
+                            devices=jax.devices()[:1], seed=5)
+    params = eng.load_params()
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 96, size=n).tolist() for n in (110, 7)]
+    results = generate_many(eng, params, prompts, max_tokens=180, ignore_eos=True)
+    for prompt, r in zip(prompts, results, strict=True):
+        seq = prompt + r.token_ids
+        pos = jnp.arange(len(seq))[None]
+        logits = eng.model.apply({"params": params}, jnp.asarray([seq]), pos,
+                                 PrefillKV(pos, None))
+        logp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+        rows = logp[len(prompt) - 1:len(seq) - 1]
+        np.testing.assert_array_equal(rows.argmax(-1), r.token_ids)
+        np.testing.assert_allclose(rows[np.arange(len(r.token_ids)), r.token_ids], r.logprobs,
+                                   atol=1e-5)
+    # The compiled step moves no cache-sized array: no copy or transpose as large as one
+    # window of one layer's cache (layouts in engines.kv_cache).
+    hlo = eng._generate_jit.lower(params, eng.init_decode_state()).compile().as_text()
+    window = 3 * cfg.num_kv_heads * 128 * cfg.head_dim
+    for shape in re.findall(r"= \w+\[([\d,]*)\]\S* (?:copy|transpose)\(", hlo):
+        assert np.prod([int(d) for d in shape.split(",") if d]) < window, shape
 
 
 def test_prefix_continuation_equals_whole_prompt(engine):

@@ -80,10 +80,11 @@ def test_tp_shards_most_parameter_bytes(family):
 
 
 def test_tp_kv_batch_splits_cache_by_kv_heads_then_batch():
-    """8 devices, 4 kv heads: cache[B_data, S, K_model, H] with data 2, model 4."""
+    """8 devices, 4 kv heads: keys[B_data, K_model, H, S], values[B_data, K_model, S, H]
+    with data 2, model 4."""
     engine = families.make_engine("llama3", "tp_kv_batch", jax.devices()[:8])
     assert dict(engine.mesh.shape) == {"data": 2, "model": 4}
     kv = [t for t in decode_state_layouts(engine) if t.kind == "kv_cache"]
-    assert {tuple(spec_json(t.spec)) for t in kv} == {("data", None, "model", None)}
+    assert {tuple(spec_json(t.spec)) for t in kv} == {("data", "model", None, None)}
     # Every device holds 1/8 of the cache.
     assert all(t.bytes_per_device * 8 == t.bytes for t in kv)

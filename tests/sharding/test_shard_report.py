@@ -47,8 +47,10 @@ def test_tensor_specs_and_floor(tp_kv_batch_report):
     t = {x["name"]: x for x in r["tensors"]}
     assert t["layers_0/self_attn/q_proj"]["spec"] == [None, "model", None]
     assert t["layers_0/mlp/down_proj"]["spec"] == ["model", None]
-    assert t["k/0"]["spec"] == ["data", None, "model", None]
-    assert t["k/0"]["shape"] == [8, 64, 2, 16]
+    assert t["k/0"]["spec"] == ["data", "model", None, None]  # keys [B, K, H, S]
+    assert t["k/0"]["shape"] == [8, 2, 16, 64]
+    assert t["v/0"]["spec"] == ["data", "model", None, None]  # values [B, K, S, H]
+    assert t["v/0"]["shape"] == [8, 2, 64, 16]
     assert t["k/0"]["bytes_per_device"] * 8 == t["k/0"]["bytes"]
     assert t["layers_0/input_layernorm"]["spec"] == [None]
     # Floor: the busiest device's parameters plus full cache, over v5e's 820 GB/s.

@@ -50,7 +50,7 @@ run "$PY" -m jetserve bench decode --model "$MODEL" --dtype "$DTYPE" --batch "$B
   --context "$CONTEXT" --steps "$STEPS" --read-gb "$READ_GB" --matmul-size "$MATMUL" --json \
   > "$OUT/decode.json"
 
-run "$PY" -m jetserve bench overhead --model "$MODEL" "${OVERHEAD_ARGS[@]}" --json \
+run "$PY" -m jetserve.bench.orchestrator_overhead --model "$MODEL" "${OVERHEAD_ARGS[@]}" --json \
   > "$OUT/overhead.txt"
 
 # A real server on a free port; the sweep's cold-start line includes its start and compile.

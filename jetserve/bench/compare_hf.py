@@ -44,6 +44,7 @@ class CompareConfig:
     bf16: bool = True
     seed: int = 0
     read_bytes: int | None = None  # bandwidth probe size (default 2 GiB)
+    torch_threads: int | None = None  # transformers' intra-op threads (default: every core)
 
     def __post_init__(self):
         if not self.batches or any(b < 1 for b in self.batches):
@@ -54,6 +55,8 @@ class CompareConfig:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.prompt_len + self.new_tokens > self.max_seq_len:
             raise ValueError(f"prompt_len + new_tokens = {self.prompt_len + self.new_tokens} "
                              f"exceeds max_seq_len {self.max_seq_len}")
@@ -135,7 +138,7 @@ def run(cfg: CompareConfig, devices: Sequence[jax.Device] | None = None, log=pri
     import torch
 
     devices = list(devices or jax.devices()[:1])
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(cfg.torch_threads or os.cpu_count() or 1)
     load0 = os.getloadavg()[0]
     bw = bandwidth.stream_read_bandwidth(read_bytes=cfg.read_bytes)
     log(f"bandwidth {bw.gbps:.1f} GB/s ({bw.method})")

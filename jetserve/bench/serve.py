@@ -17,7 +17,9 @@ in front of every prompt. Outputs ignore EOS so every request makes its tokens.
 
 Before the first rate the server's readiness is awaited and one request is sent alone;
 its latency (which includes any compile the server left to its first request) is printed
-on its own line as the cold start and kept out of the statistics.
+on its own line as the cold start and kept out of the statistics. Then `warmup` requests
+of the workload go out at once, also outside the statistics, so that prompt lengths the
+server's own warm-up did not compile do not land in the first rate.
 """
 
 from __future__ import annotations
@@ -298,7 +300,7 @@ async def run_rate(client, reqs: list[BenchRequest], times: np.ndarray) -> tuple
 async def run_async(url: str, rates: Sequence[float], w: Workload, *, arrival: str = "poisson",
                     burstiness: float = 1.0, slo: dict[str, float] | None = None,
                     api_key: str | None = None, model: str | None = None, ready_timeout_s: float = 600,
-                    label: str | None = None, log=print) -> dict:
+                    label: str | None = None, warmup: int = 0, log=print) -> dict:
     slo = slo or {}
     client = make_client(url, api_key, model)
     try:
@@ -315,6 +317,14 @@ async def run_async(url: str, rates: Sequence[float], w: Workload, *, arrival: s
             raise RuntimeError(f"the first request failed: {cold['error']}")
         log(f"cold start: ready after {ready_s:.2f} s; first request alone TTFT "
             f"{cold['ttft_ms']:.1f} ms, e2e {cold['e2e_ms']:.1f} ms")
+        warm_s = 0.0
+        if warmup > 0:
+            warm = make_requests(dataclasses.replace(w, num_requests=warmup), rng)
+            recs, warm_s = await run_rate(client, warm, np.zeros(len(warm)))
+            bad = [r["error"] for r in recs if not r["ok"]]
+            if bad:
+                raise RuntimeError(f"a warm-up request failed: {bad[0]}")
+            log(f"warm-up: {warmup} requests at once in {warm_s:.2f} s (not counted)")
         rows, records = [], []
         for rate in rates:
             reqs = make_requests(w, rng)
@@ -334,7 +344,8 @@ async def run_async(url: str, rates: Sequence[float], w: Workload, *, arrival: s
     return {"label": label or url, "url": url, "arrival": arrival, "burstiness": burstiness,
             "workload": dataclasses.asdict(w), "slo": slo,
             "cold_start": {"ready_s": round(ready_s, 3), "ttft_ms": round(cold["ttft_ms"], 3),
-                           "e2e_ms": round(cold["e2e_ms"], 3)},
+                           "e2e_ms": round(cold["e2e_ms"], 3), "warmup_requests": warmup,
+                           "warmup_s": round(warm_s, 3)},
             "rows": rows, "requests": records}
 
 
@@ -359,7 +370,8 @@ def plot(results: Sequence[dict], path: str) -> str:
                     label=f"{res['label']} p99")
     for ax, title in zip(axes, ("time to first token", "time per output token"), strict=True):
         ax.set_xlabel("throughput (output tokens/s)")
-        ax.set_ylabel("ms")
+        ax.set_ylabel("ms (log scale)")
+        ax.set_yscale("log")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--repeats", type=int, default=2)
     c.add_argument("--max-seq-len", type=int, default=1024)
     c.add_argument("--no-bf16", action="store_true", help="skip the transformers bf16 column")
+    c.add_argument("--torch-threads", type=int, default=None,
+                   help="transformers' intra-op threads (default: every core)")
     c.add_argument("--read-gb", type=float, default=None)
     c.add_argument("--json", action="store_true")
     c.set_defaults(_bench=_compare_hf)
@@ -141,6 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the HTTP requests' model field (default: the one /v1/models lists)")
     s.add_argument("--label", default=None, help="name of this run in the plot")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--warmup", type=int, default=0,
+                   help="requests sent at once before the first rate, not counted")
     s.add_argument("--ready-timeout", type=float, default=600.0)
     s.add_argument("--out", default=None, help="write the JSON (with per-request records) here")
     s.add_argument("--plot", default=None, help="write a latency-vs-throughput PNG here")
@@ -197,7 +201,8 @@ def _compare_hf(args: argparse.Namespace) -> int:
     cfg = compare_hf.CompareConfig(
         model=args.model, batches=tuple(parse_batches(args.batch)), prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, repeats=args.repeats, max_seq_len=args.max_seq_len,
-        bf16=not args.no_bf16, read_bytes=_read_bytes(args.read_gb))
+        bf16=not args.no_bf16, read_bytes=_read_bytes(args.read_gb),
+        torch_threads=args.torch_threads)
     out = compare_hf.run(cfg, log=(lambda *a: None) if args.json else print)
     if args.json:
         print(json.dumps(out))
@@ -310,7 +315,7 @@ def _serve(args: argparse.Namespace) -> int:
     out = serve.run(args.url, serve.parse_rates(args.rates), w, arrival=args.arrival,
                     burstiness=args.burstiness, slo=serve.parse_slo(args.slo),
                     api_key=args.api_key, model=args.model_name,
-                    ready_timeout_s=args.ready_timeout, label=args.label,
+                    ready_timeout_s=args.ready_timeout, label=args.label, warmup=args.warmup,
                     log=(lambda *a: None) if args.json else print)
     if args.out:
         with open(args.out, "w") as f:

@@ -30,10 +30,11 @@ def test_grpc_sweep_json_and_plot(tiny_servers, tmp_path, capsys):
                    "--rates", "inf,50", "--num-requests", "4", "--prompt-len", "8",
                    "--output-len", "6", "--shared-prefix", "4", "--max-total", "256",
                    "--slo", "ttft_ms=60000,tpot_ms=60000", "--out", str(path),
-                   "--plot", str(png)])
+                   "--plot", str(png), "--warmup", "2"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert printed.startswith("cold start: ")  # its own line, before the rates
+    assert printed.splitlines()[1].startswith("warm-up: 2 requests")
     out = json.loads(path.read_text())
     _check(out, [float("inf"), 50.0], 4, 6)
     # Every request met the (generous) SLOs, so goodput equals the completed request rate.

@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 if [[ "${SMALL:-0}" == 1 ]]; then
   MODEL=random:tiny DTYPE=float32
   BATCHES=1,4 CONTEXT=32 STEPS=4 READ_GB=0.05 MATMUL=256
-  OVERHEAD_ARGS=(--batch 4 --steps 20 --repeats 2 --max-seq-len 128)
+  OVERHEAD_ARGS=(--batch 4 --steps 60 --repeats 2 --max-seq-len 128)
   SERVE_ARGS=(--max-concurrent-decodes 4 --max-seq-len 128)
   RATES=4,inf NREQ=6 PLEN=16 OLEN=8 MAXTOTAL=128
 else

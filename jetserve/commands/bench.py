@@ -157,8 +157,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pl.set_defaults(_bench=_plot)
 
     if importlib.util.find_spec(OVERHEAD_MODULE) is not None:
+        # Every argument goes to the module's own parser; "+" as the prefix keeps this one
+        # from reading a leading "--batch" as its own option.
         o = sub.add_parser("overhead", help="orchestrator generate loop vs bare engine step",
-                           add_help=False)
+                           add_help=False, prefix_chars="+")
         o.add_argument("rest", nargs=argparse.REMAINDER)
         o.set_defaults(_bench=_overhead)
 

@@ -126,3 +126,8 @@ def test_cli_bench_batch_same_tokens_as_transformers(tiny_hf, capsys):
     # Same weights, greedy, f32: the batch job, the bare loop and transformers (left-padded
     # batches) agree token for token.
     assert out["same_as_hf"] == out["same_as_engine_loop"] == 1.0
+
+
+def test_cli_bench_overhead_forwards_leading_options():
+    args = cli.build_parser().parse_args(["bench", "overhead", "--batch", "8", "--json"])
+    assert args.rest == ["--batch", "8", "--json"]

@@ -33,7 +33,13 @@ import json
 import sys
 
 from jetserve import distributed
-from jetserve.commands.common import add_model_arguments, engine_config, prefix_cache_budgets
+from jetserve.commands.common import (
+    add_model_arguments,
+    add_scheduling_arguments,
+    engine_config,
+    prefix_cache_budgets,
+    refuse_prefix_cache_over_processes,
+)
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -58,13 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=None,
                    help="admission bound: jobs submitted ahead of a free slot "
                         "(default: 4 x --max-concurrent-decodes, at least 32)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill prompts longer than this in chunks between decode steps")
-    p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
-                   help="prefix cache: device memory for cached prompt KV, so rows sharing "
-                        "a prompt prefix (few-shot examples) prefill only the rest (0: none)")
-    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
-                   help="prefix cache: host memory tier for KV evicted from the device")
+    add_scheduling_arguments(p)
     p.add_argument("--window", type=int, default=4096,
                    help="rows read, tokenized and ordered at a time")
     p.add_argument("--summary", default=None, metavar="PATH",
@@ -139,9 +139,7 @@ def _orchestrator(args: argparse.Namespace, devices):
                                  prefill_chunk=args.prefill_chunk,
                                  **prefix_cache_budgets(args))
     if jax.process_count() > 1:
-        if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
-            raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix "
-                             "cache does not run over several processes; leave them out")
+        refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
         return LockStepOrchestrator(engine, engine.load_params(), config=config)
     return Orchestrator.from_engines(engine, config=keyed(config, args.model, engine))
 

@@ -47,6 +47,24 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_dtype=args.kv_dtype)
 
 
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """Chunked prefill and the prefix cache: how the orchestrator schedules prompts."""
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill prompts longer than this in chunks between decode steps")
+    p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
+                   help="prefix cache: device memory for cached prompt KV, so prompts "
+                        "sharing a prefix prefill only the rest (0: none)")
+    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
+                   help="prefix cache: host memory tier for KV evicted from the device")
+
+
+def refuse_prefix_cache_over_processes(budgets: dict) -> None:
+    """The lock-step driver of several processes has no prefix cache."""
+    if budgets["prefix_cache_hbm_bytes"] or budgets["prefix_cache_host_bytes"]:
+        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix cache "
+                         "does not run over several processes; leave them out")
+
+
 def prefix_cache_budgets(args: argparse.Namespace) -> dict:
     """OrchestratorConfig fields from --prefix-cache-hbm-mb / --prefix-cache-host-mb."""
     out = {}

@@ -18,9 +18,11 @@ from engines import SamplingParams
 from jetserve import distributed
 from jetserve.commands.common import (
     add_model_arguments,
+    add_scheduling_arguments,
     engine_config,
     parse_ids,
     prefix_cache_budgets,
+    refuse_prefix_cache_over_processes,
 )
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
@@ -51,12 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill prompts longer than this in chunks between decode steps")
-    p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
-                   help="prefix cache: device memory for cached prompt KV (0: none)")
-    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
-                   help="prefix cache: host memory tier for KV evicted from the device")
+    add_scheduling_arguments(p)
     distributed.add_arguments(p)
 
 
@@ -120,9 +117,7 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
 
 
 def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:
-    if args.prefix_cache_hbm_mb or args.prefix_cache_host_mb:
-        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix cache "
-                         "does not run over several processes; leave them out")
+    refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
                             sampling=sampling, ignore_eos=args.ignore_eos)
     tok = engine.tokenizer

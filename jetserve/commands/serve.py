@@ -20,7 +20,13 @@ import signal
 import sys
 
 from jetserve import distributed
-from jetserve.commands.common import add_model_arguments, engine_config, prefix_cache_budgets
+from jetserve.commands.common import (
+    add_model_arguments,
+    add_scheduling_arguments,
+    engine_config,
+    prefix_cache_budgets,
+    refuse_prefix_cache_over_processes,
+)
 from jetserve.server.config import ServerConfig
 
 
@@ -52,12 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound: beyond it, RESOURCE_EXHAUSTED / HTTP 429")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill prompts longer than this in chunks between decode steps")
-    p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
-                   help="prefix cache: device memory for cached prompt KV (0: none)")
-    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
-                   help="prefix cache: host memory tier for KV evicted from the device")
+    add_scheduling_arguments(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before listening (the first requests compile)")
     distributed.add_arguments(p)
@@ -118,9 +119,7 @@ def _lock_step_orchestrator(args: argparse.Namespace, devices, config):
         # Every process must own devices of each engine's mesh to take part in its steps.
         raise ValueError("--prefill-devices / --generate-devices: with several processes "
                          "one engine spans every device; leave them out")
-    if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
-        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix cache "
-                         "does not run over several processes; leave them out")
+    refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     engine = build_engine(args.model, devices=devices,
                           sharding=args.generate_sharding or args.sharding,
                           engine_config=engine_config(args))

@@ -61,6 +61,18 @@ class DecodeState:
     counts: jax.Array  # i32[B, V] generated-token counts (frequency/presence penalty)
 
 
+def empty_slot_fields(batch: int, max_seq_len: int, vocab_size: int) -> dict:
+    """The per-slot fields every decode state starts with (its cache aside): empty slots
+    count as full, so the step never writes into them."""
+    return dict(
+        lengths=jnp.full((batch,), max_seq_len, jnp.int32),
+        tokens=jnp.zeros((batch,), jnp.int32),
+        sampling=SlotSampling.empty(batch),
+        prompt_mask=jnp.zeros((batch, vocab_size), bool),
+        counts=jnp.zeros((batch, vocab_size), jnp.int32),
+    )
+
+
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., K, H] -> (int8 [..., K, H], f32 scale [..., K]), symmetric per token and head."""
     xf = x.astype(jnp.float32)

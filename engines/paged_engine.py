@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engines.engine_api import ResultTokens, pack_results
-from engines.kv_cache import Prefix
+from engines.kv_cache import Prefix, empty_slot_fields
 from engines.model import Decoder
 from engines.page_pool import SlotPages, pages_for, width_buckets
 from engines.paged_kv import (
@@ -33,7 +33,7 @@ from engines.paged_kv import (
     insert_paged,
     resolve_attention,
 )
-from engines.sampling import SlotSampling, sample, token_logprobs
+from engines.sampling import sample, token_logprobs
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -123,11 +123,7 @@ class PagedTransformerEngine(TransformerEngine):
             pool = jnp.zeros(shape, self.dtype)
             return PagedDecodeState(
                 k=(pool,) * c.num_layers, v=(pool,) * c.num_layers,
-                lengths=jnp.full((B,), S, jnp.int32),  # empty slots count as full
-                tokens=jnp.zeros((B,), jnp.int32),
-                sampling=SlotSampling.empty(B),
-                prompt_mask=jnp.zeros((B, c.vocab_size), bool),
-                counts=jnp.zeros((B, c.vocab_size), jnp.int32),
+                **empty_slot_fields(B, S, c.vocab_size),
             )
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()

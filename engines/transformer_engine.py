@@ -27,6 +27,7 @@ from engines.kv_cache import (
     DecodeState,
     PrefillKV,
     Prefix,
+    empty_slot_fields,
     insert_prefix,
     prefix_head,
 )
@@ -392,11 +393,7 @@ class TransformerEngine(Engine):
             return DecodeState(
                 k=(jnp.zeros((B, K, H, S), dtype),) * L, v=(jnp.zeros((B, K, S, H), dtype),) * L,
                 k_scale=scales, v_scale=scales,
-                lengths=jnp.full((B,), S, jnp.int32),  # empty slots count as full
-                tokens=jnp.zeros((B,), jnp.int32),
-                sampling=SlotSampling.empty(B),
-                prompt_mask=jnp.zeros((B, c.vocab_size), bool),
-                counts=jnp.zeros((B, c.vocab_size), jnp.int32),
+                **empty_slot_fields(B, S, c.vocab_size),
             )
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()

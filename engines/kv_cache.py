@@ -218,11 +218,3 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
         counts=row(state.counts, first),
     )
 
-
-def prefix_head(prefix: Prefix, n: int, prompt_mask: jax.Array) -> Prefix:
-    """The first n tokens of a prefix, to continue with `existing_prefix` (its later
-    entries are masked, not removed, so the arrays keep their shape). prompt_mask bool[1, V]:
-    the tokens of those n."""
-    return dataclasses.replace(
-        prefix, k_pos=jnp.where(prefix.k_pos < n, prefix.k_pos, -1),
-        length=jnp.asarray(n, jnp.int32), prompt_mask=jnp.asarray(prompt_mask))

@@ -17,7 +17,7 @@ the plain-int counters (`free_count`) for stats.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -154,14 +154,22 @@ class SlotPages:
 
     # ---- what the engine does ------------------------------------------------------------
 
-    def insert(self, slot: int, tokens: int) -> list[int]:
-        """Gives `slot` fresh pages for a `tokens`-token prefix (freeing what it held)."""
+    def insert(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> list[int]:
+        """Gives `slot` pages for a `tokens`-token prefix (freeing what it held): the
+        `shared` pages first (held pages another owner keeps too, e.g. a prefix cache's;
+        one more reference each), then fresh ones."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} out of range [0, {self.slots})")
         if not 1 <= tokens <= self.max_seq_len:
             raise ValueError(f"prefix length {tokens} out of range [1, {self.max_seq_len}]")
+        need = self.pages_to_insert(tokens)
+        if shared and len(shared) * self.page_size >= tokens:
+            raise ValueError(f"{len(shared)} shared pages leave no position of a "
+                             f"{tokens}-token prefix to write")
         self.free(slot)
-        pages = self.pool.alloc(self.pages_to_insert(tokens))
+        pages = self.pool.alloc(need - len(shared))
+        self.pool.incref(shared)
+        pages = [*shared, *pages]
         self._pages[slot] = pages
         self._len[slot] = tokens
         self.table[slot, : len(pages)] = pages

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from engines.paged_kv import (
     insert_paged,
     resolve_attention,
 )
+from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.sampling import sample, token_logprobs
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
@@ -108,6 +110,7 @@ class PagedTransformerEngine(TransformerEngine):
             in_shardings=(self.param_shardings, state_sh, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+        self._blocks_of_pages_jit = jax.jit(blocks_of_pages)
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -128,14 +131,26 @@ class PagedTransformerEngine(TransformerEngine):
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()
 
-    def insert(self, prefix: Prefix, decode_state: PagedDecodeState,
-               slot: int) -> PagedDecodeState:
+    def insert(self, prefix: Prefix, decode_state: PagedDecodeState, slot: int, *,
+               shared_pages: Sequence[int] = ()) -> PagedDecodeState:
+        """Writes a prefix into fresh pages of `slot`. shared_pages: pages that already
+        hold its first len(shared_pages) * page_size positions (a prefix cache hit); the
+        slot links them (shared, never written) and the prefix's entries there are dropped.
+        """
         n = int(prefix.length)  # the prefix is ready: its first token was read already
-        pages = self.pages.insert(slot, n)
+        pages = self.pages.insert(slot, n, shared=shared_pages)
         T = prefix.k[0].shape[1]
         arr = np.full((pages_for(T, self.pages.page_size),), self.pages.trash, np.int32)
         arr[: len(pages)] = pages
+        arr[: len(shared_pages)] = self.pages.trash + 1  # past the pool: the write is dropped
         return self._insert_jit(prefix, decode_state, np.int32(slot), arr)
+
+    def page_blocks(self, decode_state: PagedDecodeState, pages: Sequence[int]) -> jax.Array:
+        """The KV of `pages` as prefix-cache blocks: a stack [stack_size(n), L, 2, ps, K, H]
+        (padding reads the trash page)."""
+        idx = np.full((stack_size(len(pages)),), self.pages.trash, np.int32)
+        idx[: len(pages)] = pages
+        return self._blocks_of_pages_jit(decode_state.k, decode_state.v, idx)
 
     def generate(self, params, decode_state: PagedDecodeState
                  ) -> tuple[PagedDecodeState, ResultTokens]:

@@ -29,9 +29,9 @@ from engines.kv_cache import (
     Prefix,
     empty_slot_fields,
     insert_prefix,
-    prefix_head,
 )
 from engines.model import Decoder
+from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
 from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
@@ -352,6 +352,9 @@ class TransformerEngine(Engine):
             in_shardings=(self.param_shardings, state_sh), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+        self._blocks_of_prefix_jit = jax.jit(blocks_of_prefix, static_argnums=(2, 3))
+        self._stack_blocks_jit = jax.jit(stack_blocks)
+        self._prefix_of_blocks_jit = jax.jit(prefix_of_blocks, out_shardings=prefix_sh)
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -422,12 +425,34 @@ class TransformerEngine(Engine):
         return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
                                  prior_mask, existing_prefix)
 
-    def prefix_head(self, prefix: Prefix, n: int, tokens) -> Prefix:
-        """A prefill's prefix cut to its first n tokens (`tokens`), for a prefix cache hit
-        to continue with existing_prefix."""
+    # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
+
+    def cache_blocks(self, prefix: Prefix, first: int, n: int, block: int) -> list[jax.Array]:
+        """Blocks first .. first + n - 1 (of `block` tokens) of a prefill's prefix, one
+        device array [L, 2, block, K, H] each."""
+        stack = self._blocks_of_prefix_jit(prefix, np.int32(first), stack_size(n), block)
+        return [stack[i] for i in range(n)]
+
+    def cache_block_sharding(self) -> NamedSharding:
+        """Where a prefix cache keeps this engine's blocks on the device (whole on each)."""
+        return self._replicated()
+
+    def stack_blocks(self, blocks: Sequence[Any]) -> Any:
+        """Per-node blocks -> a stack of stack_size(n) blocks (zero padded): on the device
+        when every block is, else on the host (numpy)."""
+        m = stack_size(len(blocks))
+        if all(isinstance(b, jax.Array) for b in blocks):
+            pad = jnp.zeros_like(blocks[0])
+            return self._stack_blocks_jit(tuple(blocks) + (pad,) * (m - len(blocks)))
+        host = np.stack(jax.device_get(list(blocks)))
+        return np.concatenate([host, np.zeros((m - len(blocks), *host.shape[1:]), host.dtype)])
+
+    def prefix_from_blocks(self, stack: Any, tokens: Sequence[int]) -> Prefix:
+        """A stack of blocks whose first len(tokens) positions hold those tokens' KV ->
+        the Prefix that a prefill continues with `existing_prefix`."""
         mask = np.zeros((1, self.model_config.vocab_size), bool)
-        mask[0, np.asarray(tokens[:n], np.int64)] = True
-        return prefix_head(prefix, n, mask)
+        mask[0, np.asarray(tokens, np.int64)] = True
+        return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask)
 
     def prompt_logprobs(self, params, tokens, true_length: int | None = None) -> PromptLogprobs:
         """Scores a prompt: host arrays of length true_length (see PromptLogprobs)."""

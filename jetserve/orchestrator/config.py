@@ -23,7 +23,8 @@ class OrchestratorConfig:
         None: one prefill per prompt (at most max_prefill_length tokens).
       prefix_cache_hbm_bytes / prefix_cache_host_bytes: budgets of the prefix cache's
         device and host tiers, per prefill engine (both 0: no prefix cache).
-      prefix_cache_block: tokens per cached block; a hit reuses whole blocks.
+      prefix_cache_block: tokens per cached block; a hit reuses whole blocks. A paged
+        engine that prefills and generates caches its KV pages: its block is the page size.
       prefix_cache_key: what the cached KV depends on (prefix_cache.model_cache_key).
     """
 

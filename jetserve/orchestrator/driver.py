@@ -50,8 +50,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
 from engines import Engine
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.detokenize_worker import STOP, DetokenizeWorker
@@ -59,7 +57,7 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import PrefillWorker
-from jetserve.orchestrator.prefix_cache import PrefixCache
+from jetserve.orchestrator.prefix_cache import ArrayStore, PageStore, PrefixCache
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
@@ -90,10 +88,12 @@ class Orchestrator:
         ]
         for g in self._generate:
             g.resume = self._resume.put
+        own = {id(g.engine): g for g in self._generate}
         self._prefill = [
             PrefillWorker(i, e, p, self._admission, self._outbox, self._listeners,
                           self._stopping, poll, resume=self._resume, chunk=config.prefill_chunk,
-                          cache=_prefix_cache(e, config), cache_key=config.prefix_cache_key)
+                          cache=_prefix_cache(e, config, own.get(id(e))),
+                          cache_key=config.prefix_cache_key)
             for i, (e, p) in enumerate(zip(prefill_engines, prefill_params, strict=True))
         ]
         self._transfer = self._wire()
@@ -188,6 +188,7 @@ class Orchestrator:
         if not self._threads:
             self._stopping.set()
             self._end_leftovers()
+            self._clear_prefix_caches()
             return
         end = None if timeout is None else time.monotonic() + timeout
         if not drain:
@@ -205,6 +206,14 @@ class Orchestrator:
         for t in self._threads:
             t.join()
         self._end_leftovers()
+        self._clear_prefix_caches()
+
+    def _clear_prefix_caches(self) -> None:
+        """Gives the pages a prefix cache holds back to their engine's pool (the engine
+        may serve another orchestrator)."""
+        for w in self._prefill:
+            if w.cache is not None:
+                w.cache.clear()
 
     def __enter__(self) -> Orchestrator:
         self.start()
@@ -401,18 +410,23 @@ class Orchestrator:
         return sum(e.max_concurrent_decodes for e in self.generate_engines)
 
 
-def _prefix_cache(engine: Engine, config: OrchestratorConfig) -> PrefixCache | None:
-    """A prefix cache for one prefill engine, when the config gives it a budget."""
+def _prefix_cache(engine: Engine, config: OrchestratorConfig,
+                  own: GenerateWorker | None) -> PrefixCache | None:
+    """A prefix cache for one prefill engine, when the config gives it a budget: in the
+    engine's own KV pages when it is a paged engine that also generates (own), else in
+    device arrays of its own."""
     hbm, host = config.prefix_cache_hbm_bytes, config.prefix_cache_host_bytes
     if not hbm and not host:
         return None
-    if not hasattr(engine, "prefix_head"):
+    if not hasattr(engine, "prefix_from_blocks"):
         raise ValueError(f"a prefix cache needs an engine that continues prefixes; "
                          f"{type(engine).__name__} does not")
-    destination = engine.prefix_destination_sharding()
-    return PrefixCache(block=config.prefix_cache_block, hbm_bytes=hbm, host_bytes=host,
-                       to_device=lambda tree: jax.device_put(tree, destination),
-                       head=engine.prefix_head)
+    if own is not None and own.pages is not None:
+        own.cache = PrefixCache(store=PageStore(engine, own.read_pages), hbm_bytes=hbm,
+                                host_bytes=host)
+        return own.cache
+    return PrefixCache(store=ArrayStore(engine, config.prefix_cache_block), hbm_bytes=hbm,
+                       host_bytes=host)
 
 
 def _page_stats(g: GenerateWorker) -> dict:

@@ -15,7 +15,11 @@ slots. Each turn of the loop:
 On a paged engine (`engine.kv_pages`) a prefix is inserted only when the pool has its
 pages plus what the next step needs; otherwise it waits in the backlog. When a step needs
 more pages than are free, the most recently inserted request is preempted: its slot and
-pages are freed and it goes back to a prefill thread (`resume`) to be recomputed.
+pages are freed and it goes back to a prefill thread (`resume`) to be recomputed. A
+prefix cache over this engine's pages (`cache`) counts as using its pages: admission and
+steps first take back pages only the cache holds (moving those blocks to the host tier),
+and an insert links the pages of the request's cache hit, then lets the cache adopt the
+prompt's whole pages (prefix_cache.py).
 
 Token ids are checked here (stop ids, length); text is left to the detokenize thread.
 In interleaved mode (the engine also prefills) the loop waits rather than steps while it
@@ -36,6 +40,7 @@ import jax
 
 from engines.engine_api import COL_TOKEN, Engine, ResultTokens
 from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.slots import SlotTable
 from jetserve.orchestrator.timing import Listeners, StepDone
 
@@ -113,7 +118,12 @@ class GenerateWorker:
         self.slots: SlotTable[LiveRequest] = SlotTable(engine.max_concurrent_decodes)
         self.backlog = Backlog(backlog_size)
         self.state = engine.init_decode_state()
+        # Held while the decode state is replaced (insert, step) or read from another
+        # thread (read_pages): a donated state must not be read after it is gone.
+        self.state_lock = threading.Lock()
         self.pages = engine.kv_pages  # None: a contiguous cache, slots are the only limit
+        # Set by the driver when a prefix cache keeps its blocks in this engine's pages.
+        self.cache: PrefixCache | None = None
         self._inserted: dict[int, int] = {}  # slot -> insert order (the newest is preempted)
         self._inserts = 0
         # Set by the driver: hands a preempted request back to a prefill thread.
@@ -169,45 +179,75 @@ class GenerateWorker:
                 self._end(live, why)
         if len(self.backlog):
             for live in self.backlog.take_if(lambda r: r.done or r.abandoned(now) is not None):
+                live.release_cache_hit()
                 if not live.done:
                     self._end(live, live.abandoned(now) or "cancelled")
 
     def _fill(self) -> None:
         while self.slots.has_free:
             item = self.backlog.peek()
-            if item is None or not self._pages_for(item[1]):
+            if item is None or not self._pages_for(*item):
                 return
             self.backlog.pop()
             live, prefix = item
-            if live.done:
-                continue
-            why = live.abandoned(time.monotonic())
-            if why is not None:
-                self._end(live, why)
-                continue
-            slot = self.slots.acquire(live)
-            self._inserts += 1
-            self._inserted[slot] = self._inserts
+            hit, live.cache_hit = live.cache_hit, None
             try:
-                self.state = self.engine.insert(prefix, self.state, slot)
-            except Exception as e:
-                log.exception("insert of request %s failed", live.request_id)
-                self._release(slot)
-                self._end(live, "error", e)
-                self._recover_state(e)
+                if live.done:
+                    continue
+                why = live.abandoned(time.monotonic())
+                if why is not None:
+                    self._end(live, why)
+                    continue
+                self._insert(live, prefix, hit)
+            finally:
+                if hit is not None:
+                    hit.release()
 
-    def _pages_for(self, prefix: Any) -> bool:
+    def _insert(self, live: LiveRequest, prefix: Any, hit: Hit | None) -> None:
+        """Into a free slot, linking the pages of a prefix-cache hit; then the cache adopts
+        the prompt's whole pages."""
+        slot = self.slots.acquire(live)
+        self._inserts += 1
+        self._inserted[slot] = self._inserts
+        try:
+            shared = {"shared_pages": hit.pages} if hit is not None and hit.pages else {}
+            with self.state_lock:
+                self.state = self.engine.insert(prefix, self.state, slot, **shared)
+            if hit is not None:
+                self.cache.adopt(hit, self.pages.pages_of(slot))
+        except Exception as e:
+            log.exception("insert of request %s failed", live.request_id)
+            self._release(slot)
+            self._end(live, "error", e)
+            self._recover_state(e)
+
+    def read_pages(self, pages: list[int]) -> Any:
+        """The KV of `pages` as prefix-cache blocks (engine.page_blocks), from any thread."""
+        with self.state_lock:
+            return self.engine.page_blocks(self.state, pages)
+
+    def _pages_for(self, live: LiveRequest, prefix: Any) -> bool:
         """Whether the pool has room for this prefix and its next token, besides what the
-        next step takes for the running requests."""
+        next step takes for the running requests; pages only the prefix cache holds are
+        given back to make that room."""
         if self.pages is None:
             return True
-        need = self.pages.pages_to_insert(int(prefix.length) + 1) + self.pages.pages_for_step()
+        shared = len(live.cache_hit.pages) if live.cache_hit is not None else 0
+        need = (self.pages.pages_to_insert(int(prefix.length) + 1) - shared
+                + self.pages.pages_for_step())
+        if need > self.pages.free_count and self.cache is not None:
+            self.cache.make_room(need - self.pages.free_count)
         return need <= self.pages.free_count
 
     def _make_room(self) -> None:
-        """Preempts the newest requests until the next step's pages are free."""
+        """Frees pages only the prefix cache holds, then preempts the newest requests,
+        until the next step's pages are free."""
         if self.pages is None or self.pages.pages_for_step() <= self.pages.free_count:
             return
+        if self.cache is not None:
+            self.cache.make_room(self.pages.pages_for_step() - self.pages.free_count)
+            if self.pages.pages_for_step() <= self.pages.free_count:
+                return
         self._read_pending()  # every token of a victim must be known before it leaves
         while self.slots.in_use and self.pages.pages_for_step() > self.pages.free_count:
             slot = max(self.slots.rows(), key=lambda r: self._inserted[r[0]])[0]
@@ -233,7 +273,8 @@ class GenerateWorker:
         rows = self.slots.rows()
         t = time.monotonic()
         try:
-            self.state, res = self.engine.generate(self.params, self.state)
+            with self.state_lock:
+                self.state, res = self.engine.generate(self.params, self.state)
             res.copy_to_host_async()
         except Exception as e:
             log.exception("generate step failed on engine %d", self.index)
@@ -305,7 +346,10 @@ class GenerateWorker:
         for live in victims.values():
             if not live.done:
                 self._end(live, "error", exc)
-        self.state = self.engine.init_decode_state()
+        if self.cache is not None:  # its pages are about to be zeroed
+            self.cache.clear()
+        with self.state_lock:
+            self.state = self.engine.init_decode_state()
 
     def _recover_state(self, exc: BaseException) -> None:
         """A failed insert may have consumed the donated decode state: if so, every

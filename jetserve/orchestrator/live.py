@@ -16,6 +16,7 @@ resume queue), which recomputes its KV from `sequence()`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,9 @@ class LiveRequest:
     prompt_logprobs: tuple[list, list] | None = None  # set by the prefill thread
     text: TextStream | None = None  # detokenize thread
     first_sent: bool = False  # detokenize thread
+    # A prefix-cache hit over the engine's own KV pages (prefix_cache.PageStore), pinned
+    # from its prefill until the generate thread inserted it (or dropped the request).
+    cache_hit: Any = None
 
     @property
     def request_id(self) -> str:
@@ -66,6 +70,11 @@ class LiveRequest:
     def sequence(self) -> list[int]:
         """Prompt and generated tokens: what a preempted request prefills again."""
         return list(self.request.prompt_ids) + self.tokens
+
+    def release_cache_hit(self) -> None:
+        if self.cache_hit is not None:
+            self.cache_hit.release()
+            self.cache_hit = None
 
     def preempted(self) -> None:
         """Its slot is gone; the next prefill recomputes `sequence()` and samples the next

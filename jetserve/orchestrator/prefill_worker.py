@@ -16,8 +16,10 @@ generate thread of the same engine run a step, so running requests keep streamin
 a long prompt arrives.
 
 Prefix cache (`cache`, prefix_cache.py): before prefilling, the longest cached whole-block
-prefix of the sequence is looked up and only the rest is prefilled on top of it; every
-prefill's prefix is offered to the cache afterwards.
+prefix of the sequence is looked up and only the rest is prefilled on top of it. Its new
+blocks are cached after the prefill (array store), or, when the cache keeps its blocks in
+this engine's KV pages, the hit travels with the request and the generate thread links
+its pages into the slot and adopts the prompt's pages (page store).
 """
 
 from __future__ import annotations
@@ -112,37 +114,43 @@ class PrefillWorker:
                 live.timing.prefill_end = time.monotonic()
                 self._end(live, "length")
                 return
-        hit = self.cache.lookup(self.cache_key, tokens) if self.cache is not None else None
+        cache = self.cache
+        hit = cache.lookup(self.cache_key, tokens) if cache is not None else None
         try:
             out = self._prefill(live, tokens, hit)
+            if out is None:
+                return  # ended between chunks
+            prefix, first = out
+            if hit is not None and not cache.pages:
+                cache.insert(hit, prefix)
+            data = first.to_host().data
+            t1 = time.monotonic()
+            if not resumed:
+                live.timing.prefill_end = t1
+            self.prefills += 1
+            finish = live.check_token(int(data[0, COL_TOKEN]))
+            if finish is not None:
+                live.done = True
+            self.outbox.put(StepOutput(data, [(live, 0, finish)], t1))  # the first token now
+            if self.listeners:
+                self.listeners.emit(PrefillDone(self.index, len(tokens), t1 - t0))
+            if finish is not None:
+                return
+            if hit is not None and cache.pages:  # the generate thread adopts and releases it
+                live.cache_hit, hit = hit, None
+            if not self.route(live, prefix):
+                live.release_cache_hit()
+                self._end(live, "cancelled")
         finally:
             if hit is not None:
                 hit.release()
-        if out is None:
-            return  # ended between chunks
-        prefix, first = out
-        if self.cache is not None:
-            self.cache.insert(self.cache_key, tokens, prefix)
-        data = first.to_host().data
-        t1 = time.monotonic()
-        if not resumed:
-            live.timing.prefill_end = t1
-        self.prefills += 1
-        finish = live.check_token(int(data[0, COL_TOKEN]))
-        if finish is not None:
-            live.done = True
-        self.outbox.put(StepOutput(data, [(live, 0, finish)], t1))  # the first token streams now
-        if self.listeners:
-            self.listeners.emit(PrefillDone(self.index, len(tokens), t1 - t0))
-        if finish is None and not self.route(live, prefix):
-            self._end(live, "cancelled")
 
     def _prefill(self, live: LiveRequest, tokens: np.ndarray, hit: Hit | None):
         """(prefix, first token) for `tokens`, after the cached part of a hit, in chunks of
         at most `chunk`; None when the request was cancelled or timed out between chunks
         (it is ended here)."""
         done = 0 if hit is None else hit.tokens
-        prefix = None if hit is None else hit.prefix
+        prefix = self.cache.existing_prefix(hit, tokens) if done else None
         for start in range(done, len(tokens), self.chunk):
             if start > done:
                 self.waiting_between_chunks = True

@@ -1,19 +1,40 @@
-"""Prefix cache: prompt prefixes -> their prefill KV, in device memory and in host memory.
+"""Prefix cache: a trie over blocks of prompt tokens, each node holding its block's KV once.
 
-A trie over blocks of `block` tokens, one per cache key (a digest of the model, the
-tokenizer and the chat template, so a change of any never serves stale KV). Each node
-lists the entries whose prompt passes through it; an entry is one prefill's `Prefix`
-(its KV for every token of a prompt), usable for any whole-block part of that prompt.
-A lookup walks the trie down the new prompt's blocks and returns the deepest hit, cut to
-that many tokens by the engine (`prefix_head`), leaving at least one token to prefill:
-the prefill thread then prefills only the suffix (`existing_prefix`).
+One trie per cache key (a digest of the model, the tokenizer and the chat template, so a
+change of any never serves stale KV). A node is one block of `block` tokens below its
+parent's and holds that block's KV (engines/prefix_blocks.py), whichever prompt put it
+there: a system prompt shared by many prompts is stored once.
 
-Tiers: entries live on the device ("hbm") within `hbm_bytes`; the least recently used
-one past that budget moves to host memory (numpy, within `host_bytes`) and past that is
-dropped. A hit on a host entry moves it back to the device. An entry is pinned while a
-prefill uses it, so it is not moved meanwhile.
+Tiers: a node's KV is on the device ("hbm") or on the host ("host": numpy [L, 2, b, K, H]).
+The device tier is one of two stores:
+  - `PageStore`: pages of the engine's own KV pool, when one paged engine prefills and
+    generates (interleaved). A node holds one reference to its page (engines/page_pool.py
+    counts them); a request that hits links the same pages into its slot, so nothing is
+    copied. The block is the page size, and only whole pages are cached: the partial last
+    page of a prompt stays the slot's own, so a shared page is never written.
+  - `ArrayStore`: one device array per node on the prefill engine (contiguous engines,
+    or prefill on another slice than generate).
+Budgets: each tier holds at most its bytes' worth of blocks. Past them, least recently
+used first and leaves before their parents: a device node whose children are all on the
+host moves to the host, a host node without children is dropped. A node is pinned from
+the lookup that found it to that request's release, and is not moved or dropped meanwhile.
 
-Concurrency: every prefill thread calls lookup / release / insert; one lock guards all.
+Flow (prefill_worker.py, generate_worker.py):
+  - `lookup` (prefill thread): the longest cached whole-block prefix of a prompt, short of
+    its last token, pinned, with a snapshot of where its blocks are (`Hit`);
+  - `existing_prefix(hit)`: those blocks as a Prefix; the prefill continues it;
+  - array store: `insert(hit, prefix)` after the prefill caches the prompt's new whole
+    blocks (cut from the prefix), then `hit.release()`;
+  - page store: the generate thread inserts the prefix into a slot that links the hit's
+    device pages, then `adopt(hit, slot_pages)`: the prompt's whole pages become nodes (a
+    reference more each, no copy) and host nodes on its path move back up into the slot's
+    fresh pages; this releases the hit. `make_room(n)` frees pages only the cache holds,
+    for admission, before anything waits or is preempted.
+
+Concurrency: one lock guards the trie. With a page store, every call that changes pages
+(adopt, make_room, clear) runs on the generate thread, which owns the pool and the decode
+state; the prefill thread only looks up, reads pages (`read_pages` takes the generate
+worker's state lock) and releases.
 """
 
 from __future__ import annotations
@@ -21,12 +42,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
+
+TIERS = ("hbm", "host")
 
 
 def cache_key(*parts: object) -> str:
@@ -38,125 +63,266 @@ def cache_key(*parts: object) -> str:
     return h.hexdigest()[:16]
 
 
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    key: str
-    blocks: tuple[tuple[int, ...], ...]  # the prompt's whole blocks
-    prefix: Any  # device Prefix, or its host (numpy) copy when tier == "host"
-    nbytes: int
-    tier: str = "hbm"
-    pins: int = 0
+def block_bytes(engine: Any, block: int) -> int:
+    """Bytes of one block's KV on `engine` (all layers, keys and values)."""
+    c = engine.model_config
+    return c.num_layers * 2 * block * c.num_kv_heads * c.head_dim * np.dtype(engine.dtype).itemsize
 
 
 @dataclasses.dataclass(eq=False)
 class _Node:
+    tokens: tuple[int, ...]
+    parent: _Node | None
+    tier: str  # "hbm", "host", or "root"
     children: dict[tuple[int, ...], _Node] = dataclasses.field(default_factory=dict)
-    entries: set[_Entry] = dataclasses.field(default_factory=set)
+    page: int | None = None  # device tier of a page store
+    kv: Any = None  # device tier of an array store (a device block); host tier (numpy)
+    pins: int = 0
+    used: int = 0  # the LRU clock when last used
 
 
 class Hit:
-    """A cached prefix for the first `tokens` tokens of a prompt; `release()` when done."""
+    """The cached part of one prompt: its first `tokens` tokens, in `pages` (the device
+    pages of a page store, leading) then `blocks` (a block each for the rest: device arrays
+    of an array store, numpy of the host tier). Pinned until `release()`."""
 
-    def __init__(self, cache: PrefixCache, entry: _Entry, prefix: Any, tokens: int):
-        self._cache, self._entry = cache, entry
-        self.prefix, self.tokens = prefix, tokens
+    def __init__(self, cache: PrefixCache, key: str, sequence: Sequence[int],
+                 nodes: list[_Node]):
+        self._cache, self._nodes, self._released = cache, nodes, False
+        self.key, self.sequence = key, sequence
+        self.tokens = len(nodes) * cache.block
+        self.pages = [n.page for n in itertools.takewhile(lambda n: n.page is not None, nodes)]
+        self.blocks = [n.kv for n in nodes[len(self.pages):]]
 
     def release(self) -> None:
-        self._cache._unpin(self._entry)
+        """Unpins (once; later calls do nothing)."""
+        if not self._released:
+            self._released = True
+            self._cache._unpin(self._nodes)
+
+
+class ArrayStore:
+    """Device tier as one device array per node, on the prefill engine."""
+
+    in_pages = False
+    moves_up_on_lookup = True  # a host hit comes back to the device at once
+
+    def __init__(self, engine: Any, block: int):
+        self.engine, self.block = engine, block
+        self.block_bytes = block_bytes(engine, block)
+        self._sharding = engine.cache_block_sharding()
+
+    def blocks_of(self, prefix: Any, first: int, n: int) -> list[Any]:
+        return self.engine.cache_blocks(prefix, first, n, self.block)
+
+    def to_device(self, host: Any) -> Any:
+        return jax.device_put(host, self._sharding)
+
+    def to_host(self, nodes: list[_Node]) -> list[np.ndarray]:
+        return jax.device_get([n.kv for n in nodes])
+
+    def free(self, nodes: list[_Node]) -> None:
+        for n in nodes:
+            n.kv = None
+
+    def existing_prefix(self, hit: Hit, tokens: Sequence[int]) -> Any:
+        stack = self.engine.stack_blocks(hit.blocks)
+        return self.engine.prefix_from_blocks(stack, tokens[:hit.tokens])
+
+
+class PageStore:
+    """Device tier as pages of a paged engine's own pool (generate-thread calls aside from
+    `existing_prefix`, see the module doc). read_pages(pages) -> their blocks, a device
+    stack (engine.page_blocks under the generate worker's state lock)."""
+
+    in_pages = True
+    moves_up_on_lookup = False  # host blocks come back in the slot's pages, at adopt
+
+    def __init__(self, engine: Any, read_pages: Callable[[list[int]], Any]):
+        self.engine, self.read_pages = engine, read_pages
+        self.pool = engine.kv_pages.pool
+        self.block = engine.kv_pages.page_size
+        self.block_bytes = block_bytes(engine, self.block)
+
+    def hold(self, page: int) -> None:
+        self.pool.incref([page])
+
+    def sole_holder(self, node: _Node) -> bool:
+        return self.pool.refcount(node.page) == 1
+
+    def to_host(self, nodes: list[_Node]) -> list[np.ndarray]:
+        stack = np.asarray(jax.device_get(self.read_pages([n.page for n in nodes])))
+        return [stack[i].copy() for i in range(len(nodes))]
+
+    def free(self, nodes: list[_Node]) -> None:
+        self.pool.decref([n.page for n in nodes])
+        for n in nodes:
+            n.page = None
+
+    def existing_prefix(self, hit: Hit, tokens: Sequence[int]) -> Any:
+        if not hit.blocks:
+            stack = self.read_pages(hit.pages)
+        else:  # some blocks are on the host: join them there
+            dev = list(jax.device_get(self.read_pages(hit.pages))[:len(hit.pages)]) \
+                if hit.pages else []
+            stack = self.engine.stack_blocks(dev + hit.blocks)
+        return self.engine.prefix_from_blocks(stack, tokens[:hit.tokens])
 
 
 class PrefixCache:
     """See the module docstring.
 
     Args:
-      block: tokens per trie edge; a hit covers whole blocks only.
+      store: the device tier (PageStore or ArrayStore); its block is the cache's.
       hbm_bytes / host_bytes: budgets of the two tiers (0: that tier holds nothing).
-      to_device: puts a host copy of a Prefix back where the prefill engine reads it.
-      head: head(prefix, n, tokens) -> the prefix cut to its first n tokens.
     """
 
-    def __init__(self, *, block: int, hbm_bytes: int, host_bytes: int,
-                 to_device: Callable[[Any], Any], head: Callable[[Any, int, Sequence[int]], Any]):
-        if block < 1:
-            raise ValueError(f"prefix cache block must be >= 1 token, got {block}")
+    def __init__(self, *, store: ArrayStore | PageStore, hbm_bytes: int, host_bytes: int):
         if hbm_bytes < 0 or host_bytes < 0 or hbm_bytes + host_bytes == 0:
             raise ValueError(f"prefix cache budgets must be >= 0 and not both 0, got "
                              f"hbm {hbm_bytes} and host {host_bytes} bytes")
-        self.block, self.hbm_budget, self.host_budget = block, hbm_bytes, host_bytes
-        self._to_device, self._head = to_device, head
+        self.store, self.block = store, store.block
+        self.hbm_budget, self.host_budget = hbm_bytes, host_bytes
+        self.max_blocks = {"hbm": hbm_bytes // store.block_bytes,
+                           "host": host_bytes // store.block_bytes}
         self._roots: dict[str, _Node] = {}
-        self._lru: collections.OrderedDict[_Entry, None] = collections.OrderedDict()
-        self._bytes = {"hbm": 0, "host": 0}
+        self._tier: dict[str, set[_Node]] = {t: set() for t in TIERS}
+        self._clock = itertools.count(1)
         self._counts = collections.Counter()
         self._lock = threading.Lock()
 
+    @property
+    def pages(self) -> bool:
+        """Whether the device tier is the engine's KV pages."""
+        return self.store.in_pages
+
     # ---- the prefill thread's calls ------------------------------------------------------
 
-    def lookup(self, key: str, tokens: Sequence[int]) -> Hit | None:
-        """The longest cached whole-block prefix of `tokens` (short of the last token)."""
+    def lookup(self, key: str, tokens: Sequence[int]) -> Hit:
+        """The longest cached whole-block prefix of `tokens` short of the last token
+        (possibly none: hit.tokens == 0), pinned until hit.release()."""
         blocks = self._blocks(tokens, len(tokens) - 1)
         with self._lock:
             self._counts["lookups"] += 1
             self._counts["lookup_tokens"] += len(tokens)
-            node, best, depth = self._roots.get(key), None, 0
-            for i, b in enumerate(blocks):
-                node = node.children.get(b) if node is not None else None
-                if node is None or not node.entries:
-                    break
-                best, depth = node, i + 1
-            if best is None:
-                return None
-            entry = max(best.entries, key=lambda e: e.tier == "hbm")
-            entry.pins += 1
-            self._lru.move_to_end(entry)
-            if entry.tier == "host":
-                self._bytes["host"] -= entry.nbytes
-                entry.prefix, entry.tier = self._to_device(entry.prefix), "hbm"
-                self._bytes["hbm"] += entry.nbytes
-                self._counts["host_hits"] += 1
-            self._counts["hits"] += 1
-            n = depth * self.block
-            self._counts["hit_tokens"] += n
-            self._evict()
-            prefix = entry.prefix
-        return Hit(self, entry, self._head(prefix, n, tokens[:n]), n)
-
-    def insert(self, key: str, tokens: Sequence[int], prefix: Any) -> None:
-        """Caches a prefill's prefix for the whole blocks of `tokens` (unless a cached
-        entry already covers them)."""
-        blocks = self._blocks(tokens, len(tokens))
-        if not blocks:
-            return
-        nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(prefix))
-        with self._lock:
-            node = self._roots.setdefault(key, _Node())
-            path = []
+            node, path = self._roots.get(key), []
             for b in blocks:
-                node = node.children.setdefault(b, _Node())
+                node = node.children.get(b) if node is not None else None
+                if node is None:
+                    break
                 path.append(node)
-            if node.entries:  # as deep as an existing entry: keep that one
-                self._lru.move_to_end(next(iter(node.entries)))
-                return
-            entry = _Entry(key, blocks, prefix, nbytes)
             for n in path:
-                n.entries.add(entry)
-            self._lru[entry] = None
-            self._bytes["hbm"] += nbytes
-            self._counts["inserted"] += 1
+                n.pins += 1
+            self._touch(path)
+            if path:
+                self._counts["hits"] += 1
+                self._counts["hit_tokens"] += len(path) * self.block
+                up = [n for n in path if n.tier == "host"]
+                if up:
+                    self._counts["host_hits"] += 1
+                if up and self.store.moves_up_on_lookup:
+                    for n in up:
+                        self._move(n, "hbm", kv=self.store.to_device(n.kv))
+                    self._counts["restored"] += len(up)
+                    self._evict()
+            return Hit(self, key, tokens, path)
+
+    def existing_prefix(self, hit: Hit, tokens: Sequence[int]) -> Any:
+        """The hit's blocks as a Prefix of tokens[:hit.tokens] (hit.tokens > 0)."""
+        return self.store.existing_prefix(hit, tokens)
+
+    def insert(self, hit: Hit, prefix: Any) -> None:
+        """Array store: caches the whole blocks of hit.sequence that are not cached yet,
+        cut from `prefix` (its prefill)."""
+        blocks = self._blocks(hit.sequence, len(hit.sequence))
+        with self._lock:
+            node, path = self._roots.setdefault(hit.key, _Node((), None, "root")), []
+            for i, b in enumerate(blocks):
+                child = node.children.get(b)
+                if child is None:
+                    new = self.store.blocks_of(prefix, i, len(blocks) - i)
+                    for b2, kv in zip(blocks[i:], new, strict=True):
+                        node = self._add(node, b2, kv=kv)
+                        path.append(node)
+                    break
+                node = child
+                path.append(node)
+            self._touch(path)
             self._evict()
+
+    # ---- the generate thread's calls (page store) ----------------------------------------
+
+    def adopt(self, hit: Hit, pages: Sequence[int]) -> None:
+        """After the hit's request was inserted into a slot holding `pages` (in position
+        order): its sequence's whole pages become nodes; host nodes on the way move up
+        into those pages (unless the device budget is 0). Releases the hit."""
+        blocks = self._blocks(hit.sequence, len(hit.sequence))
+        with self._lock:
+            node, path = self._roots.setdefault(hit.key, _Node((), None, "root")), []
+            for b, page in zip(blocks, pages, strict=False):
+                child = node.children.get(b)
+                if child is None:
+                    child = self._add(node, b, page=page)
+                    self.store.hold(page)
+                elif child.tier == "host" and self.max_blocks["hbm"]:
+                    self._move(child, "hbm", page=page)
+                    self.store.hold(page)
+                    self._counts["restored"] += 1
+                node = child
+                path.append(node)
+            self._touch(path)
+        hit.release()
+        with self._lock:
+            self._evict()
+
+    def make_room(self, pages: int) -> int:
+        """Moves down (or drops) least recently used device nodes whose page nobody else
+        holds until `pages` pages are free or none is left to move; returns pages freed."""
+        with self._lock:
+            return self._demote(pages, sole=True)
+
+    def page_owners(self) -> dict[object, list[int]]:
+        """The pages the cache holds, by node (for SlotPages.check)."""
+        with self._lock:
+            return {("prefix cache", id(n)): [n.page] for n in self._tier["hbm"]
+                    if n.page is not None}
+
+    def clear(self) -> None:
+        """Drops every node (their pages go back to the pool); on the generate thread, or
+        after it ended."""
+        with self._lock:
+            for root in self._roots.values():
+                for child in list(root.children.values()):
+                    self._drop(child)
+            self._roots.clear()
+
+    # ---- any thread ----------------------------------------------------------------------
 
     def stats(self) -> dict:
         with self._lock:
             c = dict(self._counts)
-            tiers = collections.Counter(e.tier for e in self._lru)
-            out = {f"{k}": c.get(k, 0) for k in ("lookups", "hits", "host_hits", "hit_tokens",
-                                                 "lookup_tokens", "inserted", "evicted_to_host",
-                                                 "dropped")}
-            out.update(hbm_bytes=self._bytes["hbm"], host_bytes=self._bytes["host"],
-                       hbm_entries=tiers["hbm"], host_entries=tiers["host"],
-                       hbm_budget=self.hbm_budget, host_budget=self.host_budget)
+            out = {k: c.get(k, 0) for k in ("lookups", "hits", "host_hits", "hit_tokens",
+                                            "lookup_tokens", "inserted", "evicted_to_host",
+                                            "restored", "dropped")}
+            for t in TIERS:
+                n = len(self._tier[t])
+                out.update({f"{t}_blocks": n, f"{t}_bytes": n * self.store.block_bytes})
+            out.update(hbm_budget=self.hbm_budget, host_budget=self.host_budget,
+                       block=self.block, device_store="pages" if self.pages else "arrays")
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         return out
+
+    def nodes(self) -> list[tuple[str, int, str, int]]:
+        """(key, depth in blocks, tier, pins) of every node."""
+        out = []
+        with self._lock:
+            for key, root in self._roots.items():
+                stack = [(c, 1) for c in root.children.values()]
+                while stack:
+                    n, d = stack.pop()
+                    out.append((key, d, n.tier, n.pins))
+                    stack.extend((c, d + 1) for c in n.children.values())
+        return sorted(out)
 
     # ---- internals (under the lock) ------------------------------------------------------
 
@@ -166,49 +332,77 @@ class PrefixCache:
         t = [int(x) for x in tokens[: n * self.block]]
         return [tuple(t[i * self.block:(i + 1) * self.block]) for i in range(n)]
 
-    def _unpin(self, entry: _Entry) -> None:
+    def _touch(self, path: list[_Node]) -> None:
+        # Deeper nodes count as older: a leaf goes before its parent.
+        for n in reversed(path):
+            n.used = next(self._clock)
+
+    def _add(self, parent: _Node, tokens: tuple[int, ...], **where) -> _Node:
+        node = _Node(tokens, parent, "hbm", **where)
+        parent.children[tokens] = node
+        self._tier["hbm"].add(node)
+        self._counts["inserted"] += 1
+        return node
+
+    def _move(self, node: _Node, tier: str, **where) -> None:
+        self._tier[node.tier].discard(node)
+        self._tier[tier].add(node)
+        node.tier, node.page, node.kv = tier, where.get("page"), where.get("kv")
+
+    def _unpin(self, nodes: list[_Node]) -> None:
         with self._lock:
-            entry.pins -= 1
-            self._evict()
+            for n in nodes:
+                n.pins -= 1
+            if not self.pages:  # a page store moves pages on the generate thread only
+                self._evict()
 
     def _evict(self) -> None:
-        """Least recently used first: device entries past the budget go to the host, host
-        entries past its budget are dropped. Pinned entries stay where they are."""
-        for entry in list(self._lru):
-            if self._bytes["hbm"] <= self.hbm_budget:
+        over = len(self._tier["hbm"]) - self.max_blocks["hbm"]
+        if over > 0:
+            self._demote(over, sole=False)
+        while len(self._tier["host"]) > self.max_blocks["host"]:
+            leaves = [n for n in self._tier["host"] if not n.pins and not n.children]
+            if not leaves:
                 break
-            if entry.tier == "hbm" and not entry.pins:
-                self._bytes["hbm"] -= entry.nbytes
-                if entry.nbytes <= self.host_budget:
-                    entry.prefix, entry.tier = jax.device_get(entry.prefix), "host"
-                    self._bytes["host"] += entry.nbytes
-                    self._counts["evicted_to_host"] += 1
-                else:
-                    self._drop(entry)
-        for entry in list(self._lru):
-            if self._bytes["host"] <= self.host_budget:
-                break
-            if entry.tier == "host" and not entry.pins:
-                self._bytes["host"] -= entry.nbytes
-                self._drop(entry)
+            self._drop(min(leaves, key=lambda n: n.used))
 
-    def _drop(self, entry: _Entry) -> None:
-        del self._lru[entry]
+    def _demote(self, count: int, sole: bool) -> int:
+        """Moves up to `count` device nodes down (least recently used leaves of the device
+        tier first; with `sole`, only nodes whose page the cache alone holds)."""
+        chosen: list[_Node] = []
+        picked: set[_Node] = set()
+        while len(chosen) < count:
+            ok = [n for n in self._tier["hbm"] if n not in picked and not n.pins
+                  and not any(c.tier == "hbm" and c not in picked for c in n.children.values())
+                  and (not sole or self.store.sole_holder(n))]
+            if not ok:
+                break
+            n = min(ok, key=lambda n: n.used)
+            chosen.append(n)
+            picked.add(n)
+        if not chosen:
+            return 0
+        if self.max_blocks["host"]:
+            host = self.store.to_host(chosen)
+            self.store.free(chosen)
+            for n, h in zip(chosen, host, strict=True):
+                self._move(n, "host", kv=h)
+            self._counts["evicted_to_host"] += len(chosen)
+            self._evict()  # the host tier may be over its budget now
+        else:
+            for n in chosen:
+                self._drop(n)
+        return len(chosen)
+
+    def _drop(self, node: _Node) -> None:
+        """Removes a node and everything below it."""
+        for child in list(node.children.values()):
+            self._drop(child)
+        if node.tier == "hbm":
+            self.store.free([node])
+        self._tier[node.tier].discard(node)
+        del node.parent.children[node.tokens]
         self._counts["dropped"] += 1
-        node, path = self._roots[entry.key], []
-        for b in entry.blocks:
-            path.append((node, b))
-            node = node.children[b]
-            node.entries.discard(entry)
-        for parent, b in reversed(path):  # prune nodes no entry passes through any more
-            if parent.children[b].entries:
-                break
-            del parent.children[b]
-
-    def entries(self) -> list[tuple[str, str, int]]:
-        """(key, tier, blocks) of every entry, least recently used first."""
-        with self._lock:
-            return [(e.key, e.tier, len(e.blocks)) for e in self._lru]
 
 
 def model_cache_key(model: str | None, model_config: Any) -> str:

@@ -75,12 +75,16 @@ def _kv_gauges(stats: dict) -> Iterator[GaugeMetricFamily]:
                                  "that hit", labels=["engine"])
     nbytes = GaugeMetricFamily("jetserve_prefix_cache_bytes", "Prefix cache bytes per tier",
                                labels=["engine", "tier"])
+    blocks = GaugeMetricFamily("jetserve_prefix_cache_blocks", "Prefix cache blocks (trie "
+                               "nodes, each a block of tokens' KV) per tier",
+                               labels=["engine", "tier"])
     for row in stats.get("prefix_cache") or ():
         e = str(row.get("engine", 0))
         hit_rate.add_metric([e], float(row["hit_rate"]))
         for tier in ("hbm", "host"):
             nbytes.add_metric([e, tier], float(row[f"{tier}_bytes"]))
-    yield from (pages, pages_total, preempted, hit_rate, nbytes)
+            blocks.add_metric([e, tier], float(row[f"{tier}_blocks"]))
+    yield from (pages, pages_total, preempted, hit_rate, nbytes, blocks)
 
 
 def _queue_depths(stats: dict) -> list[tuple[str, str, float]]:

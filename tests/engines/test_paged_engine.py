@@ -1,6 +1,7 @@
 """The paged KV layout: same greedy tokens as the contiguous cache for every family (also
-with the prompt prefilled in chunks, and continued from a cached prefix), pages taken as sequences grow and given back on
-free_slot, and the TPU kernel against the gather path where a TPU exists."""
+with the prompt prefilled in chunks, continued from prefix-cache blocks, and linking another
+slot's pages), pages taken as sequences grow and given back on free_slot, and the TPU
+kernel against the gather path where a TPU exists."""
 
 import jax
 import jax.numpy as jnp
@@ -53,17 +54,39 @@ def test_paged_and_contiguous_give_identical_greedy_tokens(family):
         paged.free_slot(2)
         return tokens
 
+    want = outs[0][1].token_ids
     # Chunked: the 13-token prompt prefilled 5 tokens at a time into the paged cache.
     prefix = None
     for start in range(0, len(prompt), 5):
         piece = prompt[start:start + 5]
         prefix, first = paged.prefill(params, piece, len(piece), existing_prefix=prefix)
-    assert decode(prefix, first) == outs[0][1].token_ids
-    # Prefix-cached: another prompt's prefill, cut to the 8 tokens they share, continued.
+    assert decode(prefix, first) == want
+    # Prefix-cached: another prompt's prefill, its first 8 tokens cut into two blocks of 4
+    # (engines/prefix_blocks.py), joined back and continued.
     donor, _ = paged.prefill(params, prompt[:8] + [1, 2, 3], 11)
-    head = paged.prefix_head(donor, 8, prompt[:8])
+    head = paged.prefix_from_blocks(paged.stack_blocks(paged.cache_blocks(donor, 0, 2, 4)),
+                                    prompt[:8])
     prefix, first = paged.prefill(params, prompt[8:], 5, existing_prefix=head)
-    assert decode(prefix, first) == outs[0][1].token_ids
+    assert decode(prefix, first) == want
+    # Paged: the donor's pages hold those blocks; a slot that links them (shared, never
+    # written) decodes the same tokens, and they still hold the donor's KV afterwards.
+    state = paged.insert(donor, paged.init_decode_state(), 0)
+    donor_pages = paged.kv_pages.pages_of(0)[:2]
+    blocks = np.asarray(paged.page_blocks(state, donor_pages))[:2]
+    np.testing.assert_array_equal(
+        blocks, np.stack([np.asarray(b) for b in paged.cache_blocks(donor, 0, 2, 4)]))
+    head = paged.prefix_from_blocks(paged.page_blocks(state, donor_pages), prompt[:8])
+    prefix, first = paged.prefill(params, prompt[8:], 5, existing_prefix=head)
+    state = paged.insert(prefix, state, 2, shared_pages=donor_pages)
+    assert paged.kv_pages.pages_of(2)[:2] == donor_pages
+    tokens = [first.to_host().token(0)]
+    for _ in range(21):
+        state, res = paged.generate(params, state)
+        tokens.append(res.to_host().token(2))
+    assert tokens == want
+    np.testing.assert_array_equal(np.asarray(paged.page_blocks(state, donor_pages))[:2], blocks)
+    for slot in (0, 2):
+        paged.free_slot(slot)
     paged.kv_pages.check()
     assert paged.kv_pages.free_count == paged.kv_pages.pool.num_pages
 

@@ -1,5 +1,5 @@
 """The orchestrator over a paged engine: admission by free pages, preemption and
-recompute, page accounting after every step, and chunked prefill.
+recompute, page accounting after every step (prefix cache included), and chunked prefill.
 
 Greedy tokens are checked against a contiguous engine on the same weights: a request that
 was preempted (its KV dropped and recomputed from its tokens so far) or prefilled in
@@ -15,6 +15,7 @@ import pytest
 from engines import EngineConfig, TransformerEngine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, StepDone
+from jetserve.orchestrator.prefix_cache import block_bytes
 from tests.sharding.families import host_params, model_config
 
 MAX_TOKENS = 30
@@ -50,8 +51,8 @@ def reference(weights, prompts):
 
 class PageChecker:
     """After every generate step (on the generate thread, which owns the pages): the pool's
-    reference counts match the slots' pages, and the slots holding pages are exactly the
-    slots holding requests."""
+    reference counts match the pages of the slots and of the prefix cache (if any), and the
+    slots holding pages are exactly the slots holding requests."""
 
     def __init__(self, orch: Orchestrator):
         self.worker = orch._generate[0]
@@ -64,7 +65,8 @@ class PageChecker:
             return
         self.steps += 1
         try:
-            self.pages.check()
+            cache = self.worker.cache
+            self.pages.check(cache.page_owners() if cache is not None else None)
             occupied = [slot for slot, _ in self.worker.slots.rows()]
             assert self.pages.live_slots() == occupied, (self.pages.live_slots(), occupied)
         except AssertionError as e:
@@ -73,9 +75,14 @@ class PageChecker:
 
 @pytest.mark.slow
 def test_thousand_random_requests_with_cancels_and_preemption(weights, prompts, reference):
+    """With a prefix cache in the pages, small enough that its blocks keep moving between
+    the pool, the host and nowhere: its pages count in the invariant after every step."""
     eng = _engine(**PAGED)
+    block = block_bytes(eng, PAGED["page_size"])
+    config = OrchestratorConfig(poll_interval_s=0.005, prefix_cache_hbm_bytes=6 * block,
+                                prefix_cache_host_bytes=8 * block, prefix_cache_key="soak")
     orch = Orchestrator.from_engines(eng, params=jax.device_put(weights, eng.param_shardings),
-                                     config=OrchestratorConfig(poll_interval_s=0.005))
+                                     config=config)
     checker = PageChecker(orch)
     orch.add_listener(checker)
     rng = random.Random(11)
@@ -107,6 +114,8 @@ def test_thousand_random_requests_with_cancels_and_preemption(weights, prompts, 
     assert len(done) == 1000 and set(reasons) <= {"length", "cancelled"}, set(reasons)
     assert reasons.count("cancelled") >= 20
     assert stats["generate"][0]["preemptions"] >= 20  # recompute really was exercised
+    cache = stats["prefix_cache"][0]
+    assert cache["hits"] >= 100 and cache["host_hits"] >= 10 and cache["dropped"] >= 10, cache
     for c, p, n in done:
         want = reference[p][:n] if c.finish_reason == "length" else reference[p][:len(c.token_ids)]
         assert c.token_ids == want, (p, n, c.finish_reason)

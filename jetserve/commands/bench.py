@@ -111,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--question-len", type=int, default=16)
     x.add_argument("--requests", type=int, default=8)
     x.add_argument("--cache-mb", type=int, default=512, help="budget of the tier in use")
+    x.add_argument("--kv-layout", choices=("paged", "contiguous"), default="paged",
+                   help="paged: the cache's device tier is the engine's KV pages")
+    x.add_argument("--page-size", type=int, default=16, help="KV page = cache block, tokens")
     x.add_argument("--json", action="store_true")
     x.set_defaults(_bench=_prefix)
 
@@ -291,7 +294,8 @@ def _prefix(args: argparse.Namespace) -> int:
 
     cfg = prefix.PrefixBenchConfig(model=args.model, system_len=args.system_len,
                                    question_len=args.question_len, requests=args.requests,
-                                   cache_mb=args.cache_mb)
+                                   cache_mb=args.cache_mb, kv_layout=args.kv_layout,
+                                   page_size=args.page_size)
     out = prefix.run(cfg, log=(lambda *a: None) if args.json else print)
     if args.json:
         print(json.dumps(out))
@@ -304,6 +308,11 @@ def _prefix(args: argparse.Namespace) -> int:
               f"{r['host_bytes'] / 2**20:>7.1f}")
     print(f"TTFT off / on: {out['speedup_hbm']:.2f}x; off / host tier only: "
           f"{out['speedup_host']:.2f}x")
+    d = out["dedup"]
+    print(f"{d['prompts']} prompts through one system prompt: the cache holds "
+          f"{d['held_bytes'] / 2**20:.2f} MiB ({d['held_blocks']} blocks); one copy of the "
+          f"system prompt is {d['system_copy_bytes'] / 2**20:.2f} MiB; one entry per prompt "
+          f"would be {d['per_entry_bytes'] / 2**20:.2f} MiB")
     return 0
 
 

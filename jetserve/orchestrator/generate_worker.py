@@ -178,7 +178,10 @@ class GenerateWorker:
                 self._release(slot)
                 self._end(live, why)
         if len(self.backlog):
-            for live in self.backlog.take_if(lambda r: r.done or r.abandoned(now) is not None):
+            # A request that ended at its first token waits only to have its pages cached.
+            ended = lambda r: (r.done and r.cache_hit is None) or (  # noqa: E731
+                not r.done and r.abandoned(now) is not None)
+            for live in self.backlog.take_if(ended):
                 live.release_cache_hit()
                 if not live.done:
                     self._end(live, live.abandoned(now) or "cancelled")
@@ -193,6 +196,10 @@ class GenerateWorker:
             hit, live.cache_hit = live.cache_hit, None
             try:
                 if live.done:
+                    if hit is not None:  # ended: only its pages are wanted, by the cache
+                        slot = self._insert(live, prefix, hit)
+                        if slot is not None:
+                            self._release(slot)
                     continue
                 why = live.abandoned(time.monotonic())
                 if why is not None:
@@ -203,9 +210,9 @@ class GenerateWorker:
                 if hit is not None:
                     hit.release()
 
-    def _insert(self, live: LiveRequest, prefix: Any, hit: Hit | None) -> None:
-        """Into a free slot, linking the pages of a prefix-cache hit; then the cache adopts
-        the prompt's whole pages."""
+    def _insert(self, live: LiveRequest, prefix: Any, hit: Hit | None) -> int | None:
+        """Into a free slot (returned; None when the insert failed), linking the pages of a
+        prefix-cache hit; then the cache adopts the prompt's whole pages."""
         slot = self.slots.acquire(live)
         self._inserts += 1
         self._inserted[slot] = self._inserts
@@ -215,11 +222,14 @@ class GenerateWorker:
                 self.state = self.engine.insert(prefix, self.state, slot, **shared)
             if hit is not None:
                 self.cache.adopt(hit, self.pages.pages_of(slot))
+            return slot
         except Exception as e:
             log.exception("insert of request %s failed", live.request_id)
             self._release(slot)
-            self._end(live, "error", e)
+            if not live.done:
+                self._end(live, "error", e)
             self._recover_state(e)
+            return None
 
     def read_pages(self, pages: list[int]) -> Any:
         """The KV of `pages` as prefix-cache blocks (engine.page_blocks), from any thread."""

@@ -41,6 +41,9 @@ from jetserve.orchestrator.timing import Listeners, PrefillDone
 log = logging.getLogger(__name__)
 
 # route(live, prefix) hands a prefilled request on; False when the orchestrator stopped.
+# A lookup waits at most this many poll intervals for an earlier request's pages to be
+# cached, when they would lengthen its hit (prefix_cache.PrefixCache.lookup).
+ADOPT_WAIT_POLLS = 5
 Route = Callable[[LiveRequest, Any], bool]
 
 
@@ -115,7 +118,9 @@ class PrefillWorker:
                 self._end(live, "length")
                 return
         cache = self.cache
-        hit = cache.lookup(self.cache_key, tokens) if cache is not None else None
+        hit = None
+        if cache is not None:
+            hit = cache.lookup(self.cache_key, tokens, wait_s=ADOPT_WAIT_POLLS * self.poll_s)
         try:
             out = self._prefill(live, tokens, hit)
             if out is None:
@@ -134,13 +139,18 @@ class PrefillWorker:
             self.outbox.put(StepOutput(data, [(live, 0, finish)], t1))  # the first token now
             if self.listeners:
                 self.listeners.emit(PrefillDone(self.index, len(tokens), t1 - t0))
-            if finish is not None:
-                return
             if hit is not None and cache.pages:  # the generate thread adopts and releases it
+                if finish is not None and len(tokens) // cache.block <= len(hit.pages):
+                    return  # ended, and nothing new to cache
+                cache.hand_on(hit)
                 live.cache_hit, hit = hit, None
+            elif finish is not None:
+                return
+            # An ended request goes on only for its pages to be cached (done and cache_hit).
             if not self.route(live, prefix):
                 live.release_cache_hit()
-                self._end(live, "cancelled")
+                if finish is None:
+                    self._end(live, "cancelled")
         finally:
             if hit is not None:
                 hit.release()

@@ -45,6 +45,7 @@ import hashlib
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,6 +91,7 @@ class Hit:
                  nodes: list[_Node]):
         self._cache, self._nodes, self._released = cache, nodes, False
         self.key, self.sequence = key, sequence
+        self.whole_blocks = cache._blocks(sequence, len(sequence))
         self.tokens = len(nodes) * cache.block
         self.pages = [n.page for n in itertools.takewhile(lambda n: n.page is not None, nodes)]
         self.blocks = [n.kv for n in nodes[len(self.pages):]]
@@ -98,7 +100,7 @@ class Hit:
         """Unpins (once; later calls do nothing)."""
         if not self._released:
             self._released = True
-            self._cache._unpin(self._nodes)
+            self._cache._unpin(self, self._nodes)
 
 
 class ArrayStore:
@@ -190,6 +192,8 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._counts = collections.Counter()
         self._lock = threading.Lock()
+        self._adopted = threading.Condition(self._lock)
+        self._handed_on: set[Hit] = set()  # page store: hits on their way to adopt
 
     @property
     def pages(self) -> bool:
@@ -198,19 +202,28 @@ class PrefixCache:
 
     # ---- the prefill thread's calls ------------------------------------------------------
 
-    def lookup(self, key: str, tokens: Sequence[int]) -> Hit:
+    def lookup(self, key: str, tokens: Sequence[int], wait_s: float = 0.0) -> Hit:
         """The longest cached whole-block prefix of `tokens` short of the last token
-        (possibly none: hit.tokens == 0), pinned until hit.release()."""
+        (possibly none: hit.tokens == 0), pinned until hit.release().
+
+        wait_s: how long to wait for a request handed on earlier (`hand_on`) to have its
+        pages adopted, when they would make this hit longer (requests through one system
+        prompt arriving together: the second should not recompute what the first's insert
+        is about to cache).
+        """
         blocks = self._blocks(tokens, len(tokens) - 1)
+        end = time.monotonic() + wait_s
         with self._lock:
+            while True:
+                path = self._walk(key, blocks)
+                if not self._would_extend(key, blocks, len(path)):
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._adopted.wait(left)
             self._counts["lookups"] += 1
             self._counts["lookup_tokens"] += len(tokens)
-            node, path = self._roots.get(key), []
-            for b in blocks:
-                node = node.children.get(b) if node is not None else None
-                if node is None:
-                    break
-                path.append(node)
             for n in path:
                 n.pins += 1
             self._touch(path)
@@ -250,6 +263,11 @@ class PrefixCache:
             self._touch(path)
             self._evict()
 
+    def hand_on(self, hit: Hit) -> None:
+        """Page store: the hit travels with its request to the generate thread, to adopt."""
+        with self._lock:
+            self._handed_on.add(hit)
+
     # ---- the generate thread's calls (page store) ----------------------------------------
 
     def adopt(self, hit: Hit, pages: Sequence[int]) -> None:
@@ -274,6 +292,7 @@ class PrefixCache:
         hit.release()
         with self._lock:
             self._evict()
+            self._adopted.notify_all()
 
     def make_room(self, pages: int) -> int:
         """Moves down (or drops) least recently used device nodes whose page nobody else
@@ -349,8 +368,27 @@ class PrefixCache:
         self._tier[tier].add(node)
         node.tier, node.page, node.kv = tier, where.get("page"), where.get("kv")
 
-    def _unpin(self, nodes: list[_Node]) -> None:
+    def _walk(self, key: str, blocks: list[tuple[int, ...]]) -> list[_Node]:
+        node, path = self._roots.get(key), []
+        for b in blocks:
+            node = node.children.get(b) if node is not None else None
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def _would_extend(self, key: str, blocks: list[tuple[int, ...]], cached: int) -> bool:
+        """Whether a handed-on hit shares more than `cached` leading blocks with `blocks`."""
+        for h in self._handed_on:
+            if h.key == key and len(h.whole_blocks) > cached and cached < len(blocks) \
+                    and h.whole_blocks[cached] == blocks[cached]:
+                return True
+        return False
+
+    def _unpin(self, hit: Hit, nodes: list[_Node]) -> None:
         with self._lock:
+            self._handed_on.discard(hit)
+            self._adopted.notify_all()
             for n in nodes:
                 n.pins -= 1
             if not self.pages:  # a page store moves pages on the generate thread only

@@ -58,3 +58,8 @@ def test_cli_bench_prefix_reports_three_modes(capsys):
     for mode, tier in (("hbm", "hbm_bytes"), ("host", "host_bytes")):
         assert rows[mode]["hit_rate"] == round(4 / 6, 3) and rows[mode][tier] > 0
     assert rows["host"]["hbm_bytes"] == 0
+    # 3 prompts of 48 + 4 tokens through one system prompt: its 3 blocks of 16 once, and
+    # nothing else whole (block 4 holds 4 tokens of each question only).
+    d = out["dedup"]
+    assert d["held_blocks"] == 3 and d["held_bytes"] == d["system_copy_bytes"]
+    assert d["per_entry_bytes"] >= 3 * d["system_copy_bytes"]

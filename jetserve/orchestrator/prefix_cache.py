@@ -314,6 +314,8 @@ class PrefixCache:
                 for child in list(root.children.values()):
                     self._drop(child)
             self._roots.clear()
+            for h in self._handed_on:  # their pages are gone: insert all of their prefix
+                h.pages = []
 
     # ---- any thread ----------------------------------------------------------------------
 

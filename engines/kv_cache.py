@@ -87,18 +87,30 @@ def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 
 class PrefillKV:
-    """Prefill: attend over an existing prefix (if any) followed by the new tokens."""
+    """Prefill: attend over an existing prefix (if any) and the new tokens.
 
-    def __init__(self, new_k_pos: jax.Array, existing: Prefix | None):
+    Every prefix keeps the entry of position j at index j (padding: k_pos -1). The new
+    tokens' entries go to their positions, start onward: after an existing prefix, into
+    its arrays, which the caller sized to hold them (`grow_prefix`), so a continued prefix
+    keeps a power-of-two length and chunked prefill compiles a few shapes, not one per
+    chunk.
+    """
+
+    def __init__(self, new_k_pos: jax.Array, existing: Prefix | None,
+                 start: jax.Array | int = 0):
         self.new_k_pos = new_k_pos  # i32[B, T]
         self.existing = existing
+        self.start = start  # i32[] the existing prefix's length
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
 
+    def _place(self, old: jax.Array, new: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), self.start, 1)
+
     def update(self, layer, k, v):
         if self.existing is not None:
-            k = jnp.concatenate([self.existing.k[layer], k], axis=1)
-            v = jnp.concatenate([self.existing.v[layer], v], axis=1)
+            k = self._place(self.existing.k[layer], k)
+            v = self._place(self.existing.v[layer], v)
         self.k.append(k)
         self.v.append(v)
         return k, v, self.k_pos
@@ -107,7 +119,18 @@ class PrefillKV:
     def k_pos(self) -> jax.Array:
         if self.existing is None:
             return self.new_k_pos
-        return jnp.concatenate([self.existing.k_pos, self.new_k_pos], axis=1)
+        return self._place(self.existing.k_pos, self.new_k_pos)
+
+
+def grow_prefix(prefix: Prefix, capacity: int) -> Prefix:
+    """The prefix with its arrays padded to `capacity` entries (k_pos -1 for the new ones)."""
+    extra = capacity - prefix.k_pos.shape[1]
+
+    def pad(x, value=0):
+        return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+    return dataclasses.replace(prefix, k=tuple(map(pad, prefix.k)), v=tuple(map(pad, prefix.v)),
+                               k_pos=pad(prefix.k_pos, -1))
 
 
 def window_sizes(S: int) -> tuple[int, ...]:

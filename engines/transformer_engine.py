@@ -28,6 +28,7 @@ from engines.kv_cache import (
     PrefillKV,
     Prefix,
     empty_slot_fields,
+    grow_prefix,
     insert_prefix,
 )
 from engines.model import Decoder
@@ -131,7 +132,7 @@ def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sam
     idx = jnp.arange(T)[None, :]
     positions = start + idx  # (1, T)
     new_k_pos = jnp.where(idx < true_length, positions, -1)
-    kv = PrefillKV(new_k_pos, existing)
+    kv = PrefillKV(new_k_pos, existing, start)
     last = jnp.reshape(true_length - 1, (1,))
     logits = model.apply({"params": params}, tokens, positions, kv, last=last)[:, 0]  # (1, V)
     V = logits.shape[-1]
@@ -355,6 +356,7 @@ class TransformerEngine(Engine):
         self._blocks_of_prefix_jit = jax.jit(blocks_of_prefix, static_argnums=(2, 3))
         self._stack_blocks_jit = jax.jit(stack_blocks)
         self._prefix_of_blocks_jit = jax.jit(prefix_of_blocks, out_shardings=prefix_sh)
+        self._grow_prefix_jit = jax.jit(grow_prefix, static_argnums=(1,))
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -422,6 +424,9 @@ class TransformerEngine(Engine):
         row = SlotSampling.from_params(sampling, seed)
         prior_mask = (existing_prefix.prompt_mask if existing_prefix is not None
                       else np.zeros((1, self.model_config.vocab_size), bool))
+        if existing_prefix is not None and existing_prefix.k_pos.shape[1] < start + bucket:
+            # Room for this bucket at `start`, rounded up to a power of two (few shapes).
+            existing_prefix = self._grow_prefix_jit(existing_prefix, stack_size(start + bucket))
         return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
                                  prior_mask, existing_prefix)
 

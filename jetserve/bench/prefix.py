@@ -3,8 +3,10 @@ and the bytes the cache holds for them.
 
 One engine, interleaved (paged by default: the cache's device tier is then the engine's
 own KV pages). Each request is the same `system_len`-token system prompt plus its own
-short question, one request at a time, one generated token each; TTFT is
-`RequestTiming.ttft` (submit to the first token on the stream). Modes:
+short question, one request at a time, two generated tokens each (the second makes a
+request leave only after its insert, where a paged engine's cache adopts its pages, so
+the next request finds them); TTFT is `RequestTiming.ttft` (submit to the first token on
+the stream). Modes:
   off:  no prefix cache: every request prefills system prompt and question;
   hbm:  cache in device memory: after the first request, only the question is prefilled;
   host: device budget 0, host budget only: a hit copies the cached KV back to the device.
@@ -53,14 +55,13 @@ class PrefixBenchConfig:
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
 
 
-def _ttfts(orch: Orchestrator, cfg: PrefixBenchConfig, seed: int,
-           max_tokens: int = 1) -> list[float]:
+def _ttfts(orch: Orchestrator, cfg: PrefixBenchConfig, seed: int) -> list[float]:
     rng = np.random.default_rng(seed)
     system = rng.integers(1, 256, cfg.system_len).tolist()
     out = []
     for _ in range(cfg.requests):
         question = rng.integers(1, 256, cfg.question_len).tolist()
-        c = orch.submit(Request(prompt_ids=system + question, max_tokens=max_tokens,
+        c = orch.submit(Request(prompt_ids=system + question, max_tokens=2,
                                 ignore_eos=True)).result()
         out.append(c.timing.ttft)
     return out
@@ -108,9 +109,7 @@ def _dedup(cfg: PrefixBenchConfig, engine, params, budget: int,
     log("dedup: measuring ...")
     with Orchestrator.from_engines(engine, params=params,
                                    config=_config(cfg, budget, 0)) as orch:
-        # Two tokens each: a request then leaves only after its insert, where a paged
-        # engine's cache adopts its pages, so the figure below counts every prompt.
-        _ttfts(orch, cfg, seed=3, max_tokens=2)
+        _ttfts(orch, cfg, seed=3)
         cache = orch.stats()["prefix_cache"][0]
     block = block_bytes(engine, cfg.page_size)
     total = cfg.system_len + cfg.question_len

@@ -162,6 +162,41 @@ def test_nothing_recompiles_after_warmup():
     assert warm["generate"] == 1 and warm["insert"] == n and warm["prefill"] == n
 
 
+def test_chunked_prefill_compiles_a_few_shapes_not_one_per_chunk():
+    """A 250-token prompt in 16 chunks of 16: a continued prefix grows to powers of two
+    (32, 64, 128, 256), so prefill compiles 5 programs, and a second prompt of another
+    length none; the chunked prefix gives the whole prompt's tokens."""
+    eng = TransformerEngine(CFG, config=EngineConfig(max_concurrent_decodes=2,
+                                                     max_prefill_length=256, max_seq_len=260),
+                            devices=jax.devices()[:1], seed=3)
+    params = eng.load_params()
+    rng = np.random.default_rng(1)
+
+    def chunked(prompt):
+        prefix = None
+        for start in range(0, len(prompt), 16):
+            piece = prompt[start:start + 16]
+            prefix, first = eng.prefill(params, piece, len(piece), existing_prefix=prefix)
+        return prefix, first
+
+    prompt = rng.integers(1, 96, size=250).tolist()
+    before = eng.trace_counts()["prefill"]
+    prefix, first = chunked(prompt)
+    assert eng.trace_counts()["prefill"] - before == 5
+    assert prefix.k[0].shape[1] == 256 and int(prefix.length) == 250
+    chunked(rng.integers(1, 96, size=201).tolist())
+    assert eng.trace_counts()["prefill"] - before == 5
+    outs = []
+    for p, f in (chunked(prompt), eng.prefill(params, prompt, len(prompt))):
+        state = eng.insert(p, eng.init_decode_state(), 1)
+        toks = [f.to_host().token(0)]
+        for _ in range(4):
+            state, res = eng.generate(params, state)
+            toks.append(res.to_host().token(1))
+        outs.append(toks)
+    assert outs[0] == outs[1]
+
+
 def test_full_slot_stops_being_valid(engine):
     eng, params = engine
     r = generate_many(eng, params, [list(range(1, 41))], max_tokens=100, ignore_eos=True)[0]

@@ -1,14 +1,14 @@
 """Decode state, prefixes, and the KV stores the decoder writes through.
 
 The contiguous layout: a slot's entry at index j holds sequence position j. Prefixes keep
-k, v as [1, T, K, H] (as the projections make them). The decode cache keeps each layer's
-keys as [B, K, H, S] and values as [B, K, S, H]: a decode step contracts q with the keys
-over H and the probabilities with the values over S, and with these layouts both are
-batched over (B, K) and read the cache once, in memory order. With [B, S, K, H], XLA's
-CPU backend transposed the whole cache of every layer on every step (docs/BENCHMARKS.md).
-Each step reads a slot's cache only up to a window: the longest live sequence in the
-batch rounded up to a power of two (`window_sizes`), one compiled branch per size, picked
-on the device.
+k, v as [1, T, K, H] (as the projections make them), entry j at position j too. The decode
+cache keeps each layer's keys as [B, K, H, S] and values as [B, K, S, H]: a decode step
+contracts q with the keys over H and the probabilities with the values over S, and with
+these layouts both are batched over (B, K) and read the cache once, in memory order. With
+[B, S, K, H], XLA's CPU backend transposed the whole cache of every layer on every step
+(docs/BENCHMARKS.md). Each step reads a slot's cache only up to a window: the longest live
+sequence in the batch rounded up to a power of two (`window_sizes`), one compiled branch
+per size, picked on the device.
 
 `PrefillKV` and `DecodeKV` implement `engines.model.KVStore` for the two device functions.
 

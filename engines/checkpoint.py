@@ -1,8 +1,9 @@
 """Weights in and out: Hugging Face safetensors (one file or an index) and Orbax.
 
 Weight names follow the source checkpoint: one mapping table per family says which HF
-tensor fills which parameter and how it is reshaped ([out, in] linear weights become
-einsum-ready [in, ...] kernels).
+tensor fills which parameter and how it is reshaped. Linear kernels keep HF's [out, in]
+order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the MoE
+experts' kernels and the router are transposed to [in, out] (engines.model).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from engines.config import ModelConfig
 
 ORBAX_PARAMS_DIR = "params"
 ORBAX_MARKER = "jetserve_model.json"
+ORBAX_FORMAT = "jetserve-orbax-v2"
+# v1 stored every dense kernel input-major; v2 stores them as engines.model declares them
+# (output-major). Kernel name -> the axis order that turns a v1 array into a v2 one.
+_V1_TO_V2 = {"q_proj": (1, 2, 0), "k_proj": (1, 2, 0), "v_proj": (1, 2, 0),
+             "o_proj": (2, 0, 1), "gate_proj": (1, 0), "up_proj": (1, 0),
+             "down_proj": (1, 0), "lm_head": (1, 0)}
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
 
@@ -30,16 +37,16 @@ def _t(x, c):  # HF linear [out, in] -> [in, out]
     return x.T
 
 
-def _q(x, c):  # [N*H, D] -> [D, N, H]
-    return x.T.reshape(c.hidden_size, c.num_heads, c.head_dim)
+def _q(x, c):  # [N*H, D] -> [N, H, D]
+    return x.reshape(c.num_heads, c.head_dim, c.hidden_size)
 
 
-def _kv(x, c):  # [K*H, D] -> [D, K, H]
-    return x.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)
+def _kv(x, c):  # [K*H, D] -> [K, H, D]
+    return x.reshape(c.num_kv_heads, c.head_dim, c.hidden_size)
 
 
-def _o(x, c):  # [D, N*H] -> [N, H, D]
-    return x.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
+def _o(x, c):  # [D, N*H] -> [D, N, H]
+    return x.reshape(c.hidden_size, c.num_heads, c.head_dim)
 
 
 def _qb(x, c):
@@ -70,9 +77,9 @@ _BIAS = [
     ("model.layers.{i}.self_attn.v_proj.bias", "layers_{i}/self_attn/v_bias", _kvb),
 ]
 _DENSE_MLP = [
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers_{i}/mlp/gate_proj", _t),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers_{i}/mlp/up_proj", _t),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers_{i}/mlp/down_proj", _t),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers_{i}/mlp/gate_proj", _same),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers_{i}/mlp/up_proj", _same),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers_{i}/mlp/down_proj", _same),
 ]
 # Experts are stacked: `{e}` runs over experts and the results stack on a new axis 0.
 _MOE_MLP = [
@@ -85,7 +92,7 @@ _TOP = [
     ("model.embed_tokens.weight", "embed_tokens", _same),
     ("model.norm.weight", "norm", _same),
 ]
-_HEAD = [("lm_head.weight", "lm_head", _t)]
+_HEAD = [("lm_head.weight", "lm_head", _same)]
 
 FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
     "llama": _ATTN + _DENSE_MLP,
@@ -221,7 +228,7 @@ def save_orbax(params: dict, cfg: ModelConfig, to_dir: str, source_dir: str | No
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(to_dir, ORBAX_PARAMS_DIR), params, force=True)
     with open(os.path.join(to_dir, ORBAX_MARKER), "w") as f:
-        json.dump({"format": "jetserve-orbax-v1", "model": cfg.to_json()}, f, indent=1)
+        json.dump({"format": ORBAX_FORMAT, "model": cfg.to_json()}, f, indent=1)
     if source_dir:
         for name in TOKENIZER_FILES + ("config.json",):
             src = os.path.join(source_dir, name)
@@ -233,27 +240,68 @@ def is_orbax_dir(model_dir: str) -> bool:
     return os.path.exists(os.path.join(model_dir, ORBAX_MARKER))
 
 
-def read_orbax_config(model_dir: str) -> ModelConfig:
+def _orbax_meta(model_dir: str) -> dict:
     path = os.path.join(model_dir, ORBAX_MARKER)
     with open(path) as f:
         try:
             meta = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if meta.get("format") != "jetserve-orbax-v1":
+    if meta.get("format") not in ("jetserve-orbax-v1", ORBAX_FORMAT):
         raise ValueError(f"{path}: unknown format {meta.get('format')!r}")
-    return ModelConfig.from_json(meta["model"])
+    return meta
+
+
+def read_orbax_config(model_dir: str) -> ModelConfig:
+    return ModelConfig.from_json(_orbax_meta(model_dir)["model"])
+
+
+def _v1_order(path: tuple) -> tuple[int, ...] | None:
+    """The v1 -> v2 axis order of the leaf at `path`, or None if v1 stored it as v2 does.
+    A quantized kernel's qvalue moves like the kernel; so does an int4 scale (one entry
+    per group, every axis kept), while an int8 scale holds only the output axes, whose
+    order v2 keeps."""
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if keys[-1] in _V1_TO_V2:
+        return _V1_TO_V2[keys[-1]]
+    if len(keys) > 1 and keys[-2] in _V1_TO_V2 and keys[-1] in ("qvalue", "scale"):
+        return _V1_TO_V2[keys[-2]]
+    return None
 
 
 def read_orbax_params(model_dir: str, abstract_sharded: dict) -> dict:
-    """Restores params straight onto the shardings given in `abstract_sharded`."""
+    """Restores params straight onto the shardings given in `abstract_sharded`; a v1
+    checkpoint's dense kernels are restored in their stored order and transposed."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.path.join(model_dir, ORBAX_PARAMS_DIR))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} not found: not an Orbax checkpoint written by jetserve convert")
+    v1 = _orbax_meta(model_dir)["format"] == "jetserve-orbax-v1"
+
+    def stored(p, a):  # the v1 shape and sharding of a v2 leaf
+        order = _v1_order(p) if v1 else None
+        if order is None or len(order) != len(a.shape):  # an int8 scale
+            return a
+        inv = [order.index(i) for i in range(len(order))]
+        spec = tuple(a.sharding.spec) + (None,) * (len(order) - len(a.sharding.spec))
+        sharding = jax.sharding.NamedSharding(a.sharding.mesh,
+                                              jax.sharding.PartitionSpec(*(spec[j] for j in inv)))
+        return jax.ShapeDtypeStruct(tuple(a.shape[j] for j in inv), a.dtype, sharding=sharding)
+
+    target = jax.tree_util.tree_map_with_path(stored, abstract_sharded)
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(path, abstract_sharded)
+            params = ckptr.restore(path, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
         raise ValueError(f"cannot restore Orbax checkpoint {path}: {e}") from e
+    if not v1:
+        return params
+
+    def to_v2(p, x):
+        order = _v1_order(p)
+        return x if order is None or x.ndim != len(order) else x.transpose(order)
+
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_sharded)
+    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(to_v2, t),
+                   out_shardings=shardings, donate_argnums=0)(params)

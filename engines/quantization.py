@@ -1,7 +1,8 @@
 """Weight quantization: int8 per output channel and int4 group-wise, both symmetric.
 
-Storage. A quantized matmul kernel W (laid out [in..., out...] as the decoder uses it)
-becomes a subtree `{"qvalue": int8[...], "scale": f32[...]}` at W's path:
+Storage. A quantized matmul kernel W (laid out as the decoder uses it: [out..., in...],
+or [E, in, out] for MoE experts) becomes a subtree `{"qvalue": int8[...], "scale":
+f32[...]}` at W's path:
 
   int8  one scale per output channel: max |W| over the input axes / 127; qvalue has W's
         shape.
@@ -14,7 +15,7 @@ Logical axis names: qvalue keeps W's names (a packed axis keeps its name and spl
 the same mesh axis as before); a scale keeps the names of the dimensions it has, so it
 splits with its channel (an int4 group axis keeps the input axis's name).
 
-Dequantization happens inside the jitted model, right before each einsum
+Dequantization happens inside the jitted model, right before each matmul
 (`QuantizedKernel`): XLA sees convert * scale feeding the dot and fuses it where the
 backend allows; no float copy of the weights exists outside jit. Only matmul kernels are
 quantized: the embedding table (a gather, and Gemma's tied LM head), norms, biases and
@@ -42,17 +43,17 @@ QVALUE, SCALE = "qvalue", "scale"
 
 # Kernel name -> its input (contracted) axes, for every kernel the decoder may quantize.
 KERNEL_INPUT_AXES: dict[str, tuple[int, ...]] = {
-    "q_proj": (0,),  # [D, N, H]
-    "k_proj": (0,),  # [D, K, H]
-    "v_proj": (0,),  # [D, K, H]
-    "o_proj": (0, 1),  # [N, H, D]
-    "gate_proj": (0,),  # [D, F]
-    "up_proj": (0,),  # [D, F]
-    "down_proj": (0,),  # [F, D]
+    "q_proj": (2,),  # [N, H, D]
+    "k_proj": (2,),  # [K, H, D]
+    "v_proj": (2,),  # [K, H, D]
+    "o_proj": (1, 2),  # [D, N, H]
+    "gate_proj": (1,),  # [F, D]
+    "up_proj": (1,),  # [F, D]
+    "down_proj": (1,),  # [D, F]
     "w1": (1,),  # [E, D, F]
     "w3": (1,),  # [E, D, F]
     "w2": (1,),  # [E, F, D]
-    "lm_head": (0,),  # [D, V]
+    "lm_head": (1,),  # [V, D]
 }
 
 
@@ -138,7 +139,7 @@ def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
 
 def dequantize(qvalue: jax.Array, scale: jax.Array, in_axes: Sequence[int], scheme: str,
                group: int, dtype: Any) -> jax.Array:
-    """(qvalue, scale) -> W in `dtype`; meant to run inside jit, next to its einsum."""
+    """(qvalue, scale) -> W in `dtype`; meant to run inside jit, next to its matmul."""
     # The product is taken in f32 (a bf16 scale would add up to 0.4% error), then cast.
     if scheme == "int8":
         w = qvalue.astype(jnp.float32) * jnp.expand_dims(scale, tuple(in_axes))

@@ -5,11 +5,14 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from engines import EngineConfig, TransformerEngine, load_hf_config
+from engines.checkpoint import _V1_TO_V2
 from jetserve import cli
 from jetserve.offline import generate_many
 from tests.parity.hf_models import make_hf_model
@@ -97,6 +100,56 @@ def test_corrupt_safetensors_file_is_named(hf_dir, tmp_path):
     eng = TransformerEngine(load_hf_config(str(d)), weights=str(d), config=ECFG)
     with pytest.raises(ValueError, match="model.safetensors"):
         eng.load_params()
+
+
+def _rewrite_as_v1(out: str) -> None:
+    """Rewrites a checkpoint written by this jetserve the way format v1 stored it: every
+    dense kernel input-major ([D, N, H] q, [N, H, D] o, [D, F] gate, ...), quantized
+    kernels' qvalues and int4 scales alike; int8 scales (output axes only) as they are."""
+    params_dir = os.path.join(out, "params")
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(params_dir)
+
+    def back(path, x):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        name = keys[-1] if keys[-1] in _V1_TO_V2 else keys[-2] if len(keys) > 1 else None
+        order = _V1_TO_V2.get(name)
+        if order is None or np.ndim(x) != len(order):
+            return np.asarray(x)
+        return np.ascontiguousarray(np.transpose(np.asarray(x), np.argsort(order)))
+
+    tree = jax.tree_util.tree_map_with_path(back, tree)
+    shutil.rmtree(params_dir)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(params_dir, tree)
+    meta_path = os.path.join(out, "jetserve_model.json")
+    meta = json.load(open(meta_path))
+    assert meta["format"] == "jetserve-orbax-v2"
+    meta["format"] = "jetserve-orbax-v1"
+    json.dump(meta, open(meta_path, "w"))
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_v1_checkpoint_loads_transposed(hf_dir, tmp_path, quantize):
+    """Checkpoints from before kernels were stored output-major still load, to the same
+    arrays and the same tokens."""
+    out = str(tmp_path / "orbax")
+    assert cli.main(["convert", "--from-hf", hf_dir, "--to", out, "--quantize", quantize]) == 0
+    eng = TransformerEngine(_orbax_cfg(out), weights=out, config=ECFG)
+    v2 = eng.load_params()
+    before = _tokens(out)
+    _rewrite_as_v1(out)
+    v1 = eng.load_params()
+    flat2, tree2 = jax.tree_util.tree_flatten_with_path(v2)
+    flat1, tree1 = jax.tree_util.tree_flatten_with_path(v1)
+    assert tree1 == tree2
+    moved = 0
+    for (p, a), (_, b) in zip(flat2, flat1):
+        assert a.shape == b.shape and a.sharding == b.sharding, p
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
+        moved += a.ndim > 1 and "embed" not in str(p)
+    assert moved >= 8  # the kernels were there to transpose
+    assert _tokens(out) == before
 
 
 def test_corrupt_or_mismatched_orbax_checkpoint(hf_dir, tmp_path):

@@ -150,7 +150,7 @@ def test_tp_quantized_engine_matches_one_device(hf_dir):
                                sharding=load_preset("tp"))
         tp_params = tp.load_params()
         down = tp_params["layers_0"]["mlp"]["down_proj"][qz.QVALUE]
-        assert down.sharding.shard_shape(down.shape)[0] == down.shape[0] // 2  # split over F
+        assert down.sharding.shard_shape(down.shape)[1] == down.shape[1] // 2  # split over F
         assert _tokens(tp, tp_params) == _tokens(one, one.load_params())
 
 

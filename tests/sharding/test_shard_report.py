@@ -45,8 +45,8 @@ def test_predicted_bytes_match_measured(tp_kv_batch_report):
 def test_tensor_specs_and_floor(tp_kv_batch_report):
     r = tp_kv_batch_report
     t = {x["name"]: x for x in r["tensors"]}
-    assert t["layers_0/self_attn/q_proj"]["spec"] == [None, "model", None]
-    assert t["layers_0/mlp/down_proj"]["spec"] == ["model", None]
+    assert t["layers_0/self_attn/q_proj"]["spec"] == ["model", None, None]
+    assert t["layers_0/mlp/down_proj"]["spec"] == [None, "model"]
     assert t["k/0"]["spec"] == ["data", "model", None, None]  # keys [B, K, H, S]
     assert t["k/0"]["shape"] == [8, 2, 16, 64]
     assert t["v/0"]["spec"] == ["data", "model", None, None]  # values [B, K, S, H]
@@ -75,14 +75,14 @@ def test_sharding_from_a_yaml_path(capsys, tmp_path):
     r = _report(capsys, "--sharding", str(path), "--devices", "2", "--no-measure")
     assert r["sharding"] == "heads_only" and r["mesh"] == {"model": 2}
     t = {x["name"]: x for x in r["tensors"]}
-    assert t["layers_0/self_attn/o_proj"]["spec"] == ["model", None, None]
+    assert t["layers_0/self_attn/o_proj"]["spec"] == [None, "model", None]
     assert t["layers_0/mlp/up_proj"]["spec"] == [None, None]
 
 
 @pytest.mark.parametrize("extra,message", [
     (["--sharding", "tp", "--devices", "16"], "--devices 16: only 8 cpu devices exist"),
     (["--sharding", "tp", "--devices", "4"],
-     "parameter layers_0/self_attn/k_proj: dimension 1 (kv_heads) of size 2 does not divide "
+     "parameter layers_0/self_attn/k_proj: dimension 0 (kv_heads) of size 2 does not divide "
      "over mesh axis 'model' of size 4 in sharding 'tp'"),
     (["--sharding", "no_such_preset"], "unknown sharding 'no_such_preset'"),
 ])

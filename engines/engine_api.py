@@ -7,8 +7,9 @@ three pure functions, each jitted once per shape bucket by the implementation:
     insert(prefix, decode_state, slot)              -> DecodeState
     generate(params, decode_state)                  -> (DecodeState, ResultTokens)
 
-`ResultTokens` packs every per-slot output of one step into a single int32 array so the
-host copies one buffer (`copy_to_host_async`) while the next step is already running.
+`ResultTokens` packs every per-slot output of one step (one token per slot, or several
+with speculative decoding) into a single int32 array so the host copies one buffer
+(`copy_to_host_async`) while the next step is already running.
 """
 
 from __future__ import annotations
@@ -21,38 +22,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Column layout of ResultTokens.data (int32[B, C]). Log-probs are float32 bit-cast to
-# int32 so one array carries everything.
-COL_TOKEN = 0
-COL_VALID = 1
-COL_LENGTH = 2
-COL_LOGPROB = 3
-COL_TOP = 4  # then top_n ids, then top_n log-prob bits
+# Column layout of ResultTokens.data (int32[B, C]). One step gives each slot up to T
+# tokens (T = 1, or K + 1 with K speculative drafts); a row holds its count, the sequence
+# length after the step, T itself, then T token ids, their T log-probs, and T x top_n
+# alternatives (ids, then log-probs). Log-probs are float32 bit-cast to int32 so one array
+# carries everything.
+COL_COUNT = 0  # tokens this step gave the slot (0: the slot was not live)
+COL_LENGTH = 1  # prompt + generated tokens after this step
+COL_WIDTH = 2  # T
+COL_TOKENS = 3  # then T token ids, T log-prob bits, T*n top ids, T*n top log-prob bits
 
 
-def result_columns(top_n: int) -> int:
-    """Number of int32 columns in ResultTokens.data for `top_n` alternative log-probs."""
-    return COL_TOP + 2 * top_n
+def result_columns(top_n: int, width: int = 1) -> int:
+    """Number of int32 columns in ResultTokens.data for `width` tokens per slot with
+    `top_n` alternative log-probs each."""
+    return COL_TOKENS + width * (2 + 2 * top_n)
 
 
 def pack_results(
-    tokens: jax.Array,  # i32[B]
-    valid: jax.Array,  # bool[B]
+    tokens: jax.Array,  # i32[B] or i32[B, T]
+    counts: jax.Array,  # i32[B] tokens valid per slot (a bool[B] "valid" counts as 0/1)
     lengths: jax.Array,  # i32[B]
-    logprob: jax.Array,  # f32[B]
-    top_ids: jax.Array,  # i32[B, n]
-    top_logprobs: jax.Array,  # f32[B, n]
+    logprob: jax.Array,  # f32[B] or f32[B, T]
+    top_ids: jax.Array,  # i32[B, n] or i32[B, T, n]
+    top_logprobs: jax.Array,  # f32[B, n] or f32[B, T, n]
 ) -> ResultTokens:
     """Packs one step's per-slot outputs into a single int32[B, C] array (device side)."""
+    if tokens.ndim == 1:  # one token per slot
+        tokens, logprob = tokens[:, None], logprob[:, None]
+        top_ids, top_logprobs = top_ids[:, None], top_logprobs[:, None]
+    B, T = tokens.shape
     bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     data = jnp.concatenate(
         [
-            tokens[:, None].astype(jnp.int32),
-            valid[:, None].astype(jnp.int32),
+            counts[:, None].astype(jnp.int32),
             lengths[:, None].astype(jnp.int32),
-            bits(logprob)[:, None],
-            top_ids.astype(jnp.int32),
-            bits(top_logprobs),
+            jnp.full((B, 1), T, jnp.int32),
+            tokens.astype(jnp.int32),
+            bits(logprob),
+            top_ids.astype(jnp.int32).reshape(B, -1),
+            bits(top_logprobs).reshape(B, -1),
         ],
         axis=1,
     )
@@ -77,30 +86,46 @@ class ResultTokens:
 
 @dataclasses.dataclass(frozen=True)
 class HostResults:
-    """ResultTokens on the host, with named accessors over the packed columns."""
+    """ResultTokens on the host, with named accessors over the packed columns. `i` picks
+    one of a slot's tokens of this step (0 <= i < count(slot))."""
 
     data: np.ndarray  # i32[B, C]
 
     @property
-    def top_n(self) -> int:
-        return (self.data.shape[1] - COL_TOP) // 2
+    def width(self) -> int:
+        return int(self.data[0, COL_WIDTH])
 
-    def token(self, slot: int) -> int:
-        return int(self.data[slot, COL_TOKEN])
+    @property
+    def top_n(self) -> int:
+        T = self.width
+        return (self.data.shape[1] - COL_TOKENS - 2 * T) // (2 * T)
+
+    def count(self, slot: int) -> int:
+        return int(self.data[slot, COL_COUNT])
 
     def valid(self, slot: int) -> bool:
-        return bool(self.data[slot, COL_VALID])
+        return self.count(slot) > 0
 
     def length(self, slot: int) -> int:
         return int(self.data[slot, COL_LENGTH])
 
-    def logprob(self, slot: int) -> float:
-        return float(self.data[slot, COL_LOGPROB : COL_LOGPROB + 1].view(np.float32)[0])
+    def token(self, slot: int, i: int = 0) -> int:
+        return int(self.data[slot, COL_TOKENS + i])
 
-    def top_logprobs(self, slot: int) -> list[tuple[int, float]]:
-        n = self.top_n
-        ids = self.data[slot, COL_TOP : COL_TOP + n]
-        lps = self.data[slot, COL_TOP + n : COL_TOP + 2 * n].copy().view(np.float32)
+    def tokens(self, slot: int) -> list[int]:
+        """The slot's tokens of this step, in order."""
+        return self.data[slot, COL_TOKENS : COL_TOKENS + self.count(slot)].tolist()
+
+    def logprob(self, slot: int, i: int = 0) -> float:
+        c = COL_TOKENS + self.width + i
+        return float(self.data[slot, c : c + 1].view(np.float32)[0])
+
+    def top_logprobs(self, slot: int, i: int = 0) -> list[tuple[int, float]]:
+        T, n = self.width, self.top_n
+        ids_at = COL_TOKENS + 2 * T + i * n
+        lps_at = COL_TOKENS + 2 * T + T * n + i * n
+        ids = self.data[slot, ids_at : ids_at + n]
+        lps = self.data[slot, lps_at : lps_at + n].copy().view(np.float32)
         return [(int(i), float(lp)) for i, lp in zip(ids, lps)]
 
 

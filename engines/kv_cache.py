@@ -39,6 +39,7 @@ class Prefix:
     k: tuple[jax.Array, ...]  # L x [1, T, K, H]
     v: tuple[jax.Array, ...]  # L x [1, T, K, H]
     k_pos: jax.Array  # i32[1, T], -1 for padding
+    tokens: jax.Array  # i32[1, T] the prompt tokens, aligned with k_pos
     length: jax.Array  # i32[] tokens in the prefix (true length, all chunks)
     token: jax.Array  # i32[] the first generated token
     sampling: SlotSampling  # one row, key already advanced past the first token
@@ -59,18 +60,36 @@ class DecodeState:
     sampling: SlotSampling  # per-slot parameters and RNG keys
     prompt_mask: jax.Array  # bool[B, V] tokens of the prompt (repetition penalty)
     counts: jax.Array  # i32[B, V] generated-token counts (frequency/presence penalty)
+    # i32[B, S] each slot's tokens by position, up to and with `tokens` (n-gram drafting
+    # of speculative decoding reads it); i32[B, 0] without speculative decoding.
+    history: jax.Array
 
 
-def empty_slot_fields(batch: int, max_seq_len: int, vocab_size: int) -> dict:
+def empty_slot_fields(batch: int, max_seq_len: int, vocab_size: int,
+                      history: bool = False) -> dict:
     """The per-slot fields every decode state starts with (its cache aside): empty slots
-    count as full, so the step never writes into them."""
+    count as full, so the step never writes into them. `history`: keep each slot's
+    tokens (speculative decoding)."""
     return dict(
         lengths=jnp.full((batch,), max_seq_len, jnp.int32),
         tokens=jnp.zeros((batch,), jnp.int32),
         sampling=SlotSampling.empty(batch),
         prompt_mask=jnp.zeros((batch, vocab_size), bool),
         counts=jnp.zeros((batch, vocab_size), jnp.int32),
+        history=jnp.zeros((batch, max_seq_len if history else 0), jnp.int32),
     )
+
+
+def insert_history(history: jax.Array, prefix: Prefix, slot: jax.Array) -> jax.Array:
+    """Writes a prefix's tokens and first generated token into a slot's history row (a
+    no-op on the empty history of a state without speculative decoding)."""
+    S = history.shape[1]
+    if S == 0:
+        return history
+    idx = jnp.where(prefix.k_pos[0] >= 0, prefix.k_pos[0], S)  # padding dropped
+    row = jnp.zeros((S,), history.dtype).at[idx].set(prefix.tokens[0], mode="drop")
+    row = row.at[prefix.length].set(prefix.token, mode="drop")
+    return jax.lax.dynamic_update_index_in_dim(history, row, slot, 0)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -153,16 +172,20 @@ class DecodeKV:
 
     def __init__(self, state: DecodeState, pos: jax.Array):
         self.state = state
-        self.pos = pos  # i32[B]
+        # i32[B]: one token per slot; i32[B, T]: T consecutive positions per slot
+        # (speculative verification; positions past the cache are not written).
+        self.pos = pos
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
         self.k_scale: list[jax.Array] = []
         self.v_scale: list[jax.Array] = []
         S = state.k[0].shape[-1]
         j = jnp.arange(S)[None, :]
-        self.k_pos = jnp.where(j <= pos[:, None], j, -1)  # (B, S)
+        last = pos if pos.ndim == 1 else pos[:, -1]
+        self.k_pos = jnp.where(j <= last[:, None], j, -1)  # (B, S)
         self.sizes = window_sizes(S)
-        live = jnp.max(jnp.where(state.lengths < S, pos + 1, 1))
+        end = last + 1 if pos.ndim == 1 else jnp.minimum(last + 1, S)
+        live = jnp.max(jnp.where(state.lengths < S, end, 1))
         self.window = jnp.searchsorted(jnp.asarray(self.sizes), live)  # index into sizes
 
     def update(self, layer, k, v):
@@ -170,15 +193,19 @@ class DecodeKV:
         attends through `attend`, so XLA drops them)."""
         rows = jnp.arange(k.shape[0])
         st = self.state
+        if self.pos.ndim == 1:
+            k, v, drop = k[:, 0], v[:, 0], {}
+        else:  # [B, T] positions: the new entries index as [B, T, ...]
+            rows, drop = rows[:, None], {"mode": "drop"}
         if st.k_scale:  # int8 cache: store quantized, attend over the dequantized window
-            (kq, ks), (vq, vs) = quantize_kv(k[:, 0]), quantize_kv(v[:, 0])
-            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(kq))
-            self.v.append(st.v[layer].at[rows, :, self.pos].set(vq))
-            self.k_scale.append(st.k_scale[layer].at[rows, :, self.pos].set(ks))
-            self.v_scale.append(st.v_scale[layer].at[rows, :, self.pos].set(vs))
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(kq, **drop))
+            self.v.append(st.v[layer].at[rows, :, self.pos].set(vq, **drop))
+            self.k_scale.append(st.k_scale[layer].at[rows, :, self.pos].set(ks, **drop))
+            self.v_scale.append(st.v_scale[layer].at[rows, :, self.pos].set(vs, **drop))
         else:
-            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(k[:, 0]))  # (B, K, H, S)
-            self.v.append(st.v[layer].at[rows, :, self.pos].set(v[:, 0]))  # (B, K, S, H)
+            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(k, **drop))  # (B, K, H, S)
+            self.v.append(st.v[layer].at[rows, :, self.pos].set(v, **drop))  # (B, K, S, H)
         k_all, v_all = self._read(layer, self.sizes[-1], k.dtype)
         return jnp.transpose(k_all, (0, 3, 1, 2)), jnp.transpose(v_all, (0, 2, 1, 3)), self.k_pos
 
@@ -239,5 +266,6 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
         sampling=sampling,
         prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
         counts=row(state.counts, first),
+        history=insert_history(state.history, prefix, slot),
     )
 

@@ -5,6 +5,9 @@ Arithmetic (V = vocab_size):
   generate: next token = (previous token + 1) mod V, for every slot
   log-prob of a token t = -(t mod 4) / 4
 So a request with prompt [3, 4] streams 7, 8, 9, ... and a slot mix-up is visible at once.
+With `speculative=K` a step gives a slot whose cache holds n tokens 1 + (n mod (K + 1))
+tokens of that same stream (as if n mod (K + 1) of K drafts were accepted), capped by the
+room left: the output equals the plain run's, in steps of varying size.
 Its tokenizer is byte-level (token id = UTF-8 byte), so text and stop strings can be tested.
 """
 
@@ -61,12 +64,13 @@ def _logprob(t):
 
 
 class MockEngine(Engine):
-    """Hand-computable engine. `step_delay_s` makes generate take wall time (for timing)."""
+    """Hand-computable engine. `step_delay_s` makes generate take wall time (for timing);
+    `speculative=K` gives up to K + 1 tokens per slot and step (see module doc)."""
 
     def __init__(self, *, max_concurrent_decodes: int = 4, max_prefill_length: int = 64,
                  max_seq_len: int = 128, vocab_size: int = 256,
                  devices: Sequence[jax.Device] | None = None, eos_ids: tuple[int, ...] = (),
-                 step_delay_s: float = 0.0):
+                 step_delay_s: float = 0.0, speculative: int = 0):
         self._B = max_concurrent_decodes
         self._P = max_prefill_length
         self._S = max_seq_len
@@ -76,7 +80,7 @@ class MockEngine(Engine):
         self._tok = ByteTokenizer(eos_ids=eos_ids)
         self.step_delay_s = step_delay_s
         rep = NamedSharding(self._mesh, PartitionSpec())
-        V, S = self._V, self._S
+        V, S, T = self._V, self._S, speculative + 1
 
         def prefill(tokens, true_length):
             idx = jnp.arange(tokens.shape[0])
@@ -91,12 +95,14 @@ class MockEngine(Engine):
                                    tokens=state.tokens.at[slot].set(prefix.token))
 
         def generate(state):
-            valid = state.lengths < S
-            tok = jnp.where(valid, (state.tokens + 1) % V, state.tokens).astype(jnp.int32)
-            lengths = jnp.where(valid, state.lengths + 1, state.lengths)
+            count = jnp.minimum(1 + state.lengths % T, S - state.lengths)  # 0 when full
+            toks = (state.tokens[:, None] + 1 + jnp.arange(T)[None, :]) % V  # (B, T)
+            last = jnp.take_along_axis(toks, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
+            tok = jnp.where(count > 0, last, state.tokens).astype(jnp.int32)
+            lengths = state.lengths + count
             B = tok.shape[0]
-            res = pack_results(tok, valid, lengths + 1, _logprob(tok),
-                               jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32))
+            res = pack_results(toks.astype(jnp.int32), count, lengths + 1, _logprob(toks),
+                               jnp.zeros((B, T, 0), jnp.int32), jnp.zeros((B, T, 0), jnp.float32))
             return MockDecodeState(lengths=lengths, tokens=tok), res
 
         self._prefill = jax.jit(prefill, out_shardings=(self.prefix_destination_sharding(), rep))

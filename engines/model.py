@@ -87,19 +87,32 @@ def attention(
 
 
 def decode_attention(
-    q: jax.Array,  # [B, 1, N, H]
+    q: jax.Array,  # [B, T, N, H], T = 1 but in speculative verification
     k: jax.Array,  # [B, K, H, S] positions minor
     v: jax.Array,  # [B, K, S, H]
-    q_pos: jax.Array,  # i32[B, 1]
+    q_pos: jax.Array,  # i32[B, T]
     k_pos: jax.Array,  # i32[B, S], -1 = empty
     sliding_window: int | None,
 ) -> jax.Array:
     """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
+    (T > 1 new tokens per row, speculative verification: q [B, T, N, H], q_pos [B, T].)
 
     Both contractions are batched over (B, K) and run along the cache's memory order, so
     the cache is read once and never transposed (see engines.kv_cache)."""
-    B, _, N, H = q.shape
+    B, T, N, H = q.shape
     K = k.shape[1]
+    if T > 1:
+        qg = q.reshape(B, T, K, N // K, H)
+        scores = jnp.einsum("btkgh,bkhs->bkgts", qg, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(H)
+        qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
+        kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
+        visible = (kp >= 0) & (kp <= qp)
+        if sliding_window is not None:
+            visible &= kp > qp - sliding_window
+        scores = jnp.where(visible, scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
     qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
     scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(H)

@@ -59,6 +59,7 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
         sampling=dataclasses.replace(state.sampling, key=next_keys),
         prompt_mask=state.prompt_mask,
         counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
+        history=state.history,
     )
     return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
 
@@ -90,7 +91,8 @@ class PagedTransformerEngine(TransformerEngine):
         L = self.model_config.num_layers
         return PagedDecodeState(k=(pool,) * L, v=(pool,) * L, lengths=base.lengths,
                                 tokens=base.tokens, sampling=base.sampling,
-                                prompt_mask=base.prompt_mask, counts=base.counts)
+                                prompt_mask=base.prompt_mask, counts=base.counts,
+                                history=base.history)
 
     def _build_jits(self):
         super()._build_jits()  # prefill and prompt log-probs as the contiguous engine
@@ -126,7 +128,7 @@ class PagedTransformerEngine(TransformerEngine):
             pool = jnp.zeros(shape, self.dtype)
             return PagedDecodeState(
                 k=(pool,) * c.num_layers, v=(pool,) * c.num_layers,
-                **empty_slot_fields(B, S, c.vocab_size),
+                **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
             )
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()

@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.kv_cache import Prefix
+from engines.kv_cache import Prefix, insert_history
 from engines.model import attention
 from engines.sampling import SlotSampling
 
@@ -43,6 +43,7 @@ class PagedDecodeState:
     sampling: SlotSampling
     prompt_mask: jax.Array  # bool[B, V]
     counts: jax.Array  # i32[B, V]
+    history: jax.Array  # i32[B, S] with speculative decoding, else i32[B, 0] (kv_cache)
 
 
 def resolve_attention(impl: str, platform: str, sliding_window: int | None,
@@ -174,4 +175,5 @@ def insert_paged(prefix: Prefix, state: PagedDecodeState, slot: jax.Array,
         sampling=sampling,
         prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
         counts=row(state.counts, first),
+        history=insert_history(state.history, prefix, slot),
     )

@@ -34,6 +34,14 @@ from engines.kv_cache import (
 from engines.model import Decoder
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
 from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
+from engines.speculative import (
+    Speculative,
+    ngram_drafts,
+    parse_speculative,
+    running_counts,
+    target_probs,
+    verify,
+)
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
 # Decode cache layouts (engines.kv_cache): keys [B, K, H, S], values [B, K, S, H], int8
@@ -66,6 +74,9 @@ class EngineConfig:
     quant_group_size: int = quantization.DEFAULT_GROUP
     # KV cache storage: auto (the model dtype) or int8 with a scale per token and kv head.
     kv_dtype: str = "auto"
+    # Speculative decoding in the generate step (engines/speculative.py): "none" or
+    # "ngram:K" (K drafts per step from the sequence's own tokens).
+    speculative: str = "none"
 
     def __post_init__(self):
         _check_kv_layout(self)
@@ -83,11 +94,21 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.speculative != "none" and self.kv_layout == "paged":
+            parse_speculative(self.speculative)
+            # TODO(#10): verify steps over pages (several pages per step, host lengths).
+            raise ValueError("speculative decoding works with kv_layout contiguous only, "
+                             "for now")
         if self.kv_dtype == "int8" and self.kv_layout == "paged":
             # TODO(#10): int8 pages with per-token scales.
             raise ValueError("kv_dtype int8 works with kv_layout contiguous only, for now")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+        parse_speculative(self.speculative)
+
+    @property
+    def spec(self) -> Speculative:
+        return parse_speculative(self.speculative)
 
 
 def _check_kv_layout(c: EngineConfig) -> None:
@@ -142,8 +163,10 @@ def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sam
     tok, next_key = sample(logits, sampling, mask, counts)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
     length = start + true_length
+    all_tokens = tokens if existing is None else jnp.concatenate([existing.tokens, tokens], 1)
     prefix = Prefix(
-        k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, length=length.astype(jnp.int32),
+        k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, tokens=all_tokens,
+        length=length.astype(jnp.int32),
         token=tok[0], sampling=dataclasses.replace(sampling, key=next_key), prompt_mask=mask,
     )
     res = pack_results(tok, jnp.ones((1,), bool), jnp.reshape(length + 1, (1,)), lp, top_ids,
@@ -186,8 +209,64 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
         sampling=dataclasses.replace(state.sampling, key=next_keys),
         prompt_mask=state.prompt_mask,
         counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
+        history=state.history,
     )
     return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
+
+
+def _verify_step(logits, state, drafts, top_n: int):
+    """The speculative half shared by both cache layouts: logits f32[B, K+1, V] of
+    [last token, d1..dK] -> (tokens i32[B, K+1], count i32[B] before the cache-room cap,
+    next keys, log-probs f32[B, K+1], top ids, top log-probs)."""
+    B, T, V = logits.shape
+    counts = running_counts(state.counts, drafts)
+    p = target_probs(logits, state.sampling, state.prompt_mask, counts)
+    q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # n-gram drafts are deterministic
+    keys = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(state.sampling.key)
+    tokens, count = verify(p, q, drafts, jax.vmap(jax.random.key_data)(keys[:, 1]))
+    next_keys = jax.vmap(jax.random.key_data)(keys[:, 0])
+    lp, top_ids, top_lp = token_logprobs(logits.reshape(B * T, V), tokens.reshape(-1), top_n)
+    return (tokens, count, next_keys, lp.reshape(B, T), top_ids.reshape(B, T, top_n),
+            top_lp.reshape(B, T, top_n))
+
+
+def _advance(state, tokens, count, max_seq_len: int):
+    """Slot bookkeeping after a verify step: count capped by the room left (0 for a full
+    slot); new lengths, last tokens, generated-token counts and history."""
+    B, T = tokens.shape
+    S = max_seq_len
+    count = jnp.where(state.lengths < S, jnp.minimum(count, S - state.lengths), 0)
+    lengths = state.lengths + count
+    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
+    kept = jnp.arange(T)[None, :] < count[:, None]  # (B, T)
+    V = state.counts.shape[1]
+    counts = state.counts + jnp.sum(
+        jax.nn.one_hot(tokens, V, dtype=state.counts.dtype) * kept[..., None], axis=1)
+    # The kept tokens sit at positions length+1 .. length+count of the history.
+    where = jnp.where(kept, state.lengths[:, None] + 1 + jnp.arange(T)[None, :], S)
+    history = state.history.at[jnp.arange(B)[:, None], where].set(tokens, mode="drop")
+    return dict(lengths=lengths, tokens=jnp.where(count > 0, last, state.tokens),
+                counts=counts, history=history), count
+
+
+def _generate_speculative(model: Decoder, top_n: int, k: int, params, state: DecodeState):
+    """One verify step: the model runs over [last token, d1..dk] at positions
+    pos..pos+k of every slot and keeps what engines.speculative.verify accepts."""
+    S = state.k[0].shape[-1]
+    drafts = ngram_drafts(state.history, state.lengths, k)  # (B, k)
+    inp = jnp.concatenate([state.tokens[:, None], drafts], axis=1)  # (B, k+1)
+    positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
+    kv = DecodeKV(state, positions)
+    logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
+    tokens, count, next_keys, lp, top_ids, top_lp = _verify_step(logits, state, drafts, top_n)
+    slot, count = _advance(state, tokens, count, S)
+    new_state = DecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
+        sampling=dataclasses.replace(state.sampling, key=next_keys),
+        prompt_mask=state.prompt_mask, **slot,
+    )
+    res = pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
+    return new_state, res
 
 
 @jax.tree_util.register_dataclass
@@ -300,10 +379,12 @@ class TransformerEngine(Engine):
         scales = ()
         if e.kv_dtype == "int8":
             scales = (self._named(SCALE_AXES, (B, K, S), "kv cache scales"),) * L
+        hist = self._named((axes.CACHE_BATCH, None), (B, S if e.spec.enabled else 0),
+                           "token history")
         return DecodeState(k=(k_cache,) * L, v=(v_cache,) * L, k_scale=scales, v_scale=scales,
                            lengths=vec, tokens=vec,
                            sampling=self._sampling_shardings(axes.CACHE_BATCH),
-                           prompt_mask=bv, counts=bv)
+                           prompt_mask=bv, counts=bv, history=hist)
 
     def prefix_destination_sharding(self) -> Prefix:
         c = self.model_config
@@ -311,8 +392,8 @@ class TransformerEngine(Engine):
         r = self._replicated()
         samp = SlotSampling(**{f.name: r for f in dataclasses.fields(SlotSampling)})
         L = c.num_layers
-        return Prefix(k=(kv,) * L, v=(kv,) * L, k_pos=r, length=r, token=r, sampling=samp,
-                      prompt_mask=r)
+        return Prefix(k=(kv,) * L, v=(kv,) * L, k_pos=r, tokens=r, length=r, token=r,
+                      sampling=samp, prompt_mask=r)
 
     # ---- jitted functions --------------------------------------------------------------
 
@@ -348,8 +429,11 @@ class TransformerEngine(Engine):
             self._counted("insert", insert_prefix), in_shardings=(prefix_sh, state_sh, r),
             out_shardings=state_sh, donate_argnums=(1,),
         )
+        spec = self.config.spec
+        gen = (functools.partial(_generate_speculative, self.model, top_n, spec.k)
+               if spec.enabled else functools.partial(_generate, self.model, top_n))
         self._generate_jit = jax.jit(
-            self._counted("generate", laid_out(functools.partial(_generate, self.model, top_n))),
+            self._counted("generate", laid_out(gen)),
             in_shardings=(self.param_shardings, state_sh), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
@@ -398,7 +482,7 @@ class TransformerEngine(Engine):
             return DecodeState(
                 k=(jnp.zeros((B, K, H, S), dtype),) * L, v=(jnp.zeros((B, K, S, H), dtype),) * L,
                 k_scale=scales, v_scale=scales,
-                **empty_slot_fields(B, S, c.vocab_size),
+                **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
             )
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()

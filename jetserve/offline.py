@@ -14,7 +14,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence
 
-from engines import Engine, SamplingParams
+from engines import Engine, HostResults, SamplingParams
 from jetserve.orchestrator.stopping import stop_ids, token_budget, token_finish
 
 
@@ -63,15 +63,18 @@ def generate_many(
         need = pages.pages_to_insert(len(prompts[i]) + budgets[i])
         return need + sum(promised.values()) <= pages.pool.num_pages
 
-    def accept(i: int, token: int, logprob: float) -> bool:
-        """Records a token; returns True when request i is finished."""
+    def accept(i: int, h: HostResults, row: int) -> bool:
+        """Records the row's tokens up to the first that ends request i; returns True
+        when it is finished."""
         r = out[i]
-        r.token_ids.append(token)
-        r.logprobs.append(logprob)
-        finish = token_finish(token, len(r.token_ids), budgets[i], stops)
-        if finish is not None:
-            r.finish_reason = finish[0]
-        return finish is not None
+        for j, token in enumerate(h.tokens(row)):
+            r.token_ids.append(token)
+            r.logprobs.append(h.logprob(row, j))
+            finish = token_finish(token, len(r.token_ids), budgets[i], stops)
+            if finish is not None:
+                r.finish_reason = finish[0]
+                return True
+        return False
 
     while waiting or active:
         while waiting and free and fits(waiting[0]):
@@ -79,8 +82,7 @@ def generate_many(
             prefix, first = engine.prefill(params, list(prompts[i]), len(prompts[i]),
                                            sampling=samplings[i])
             out[i] = OfflineResult(list(prompts[i]), [], "length", [])
-            h = first.to_host()
-            if accept(i, h.token(0), h.logprob(0)):
+            if accept(i, first.to_host(), 0):
                 results[i] = out.pop(i)
                 continue
             slot = free.pop(0)
@@ -93,7 +95,7 @@ def generate_many(
         state, res = engine.generate(params, state)
         h = res.to_host()
         for slot, i in list(active.items()):
-            if accept(i, h.token(slot), h.logprob(slot)):
+            if accept(i, h, slot):
                 results[i] = out.pop(i)
                 del active[slot]
                 engine.free_slot(slot)

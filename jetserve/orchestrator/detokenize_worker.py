@@ -45,37 +45,46 @@ class DetokenizeWorker:
 
     def _step(self, msg: StepOutput) -> None:
         h = HostResults(msg.data)
-        for live, row, finish in msg.rows:
+        for live, row, n, finish in msg.rows:
             if live.finalized:
                 continue
             try:
-                self._token(live, h, row, finish, msg.time)
+                self._tokens(live, h, row, n, finish, msg.time)
             except Exception as e:  # this request only
                 log.exception("detokenizing request %s failed", live.request_id)
                 self._emit(live, Delta(token_ids=[], text=""), ("error", None),
                            error=f"{type(e).__name__}: {e}")
 
-    def _token(self, live: LiveRequest, h: HostResults, row: int, finish: Finish | None,
-               t: float) -> None:
+    def _tokens(self, live: LiveRequest, h: HostResults, row: int, n: int,
+                finish: Finish | None, t: float) -> None:
+        """The first n tokens of a row as one delta; `finish` ends the request at the
+        n-th, and a stop string ends it at the token that completes it (later ones are
+        dropped)."""
         req = live.request
-        token = h.token(row)
         if live.text is None:
             live.text = TextStream(self.tokenizer, req.prompt_ids, req.stop_strings)
-        stop_string = None
-        if finish is not None and finish[0] == "stop":
-            text = live.text.finish()  # a stop token's own text is never emitted
-        else:
-            text, stop_string = live.text.push(token)
-            if stop_string is None and finish is not None:
+        ids, text, stop_string = [], "", None
+        for i in range(n):
+            token = h.token(row, i)
+            ids.append(token)
+            if i == n - 1 and finish is not None and finish[0] == "stop":
+                text += live.text.finish()  # a stop token's own text is never emitted
+                break
+            piece, stop_string = live.text.push(token)
+            text += piece
+            if stop_string is not None:
+                break
+            if i == n - 1 and finish is not None:
                 text += live.text.finish()
-        delta = Delta(token_ids=[token], text=text)
+        delta = Delta(token_ids=ids, text=text)
         if req.logprobs is not None:
-            delta.logprobs = [h.logprob(row)]
-            delta.top_logprobs = [h.top_logprobs(row)[: req.logprobs] if req.logprobs else []]
+            delta.logprobs = [h.logprob(row, i) for i in range(len(ids))]
+            delta.top_logprobs = [h.top_logprobs(row, i)[: req.logprobs] if req.logprobs else []
+                                  for i in range(len(ids))]
         timing = live.timing
         if timing.first_token is None:
             timing.first_token = time.monotonic()
-        timing.token_times.append(t)
+        timing.token_times.extend([t] * len(ids))
         if stop_string is not None:
             live.done = True  # the generate thread frees the slot on its next step
             finish = ("stop", stop_string)

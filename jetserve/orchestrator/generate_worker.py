@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 
-from engines.engine_api import COL_TOKEN, Engine, ResultTokens
+from engines.engine_api import Engine, ResultTokens
 from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.slots import SlotTable
@@ -306,26 +306,25 @@ class GenerateWorker:
         res, rows, t_dispatch = self._pending
         self._pending = None
         try:
-            data = res.to_host().data
+            host = res.to_host()
         except Exception as e:
             log.exception("reading step results failed on engine %d", self.index)
             self._fail_all(e, extra=[live for _, live in rows])
             return
         now = time.monotonic()
-        tokens = data[:, COL_TOKEN].tolist()
         out = []
         for slot, live in rows:
             if live.done:
-                continue  # ended meanwhile (cancel, stop string): drop the token
-            finish = live.check_token(tokens[slot])
+                continue  # ended meanwhile (cancel, stop string): drop the tokens
+            n, finish = live.take(host.tokens(slot))
             if finish is not None:
                 live.done = True
                 if self.slots.owner(slot) is live:
                     self._release(slot)
-            out.append((live, slot, finish))
-        self.tokens += len(out)
+            out.append((live, slot, n, finish))
+        self.tokens += sum(n for _, _, n, _ in out)
         if out:
-            self.outbox.put(StepOutput(data, out, now))
+            self.outbox.put(StepOutput(host.data, out, now))
         step_time = now - max(self._last_read, t_dispatch)
         self._last_read = now
         if self.listeners:

@@ -61,11 +61,18 @@ class LiveRequest:
             return "deadline"
         return None
 
-    def check_token(self, token: int) -> Finish | None:
-        """Counts one generated token; returns how it ends the request, if it does."""
-        self.generated += 1
-        self.tokens.append(token)
-        return token_finish(token, self.generated, self.budget, self.stop_ids)
+    def take(self, tokens: list[int]) -> tuple[int, Finish | None]:
+        """Counts one step's generated tokens in order, up to the first that ends the
+        request; returns (tokens taken, how the last one ends it, if it does). Tokens
+        after a stop id or the budget are dropped, so a step of several tokens ends the
+        request where one token per step would."""
+        for n, token in enumerate(tokens, 1):
+            self.generated += 1
+            self.tokens.append(token)
+            finish = token_finish(token, self.generated, self.budget, self.stop_ids)
+            if finish is not None:
+                return n, finish
+        return len(tokens), None
 
     def sequence(self) -> list[int]:
         """Prompt and generated tokens: what a preempted request prefills again."""
@@ -84,7 +91,8 @@ class LiveRequest:
 
     def last_step_dispatched(self) -> bool:
         """After a dispatched step: True when that step yields the last budgeted token
-        (the first token came from prefill), so the slot can be freed at once."""
+        at the latest (the first token came from prefill; every step gives at least one),
+        so the slot can be freed at once."""
         return 1 + self.steps >= self.budget
 
 
@@ -93,7 +101,8 @@ class StepOutput:
     """One step's host results and which request each used row belongs to."""
 
     data: np.ndarray  # i32[B, C] (engines.engine_api ResultTokens layout)
-    rows: list[tuple[LiveRequest, int, Finish | None]]  # (request, row, how it ends)
+    # (request, row, tokens of the row it takes, how the last of them ends it)
+    rows: list[tuple[LiveRequest, int, int, Finish | None]]
     time: float
 
 

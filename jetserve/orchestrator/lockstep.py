@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from engines.engine_api import COL_TOKEN, Engine, ResultTokens
+from engines.engine_api import Engine, ResultTokens
 from jetserve import distributed
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
@@ -259,17 +259,17 @@ class LockStepOrchestrator(Orchestrator):
         """Process 0: the prefill's token streams now. A request it ends keeps its slot
         until the next plan frees it (every process inserted it)."""
         try:
-            data = first.to_host().data
+            host = first.to_host()
         except Exception as e:
             log.exception("reading the first token failed")
             self._end(live, "error", e)
             return
         t1 = time.monotonic()
         live.timing.prefill_end = t1
-        finish = live.check_token(int(data[0, COL_TOKEN]))
+        _, finish = live.take(host.tokens(0))
         if finish is not None:
             live.done = True
-        self._outbox.put(StepOutput(data, [(live, 0, finish)], t1))
+        self._outbox.put(StepOutput(host.data, [(live, 0, 1, finish)], t1))
         if self._listeners:
             self._listeners.emit(PrefillDone(0, len(live.request.prompt_ids), t1 - t0))
 
@@ -298,25 +298,24 @@ class LockStepOrchestrator(Orchestrator):
         res, rows, t_dispatch = self._pending
         self._pending = None
         try:
-            data = res.to_host().data
+            host = res.to_host()
         except Exception as e:
             log.exception("reading step results failed")
             for _, live in rows:
                 self._end(live, "error", e)
             return
         now = time.monotonic()
-        tokens = data[:, COL_TOKEN].tolist()
         out = []
         for slot, live in rows:
             if live.done:
-                continue  # ended meanwhile (cancel, stop string): drop the token
-            finish = live.check_token(tokens[slot])
+                continue  # ended meanwhile (cancel, stop string): drop the tokens
+            n, finish = live.take(host.tokens(slot))
             if finish is not None:
                 live.done = True  # the next plan frees its slot
-            out.append((live, slot, finish))
-        self.tokens += len(out)
+            out.append((live, slot, n, finish))
+        self.tokens += sum(n for _, _, n, _ in out)
         if out:
-            self._outbox.put(StepOutput(data, out, now))
+            self._outbox.put(StepOutput(host.data, out, now))
         step_time = now - max(self._last_read, t_dispatch)
         self._last_read = now
         if self._listeners:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.engine_api import COL_TOKEN, Engine
+from engines.engine_api import Engine
 from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.timing import Listeners, PrefillDone
@@ -128,15 +128,15 @@ class PrefillWorker:
             prefix, first = out
             if hit is not None and not cache.pages:
                 cache.insert(hit, prefix)
-            data = first.to_host().data
+            host = first.to_host()
             t1 = time.monotonic()
             if not resumed:
                 live.timing.prefill_end = t1
             self.prefills += 1
-            finish = live.check_token(int(data[0, COL_TOKEN]))
+            _, finish = live.take(host.tokens(0))
             if finish is not None:
                 live.done = True
-            self.outbox.put(StepOutput(data, [(live, 0, finish)], t1))  # the first token now
+            self.outbox.put(StepOutput(host.data, [(live, 0, 1, finish)], t1))  # first token now
             if self.listeners:
                 self.listeners.emit(PrefillDone(self.index, len(tokens), t1 - t0))
             if hit is not None and cache.pages:  # the generate thread adopts and releases it

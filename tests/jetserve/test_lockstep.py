@@ -130,11 +130,13 @@ def _queue_broadcast():
     return send, receive
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=[0, 3], ids=["plain", "speculative3"])
+def pair(request):
+    """Process 0 and a follower; MockEngine steps of one token, or of 1-4 (speculative)."""
     send, receive = _queue_broadcast()
     devs = jax.devices()
-    engines = [RecordingEngine(devices=devs[i:i + 1], max_concurrent_decodes=3, eos_ids=(0,))
+    engines = [RecordingEngine(devices=devs[i:i + 1], max_concurrent_decodes=3, eos_ids=(0,),
+                               speculative=request.param)
                for i in range(2)]
     config = OrchestratorConfig(max_queued_requests=64)
     lead = LockStepOrchestrator(engines[0], engines[0].load_params(), config=config,

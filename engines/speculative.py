@@ -1,0 +1,151 @@
+"""Speculative decoding inside the generate step: drafting, and verifying the drafts.
+
+`EngineConfig.speculative` names the drafter: "none", or "ngram:K" (prompt lookup: the
+K tokens that followed the most recent earlier occurrence of the sequence's last n
+tokens, n = 3, then 2, then 1). The step feeds the target model [last token, d1..dK] at
+positions pos..pos+K, so one forward pass scores every draft, and `verify` keeps the
+longest run of drafts the target agrees with plus one token of its own:
+
+  - greedy rows: d_i is kept while it equals the target's argmax; the first argmax that
+    differs (or the one after d_K) is the extra token. The output is the plain greedy
+    output, token for token.
+  - sampled rows: rejection sampling (Leviathan et al., Chen et al.): d_i is kept with
+    probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is drawn
+    from norm(max(p_i - q_i, 0)), and after K kept drafts from p_{K+1}. p is the target's
+    sampling distribution (penalties, temperature, top-k / top-p / min-p as
+    engines.sampling applies them), q the drafter's (one-hot for n-gram drafts), so the
+    tokens follow the target's distribution exactly.
+
+Each slot then advances by (kept drafts + 1); keys and values written at rejected
+positions lie past the slot's length, are never read (every read masks positions past the
+query), and are overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from engines.sampling import SlotSampling, apply_penalties, filter_logits
+
+NGRAM_SIZES = (3, 2, 1)  # longest suffix tried first
+MAX_DRAFTS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+    """A parsed `speculative` setting: kind "none" or "ngram", K drafts per step."""
+
+    kind: str = "none"
+    k: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+
+def parse_speculative(text: str) -> Speculative:
+    """'none' or 'ngram:K' (1 <= K <= MAX_DRAFTS); a ValueError names what was wrong."""
+    if not isinstance(text, str):
+        raise ValueError(f"speculative must be a string like 'ngram:4', got {text!r}")
+    if text == "none":
+        return Speculative()
+    kind, _, rest = text.partition(":")
+    if kind == "draft":
+        # TODO(#10): a draft model (--speculative draft:PATH:K).
+        raise ValueError("speculative 'draft:PATH:K' (a draft model) is not built yet; "
+                         "use 'ngram:K'")
+    if kind != "ngram":
+        raise ValueError(f"speculative must be 'none' or 'ngram:K', got {text!r}")
+    try:
+        k = int(rest)
+    except ValueError:
+        raise ValueError(f"speculative 'ngram:K' needs an integer K of drafts per step, "
+                         f"got {text!r}") from None
+    if not 1 <= k <= MAX_DRAFTS:
+        raise ValueError(f"speculative ngram:K needs 1 <= K <= {MAX_DRAFTS} drafts per step, "
+                         f"got K={k}")
+    return Speculative("ngram", k)
+
+
+def ngram_drafts(history: jax.Array, lengths: jax.Array, k: int) -> jax.Array:
+    """Prompt-lookup drafts. history i32[B, S] holds each slot's tokens at positions
+    0..lengths[b] (the last one is the token fed next); returns i32[B, k]: the tokens
+    after the most recent earlier match of the last n tokens (longest n first). Without
+    a match the last token is repeated (drafts that are usually rejected)."""
+    B, S = history.shape
+    j = jnp.arange(S)[None, :]
+    last = jnp.minimum(lengths, S - 1)[:, None]  # (B, 1) index of the last token
+    found = jnp.full((B,), -1, jnp.int32)
+    for n in NGRAM_SIZES:
+        match = (j >= n - 1) & (j < last)  # an earlier position ending an n-gram
+        for m in range(n):
+            tail = jnp.take_along_axis(history, jnp.maximum(last - m, 0), axis=1)  # (B, 1)
+            shifted = jnp.roll(history, m, axis=1)  # shifted[:, j] = history[:, j - m]
+            match &= shifted == tail
+        best = jnp.max(jnp.where(match & (last >= n - 1), j, -1), axis=1)
+        found = jnp.where(found >= 0, found, best)
+    start = jnp.where(found >= 0, found + 1, last[:, 0])  # (B,)
+    idx = jnp.minimum(start[:, None] + jnp.arange(k)[None, :], last)  # never past the end
+    idx = jnp.where(found[:, None] >= 0, idx, last)
+    return jnp.take_along_axis(history, idx, axis=1).astype(jnp.int32)
+
+
+def running_counts(counts: jax.Array, drafts: jax.Array) -> jax.Array:
+    """Generated-token counts seen at each of the K+1 verify positions: position i has
+    the slot's counts plus drafts d_1..d_i (as if they were kept). -> i32[B, K+1, V]."""
+    V = counts.shape[-1]
+    hot = jax.nn.one_hot(drafts, V, dtype=counts.dtype)  # (B, K, V)
+    zero = jnp.zeros_like(hot[:, :1])
+    return counts[:, None] + jnp.cumsum(jnp.concatenate([zero, hot], axis=1), axis=1)
+
+
+def target_probs(logits: jax.Array, s: SlotSampling, prompt_mask: jax.Array,
+                 counts: jax.Array) -> jax.Array:
+    """The distribution the plain sampler draws from at each verify position:
+    logits f32[B, T, V], counts i32[B, T, V] -> probs f32[B, T, V] (one-hot argmax for
+    greedy rows)."""
+    B, T, V = logits.shape
+    rows = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), s)
+    flat = apply_penalties(logits.reshape(B * T, V).astype(jnp.float32), rows,
+                           jnp.repeat(prompt_mask, T, axis=0), counts.reshape(B * T, V))
+    greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), V, dtype=jnp.float32)
+    sampled = jax.nn.softmax(filter_logits(flat, rows), axis=-1)
+    probs = jnp.where((rows.temperature > 0)[:, None], sampled, greedy)
+    return probs.reshape(B, T, V)
+
+
+def verify(p: jax.Array, q: jax.Array, drafts: jax.Array, keys: jax.Array
+           ) -> tuple[jax.Array, jax.Array]:
+    """Keeps the longest run of accepted drafts and adds one token.
+
+    p f32[B, K+1, V]: target distribution at each position; q f32[B, K, V]: the drafter's
+    distribution each draft was drawn from; drafts i32[B, K]; keys u32[B, 2] (one use).
+    Returns (tokens i32[B, K+1]: kept drafts, then the corrected / bonus token, then
+    filler; count i32[B] = kept + 1).
+    """
+    B, T, V = p.shape
+    K = T - 1
+    ks = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(ks[:, 0])  # (B, K)
+    pd = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]  # (B, K)
+    qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    # u < p/q without dividing: u in [0, 1), so q = 0 never accepts and p >= q always does.
+    ok = u * qd < pd
+    kept = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # (B,)
+    # The last token: from the residual at the first rejection, from p after K drafts.
+    at = jnp.take_along_axis(p, kept[:, None, None], axis=1)[:, 0]  # (B, V)
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q_{K+1} = 0
+    q_at = jnp.take_along_axis(q_pad, kept[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(at - q_at, 0.0)
+    total = jnp.sum(resid, axis=-1, keepdims=True)
+    # p == q exactly leaves nothing to correct toward (then any draw from p is right).
+    resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), at)
+    logr = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)), -jnp.inf)
+    last = jax.vmap(jax.random.categorical)(ks[:, 1], logr).astype(jnp.int32)
+    i = jnp.arange(T)[None, :]
+    padded = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
+    tokens = jnp.where(i < kept[:, None], padded, last[:, None]).astype(jnp.int32)
+    return tokens, kept + 1

@@ -109,6 +109,12 @@ class HostResults:
     def length(self, slot: int) -> int:
         return int(self.data[slot, COL_LENGTH])
 
+    def drafts(self, slot: int) -> tuple[int, int]:
+        """(draft tokens proposed, drafts the target accepted) for the slot this step:
+        (0, 0) without speculative decoding or for a slot that was not live."""
+        n = self.count(slot)
+        return (self.width - 1, n - 1) if n else (0, 0)
+
     def token(self, slot: int, i: int = 0) -> int:
         return int(self.data[slot, COL_TOKENS + i])
 

@@ -110,9 +110,16 @@ class SlotPages:
     The table is i32[B, max_pages]; entries a slot does not hold point at `trash`, a page
     index past the pool that the device keeps as scratch (writes of empty slots land
     there, reads of it are masked).
+
+    With speculative decoding (`lookahead` = K drafts) a step writes up to K + 1 positions
+    per slot and keeps only some: before a step each slot gets pages through position
+    length + K, after it the host counts the slot as long as it may have become (length
+    + K + 1, an upper bound), and `sync` brings lengths back to the device's before the
+    next step, returning the pages that only rejected positions used.
     """
 
-    def __init__(self, *, slots: int, page_size: int, num_pages: int, max_seq_len: int):
+    def __init__(self, *, slots: int, page_size: int, num_pages: int, max_seq_len: int,
+                 lookahead: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.slots = slots
@@ -123,6 +130,7 @@ class SlotPages:
             raise ValueError(
                 f"num_pages={num_pages} cannot hold one sequence of max_seq_len={max_seq_len} "
                 f"({self.max_pages} pages of {page_size}); give at least {self.max_pages}")
+        self.lookahead = lookahead
         self.pool = PagePool(num_pages)
         self.trash = num_pages
         self.table = np.full((slots, self.max_pages), self.trash, np.int32)
@@ -139,9 +147,20 @@ class SlotPages:
         """Pages an insert of a `tokens`-token prefix takes."""
         return pages_for(tokens, self.page_size)
 
+    def pages_to_start(self, tokens: int) -> int:
+        """Pages a `tokens`-token prefix holds once inserted and through its first step."""
+        return pages_for(min(tokens + self.lookahead + 1, self.max_seq_len), self.page_size)
+
+    def pages_for_sequence(self, tokens: int) -> int:
+        """The most pages a sequence of `tokens` tokens (prompt and budget) may hold, the
+        positions a speculative step writes past its end included."""
+        if self.lookahead:  # a last step past the budget, and one more before it is read
+            tokens += 2 * (self.lookahead + 1)
+        return pages_for(min(tokens, self.max_seq_len), self.page_size)
+
     def pages_for_step(self) -> int:
         """Pages the next generate step must allocate (slots starting a new page)."""
-        return sum(1 for s in self._len if self._needs_page(s))
+        return sum(self._step_pages(s) for s in self._len)
 
     def live_slots(self) -> list[int]:
         return sorted(self._len)
@@ -181,7 +200,7 @@ class SlotPages:
 
         Raises OutOfPages, allocating nothing, when the pool cannot cover the step.
         """
-        need = [s for s in self._len if self._needs_page(s)]
+        need = [s for s in self._len for _ in range(self._step_pages(s))]
         fresh = self.pool.alloc(len(need))
         for s, p in zip(need, fresh, strict=True):
             self.table[s, len(self._pages[s])] = p
@@ -190,10 +209,24 @@ class SlotPages:
         return width_bucket(widest, self.max_pages)
 
     def after_step(self) -> None:
-        """Each live slot gained one token (a full slot stays full, as on the device)."""
+        """Each live slot gained one token, or with lookahead K at most K + 1 (a full slot
+        stays full, as on the device)."""
         for s, n in self._len.items():
-            if n < self.max_seq_len:
-                self._len[s] = n + 1
+            self._len[s] = min(n + self.lookahead + 1, self.max_seq_len)
+
+    def sync(self, lengths) -> None:
+        """Speculative steps: each live slot's length as the device has it (lengths[slot],
+        at most the host's upper bound); pages past it, written only at rejected
+        positions, go back to the pool."""
+        for s, n in self._len.items():
+            true = min(int(lengths[s]), n)
+            keep = pages_for(true, self.page_size)
+            extra = self._pages[s][keep:]
+            if extra:
+                del self._pages[s][keep:]
+                self.table[s, keep:keep + len(extra)] = self.trash
+                self.pool.decref(extra)
+            self._len[s] = true
 
     def free(self, slot: int) -> None:
         pages = self._pages.pop(slot, None)
@@ -216,9 +249,14 @@ class SlotPages:
                 raise AssertionError(f"slot {s} holds {len(pages)} pages for "
                                      f"{self._len[s]} tokens")
 
-    def _needs_page(self, slot: int) -> bool:
+    def _step_pages(self, slot: int) -> int:
+        """Pages the next step writes into that the slot does not hold yet: through
+        position length + lookahead (none for a full slot)."""
         n = self._len[slot]
-        return n < self.max_seq_len and n == len(self._pages[slot]) * self.page_size
+        if n >= self.max_seq_len:
+            return 0
+        reach = min(n + self.lookahead + 1, self.max_seq_len)
+        return max(0, pages_for(reach, self.page_size) - len(self._pages[slot]))
 
 
 def width_bucket(pages: int, max_pages: int) -> int:

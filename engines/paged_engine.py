@@ -9,6 +9,12 @@ Programs: prefill as the contiguous engine (one per bucket); insert one per pref
 generate one per gather width W in width_buckets(max_pages) (powers of two up to
 ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
 
+With speculative decoding (`EngineConfig.speculative`) generate is the verify step of
+engines/speculative.py over the gathered pages (never the TPU kernel, which takes one
+query per slot). A slot may keep fewer of the K + 1 positions it wrote than the host
+planned for, so each step first reads the previous step's lengths back (waiting for it)
+and `SlotPages.sync` returns pages only rejected positions used.
+
 Concurrency: the page bookkeeping is changed only by insert / generate / free_slot,
 which the orchestrator calls from one thread (the engine's generate thread).
 `TransformerEngine(..., config=EngineConfig(kv_layout="paged"))` builds this class.
@@ -36,7 +42,8 @@ from engines.paged_kv import (
 )
 from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.sampling import sample, token_logprobs
-from engines.transformer_engine import TransformerEngine
+from engines.speculative import ngram_drafts
+from engines.transformer_engine import TransformerEngine, advance_slots, verify_step
 from sharding import axes, traced_under
 
 POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
@@ -64,6 +71,24 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
     return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
 
 
+def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
+                                params, state: PagedDecodeState, table):
+    """The verify step of engines.transformer_engine over pages: table i32[B, W] covers
+    every position up to length + k of each live slot (SlotPages.lookahead)."""
+    S = max_seq_len
+    drafts = ngram_drafts(state.history, state.lengths, k)  # (B, k)
+    inp = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
+    positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
+    kv = PagedDecodeKV(state, table, positions, state.lengths < S, "xla")
+    logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
+    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, state, drafts, top_n)
+    slot, count = advance_slots(state, tokens, count, S)
+    new_state = PagedDecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), sampling=dataclasses.replace(state.sampling, key=next_keys),
+        prompt_mask=state.prompt_mask, **slot)
+    return new_state, pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
+
+
 class PagedTransformerEngine(TransformerEngine):
     """TransformerEngine whose decode state is a page pool per layer (see module doc)."""
 
@@ -73,10 +98,14 @@ class PagedTransformerEngine(TransformerEngine):
             raise ValueError("PagedTransformerEngine needs config=EngineConfig(kv_layout='paged')")
         B, S, ps = config.max_concurrent_decodes, config.max_seq_len, config.page_size
         num_pages = config.num_pages or B * pages_for(S, ps)
-        self.pages = SlotPages(slots=B, page_size=ps, num_pages=num_pages, max_seq_len=S)
+        spec = config.spec
+        self.pages = SlotPages(slots=B, page_size=ps, num_pages=num_pages, max_seq_len=S,
+                               lookahead=spec.k)
         devices = list(kwargs.get("devices") or jax.devices())
-        self.attention_impl = resolve_attention(config.paged_attention, devices[0].platform,
-                                                model_config.sliding_window, len(devices))
+        # The TPU kernel attends one query per slot: verify steps take the gather path.
+        self.attention_impl = "xla" if spec.enabled else resolve_attention(
+            config.paged_attention, devices[0].platform, model_config.sliding_window,
+            len(devices))
         super().__init__(model_config, **kwargs)
 
     # ---- layout ------------------------------------------------------------------------
@@ -105,8 +134,11 @@ class PagedTransformerEngine(TransformerEngine):
             self._counted("insert", insert_paged), in_shardings=(prefix_sh, state_sh, r, r),
             out_shardings=state_sh, donate_argnums=(1,),
         )
-        gen = functools.partial(_generate_paged, self.model, top_n, self.config.max_seq_len,
-                                self.attention_impl)
+        spec = self.config.spec
+        gen = (functools.partial(_generate_paged_speculative, self.model, top_n,
+                                 self.config.max_seq_len, spec.k) if spec.enabled else
+               functools.partial(_generate_paged, self.model, top_n, self.config.max_seq_len,
+                                 self.attention_impl))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
             in_shardings=(self.param_shardings, state_sh, r), out_shardings=(state_sh, r),
@@ -156,6 +188,10 @@ class PagedTransformerEngine(TransformerEngine):
 
     def generate(self, params, decode_state: PagedDecodeState
                  ) -> tuple[PagedDecodeState, ResultTokens]:
+        if self.pages.lookahead:
+            # How far the last step really got is known on the device only: wait for it
+            # (the host then plans this step's pages from exact lengths).
+            self.pages.sync(np.asarray(decode_state.lengths))
         width = self.pages.before_step()  # raises OutOfPages before touching the device
         table = self.pages.table[:, :width].copy()  # the device may read it later
         out = self._generate_jit(params, decode_state, table)

@@ -90,15 +90,22 @@ class PagedDecodeKV:
                  live: jax.Array, impl: str):
         self.state = state
         self.table = table  # i32[B, W]
-        self.pos = pos  # i32[B] where this step's token goes
+        # i32[B]: where this step's token goes; i32[B, T]: T consecutive positions per
+        # slot (speculative verification, with the "xla" attention path only).
+        self.pos = pos
         self.impl = impl
         K, P1, ps, H = state.k[0].shape
         self.page_size = ps
         trash = P1 - 1
         idx = pos // ps
-        in_table = live & (idx < table.shape[1])
-        page = jnp.take_along_axis(table, jnp.minimum(idx, table.shape[1] - 1)[:, None], 1)[:, 0]
-        self.write_page = jnp.where(in_table, page, trash)  # (B,)
+        W = table.shape[1]
+        if pos.ndim == 1:
+            in_table = live & (idx < W)
+            page = jnp.take_along_axis(table, jnp.minimum(idx, W - 1)[:, None], 1)[:, 0]
+        else:
+            in_table = live[:, None] & (idx < W)
+            page = jnp.take_along_axis(table, jnp.minimum(idx, W - 1), 1)
+        self.write_page = jnp.where(in_table, page, trash)  # (B,) or (B, T)
         self.write_off = pos % ps
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
@@ -107,14 +114,20 @@ class PagedDecodeKV:
         self.attend = self._kernel_attend if impl == "pallas_tpu" else None
 
     def update(self, layer, k, v):
-        k_pool = _write(self.state.k[layer], self.write_page, self.write_off, k[:, 0])
-        v_pool = _write(self.state.v[layer], self.write_page, self.write_off, v[:, 0])
+        if self.pos.ndim == 1:
+            page, off, k, v, last = self.write_page, self.write_off, k[:, 0], v[:, 0], self.pos
+        else:  # [B, T] new entries, written as B * T
+            flat = lambda x: x.reshape((-1,) + x.shape[2:])
+            page, off, k, v = map(flat, (self.write_page, self.write_off, k, v))
+            last = self.pos[:, -1]
+        k_pool = _write(self.state.k[layer], page, off, k)
+        v_pool = _write(self.state.v[layer], page, off, v)
         self.k.append(k_pool)
         self.v.append(v_pool)
         k_all = gather_pages(k_pool, self.table)
         v_all = gather_pages(v_pool, self.table)
         j = jnp.arange(k_all.shape[1])[None, :]
-        k_pos = jnp.where(j <= self.pos[:, None], j, -1)  # (B, W * ps)
+        k_pos = jnp.where(j <= last[:, None], j, -1)  # (B, W * ps)
         return k_all, v_all, k_pos
 
     def _kernel_attend(self, layer, q, positions, sliding_window):

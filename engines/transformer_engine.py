@@ -94,11 +94,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.speculative != "none" and self.kv_layout == "paged":
-            parse_speculative(self.speculative)
-            # TODO(#10): verify steps over pages (several pages per step, host lengths).
-            raise ValueError("speculative decoding works with kv_layout contiguous only, "
-                             "for now")
+        if self.speculative != "none" and self.paged_attention == "pallas_tpu":
+            raise ValueError("speculative decoding verifies several tokens per slot, which "
+                             "the pallas_tpu paged kernel does not; use paged_attention "
+                             "auto or xla")
         if self.kv_dtype == "int8" and self.kv_layout == "paged":
             # TODO(#10): int8 pages with per-token scales.
             raise ValueError("kv_dtype int8 works with kv_layout contiguous only, for now")
@@ -214,7 +213,7 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
     return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
 
 
-def _verify_step(logits, state, drafts, top_n: int):
+def verify_step(logits, state, drafts, top_n: int):
     """The speculative half shared by both cache layouts: logits f32[B, K+1, V] of
     [last token, d1..dK] -> (tokens i32[B, K+1], count i32[B] before the cache-room cap,
     next keys, log-probs f32[B, K+1], top ids, top log-probs)."""
@@ -230,7 +229,7 @@ def _verify_step(logits, state, drafts, top_n: int):
             top_lp.reshape(B, T, top_n))
 
 
-def _advance(state, tokens, count, max_seq_len: int):
+def advance_slots(state, tokens, count, max_seq_len: int):
     """Slot bookkeeping after a verify step: count capped by the room left (0 for a full
     slot); new lengths, last tokens, generated-token counts and history."""
     B, T = tokens.shape
@@ -258,8 +257,8 @@ def _generate_speculative(model: Decoder, top_n: int, k: int, params, state: Dec
     positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
     kv = DecodeKV(state, positions)
     logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
-    tokens, count, next_keys, lp, top_ids, top_lp = _verify_step(logits, state, drafts, top_n)
-    slot, count = _advance(state, tokens, count, S)
+    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, state, drafts, top_n)
+    slot, count = advance_slots(state, tokens, count, S)
     new_state = DecodeState(
         k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
         sampling=dataclasses.replace(state.sampling, key=next_keys),

@@ -60,7 +60,7 @@ def generate_many(
     def fits(i: int) -> bool:
         if pages is None:
             return True
-        need = pages.pages_to_insert(len(prompts[i]) + budgets[i])
+        need = pages.pages_for_sequence(len(prompts[i]) + budgets[i])
         return need + sum(promised.values()) <= pages.pool.num_pages
 
     def accept(i: int, h: HostResults, row: int) -> bool:
@@ -89,7 +89,7 @@ def generate_many(
             state = engine.insert(prefix, state, slot)
             active[slot] = i
             if pages is not None:
-                promised[slot] = pages.pages_to_insert(len(prompts[i]) + budgets[i])
+                promised[slot] = pages.pages_for_sequence(len(prompts[i]) + budgets[i])
         if not active:
             continue
         state, res = engine.generate(params, state)

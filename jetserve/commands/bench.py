@@ -1,6 +1,7 @@
 """Benchmarks that print figures: decode against its floor, jetserve against transformers,
 quantized variants against the float model, KV capacity of the paged layout,
-inter-token latency under chunked prefill, TTFT with the prefix cache."""
+inter-token latency under chunked prefill, TTFT with the prefix cache, speculative
+decoding against plain decoding."""
 
 from __future__ import annotations
 
@@ -154,6 +155,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help="print the JSON (without per-request records)")
     s.set_defaults(_bench=_serve)
 
+    sp = sub.add_parser("speculative", help="decode with speculative decoding vs without")
+    sp.add_argument("--model", default=None,
+                    help="HF or Orbax directory, or random:NAME (default: bundled model)")
+    sp.add_argument("--speculative", default="ngram:4", help="the drafter, e.g. ngram:4")
+    sp.add_argument("--workloads", default="python,random",
+                    help="comma-separated, from python (stdlib source), random (random ids)")
+    sp.add_argument("--batch", type=int, default=4, help="prompts decoded together")
+    sp.add_argument("--prompt-len", type=int, default=192)
+    sp.add_argument("--new-tokens", type=int, default=96)
+    sp.add_argument("--repeats", type=int, default=3, help="alternating runs; the best counts")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(_bench=_speculative)
+
     pl = sub.add_parser("plot", help="one latency-vs-throughput PNG from `bench serve --out` files")
     pl.add_argument("results", nargs="+")
     pl.add_argument("--out", required=True)
@@ -197,6 +211,27 @@ def _decode(args: argparse.Namespace) -> int:
         print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['step_ms_best']:>8.2f} "
               f"{r['floor_ms']:>8.2f} {r['fraction_of_floor']:>8.3f} "
               f"{r['fraction_of_floor_best']:>6.3f} {r['bound']:>7} {r['tokens_per_s']:>9.1f}")
+    return 0
+
+
+def _speculative(args: argparse.Namespace) -> int:
+    from jetserve.bench import speculative
+
+    cfg = speculative.SpeculativeBenchConfig(
+        model=args.model, speculative=args.speculative,
+        workloads=tuple(w for w in args.workloads.split(",") if w), batch=args.batch,
+        prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats)
+    out = speculative.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'workload':>8} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} "
+          f"{'accepted':>9} {'tok/step':>9} {'same':>5}")
+    for r in out["rows"]:
+        rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+        print(f"{r['workload']:>8} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>11.1f} "
+              f"{r['speedup']:>8.3f} {rate:>9} {r['tokens_per_step']:>9.2f} "
+              f"{r['same_tokens']:>5.2f}")
     return 0
 
 

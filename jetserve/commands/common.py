@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engines import EngineConfig, quantization
+from engines.speculative import parse_speculative
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache: auto (the model dtype) or int8 with a scale per token "
                         "and kv head")
+    p.add_argument("--speculative", default="none",
+                   help="speculative decoding: none, or ngram:K (K drafts per step from "
+                        "the sequence's own tokens, verified in one step)")
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,12 +43,16 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     prefill = args.max_prefill_length or min(512, args.max_seq_len)
+    try:
+        parse_speculative(args.speculative)
+    except ValueError as e:
+        raise ValueError(f"--speculative: {e}") from None
     return EngineConfig(max_concurrent_decodes=args.max_concurrent_decodes,
                         max_prefill_length=prefill, max_seq_len=args.max_seq_len,
                         dtype=args.dtype, kv_layout=args.kv_layout,
                         page_size=args.page_size, num_pages=args.num_pages,
                         quantize=args.quantize, quant_group_size=args.quant_group_size,
-                        kv_dtype=args.kv_dtype)
+                        kv_dtype=args.kv_dtype, speculative=args.speculative)
 
 
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:

@@ -91,10 +91,13 @@ def run(args: argparse.Namespace) -> int:
     results = run_all(engine, params, prompts, args, sampling)
     if not distributed.is_primary():  # every process ran the same steps; one prints
         return 0
-    for prompt, token_ids, text, finish_reason in results:
+    for prompt, token_ids, text, finish_reason, drafts in results:
         if args.json:
-            print(json.dumps({"prompt_ids": prompt, "token_ids": token_ids,
-                              "text": text, "finish_reason": finish_reason}), flush=True)
+            row = {"prompt_ids": prompt, "token_ids": token_ids, "text": text,
+                   "finish_reason": finish_reason}
+            if drafts is not None:  # speculative decoding: (proposed, accepted) drafts
+                row["drafted"], row["accepted"] = drafts
+            print(json.dumps(row), flush=True)
         else:
             print(text, flush=True)
     return 0
@@ -112,7 +115,9 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
     for i, c in enumerate(done):
         if c.finish_reason == "error":
             raise RuntimeError(f"prompt {i} failed: {c.error}")
-    return [(list(p), c.token_ids, c.text, c.finish_reason)
+    spec = engine.config.spec.enabled
+    return [(list(p), c.token_ids, c.text, c.finish_reason,
+             (c.timing.drafted, c.timing.accepted) if spec else None)
             for p, c in zip(prompts, done, strict=True)]
 
 
@@ -123,4 +128,4 @@ def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:
     tok = engine.tokenizer
     return [(r.prompt_ids, r.token_ids,
              completion_text(tok, r.prompt_ids, r.token_ids, r.finish_reason == "stop")
-             if tok else "", r.finish_reason) for r in results]
+             if tok else "", r.finish_reason, None) for r in results]

@@ -135,6 +135,8 @@ class GenerateWorker:
         self.transfer_pending: Callable[[], int] = lambda: 0
         self.steps = 0
         self.tokens = 0
+        self.drafted = 0  # speculative decoding: draft tokens proposed, and accepted
+        self.accepted = 0
         self._pending: tuple[ResultTokens, list[tuple[int, LiveRequest]], float] | None = None
         self._last_read = 0.0
 
@@ -243,7 +245,7 @@ class GenerateWorker:
         if self.pages is None:
             return True
         shared = len(live.cache_hit.pages) if live.cache_hit is not None else 0
-        need = (self.pages.pages_to_insert(int(prefix.length) + 1) - shared
+        need = (self.pages.pages_to_start(int(prefix.length)) - shared
                 + self.pages.pages_for_step())
         if need > self.pages.free_count and self.cache is not None:
             self.cache.make_room(need - self.pages.free_count)
@@ -316,13 +318,17 @@ class GenerateWorker:
         for slot, live in rows:
             if live.done:
                 continue  # ended meanwhile (cancel, stop string): drop the tokens
-            n, finish = live.take(host.tokens(slot))
+            n, finish = live.take_step(host, slot)
             if finish is not None:
                 live.done = True
                 if self.slots.owner(slot) is live:
                     self._release(slot)
             out.append((live, slot, n, finish))
         self.tokens += sum(n for _, _, n, _ in out)
+        for slot, _ in rows:
+            drafted, accepted = host.drafts(slot)
+            self.drafted += drafted
+            self.accepted += accepted
         if out:
             self.outbox.put(StepOutput(host.data, out, now))
         step_time = now - max(self._last_read, t_dispatch)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.engine_api import HostResults
 from jetserve.orchestrator.detokenize import TextStream
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.stopping import Finish, token_finish
@@ -73,6 +74,13 @@ class LiveRequest:
             if finish is not None:
                 return n, finish
         return len(tokens), None
+
+    def take_step(self, host: HostResults, slot: int) -> tuple[int, Finish | None]:
+        """`take` of the slot's tokens of one generate step, counting its drafts."""
+        drafted, accepted = host.drafts(slot)
+        self.timing.drafted += drafted
+        self.timing.accepted += accepted
+        return self.take(host.tokens(slot))
 
     def sequence(self) -> list[int]:
         """Prompt and generated tokens: what a preempted request prefills again."""

@@ -93,6 +93,7 @@ class LockStepOrchestrator(Orchestrator):
         self._held: LiveRequest | None = None  # next in line, waiting for pages (process 0)
         self._last_read = 0.0
         self.steps = self.tokens = self.prefills = 0
+        self.drafted = self.accepted = 0  # speculative decoding
 
     def _thread_bodies(self):
         return [("lockstep", self.run), ("detokenize", self._detok.run)]
@@ -107,7 +108,8 @@ class LockStepOrchestrator(Orchestrator):
         s["prefill"] = [{"engine": 0, "busy": False, "prefills": self.prefills}]
         s["generate"] = [{"engine": 0, "slots": self._codec.slots,
                           "slots_in_use": len(self._rows), "backlog": 0,
-                          "steps": self.steps, "tokens": self.tokens}]
+                          "steps": self.steps, "tokens": self.tokens,
+                          "drafted": self.drafted, "accepted": self.accepted}]
         if self._pages is not None:
             s["generate"][0].update(kv_pages=self._pages.pool.num_pages,
                                     kv_pages_free=self._pages.free_count, preemptions=0)
@@ -177,7 +179,7 @@ class LockStepOrchestrator(Orchestrator):
         """Paged engine: reserves the pages `live`'s whole sequence may take, if free."""
         if self._pages is None:
             return True
-        need = self._pages.pages_to_insert(len(live.request.prompt_ids) + live.budget)
+        need = self._pages.pages_for_sequence(len(live.request.prompt_ids) + live.budget)
         if need + sum(self._promised.values()) > self._pages.pool.num_pages:
             return False
         self._promised[slot] = need
@@ -309,11 +311,15 @@ class LockStepOrchestrator(Orchestrator):
         for slot, live in rows:
             if live.done:
                 continue  # ended meanwhile (cancel, stop string): drop the tokens
-            n, finish = live.take(host.tokens(slot))
+            n, finish = live.take_step(host, slot)
             if finish is not None:
                 live.done = True  # the next plan frees its slot
             out.append((live, slot, n, finish))
         self.tokens += sum(n for _, _, n, _ in out)
+        for slot, _ in rows:
+            drafted, accepted = host.drafts(slot)
+            self.drafted += drafted
+            self.accepted += accepted
         if out:
             self._outbox.put(StepOutput(host.data, out, now))
         step_time = now - max(self._last_read, t_dispatch)

@@ -27,6 +27,14 @@ class RequestTiming:
     first_token: float | None = None  # first token handed to the stream
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per token
     end: float | None = None  # final delta handed to the stream
+    # Speculative decoding (generate thread): draft tokens proposed for this request, and
+    # how many of them the target model accepted.
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def queue_time(self) -> float | None:

@@ -58,9 +58,9 @@ def test_bad_speculative_settings_are_named(text, message):
         EngineConfig(speculative=text)
 
 
-def test_paged_layout_refuses_speculative_for_now():
-    with pytest.raises(ValueError, match="contiguous only"):
-        EngineConfig(kv_layout="paged", speculative="ngram:2")
+def test_the_tpu_paged_kernel_refuses_speculative():
+    with pytest.raises(ValueError, match="pallas_tpu paged kernel"):
+        EngineConfig(kv_layout="paged", paged_attention="pallas_tpu", speculative="ngram:2")
 
 
 # ---- drafting -----------------------------------------------------------------------------
@@ -197,3 +197,57 @@ def test_rejection_sampling_keeps_the_target_distribution():
     check(tokens[:, 0], p[0])
     check(tokens[count >= 2, 1], p[1])
     check(tokens[count >= 3, 2], p[2])
+
+
+# ---- the paged layout -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paged_spec():
+    # Pages of 4 tokens: a verify step of 5 positions spans two or three pages.
+    return _engine(f"ngram:{K}", kv_layout="paged", page_size=4)
+
+
+def test_paged_greedy_output_equals_plain(plain, paged_spec):
+    eng, params = paged_spec
+    prompts = _prompts(1)
+    want = generate_many(*plain, prompts, max_tokens=30, ignore_eos=True)
+    got = generate_many(eng, params, prompts, max_tokens=30, ignore_eos=True)
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    eng.pages.check()
+    assert eng.pages.free_count == eng.pages.pool.num_pages  # every page came back
+
+
+def test_paged_rollback_returns_the_pages_of_rejected_positions(plain, paged_spec):
+    eng, params = paged_spec
+    pages = eng.pages
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (6, 13, 10)]
+    state = eng.init_decode_state()
+    toks = []
+    for slot, p in enumerate(prompts):
+        prefix, first = eng.prefill(params, p, len(p))
+        toks.append([first.to_host().token(0)])
+        state = eng.insert(prefix, state, slot)
+    returned = 0
+    for _ in range(10):
+        state, res = eng.generate(params, state)  # syncs the last step's lengths first
+        pages.check()
+        h = res.to_host()
+        for slot in range(3):
+            toks[slot] += h.tokens(slot)
+        planned = sum(len(pages.pages_of(s)) for s in range(3))
+        pages.sync(np.asarray(state.lengths))
+        pages.check()
+        returned += planned - sum(len(pages.pages_of(s)) for s in range(3))
+        for slot in range(3):
+            assert pages.length(slot) == h.length(slot) - 1  # the host agrees with the device
+    assert returned > 0  # pages planned for rejected positions went back
+    for slot, p in enumerate(prompts):
+        ref = generate_many(*plain, [p], max_tokens=len(toks[slot]), ignore_eos=True)[0]
+        assert toks[slot] == ref.token_ids
+    for s in range(3):
+        eng.free_slot(s)
+    pages.check()

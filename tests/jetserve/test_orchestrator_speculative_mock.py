@@ -119,3 +119,21 @@ def test_offline_loop_takes_several_tokens_per_step():
     assert [(r.token_ids, r.finish_reason, r.logprobs) for r in got] == \
         [(r.token_ids, r.finish_reason, r.logprobs) for r in want]
     assert want[0].finish_reason == "stop" and want[1].finish_reason == "length"
+
+
+def test_acceptance_counts_per_request_in_stats_and_metrics(make):
+    from jetserve.server.metrics import ServerMetrics
+
+    with make() as orch:
+        metrics = ServerMetrics(orch)
+        r = orch.submit(Request(prompt_ids=[65], max_tokens=8)).result(10)
+        stats = orch.stats()
+        text = metrics.render()[0].decode()
+    # Steps from a cache of 1 token: 2 tokens (1 draft of 3 kept), then 4 (3 kept), then
+    # 4 again, of which the budget takes 1: 3 steps, 9 drafts, 7 kept.
+    assert r.token_ids == expected([65], 8)
+    assert (r.timing.drafted, r.timing.accepted) == (9, 7)
+    g = stats["generate"][0]
+    assert g["drafted"] >= 9 and g["accepted"] >= 7  # a step after the end may count too
+    assert "jetserve_spec_draft_tokens_total 9.0" in text
+    assert "jetserve_spec_accepted_tokens_total 7.0" in text

@@ -53,16 +53,18 @@ def stack_blocks(blocks: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.stack(blocks)
 
 
-def prefix_of_blocks(blocks: jax.Array, length: jax.Array, prompt_mask: jax.Array) -> Prefix:
-    """A stack [n, L, 2, b, K, H] whose first `length` positions are a prompt's KV -> the
-    Prefix a prefill continues (later entries are masked). Only k, v, k_pos, length and
-    prompt_mask are read by a continuing prefill; token and sampling are placeholders."""
+def prefix_of_blocks(blocks: jax.Array, length: jax.Array, prompt_mask: jax.Array,
+                     tokens: jax.Array) -> Prefix:
+    """A stack [n, L, 2, b, K, H] whose first `length` positions are a prompt's KV, and
+    those tokens (i32[1, n*b], zero padded) -> the Prefix a prefill continues (later
+    entries are masked). Only k, v, k_pos, tokens, length and prompt_mask are read by a
+    continuing prefill; token and sampling are placeholders."""
     n, L, _, b, K, H = blocks.shape
     kv = jnp.moveaxis(blocks, 0, 2).reshape(L, 2, 1, n * b, K, H)
     j = jnp.arange(n * b)[None, :]
     return Prefix(
         k=tuple(kv[i, 0] for i in range(L)), v=tuple(kv[i, 1] for i in range(L)),
-        k_pos=jnp.where(j < length, j, -1).astype(jnp.int32),
+        k_pos=jnp.where(j < length, j, -1).astype(jnp.int32), tokens=tokens,
         length=length.astype(jnp.int32), token=jnp.zeros((), jnp.int32),
         sampling=SlotSampling.empty(1), prompt_mask=prompt_mask,
     )

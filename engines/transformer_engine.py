@@ -162,7 +162,8 @@ def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sam
     tok, next_key = sample(logits, sampling, mask, counts)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
     length = start + true_length
-    all_tokens = tokens if existing is None else jnp.concatenate([existing.tokens, tokens], 1)
+    all_tokens = (tokens if existing is None else  # placed as kv.k_pos places positions
+                  jax.lax.dynamic_update_slice_in_dim(existing.tokens, tokens, start, 1))
     prefix = Prefix(
         k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, tokens=all_tokens,
         length=length.astype(jnp.int32),
@@ -540,7 +541,9 @@ class TransformerEngine(Engine):
         the Prefix that a prefill continues with `existing_prefix`."""
         mask = np.zeros((1, self.model_config.vocab_size), bool)
         mask[0, np.asarray(tokens, np.int64)] = True
-        return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask)
+        ids = np.zeros((1, stack.shape[0] * stack.shape[3]), np.int32)
+        ids[0, : len(tokens)] = tokens
+        return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask, ids)
 
     def prompt_logprobs(self, params, tokens, true_length: int | None = None) -> PromptLogprobs:
         """Scores a prompt: host arrays of length true_length (see PromptLogprobs)."""

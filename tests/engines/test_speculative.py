@@ -251,3 +251,23 @@ def test_paged_rollback_returns_the_pages_of_rejected_positions(plain, paged_spe
     for s in range(3):
         eng.free_slot(s)
     pages.check()
+
+
+def test_history_holds_the_prompt_after_chunks_and_cached_blocks(spec):
+    # n-gram drafts read each slot's token history: a prompt prefilled in chunks, or
+    # continued from prefix-cache blocks, must land there whole.
+    eng, params = spec
+    prompt = list(range(3, 43))
+    whole, first = eng.prefill(params, prompt, len(prompt))
+    part, _ = eng.prefill(params, prompt[:16], 16)
+    chunked, _ = eng.prefill(params, prompt[16:], 24, existing_prefix=part)
+    stack = eng.stack_blocks(eng.cache_blocks(whole, 0, 4, 8))
+    cached, _ = eng.prefill(params, prompt[32:], 8,
+                            existing_prefix=eng.prefix_from_blocks(stack, prompt[:32]))
+    want = prompt + [first.to_host().token(0)]
+    state = eng.init_decode_state()
+    for slot, prefix in enumerate((whole, chunked, cached)):
+        state = eng.insert(prefix, state, slot)
+    history = np.asarray(state.history)
+    for slot in range(3):
+        assert history[slot, : len(want)].tolist() == want

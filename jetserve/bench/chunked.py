@@ -57,6 +57,10 @@ def _workload(orch: Orchestrator, cfg: ChunkedConfig, rng) -> list[float]:
                                 max_tokens=1, ignore_eos=True))
         h.result()
     t1 = time.monotonic()
+    # Each stream's first token after the window closes it: cancelling before it would
+    # leave a stall across the whole window out of the figure.
+    while not all(h.timing.token_times[-1] > t1 for h in running):
+        time.sleep(0.005)
     for h in running:
         h.cancel()
     gaps = []

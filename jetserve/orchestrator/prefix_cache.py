@@ -247,7 +247,7 @@ class PrefixCache:
     def insert(self, hit: Hit, prefix: Any) -> None:
         """Array store: caches the whole blocks of hit.sequence that are not cached yet,
         cut from `prefix` (its prefill)."""
-        blocks = self._blocks(hit.sequence, len(hit.sequence))
+        blocks = hit.whole_blocks
         with self._lock:
             node, path = self._roots.setdefault(hit.key, _Node((), None, "root")), []
             for i, b in enumerate(blocks):
@@ -274,7 +274,7 @@ class PrefixCache:
         """After the hit's request was inserted into a slot holding `pages` (in position
         order): its sequence's whole pages become nodes; host nodes on the way move up
         into those pages (unless the device budget is 0). Releases the hit."""
-        blocks = self._blocks(hit.sequence, len(hit.sequence))
+        blocks = hit.whole_blocks
         with self._lock:
             node, path = self._roots.setdefault(hit.key, _Node((), None, "root")), []
             for b, page in zip(blocks, pages, strict=False):

@@ -2,6 +2,7 @@
 tiny engine: cached, host-tier-only and uncached runs give the same greedy tokens, and the
 cache's hit rate and bytes per tier reach the metrics."""
 
+import threading
 import time
 import types
 
@@ -170,6 +171,28 @@ def test_make_room_frees_only_pages_the_cache_alone_holds():
     assert cache.make_room(5) == 2
     _check(eng, cache)
     assert eng.kv_pages.free_count == 16
+
+
+def test_a_lookup_waits_for_pages_an_earlier_request_is_about_to_cache():
+    eng, cache = _paged()
+    system = [8] * 8
+    first = cache.lookup("k", system + [1])  # a miss, handed on to be inserted
+    cache.hand_on(first)
+    got = []
+    t = threading.Thread(target=lambda: got.append(cache.lookup("k", system + [2], 60.0)))
+    t.start()
+    time.sleep(0.05)
+    assert not got  # waiting: the first request's pages would lengthen its hit
+    eng.kv_pages.insert(0, 9)
+    cache.adopt(first, eng.kv_pages.pages_of(0))
+    t.join(10)
+    assert got[0].tokens == 8 and got[0].pages == eng.kv_pages.pages_of(0)[:2]
+    got[0].release()
+    # Nothing handed on that shares its first block: no wait, whatever wait_s says.
+    start = time.monotonic()
+    other = cache.lookup("k", [9] * 9, 60.0)
+    assert other.tokens == 0 and time.monotonic() - start < 5
+    other.release()
 
 
 def test_host_only_cache_and_budgets():

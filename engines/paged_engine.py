@@ -42,8 +42,8 @@ from engines.paged_kv import (
 )
 from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.sampling import sample, token_logprobs
-from engines.speculative import ngram_drafts
-from engines.transformer_engine import TransformerEngine, advance_slots, verify_step
+from engines.speculative import advance_slots, ngram_drafts, verify_step
+from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
 POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]

@@ -28,7 +28,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from engines.sampling import SlotSampling, apply_penalties, filter_logits
+from engines.engine_api import pack_results
+from engines.kv_cache import DecodeKV, DecodeState
+from engines.model import Decoder
+from engines.sampling import SlotSampling, apply_penalties, filter_logits, token_logprobs
 
 NGRAM_SIZES = (3, 2, 1)  # longest suffix tried first
 MAX_DRAFTS = 16
@@ -112,8 +115,13 @@ def target_probs(logits: jax.Array, s: SlotSampling, prompt_mask: jax.Array,
     flat = apply_penalties(logits.reshape(B * T, V).astype(jnp.float32), rows,
                            jnp.repeat(prompt_mask, T, axis=0), counts.reshape(B * T, V))
     greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), V, dtype=jnp.float32)
-    sampled = jax.nn.softmax(filter_logits(flat, rows), axis=-1)
-    probs = jnp.where((rows.temperature > 0)[:, None], sampled, greedy)
+    random = rows.temperature > 0
+
+    def with_sampled(_):  # the filters sort the vocabulary: only when a row samples
+        sampled = jax.nn.softmax(filter_logits(flat, rows), axis=-1)
+        return jnp.where(random[:, None], sampled, greedy)
+
+    probs = jax.lax.cond(jnp.any(random), with_sampled, lambda _: greedy, None)
     return probs.reshape(B, T, V)
 
 
@@ -149,3 +157,58 @@ def verify(p: jax.Array, q: jax.Array, drafts: jax.Array, keys: jax.Array
     padded = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
     tokens = jnp.where(i < kept[:, None], padded, last[:, None]).astype(jnp.int32)
     return tokens, kept + 1
+
+
+def verify_step(logits, state, drafts, top_n: int):
+    """The speculative half shared by both cache layouts: logits f32[B, K+1, V] of
+    [last token, d1..dK] -> (tokens i32[B, K+1], count i32[B] before the cache-room cap,
+    next keys, log-probs f32[B, K+1], top ids, top log-probs)."""
+    B, T, V = logits.shape
+    counts = running_counts(state.counts, drafts)
+    p = target_probs(logits, state.sampling, state.prompt_mask, counts)
+    q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # n-gram drafts are deterministic
+    keys = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(state.sampling.key)
+    tokens, count = verify(p, q, drafts, jax.vmap(jax.random.key_data)(keys[:, 1]))
+    next_keys = jax.vmap(jax.random.key_data)(keys[:, 0])
+    lp, top_ids, top_lp = token_logprobs(logits.reshape(B * T, V), tokens.reshape(-1), top_n)
+    return (tokens, count, next_keys, lp.reshape(B, T), top_ids.reshape(B, T, top_n),
+            top_lp.reshape(B, T, top_n))
+
+
+def advance_slots(state, tokens, count, max_seq_len: int):
+    """Slot bookkeeping after a verify step: count capped by the room left (0 for a full
+    slot); new lengths, last tokens, generated-token counts and history."""
+    B, T = tokens.shape
+    S = max_seq_len
+    count = jnp.where(state.lengths < S, jnp.minimum(count, S - state.lengths), 0)
+    lengths = state.lengths + count
+    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
+    kept = jnp.arange(T)[None, :] < count[:, None]  # (B, T)
+    V = state.counts.shape[1]
+    counts = state.counts + jnp.sum(
+        jax.nn.one_hot(tokens, V, dtype=state.counts.dtype) * kept[..., None], axis=1)
+    # The kept tokens sit at positions length+1 .. length+count of the history.
+    where = jnp.where(kept, state.lengths[:, None] + 1 + jnp.arange(T)[None, :], S)
+    history = state.history.at[jnp.arange(B)[:, None], where].set(tokens, mode="drop")
+    return dict(lengths=lengths, tokens=jnp.where(count > 0, last, state.tokens),
+                counts=counts, history=history), count
+
+
+def generate_speculative(model: Decoder, top_n: int, k: int, params, state: DecodeState):
+    """One verify step: the model runs over [last token, d1..dk] at positions
+    pos..pos+k of every slot and keeps what engines.speculative.verify accepts."""
+    S = state.k[0].shape[-1]
+    drafts = ngram_drafts(state.history, state.lengths, k)  # (B, k)
+    inp = jnp.concatenate([state.tokens[:, None], drafts], axis=1)  # (B, k+1)
+    positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
+    kv = DecodeKV(state, positions)
+    logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
+    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, state, drafts, top_n)
+    slot, count = advance_slots(state, tokens, count, S)
+    new_state = DecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
+        sampling=dataclasses.replace(state.sampling, key=next_keys),
+        prompt_mask=state.prompt_mask, **slot,
+    )
+    res = pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
+    return new_state, res

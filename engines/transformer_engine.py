@@ -34,14 +34,7 @@ from engines.kv_cache import (
 from engines.model import Decoder
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
 from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
-from engines.speculative import (
-    Speculative,
-    ngram_drafts,
-    parse_speculative,
-    running_counts,
-    target_probs,
-    verify,
-)
+from engines.speculative import Speculative, generate_speculative, parse_speculative
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
 # Decode cache layouts (engines.kv_cache): keys [B, K, H, S], values [B, K, S, H], int8
@@ -214,61 +207,6 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
     return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
 
 
-def verify_step(logits, state, drafts, top_n: int):
-    """The speculative half shared by both cache layouts: logits f32[B, K+1, V] of
-    [last token, d1..dK] -> (tokens i32[B, K+1], count i32[B] before the cache-room cap,
-    next keys, log-probs f32[B, K+1], top ids, top log-probs)."""
-    B, T, V = logits.shape
-    counts = running_counts(state.counts, drafts)
-    p = target_probs(logits, state.sampling, state.prompt_mask, counts)
-    q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # n-gram drafts are deterministic
-    keys = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(state.sampling.key)
-    tokens, count = verify(p, q, drafts, jax.vmap(jax.random.key_data)(keys[:, 1]))
-    next_keys = jax.vmap(jax.random.key_data)(keys[:, 0])
-    lp, top_ids, top_lp = token_logprobs(logits.reshape(B * T, V), tokens.reshape(-1), top_n)
-    return (tokens, count, next_keys, lp.reshape(B, T), top_ids.reshape(B, T, top_n),
-            top_lp.reshape(B, T, top_n))
-
-
-def advance_slots(state, tokens, count, max_seq_len: int):
-    """Slot bookkeeping after a verify step: count capped by the room left (0 for a full
-    slot); new lengths, last tokens, generated-token counts and history."""
-    B, T = tokens.shape
-    S = max_seq_len
-    count = jnp.where(state.lengths < S, jnp.minimum(count, S - state.lengths), 0)
-    lengths = state.lengths + count
-    last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
-    kept = jnp.arange(T)[None, :] < count[:, None]  # (B, T)
-    V = state.counts.shape[1]
-    counts = state.counts + jnp.sum(
-        jax.nn.one_hot(tokens, V, dtype=state.counts.dtype) * kept[..., None], axis=1)
-    # The kept tokens sit at positions length+1 .. length+count of the history.
-    where = jnp.where(kept, state.lengths[:, None] + 1 + jnp.arange(T)[None, :], S)
-    history = state.history.at[jnp.arange(B)[:, None], where].set(tokens, mode="drop")
-    return dict(lengths=lengths, tokens=jnp.where(count > 0, last, state.tokens),
-                counts=counts, history=history), count
-
-
-def _generate_speculative(model: Decoder, top_n: int, k: int, params, state: DecodeState):
-    """One verify step: the model runs over [last token, d1..dk] at positions
-    pos..pos+k of every slot and keeps what engines.speculative.verify accepts."""
-    S = state.k[0].shape[-1]
-    drafts = ngram_drafts(state.history, state.lengths, k)  # (B, k)
-    inp = jnp.concatenate([state.tokens[:, None], drafts], axis=1)  # (B, k+1)
-    positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
-    kv = DecodeKV(state, positions)
-    logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
-    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, state, drafts, top_n)
-    slot, count = advance_slots(state, tokens, count, S)
-    new_state = DecodeState(
-        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
-        sampling=dataclasses.replace(state.sampling, key=next_keys),
-        prompt_mask=state.prompt_mask, **slot,
-    )
-    res = pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
-    return new_state, res
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PromptLogprobs:
@@ -430,7 +368,7 @@ class TransformerEngine(Engine):
             out_shardings=state_sh, donate_argnums=(1,),
         )
         spec = self.config.spec
-        gen = (functools.partial(_generate_speculative, self.model, top_n, spec.k)
+        gen = (functools.partial(generate_speculative, self.model, top_n, spec.k)
                if spec.enabled else functools.partial(_generate, self.model, top_n))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),

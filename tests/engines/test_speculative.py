@@ -11,7 +11,14 @@ import pytest
 from scipy import stats
 
 from engines import EngineConfig, ModelConfig, SamplingParams, TransformerEngine
-from engines.speculative import ngram_drafts, parse_speculative, verify
+from engines.sampling import SlotSampling
+from engines.speculative import (
+    ngram_drafts,
+    parse_speculative,
+    running_counts,
+    target_probs,
+    verify,
+)
 from jetserve.offline import generate_many
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -166,6 +173,28 @@ def test_int8_kv_and_sampling_seeds(plain, spec):
     other = generate_many(*spec, prompts, max_tokens=15, ignore_eos=True,
                           sampling=dataclasses.replace(s, seed=12))
     assert [r.token_ids for r in a] != [r.token_ids for r in other]
+
+
+def test_target_probs_are_the_samplers_distribution_per_row():
+    # Row 0 greedy, row 1 temperature 0.5 with top-k 2, row 2 temperature 1 with a
+    # presence penalty that, at the second position, sees the first draft (token 3).
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 2, 6)), jnp.float32)
+    rows = [SlotSampling.from_params(p, 0) for p in (
+        SamplingParams(), SamplingParams(temperature=0.5, top_k=2),
+        SamplingParams(temperature=1.0, presence_penalty=1.5))]
+    s = jax.tree.map(lambda *x: jnp.concatenate(x), *rows)
+    counts = running_counts(jnp.zeros((3, 6), jnp.int32), jnp.full((3, 1), 3, jnp.int32))
+    p = np.asarray(target_probs(logits, s, jnp.zeros((3, 6), bool), counts))
+    lg = np.asarray(logits)
+    np.testing.assert_array_equal(p[0], np.eye(6)[lg[0].argmax(-1)])
+    for t in range(2):
+        top2 = np.argsort(lg[1, t])[-2:]
+        want = np.zeros(6)
+        want[top2] = np.exp(lg[1, t, top2] / 0.5) / np.exp(lg[1, t, top2] / 0.5).sum()
+        np.testing.assert_allclose(p[1, t], want, atol=1e-6)
+    np.testing.assert_allclose(p[2, 0], np.exp(lg[2, 0]) / np.exp(lg[2, 0]).sum(), atol=1e-6)
+    pen = lg[2, 1] - 1.5 * (np.arange(6) == 3)
+    np.testing.assert_allclose(p[2, 1], np.exp(pen) / np.exp(pen).sum(), atol=1e-6)
 
 
 def test_rejection_sampling_keeps_the_target_distribution():

@@ -136,8 +136,13 @@ def verify(p: jax.Array, q: jax.Array, drafts: jax.Array, keys: jax.Array
     """
     B, T, V = p.shape
     K = T - 1
+    # Every p and q one-hot (greedy rows, n-gram drafts): nothing is random, so the
+    # random draws (slow on CPU) are skipped: u = 0 keeps d iff p(d) > 0, and the last
+    # token is the residual's one token.
+    degenerate = jnp.all(jnp.max(p, axis=-1) >= 1.0) & jnp.all(jnp.max(q, axis=-1) >= 1.0)
     ks = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(ks[:, 0])  # (B, K)
+    u = jax.lax.cond(degenerate, lambda _: jnp.zeros((B, K)),
+                     lambda _: jax.vmap(lambda k: jax.random.uniform(k, (K,)))(ks[:, 0]), None)
     pd = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]  # (B, K)
     qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     # u < p/q without dividing: u in [0, 1), so q = 0 never accepts and p >= q always does.
@@ -151,8 +156,13 @@ def verify(p: jax.Array, q: jax.Array, drafts: jax.Array, keys: jax.Array
     total = jnp.sum(resid, axis=-1, keepdims=True)
     # p == q exactly leaves nothing to correct toward (then any draw from p is right).
     resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), at)
-    logr = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)), -jnp.inf)
-    last = jax.vmap(jax.random.categorical)(ks[:, 1], logr).astype(jnp.int32)
+
+    def draw(_):
+        logr = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)), -jnp.inf)
+        return jax.vmap(jax.random.categorical)(ks[:, 1], logr).astype(jnp.int32)
+
+    last = jax.lax.cond(degenerate, lambda _: jnp.argmax(resid, axis=-1).astype(jnp.int32),
+                        draw, None)
     i = jnp.arange(T)[None, :]
     padded = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
     tokens = jnp.where(i < kept[:, None], padded, last[:, None]).astype(jnp.int32)

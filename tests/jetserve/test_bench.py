@@ -131,3 +131,16 @@ def test_cli_bench_batch_same_tokens_as_transformers(tiny_hf, capsys):
 def test_cli_bench_overhead_forwards_leading_options():
     args = cli.build_parser().parse_args(["bench", "overhead", "--batch", "8", "--json"])
     assert args.rest == ["--batch", "8", "--json"]
+
+
+def test_bench_speculative_json(capsys):
+    rc = cli.main(["bench", "speculative", "--model", "random:tiny", "--workloads", "random",
+                   "--batch", "2", "--prompt-len", "24", "--new-tokens", "12", "--repeats", "1",
+                   "--speculative", "ngram:2", "--json"])
+    assert rc == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["workload"] == "random" and row["same_tokens"] == 1.0  # greedy: same tokens
+    assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
+    assert 0 <= row["acceptance_rate"] <= 1 and row["spec_steps"] <= row["plain_steps"]
+    rc = cli.main(["bench", "speculative", "--speculative", "none"])
+    assert rc == 2 and "must name a drafter" in capsys.readouterr().err

@@ -132,6 +132,9 @@ def _steps(eng, params, prompts, steps):
             counts.append(n)
             toks[slot] += h.tokens(slot)
             lps[slot] += [h.logprob(slot, i) for i in range(n)]
+            for i in range(n):  # greedy, no penalties: each token is its row's top entry
+                top_id, top_lp = h.top_logprobs(slot, i)[0]
+                assert top_id == h.token(slot, i) and top_lp == h.logprob(slot, i)
     return toks, lps, counts
 
 

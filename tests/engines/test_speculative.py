@@ -11,6 +11,7 @@ import pytest
 from scipy import stats
 
 from engines import EngineConfig, ModelConfig, SamplingParams, TransformerEngine
+from engines.kv_cache import PrefillKV
 from engines.sampling import SlotSampling
 from engines.speculative import (
     ngram_drafts,
@@ -303,3 +304,39 @@ def test_history_holds_the_prompt_after_chunks_and_cached_blocks(spec):
     history = np.asarray(state.history)
     for slot in range(3):
         assert history[slot, : len(want)].tolist() == want
+
+
+def test_engine_sampling_at_temperature_1_follows_the_model():
+    # The whole verify step at temperature 1 (n-gram drafts: q one-hot): over many slots
+    # holding the same sequence, each with its own key, the step's first token follows the
+    # model's softmax at that position, whether the draft was kept or replaced.
+    cfg = dataclasses.replace(CFG, vocab_size=16, sliding_window=None)
+    B = 128
+    eng = TransformerEngine(cfg, config=EngineConfig(
+        max_concurrent_decodes=B, max_prefill_length=16, max_seq_len=32, top_logprobs=0,
+        speculative="ngram:2"), devices=jax.devices()[:1], seed=4)
+    params = eng.load_params()
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    prefix, first = eng.prefill(params, prompt, len(prompt))
+    seq = prompt + [first.to_host().token(0)]
+    state0 = eng.init_decode_state()
+    for slot in range(B):
+        state0 = eng.insert(prefix, state0, slot)
+    pos = jnp.arange(len(seq))[None]
+    logits = eng.model.apply({"params": params}, jnp.asarray([seq]), pos, PrefillKV(pos, None))
+    p = np.asarray(jax.nn.softmax(logits[0, -1].astype(jnp.float32)), np.float64)
+    drafts = np.asarray(ngram_drafts(state0.history, state0.lengths, 2))
+    assert (drafts == drafts[0]).all() and p[drafts[0, 0]] > 0.05  # a draft worth testing
+    first_tokens, kept = [], 0
+    for r in range(12):
+        keys = jax.random.key_data(jax.random.split(jax.random.key(100 + r), B))
+        state = jax.tree.map(jnp.copy, state0)
+        state.sampling = dataclasses.replace(state.sampling, key=keys,
+                                             temperature=jnp.ones((B,), jnp.float32))
+        _, res = eng.generate(params, state)
+        h = res.to_host()
+        first_tokens += [h.token(s, 0) for s in range(B)]
+        kept += sum(h.count(s) > 1 for s in range(B))
+    f_obs = np.bincount(first_tokens, minlength=16)
+    assert 0 < kept < len(first_tokens)  # the draft was kept sometimes, replaced otherwise
+    assert stats.chisquare(f_obs, p / p.sum() * len(first_tokens)).pvalue > 1e-3

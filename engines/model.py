@@ -131,8 +131,8 @@ def linear(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
     """x [..., in] times a kernel stored [out, in] (as HF stores linear weights) -> [..., out].
 
     Kernels are kept output-major because XLA's CPU matmul (YNNPACK) runs this form
-    15-30% faster than [in, out] at the few rows of a decode step (1-32); see
-    docs/BENCHMARKS.md."""
+    faster than [in, out] at the few rows of a decode step (1-32; the whole step
+    1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md."""
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 

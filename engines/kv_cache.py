@@ -44,6 +44,9 @@ class Prefix:
     token: jax.Array  # i32[] the first generated token
     sampling: SlotSampling  # one row, key already advanced past the first token
     prompt_mask: jax.Array  # bool[1, V]
+    # The draft model's KV of the prompt (speculative "draft:PATH:K"), as k and v; () else.
+    draft_k: tuple[jax.Array, ...] = ()  # L_draft x [1, T, K_draft, H_draft]
+    draft_v: tuple[jax.Array, ...] = ()
 
 
 @jax.tree_util.register_dataclass
@@ -63,6 +66,10 @@ class DecodeState:
     # i32[B, S] each slot's tokens by position, up to and with `tokens` (n-gram drafting
     # of speculative decoding reads it); i32[B, 0] without speculative decoding.
     history: jax.Array
+    # The draft model's cache (speculative "draft:PATH:K"), laid out as k and v and
+    # following the same lengths; () without a draft model.
+    draft_k: tuple[jax.Array, ...] = ()  # L_draft x [B, K_draft, H_draft, S]
+    draft_v: tuple[jax.Array, ...] = ()  # L_draft x [B, K_draft, S, H_draft]
 
 
 def empty_slot_fields(batch: int, max_seq_len: int, vocab_size: int,
@@ -267,5 +274,7 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
         prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
         counts=row(state.counts, first),
         history=insert_history(state.history, prefix, slot),
+        draft_k=tuple(put_k(c, n) for c, n in zip(state.draft_k, prefix.draft_k, strict=True)),
+        draft_v=tuple(put(c, n) for c, n in zip(state.draft_v, prefix.draft_v, strict=True)),
     )
 

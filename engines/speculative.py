@@ -1,8 +1,10 @@
 """Speculative decoding inside the generate step: drafting, and verifying the drafts.
 
-`EngineConfig.speculative` names the drafter: "none", or "ngram:K" (prompt lookup: the
+`EngineConfig.speculative` names the drafter: "none", "ngram:K" (prompt lookup: the
 K tokens that followed the most recent earlier occurrence of the sequence's last n
-tokens, n = 3, then 2, then 1). The step feeds the target model [last token, d1..dK] at
+tokens, n = 3, then 2, then 1), or "draft:PATH:K" (a smaller model with the target's
+vocabulary: K autoregressive steps of its own, from its own contiguous cache in the
+decode state, `draft_model_drafts`). The step feeds the target model [last token, d1..dK] at
 positions pos..pos+K, so one forward pass scores every draft, and `verify` keeps the
 longest run of drafts the target agrees with plus one token of its own:
 
@@ -13,12 +15,15 @@ longest run of drafts the target agrees with plus one token of its own:
     probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is drawn
     from norm(max(p_i - q_i, 0)), and after K kept drafts from p_{K+1}. p is the target's
     sampling distribution (penalties, temperature, top-k / top-p / min-p as
-    engines.sampling applies them), q the drafter's (one-hot for n-gram drafts), so the
+    engines.sampling applies them), q the drafter's (one-hot for n-gram drafts; the draft
+    model's distribution under the same sampling parameters for a draft model), so the
     tokens follow the target's distribution exactly.
 
 Each slot then advances by (kept drafts + 1); keys and values written at rejected
 positions lie past the slot's length, are never read (every read masks positions past the
-query), and are overwritten by the next step.
+query), and are overwritten by the next step. The draft model's cache follows the same
+lengths: its steps feed [last token, d1..dK] (K + 1 steps, the last one only writing d_K's
+keys and values), so it holds every kept token however many drafts are accepted.
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ MAX_DRAFTS = 16
 
 @dataclasses.dataclass(frozen=True)
 class Speculative:
-    """A parsed `speculative` setting: kind "none" or "ngram", K drafts per step."""
+    """A parsed `speculative` setting: kind "none", "ngram" or "draft" (with the draft
+    model's `path`: a directory or random:NAME), K drafts per step."""
 
     kind: str = "none"
     k: int = 0
+    path: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -50,27 +57,29 @@ class Speculative:
 
 
 def parse_speculative(text: str) -> Speculative:
-    """'none' or 'ngram:K' (1 <= K <= MAX_DRAFTS); a ValueError names what was wrong."""
+    """'none', 'ngram:K' or 'draft:PATH:K' (1 <= K <= MAX_DRAFTS); a ValueError names what
+    was wrong."""
     if not isinstance(text, str):
         raise ValueError(f"speculative must be a string like 'ngram:4', got {text!r}")
     if text == "none":
         return Speculative()
     kind, _, rest = text.partition(":")
-    if kind == "draft":
-        # TODO(#10): a draft model (--speculative draft:PATH:K).
-        raise ValueError("speculative 'draft:PATH:K' (a draft model) is not built yet; "
-                         "use 'ngram:K'")
-    if kind != "ngram":
-        raise ValueError(f"speculative must be 'none' or 'ngram:K', got {text!r}")
+    if kind not in ("ngram", "draft"):
+        raise ValueError(f"speculative must be 'none', 'ngram:K' or 'draft:PATH:K', "
+                         f"got {text!r}")
+    path, _, k_text = rest.rpartition(":") if kind == "draft" else ("", "", rest)
+    if kind == "draft" and not path:
+        raise ValueError(f"speculative 'draft:PATH:K' needs the draft model's PATH (a "
+                         f"directory or random:NAME) and K, got {text!r}")
     try:
-        k = int(rest)
+        k = int(k_text)
     except ValueError:
-        raise ValueError(f"speculative 'ngram:K' needs an integer K of drafts per step, "
+        raise ValueError(f"speculative '{kind}:...K' needs an integer K of drafts per step, "
                          f"got {text!r}") from None
     if not 1 <= k <= MAX_DRAFTS:
-        raise ValueError(f"speculative ngram:K needs 1 <= K <= {MAX_DRAFTS} drafts per step, "
-                         f"got K={k}")
-    return Speculative("ngram", k)
+        raise ValueError(f"speculative {kind}:K needs 1 <= K <= {MAX_DRAFTS} drafts per "
+                         f"step, got K={k}")
+    return Speculative(kind, k, path)
 
 
 def ngram_drafts(history: jax.Array, lengths: jax.Array, k: int) -> jax.Array:
@@ -169,14 +178,16 @@ def verify(p: jax.Array, q: jax.Array, drafts: jax.Array, keys: jax.Array
     return tokens, kept + 1
 
 
-def verify_step(logits, state, drafts, top_n: int):
+def verify_step(logits, state, drafts, top_n: int, q=None):
     """The speculative half shared by both cache layouts: logits f32[B, K+1, V] of
-    [last token, d1..dK] -> (tokens i32[B, K+1], count i32[B] before the cache-room cap,
-    next keys, log-probs f32[B, K+1], top ids, top log-probs)."""
+    [last token, d1..dK], q f32[B, K, V] the drafter's distributions (None: one-hot, for
+    deterministic n-gram drafts) -> (tokens i32[B, K+1], count i32[B] before the
+    cache-room cap, next keys, log-probs f32[B, K+1], top ids, top log-probs)."""
     B, T, V = logits.shape
     counts = running_counts(state.counts, drafts)
     p = target_probs(logits, state.sampling, state.prompt_mask, counts)
-    q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # n-gram drafts are deterministic
+    if q is None:
+        q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)
     keys = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(state.sampling.key)
     tokens, count = verify(p, q, drafts, jax.vmap(jax.random.key_data)(keys[:, 1]))
     next_keys = jax.vmap(jax.random.key_data)(keys[:, 0])
@@ -204,21 +215,67 @@ def advance_slots(state, tokens, count, max_seq_len: int):
                 counts=counts, history=history), count
 
 
-def generate_speculative(model: Decoder, top_n: int, k: int, params, state: DecodeState):
+def draft_model_drafts(draft_model: Decoder, k: int, draft_params, state: DecodeState):
+    """K drafts per slot from the draft model, each drawn from q, the draft's sampling
+    distribution under the slot's parameters (its argmax for greedy rows). The draft
+    runs K + 1 single-token steps over [last token, d1..dK] at positions pos..pos+K of
+    its own cache (the last step only writes d_K's keys and values).
+
+    Returns (drafts i32[B, K], q f32[B, K, V], the state with the RNG keys left for
+    verifying, the draft cache's keys and values)."""
+    split = jax.vmap(lambda key: jax.random.split(jax.random.wrap_key_data(key)))
+    keys = split(state.sampling.key)  # (B, 2): drafting, the rest of the step
+    rest = dataclasses.replace(state, sampling=dataclasses.replace(
+        state.sampling, key=jax.vmap(jax.random.key_data)(keys[:, 1])))
+    view = dataclasses.replace(state, k=state.draft_k, v=state.draft_v, k_scale=(), v_scale=())
+    random = state.sampling.temperature > 0
+
+    def step(carry, i):
+        dk, dv, token, counts = carry
+        pos = (state.lengths + i)[:, None]  # (B, 1): positions past the cache are dropped
+        kv = DecodeKV(dataclasses.replace(view, k=dk, v=dv), pos)
+        logits = draft_model.apply({"params": draft_params}, token[:, None], pos, kv)
+        q = target_probs(logits, state.sampling, state.prompt_mask, counts[:, None])[:, 0]
+
+        def draw(_):
+            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys[:, 0], i)
+            logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
+            drawn = jax.vmap(jax.random.categorical)(step_keys, logq)
+            return jnp.where(random, drawn, jnp.argmax(q, axis=-1)).astype(jnp.int32)
+
+        d = jax.lax.cond(jnp.any(random), draw,
+                         lambda _: jnp.argmax(q, axis=-1).astype(jnp.int32), None)
+        counts = counts + jax.nn.one_hot(d, counts.shape[-1], dtype=counts.dtype)
+        return (tuple(kv.k), tuple(kv.v), d, counts), (d, q)
+
+    init = (state.draft_k, state.draft_v, state.tokens, state.counts)
+    (dk, dv, _, _), (drafts, q) = jax.lax.scan(step, init, jnp.arange(k + 1))
+    drafts = jnp.transpose(drafts[:k], (1, 0))  # (B, K)
+    q = jnp.transpose(q[:k], (1, 0, 2))  # (B, K, V)
+    return drafts, q, rest, dk, dv
+
+
+def generate_speculative(model: Decoder, top_n: int, k: int, draft_model: Decoder | None,
+                         params, state: DecodeState, draft_params=None):
     """One verify step: the model runs over [last token, d1..dk] at positions
-    pos..pos+k of every slot and keeps what engines.speculative.verify accepts."""
+    pos..pos+k of every slot and keeps what engines.speculative.verify accepts. The
+    drafts come from the sequence's own tokens, or from `draft_model` when given."""
     S = state.k[0].shape[-1]
-    drafts = ngram_drafts(state.history, state.lengths, k)  # (B, k)
+    if draft_model is None:
+        drafts, q, rest = ngram_drafts(state.history, state.lengths, k), None, state
+        dk, dv = state.draft_k, state.draft_v
+    else:
+        drafts, q, rest, dk, dv = draft_model_drafts(draft_model, k, draft_params, state)
     inp = jnp.concatenate([state.tokens[:, None], drafts], axis=1)  # (B, k+1)
     positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
     kv = DecodeKV(state, positions)
     logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
-    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, state, drafts, top_n)
+    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, rest, drafts, top_n, q)
     slot, count = advance_slots(state, tokens, count, S)
     new_state = DecodeState(
         k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
         sampling=dataclasses.replace(state.sampling, key=next_keys),
-        prompt_mask=state.prompt_mask, **slot,
+        prompt_mask=state.prompt_mask, draft_k=tuple(dk), draft_v=tuple(dv), **slot,
     )
     res = pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
     return new_state, res

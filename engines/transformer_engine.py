@@ -67,8 +67,9 @@ class EngineConfig:
     quant_group_size: int = quantization.DEFAULT_GROUP
     # KV cache storage: auto (the model dtype) or int8 with a scale per token and kv head.
     kv_dtype: str = "auto"
-    # Speculative decoding in the generate step (engines/speculative.py): "none" or
-    # "ngram:K" (K drafts per step from the sequence's own tokens).
+    # Speculative decoding in the generate step (engines/speculative.py): "none",
+    # "ngram:K" (K drafts per step from the sequence's own tokens) or "draft:PATH:K" (K
+    # drafts per step from a smaller model; the engine is given its config and weights).
     speculative: str = "none"
 
     def __post_init__(self):
@@ -91,6 +92,12 @@ class EngineConfig:
             raise ValueError("speculative decoding verifies several tokens per slot, which "
                              "the pallas_tpu paged kernel does not; use paged_attention "
                              "auto or xla")
+        if self.speculative.startswith("draft:"):
+            for what, bad in (("kv_layout paged", self.kv_layout == "paged"),
+                              ("kv_dtype int8", self.kv_dtype == "int8")):
+                if bad:
+                    raise ValueError(f"speculative 'draft:PATH:K' (a draft model) works with "
+                                     f"the contiguous float KV cache only, not {what}")
         if self.kv_dtype == "int8" and self.kv_layout == "paged":
             # TODO(#10): int8 pages with per-token scales.
             raise ValueError("kv_dtype int8 works with kv_layout contiguous only, for now")
@@ -139,8 +146,10 @@ class _ShapeOnlyKV:
 
 
 def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
-             prompt_mask, existing):
-    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length)."""
+             prompt_mask, existing, draft_params=None, *, draft_model: Decoder | None = None):
+    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length).
+    With a draft model (speculative decoding) the draft's KV of the prompt comes too
+    (whole prompts only: the engine refuses existing prefixes then)."""
     T = tokens.shape[1]
     idx = jnp.arange(T)[None, :]
     positions = start + idx  # (1, T)
@@ -157,10 +166,14 @@ def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sam
     length = start + true_length
     all_tokens = (tokens if existing is None else  # placed as kv.k_pos places positions
                   jax.lax.dynamic_update_slice_in_dim(existing.tokens, tokens, start, 1))
+    draft = PrefillKV(new_k_pos, None)
+    if draft_model is not None:
+        draft_model.apply({"params": draft_params}, tokens, positions, draft, last=last)
     prefix = Prefix(
         k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, tokens=all_tokens,
         length=length.astype(jnp.int32),
         token=tok[0], sampling=dataclasses.replace(sampling, key=next_key), prompt_mask=mask,
+        draft_k=tuple(draft.k), draft_v=tuple(draft.v),
     )
     res = pack_results(tok, jnp.ones((1,), bool), jnp.reshape(length + 1, (1,)), lp, top_ids,
                        top_lp)
@@ -228,7 +241,9 @@ class TransformerEngine(Engine):
       sharding: the preset that maps logical axes to this slice's mesh.
       config: serving shapes (slots, prefill length, sequence length, dtype).
       tokenizer: host tokenizer, or None for a token-ids-only model.
-      seed: RNG seed for random weights.
+      seed: RNG seed for random weights (a random draft model's too).
+      draft_config, draft_weights: the draft model of speculative "draft:PATH:K" (its
+        config, and its weights as `weights`), replicated on the same devices.
     """
 
     def __new__(cls, *args, config: EngineConfig | None = None, **kwargs):
@@ -249,6 +264,8 @@ class TransformerEngine(Engine):
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         seed: int = 0,
+        draft_config: ModelConfig | None = None,
+        draft_weights: str | None = None,
     ):
         self.config = config or EngineConfig()
         self.model_config = model_config = quantization.with_weight_quant(
@@ -264,7 +281,36 @@ class TransformerEngine(Engine):
         self.model = Decoder(model_config, dtype=self.dtype)
         self._logical = self._param_logical_axes()
         self.param_shardings = self._param_shardings()
+        self._draft = self._draft_engine(draft_config, draft_weights, devices)
+        self._draft_params = None
         self._build_jits()
+
+    def _draft_engine(self, draft_config, draft_weights, devices) -> TransformerEngine | None:
+        """The draft model of speculative "draft:PATH:K" as an engine of its own (its
+        model, parameters and cache layout), on the same devices, replicated."""
+        spec = self.config.spec
+        if spec.kind != "draft":
+            if draft_config is not None:
+                raise ValueError(f"a draft model was given but speculative is "
+                                 f"{self.config.speculative!r}, not 'draft:PATH:K'")
+            return None
+        if draft_config is None:
+            raise ValueError(f"speculative {self.config.speculative!r} needs the draft "
+                             f"model's config (jetserve.model_loading.build_engine reads PATH)")
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"draft model {spec.path!r} has a vocabulary of "
+                             f"{draft_config.vocab_size} tokens, the target "
+                             f"{self.model_config.vocab_size}: speculative decoding needs "
+                             f"the same tokenizer")
+        if jax.process_count() > 1:
+            raise ValueError("speculative 'draft:PATH:K' (a draft model) runs in one "
+                             "process only")
+        e = self.config
+        config = EngineConfig(max_concurrent_decodes=e.max_concurrent_decodes,
+                              max_prefill_length=e.max_prefill_length,
+                              max_seq_len=e.max_seq_len, dtype=e.dtype)
+        return TransformerEngine(draft_config, weights=draft_weights, devices=devices,
+                                 config=config, seed=self.seed)
 
     # ---- shardings ---------------------------------------------------------------------
 
@@ -319,10 +365,12 @@ class TransformerEngine(Engine):
             scales = (self._named(SCALE_AXES, (B, K, S), "kv cache scales"),) * L
         hist = self._named((axes.CACHE_BATCH, None), (B, S if e.spec.enabled else 0),
                            "token history")
+        draft = self._draft.decode_state_shardings() if self._draft else None
         return DecodeState(k=(k_cache,) * L, v=(v_cache,) * L, k_scale=scales, v_scale=scales,
                            lengths=vec, tokens=vec,
                            sampling=self._sampling_shardings(axes.CACHE_BATCH),
-                           prompt_mask=bv, counts=bv, history=hist)
+                           prompt_mask=bv, counts=bv, history=hist,
+                           draft_k=draft.k if draft else (), draft_v=draft.v if draft else ())
 
     def prefix_destination_sharding(self) -> Prefix:
         c = self.model_config
@@ -330,8 +378,10 @@ class TransformerEngine(Engine):
         r = self._replicated()
         samp = SlotSampling(**{f.name: r for f in dataclasses.fields(SlotSampling)})
         L = c.num_layers
+        draft = self._draft.prefix_destination_sharding() if self._draft else None
         return Prefix(k=(kv,) * L, v=(kv,) * L, k_pos=r, tokens=r, length=r, token=r,
-                      sampling=samp, prompt_mask=r)
+                      sampling=samp, prompt_mask=r,
+                      draft_k=draft.k if draft else (), draft_v=draft.v if draft else ())
 
     # ---- jitted functions --------------------------------------------------------------
 
@@ -353,9 +403,13 @@ class TransformerEngine(Engine):
         # Each function traces under this engine's layout, for the model's activation
         # constraints (sharding.constrain).
         laid_out = functools.partial(traced_under, self.sharding, self._mesh)
+        draft_model = self._draft.model if self._draft else None
+        # With a draft model its parameters come last (self._draft_args()).
+        draft_sh = (self._draft.param_shardings,) if self._draft else ()
         self._prefill_jit = jax.jit(
-            self._counted("prefill", laid_out(functools.partial(_prefill, self.model, top_n))),
-            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None),
+            self._counted("prefill", laid_out(functools.partial(
+                _prefill, self.model, top_n, draft_model=draft_model))),
+            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
             out_shardings=(prefix_sh, r),
         )
         self._prompt_logprobs_jit = jax.jit(
@@ -368,11 +422,12 @@ class TransformerEngine(Engine):
             out_shardings=state_sh, donate_argnums=(1,),
         )
         spec = self.config.spec
-        gen = (functools.partial(generate_speculative, self.model, top_n, spec.k)
+        gen = (functools.partial(generate_speculative, self.model, top_n, spec.k, draft_model)
                if spec.enabled else functools.partial(_generate, self.model, top_n))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
-            in_shardings=(self.param_shardings, state_sh), out_shardings=(state_sh, r),
+            in_shardings=(self.param_shardings, state_sh, *draft_sh),
+            out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
         self._blocks_of_prefix_jit = jax.jit(blocks_of_prefix, static_argnums=(2, 3))
@@ -383,6 +438,21 @@ class TransformerEngine(Engine):
     # ---- Engine API --------------------------------------------------------------------
 
     def load_params(self) -> dict:
+        """The target's parameters (a draft model's are loaded too, and kept here)."""
+        if self._draft is not None:
+            self._draft_params = self._draft.load_params()
+        return self._load_own_params()
+
+    def _draft_args(self) -> tuple:
+        """The draft model's parameters as the device functions' last argument, if any."""
+        if self._draft is None:
+            return ()
+        if self._draft_params is None:
+            raise RuntimeError("load_params() loads the draft model; call it before "
+                               "prefill / generate")
+        return (self._draft_params,)
+
+    def _load_own_params(self) -> dict:
         if quantization.needs_quantizing(self.model_config, self.weights):
             return quantization.load_quantized(self)
         if self.weights is None:
@@ -421,9 +491,16 @@ class TransformerEngine(Engine):
                 k=(jnp.zeros((B, K, H, S), dtype),) * L, v=(jnp.zeros((B, K, S, H), dtype),) * L,
                 k_scale=scales, v_scale=scales,
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
+                **self._empty_draft_cache(),
             )
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()
+
+    def _empty_draft_cache(self) -> dict:
+        if self._draft is None:
+            return {}
+        draft = self._draft.init_decode_state()
+        return dict(draft_k=draft.k, draft_v=draft.v)
 
     def prefill(self, params, tokens, true_length, *, sampling: SamplingParams | None = None,
                 existing_prefix: Prefix | None = None, seed: int | None = None):
@@ -431,6 +508,9 @@ class TransformerEngine(Engine):
         sampling = sampling or SamplingParams()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         true_length = int(true_length)
+        if existing_prefix is not None and self._draft is not None:
+            raise ValueError("speculative 'draft:PATH:K' (a draft model) prefills whole "
+                             "prompts only: no chunked prefill or prefix cache")
         start = 0 if existing_prefix is None else int(existing_prefix.length)
         if not 1 <= true_length <= tokens.shape[0]:
             raise ValueError(f"true_length {true_length} must be in [1, {tokens.shape[0]}]")
@@ -450,7 +530,7 @@ class TransformerEngine(Engine):
             # Room for this bucket at `start`, rounded up to a power of two (few shapes).
             existing_prefix = self._grow_prefix_jit(existing_prefix, stack_size(start + bucket))
         return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
-                                 prior_mask, existing_prefix)
+                                 prior_mask, existing_prefix, *self._draft_args())
 
     # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
 
@@ -477,6 +557,9 @@ class TransformerEngine(Engine):
     def prefix_from_blocks(self, stack: Any, tokens: Sequence[int]) -> Prefix:
         """A stack of blocks whose first len(tokens) positions hold those tokens' KV ->
         the Prefix that a prefill continues with `existing_prefix`."""
+        if self._draft is not None:
+            raise ValueError("speculative 'draft:PATH:K' (a draft model) does not work with "
+                             "the prefix cache")
         mask = np.zeros((1, self.model_config.vocab_size), bool)
         mask[0, np.asarray(tokens, np.int64)] = True
         ids = np.zeros((1, stack.shape[0] * stack.shape[3]), np.int32)
@@ -498,7 +581,7 @@ class TransformerEngine(Engine):
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_jit(params, decode_state)
+        return self._generate_jit(params, decode_state, *self._draft_args())
 
     # ---- properties --------------------------------------------------------------------
 
@@ -513,6 +596,11 @@ class TransformerEngine(Engine):
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
+
+    @property
+    def has_draft_model(self) -> bool:
+        """Speculative "draft:PATH:K": prompts are prefilled whole (no chunks, no cache)."""
+        return self._draft is not None
 
     @property
     def mesh(self) -> Mesh:

@@ -27,6 +27,11 @@ RANDOM_MODELS: dict[str, ModelConfig] = {
                         num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(0,)),
     "small": ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_layers=4,
                          num_heads=8, num_kv_heads=4, head_dim=32, eos_token_ids=(0,)),
+    # A tiny model with the bundled model's vocabulary of 4096 (a random draft model for
+    # it: `--speculative draft:random:tiny-v4096:K`); token ids only.
+    "tiny-v4096": ModelConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                              num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                              eos_token_ids=(2,), bos_token_id=1),
     # The 156M-parameter f32 Llama of the performance issue (untied, vocab 32000): F = 2816
     # (8/3 D rounded up to 256) gives its 156M parameters and 492 MB read per step.
     "llama-156m": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
@@ -77,8 +82,14 @@ def build_engine(
     engine_config: EngineConfig | None = None,
     seed: int = 0,
 ) -> TransformerEngine:
+    """The engine of `model`; with speculative "draft:PATH:K" the draft model PATH (a
+    directory or random:NAME) is resolved here too."""
     src = resolve_model(model)
     if isinstance(sharding, str):
         sharding = load_preset(sharding)
+    spec = engine_config.spec if engine_config is not None else None
+    draft = resolve_model(spec.path) if spec is not None and spec.kind == "draft" else None
     return TransformerEngine(src.config, weights=src.path, devices=devices, sharding=sharding,
-                             config=engine_config, tokenizer=src.tokenizer, seed=seed)
+                             config=engine_config, tokenizer=src.tokenizer, seed=seed,
+                             draft_config=draft.config if draft else None,
+                             draft_weights=draft.path if draft else None)

@@ -1,7 +1,7 @@
 """`jetserve bench speculative`: decode speed with speculative decoding against without.
 
-Two engines on the same weights, one plain and one with `speculative` (n-gram drafts,
-engines/speculative.py), decode the same prompts greedily, one prompt per slot, and run
+Two engines on the same weights, one plain and one with `speculative` (n-gram drafts or
+a draft model, engines/speculative.py), decode the same prompts greedily, one prompt per slot, and run
 alternately (plain, speculative, plain, ...) so a change in machine load hits both.
 Timed: the generate steps only (prefill and insert are the same on both sides), until
 every slot has `new_tokens` tokens; tokens past that are not counted. The outputs are
@@ -113,6 +113,7 @@ def run(cfg: SpeculativeBenchConfig, log: Callable[..., None] = print) -> dict:
 
     plain, spec = engine("none"), engine(cfg.speculative)
     params = plain.load_params()
+    spec_params = spec.load_params()  # the same weights (and a draft model's, if any)
     rng = np.random.default_rng(cfg.seed)
     rows = []
     for workload in cfg.workloads:
@@ -123,12 +124,12 @@ def run(cfg: SpeculativeBenchConfig, log: Callable[..., None] = print) -> dict:
                                      cfg.source_dir, cfg.seed)
         else:
             prompts = rng.integers(0, plain.vocab_size, (cfg.batch, cfg.prompt_len)).tolist()
-        for eng in (plain, spec):  # compile outside the timing
-            _decode(eng, params, prompts, min(4, cfg.new_tokens))
+        for eng, p in ((plain, params), (spec, spec_params)):  # compile outside the timing
+            _decode(eng, p, prompts, min(4, cfg.new_tokens))
         best = {"plain": float("inf"), "spec": float("inf")}
         for _ in range(cfg.repeats):
             t_plain, ref, plain_steps, _, _ = _decode(plain, params, prompts, cfg.new_tokens)
-            t_spec, got, spec_steps, drafted, accepted = _decode(spec, params, prompts,
+            t_spec, got, spec_steps, drafted, accepted = _decode(spec, spec_params, prompts,
                                                                  cfg.new_tokens)
             best["plain"] = min(best["plain"], t_plain)
             best["spec"] = min(best["spec"], t_spec)

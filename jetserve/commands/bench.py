@@ -158,7 +158,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sp = sub.add_parser("speculative", help="decode with speculative decoding vs without")
     sp.add_argument("--model", default=None,
                     help="HF or Orbax directory, or random:NAME (default: bundled model)")
-    sp.add_argument("--speculative", default="ngram:4", help="the drafter, e.g. ngram:4")
+    sp.add_argument("--speculative", default="ngram:4",
+                    help="the drafter: ngram:K, or draft:PATH:K (a draft model: a directory "
+                         "or random:NAME with the model's vocabulary)")
     sp.add_argument("--workloads", default="python,random",
                     help="comma-separated, from python (stdlib source), random (random ids)")
     sp.add_argument("--batch", type=int, default=4, help="prompts decoded together")

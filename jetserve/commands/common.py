@@ -29,8 +29,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache: auto (the model dtype) or int8 with a scale per token "
                         "and kv head")
     p.add_argument("--speculative", default="none",
-                   help="speculative decoding: none, or ngram:K (K drafts per step from "
-                        "the sequence's own tokens, verified in one step)")
+                   help="speculative decoding: none, ngram:K (K drafts per step from "
+                        "the sequence's own tokens) or draft:PATH:K (K drafts per step from "
+                        "a smaller model with the same vocabulary, a directory or "
+                        "random:NAME); the drafts are verified in one step")
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> None:

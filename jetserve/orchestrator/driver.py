@@ -107,6 +107,11 @@ class Orchestrator:
         if config.prefill_chunk is not None and config.prefill_chunk > longest:
             raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
                              f"engine's max_prefill_length={longest}")
+        cached = config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes
+        if (config.prefill_chunk is not None or cached) and any(
+                getattr(e, "has_draft_model", False) for e in prefill_engines):
+            raise ValueError("speculative 'draft:PATH:K' (a draft model) prefills whole "
+                             "prompts only: leave out prefill_chunk and the prefix cache")
         self.prefill_engines = list(prefill_engines)
         self.generate_engines = list(generate_engines)
         self._stopping = threading.Event()

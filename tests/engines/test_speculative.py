@@ -57,7 +57,7 @@ def _prompts(seed=0):
 
 @pytest.mark.parametrize("text, message", [
     ("ngram:0", "1 <= K <= 16"), ("ngram:17", "1 <= K <= 16"), ("ngram:x", "integer K"),
-    ("ngram", "integer K"), ("medusa:4", "'none' or 'ngram:K'"), ("draft:", "draft model"),
+    ("ngram", "integer K"), ("medusa:4", "'ngram:K' or 'draft:PATH:K'"), ("draft:", "draft model"),
 ])
 def test_bad_speculative_settings_are_named(text, message):
     with pytest.raises(ValueError, match=message):

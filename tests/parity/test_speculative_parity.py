@@ -1,14 +1,15 @@
 """Speculative decoding on every family: greedy output equals transformers' greedy
 generate on the same files, token for token, through the orchestrator's continuous
 batching (six requests of different lengths over three slots: they join and leave),
-on the contiguous and the paged KV cache."""
+on the contiguous and the paged KV cache; and with a draft model (a small random one of
+the same vocabulary, and the target itself) on two families."""
 
 import jax
 import numpy as np
 import pytest
 import torch
 
-from engines import EngineConfig, TransformerEngine, load_hf_config
+from engines import EngineConfig, ModelConfig, TransformerEngine, load_hf_config
 from jetserve.orchestrator import Orchestrator, Request
 from tests.parity.hf_models import FAMILIES
 
@@ -32,12 +33,17 @@ def _hf_greedy(model, prompt, steps):
     return out[0, len(prompt):].tolist()
 
 
-def _check(hf_dirs, name, **layout):
+def _check(hf_dirs, name, speculative="ngram:3", draft=None, **layout):
     d, model = hf_dirs[name]
     cfg = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
-                       speculative="ngram:3", **layout)
+                       speculative=speculative, **layout)
+    if draft == "itself":
+        draft, draft_weights = load_hf_config(d), d
+    else:
+        draft_weights = None
     eng = TransformerEngine(load_hf_config(d), weights=d, config=cfg,
-                            devices=jax.devices()[:1])
+                            devices=jax.devices()[:1], draft_config=draft,
+                            draft_weights=draft_weights)
     prompts = _prompts()
     with Orchestrator.from_engines(eng) as orch:
         handles = [orch.submit(Request(prompt_ids=p, max_tokens=n, ignore_eos=True))
@@ -48,7 +54,9 @@ def _check(hf_dirs, name, **layout):
         assert r.token_ids == _hf_greedy(model, p, n), name
     # Drafts were kept (a tiny random model's greedy text repeats itself; some families'
     # repeat one token, and then every draft is right).
-    assert 0 < stats["accepted"] <= stats["drafted"]
+    assert 0 < stats["accepted"] <= stats["drafted"] or draft is not None
+    if draft_weights is not None:  # the target's own drafts are all kept
+        assert stats["accepted"] >= 0.97 * stats["drafted"] > 0
     widths = eng.generate_widths() if layout else (None,)  # paged: one program per width
     assert eng.trace_counts()["generate"] <= len(widths)
     return eng
@@ -64,3 +72,15 @@ def test_speculative_greedy_equals_transformers_paged(hf_dirs, name):
     eng = _check(hf_dirs, name, kv_layout="paged", page_size=8, num_pages=24)
     eng.pages.check()
     assert eng.pages.free_count == 24
+
+
+# A small random draft model with the families' vocabulary of 128.
+SMALL_DRAFT = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
+                          num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("draft", ["small", "itself"])
+def test_draft_model_greedy_equals_transformers(hf_dirs, name, draft):
+    _check(hf_dirs, name, speculative="draft:d:3",
+           draft=SMALL_DRAFT if draft == "small" else draft)

@@ -1,0 +1,242 @@
+"""Speculative decoding with a draft model ("draft:PATH:K", engines/speculative.py): greedy
+output equal to the plain step through the orchestrator, the draft's cache rolled back to
+the kept tokens, the target's distribution at temperature 1 with the draft's non-one-hot
+q, and the combinations it refuses by name."""
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from engines import EngineConfig, ModelConfig, SamplingParams, TransformerEngine
+from engines.kv_cache import PrefillKV
+from engines.speculative import Speculative, parse_speculative
+from jetserve.commands.common import add_model_arguments, engine_config
+from jetserve.model_loading import build_engine
+from jetserve.offline import generate_many
+from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
+
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=24)
+# A smaller model of the same vocabulary: its drafts are mostly wrong.
+SMALL = ModelConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=8)
+K = 4
+
+
+def _engine(speculative, draft=None, **kw):
+    config = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
+                          speculative=speculative, **kw)
+    eng = TransformerEngine(CFG, config=config, devices=jax.devices()[:1], seed=3,
+                            draft_config=draft)
+    return eng, eng.load_params()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _engine("none")
+
+
+@pytest.fixture(scope="module")
+def small():
+    return _engine(f"draft:small:{K}", SMALL)
+
+
+@pytest.fixture(scope="module")
+def itself():
+    # The target as its own draft (same config and seed: the same weights).
+    return _engine(f"draft:itself:{K}", CFG)
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 96, n).tolist() for n in (5, 30, 17, 9, 22, 3)]
+
+
+LENS = (40, 25, 60, 33, 12, 50)
+
+
+def _orchestrated(eng, params, prompts, lens, sampling=SamplingParams()):
+    with Orchestrator.from_engines(eng, params=params) as orch:
+        handles = [orch.submit(Request(prompt_ids=p, max_tokens=n, ignore_eos=True,
+                                       logprobs=0, sampling=sampling))
+                   for p, n in zip(prompts, lens, strict=True)]
+        results = [h.result(600) for h in handles]
+        return results, orch.stats()["generate"][0]
+
+
+# ---- parsing and refusals -------------------------------------------------------------------
+
+
+def test_draft_setting_parses_path_with_colons():
+    assert parse_speculative("draft:random:tiny:3") == Speculative("draft", 3, "random:tiny")
+    assert parse_speculative("draft:/m/d:16") == Speculative("draft", 16, "/m/d")
+    for text, message in (("draft:4", "draft model's PATH"), ("draft:m:0", "1 <= K <= 16"),
+                          ("draft:m:x", "integer K")):
+        with pytest.raises(ValueError, match=message):
+            parse_speculative(text)
+
+
+def test_cli_builds_a_draft_engine_and_names_a_vocabulary_mismatch():
+    p = argparse.ArgumentParser()
+    add_model_arguments(p)
+    args = p.parse_args(["--max-seq-len", "64", "--speculative", "draft:random:tiny:3"])
+    eng = build_engine("random:small", engine_config=engine_config(args),
+                       devices=jax.devices()[:1])
+    assert eng.has_draft_model and eng.config.spec.k == 3
+    args = p.parse_args(["--max-seq-len", "64", "--speculative", "draft:random:llama-156m:3"])
+    with pytest.raises(ValueError, match="vocabulary of 32000 tokens, the target 256"):
+        build_engine("random:tiny", engine_config=engine_config(args))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(kv_layout="paged"), "not kv_layout paged"),
+    (dict(kv_dtype="int8"), "not kv_dtype int8"),
+])
+def test_refused_cache_layouts_are_named(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative="draft:m:2", **kw)
+
+
+def test_draft_model_and_setting_must_agree():
+    config = EngineConfig(speculative="draft:m:2")
+    with pytest.raises(ValueError, match="needs the draft model's config"):
+        TransformerEngine(CFG, config=config)
+    with pytest.raises(ValueError, match="not 'draft:PATH:K'"):
+        TransformerEngine(CFG, config=EngineConfig(speculative="ngram:2"), draft_config=SMALL)
+
+
+def test_chunked_prefill_and_prefix_cache_are_refused(small):
+    eng, params = small
+    part, _ = eng.prefill(params, [5, 6, 7], 3)
+    with pytest.raises(ValueError, match="whole prompts only"):
+        eng.prefill(params, [8, 9], 2, existing_prefix=part)
+    with pytest.raises(ValueError, match="prefix cache"):
+        eng.prefix_from_blocks(np.zeros((1, 2, 2, 8, 2, 8), np.float32), [5, 6])
+    for config in (OrchestratorConfig(prefill_chunk=16),
+                   OrchestratorConfig(prefix_cache_hbm_bytes=2**20)):
+        with pytest.raises(ValueError, match="whole prompts only"):
+            Orchestrator.from_engines(eng, params=params, config=config)
+
+
+# ---- greedy parity and the draft cache ------------------------------------------------------
+
+
+def test_greedy_output_equals_plain_through_the_orchestrator(plain, small, itself):
+    prompts = _prompts()
+    want, _ = _orchestrated(*plain, prompts, LENS)
+    for eng, params in (small, itself):
+        got, st = _orchestrated(eng, params, prompts, LENS)
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        if eng is small[0]:
+            assert st["accepted"] < 0.5 * st["drafted"]  # mostly rejected
+        else:  # the target's own drafts: all kept (draft KV and rollback are right)
+            assert st["accepted"] >= 0.97 * st["drafted"] > 0
+
+
+def _run(eng, params, prompts, steps):
+    state = eng.init_decode_state()
+    seqs = []
+    for slot, p in enumerate(prompts):
+        prefix, first = eng.prefill(params, p, len(p))
+        seqs.append(list(p) + [first.to_host().token(0)])
+        state = eng.insert(prefix, state, slot)
+    counts = []
+    for _ in range(steps):
+        state, res = eng.generate(params, state)
+        h = res.to_host()
+        for slot in range(len(prompts)):
+            counts.append(h.count(slot))
+            seqs[slot] += h.tokens(slot)
+    return state, seqs, counts
+
+
+@pytest.fixture(scope="module")
+def noisy():
+    # The target as its own draft with noise on the draft's weights: drafts are kept
+    # sometimes and rejected mid-way other times.
+    eng, params = _engine(f"draft:noisy:{K}", CFG)
+    leaves, tree = jax.tree.flatten(eng._draft_params)
+    keys = jax.random.split(jax.random.key(5), len(leaves))
+    eng._draft_params = jax.tree.unflatten(tree, [
+        x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)])
+    return eng, params
+
+
+def test_the_draft_cache_holds_exactly_the_kept_tokens(plain, noisy):
+    # After steps that keep some drafts and reject others mid-way, the draft cache up to
+    # each slot's length equals the draft model's KV of the whole kept sequence
+    # prefilled at once, and the tokens are the plain greedy ones.
+    eng, params = noisy
+    prompts = _prompts(2)[:3]
+    state, seqs, counts = _run(eng, params, prompts, 10)
+    assert 1 in counts and any(1 < c <= K for c in counts)
+    draft, draft_params = eng._draft, eng._draft_params
+    lengths = np.asarray(state.lengths)
+    for slot, seq in enumerate(seqs):
+        n = int(lengths[slot])
+        assert n == len(seq) - 1  # the last token is fed next, not yet cached
+        want = generate_many(*plain, [prompts[slot]], max_tokens=n + 1 - len(prompts[slot]),
+                             ignore_eos=True)[0]
+        assert seq[len(prompts[slot]):] == want.token_ids
+        pos = jnp.arange(n)[None]
+        kv = PrefillKV(pos, None)
+        draft.model.apply({"params": draft_params}, jnp.asarray([seq[:n]]), pos, kv)
+        for layer in range(CFG.num_layers):
+            k = np.asarray(state.draft_k[layer][slot, :, :, :n]).transpose(2, 0, 1)
+            v = np.asarray(state.draft_v[layer][slot, :, :n]).transpose(1, 0, 2)
+            np.testing.assert_allclose(k, np.asarray(kv.k[layer][0]), atol=1e-4)
+            np.testing.assert_allclose(v, np.asarray(kv.v[layer][0]), atol=1e-4)
+
+
+def test_sampling_seeds_repeat(small):
+    s = SamplingParams(temperature=1.0, top_k=20, seed=11)
+    prompts, lens = _prompts(5)[:3], (15, 15, 15)
+    a, b, c = ([r.token_ids for r in _orchestrated(*small, prompts, lens, seed)[0]]
+               for seed in (s, s, dataclasses.replace(s, seed=12)))
+    assert a == b and a != c
+
+
+# ---- temperature 1 ---------------------------------------------------------------------------
+
+
+def test_engine_sampling_at_temperature_1_follows_the_target():
+    # The whole step at temperature 1 with a draft model's q (not one-hot): over many
+    # slots holding the same sequence, each with its own key, the step's first token
+    # follows the target's softmax, whether the draft was kept or replaced.
+    cfg = dataclasses.replace(CFG, vocab_size=16, sliding_window=None)
+    B = 128
+    eng = TransformerEngine(cfg, config=EngineConfig(
+        max_concurrent_decodes=B, max_prefill_length=16, max_seq_len=32, top_logprobs=0,
+        speculative="draft:small:2"), devices=jax.devices()[:1], seed=4,
+        draft_config=dataclasses.replace(SMALL, vocab_size=16))
+    params = eng.load_params()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    prefix, first = eng.prefill(params, prompt, len(prompt))
+    seq = prompt + [first.to_host().token(0)]
+    state0 = eng.init_decode_state()
+    for slot in range(B):
+        state0 = eng.insert(prefix, state0, slot)
+    pos = jnp.arange(len(seq))[None]
+    logits = eng.model.apply({"params": params}, jnp.asarray([seq]), pos, PrefillKV(pos, None))
+    p = np.asarray(jax.nn.softmax(logits[0, -1].astype(jnp.float32)), np.float64)
+    first_tokens, kept = [], 0
+    for r in range(12):
+        keys = jax.random.key_data(jax.random.split(jax.random.key(100 + r), B))
+        state = jax.tree.map(jnp.copy, state0)
+        state.sampling = dataclasses.replace(state.sampling, key=keys,
+                                             temperature=jnp.ones((B,), jnp.float32))
+        _, res = eng.generate(params, state)
+        h = res.to_host()
+        first_tokens += [h.token(s, 0) for s in range(B)]
+        kept += sum(h.count(s) > 1 for s in range(B))
+    f_obs = np.bincount(first_tokens, minlength=16)
+    assert 0 < kept < len(first_tokens)  # drafts kept sometimes, replaced otherwise
+    assert stats.chisquare(f_obs, p / p.sum() * len(first_tokens)).pvalue > 1e-3

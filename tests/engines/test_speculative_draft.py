@@ -19,6 +19,7 @@ from jetserve.commands.common import add_model_arguments, engine_config
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
+from sharding import load_preset
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=24)
@@ -60,10 +61,10 @@ def _prompts(seed=0):
 LENS = (40, 25, 60, 33, 12, 50)
 
 
-def _orchestrated(eng, params, prompts, lens, sampling=SamplingParams()):
+def _orchestrated(eng, params, prompts, lens, sampling=None):
     with Orchestrator.from_engines(eng, params=params) as orch:
         handles = [orch.submit(Request(prompt_ids=p, max_tokens=n, ignore_eos=True,
-                                       logprobs=0, sampling=sampling))
+                                       logprobs=0, sampling=sampling or SamplingParams()))
                    for p, n in zip(prompts, lens, strict=True)]
         results = [h.result(600) for h in handles]
         return results, orch.stats()["generate"][0]
@@ -240,3 +241,18 @@ def test_engine_sampling_at_temperature_1_follows_the_target():
     f_obs = np.bincount(first_tokens, minlength=16)
     assert 0 < kept < len(first_tokens)  # drafts kept sometimes, replaced otherwise
     assert stats.chisquare(f_obs, p / p.sum() * len(first_tokens)).pvalue > 1e-3
+
+
+def test_a_tensor_parallel_target_with_a_replicated_draft(plain):
+    # The target split over 2 devices (heads, MLP, vocab, cache heads), the draft model
+    # replicated on the same devices: the same greedy tokens as the plain engine.
+    config = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
+                          speculative=f"draft:itself:{K}")
+    eng = TransformerEngine(CFG, config=config, devices=jax.devices()[:2], seed=3,
+                            sharding=load_preset("tp"), draft_config=CFG)
+    params = eng.load_params()
+    prompts, lens = _prompts(8)[:4], (20, 9, 26, 14)
+    want, _ = _orchestrated(*plain, prompts, lens)
+    got, st = _orchestrated(eng, params, prompts, lens)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert st["accepted"] >= 0.97 * st["drafted"] > 0

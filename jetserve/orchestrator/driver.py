@@ -112,6 +112,10 @@ class Orchestrator:
                 getattr(e, "has_draft_model", False) for e in prefill_engines):
             raise ValueError("speculative 'draft:PATH:K' (a draft model) prefills whole "
                              "prompts only: leave out prefill_chunk and the prefix cache")
+        if len({getattr(e, "has_draft_model", False)
+                for e in (*prefill_engines, *generate_engines)}) > 1:
+            raise ValueError("speculative 'draft:PATH:K': the prefill and generate engines "
+                             "must all have the draft model (prefixes carry its KV) or none")
         self.prefill_engines = list(prefill_engines)
         self.generate_engines = list(generate_engines)
         self._stopping = threading.Event()

@@ -111,7 +111,7 @@ def test_draft_model_and_setting_must_agree():
         TransformerEngine(CFG, config=EngineConfig(speculative="ngram:2"), draft_config=SMALL)
 
 
-def test_chunked_prefill_and_prefix_cache_are_refused(small):
+def test_chunked_prefill_prefix_cache_and_mixed_engines_are_refused(plain, small):
     eng, params = small
     part, _ = eng.prefill(params, [5, 6, 7], 3)
     with pytest.raises(ValueError, match="whole prompts only"):
@@ -122,6 +122,11 @@ def test_chunked_prefill_and_prefix_cache_are_refused(small):
                    OrchestratorConfig(prefix_cache_hbm_bytes=2**20)):
         with pytest.raises(ValueError, match="whole prompts only"):
             Orchestrator.from_engines(eng, params=params, config=config)
+
+    plain_eng, plain_params = plain
+    with pytest.raises(ValueError, match="must all have the draft model"):
+        Orchestrator(prefill_engines=[plain_eng], generate_engines=[eng],
+                     prefill_params=[plain_params], generate_params=[params])
 
 
 # ---- greedy parity and the draft cache ------------------------------------------------------

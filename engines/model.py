@@ -61,6 +61,17 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _attention_probs(scores: jax.Array, qp: jax.Array, kp: jax.Array, head_dim: int,
+                     sliding_window: int | None, dtype: Any) -> jax.Array:
+    """Scaled, causally masked softmax of raw q.k scores (last axis: keys); qp / kp are
+    the query / key positions shaped to broadcast against them (key position -1: empty)."""
+    visible = (kp >= 0) & (kp <= qp)
+    if sliding_window is not None:
+        visible &= kp > qp - sliding_window
+    scores = jnp.where(visible, scores / math.sqrt(head_dim), _MASKED)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
 def attention(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H]
@@ -74,14 +85,9 @@ def attention(
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)  # (B, T, K, G, H)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(H)
     qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
     kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-    visible = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        visible &= kp > qp - sliding_window
-    scores = jnp.where(visible, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(B, T, N, H)
 
@@ -104,25 +110,15 @@ def decode_attention(
     if T > 1:
         qg = q.reshape(B, T, K, N // K, H)
         scores = jnp.einsum("btkgh,bkhs->bkgts", qg, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(H)
         qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
         kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-        visible = (kp >= 0) & (kp <= qp)
-        if sliding_window is not None:
-            visible &= kp > qp - sliding_window
-        scores = jnp.where(visible, scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
         return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
     qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
     scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(H)
     qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
     kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
-    visible = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        visible &= kp > qp - sliding_window
-    scores = jnp.where(visible, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
     out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
     return out.reshape(B, 1, N, H)
 

@@ -274,7 +274,19 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
         prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
         counts=row(state.counts, first),
         history=insert_history(state.history, prefix, slot),
-        draft_k=tuple(put_k(c, n) for c, n in zip(state.draft_k, prefix.draft_k, strict=True)),
-        draft_v=tuple(put(c, n) for c, n in zip(state.draft_v, prefix.draft_v, strict=True)),
+        **insert_draft(state, prefix, slot),
+    )
+
+
+def insert_draft(state, prefix: Prefix, slot: jax.Array) -> dict:
+    """The draft model's cache (contiguous, in either decode layout) with a prefix's draft
+    KV scattered into one slot's rows: draft_k and draft_v ({} parts for no draft)."""
+    S = state.draft_k[0].shape[-1] if state.draft_k else 0
+    idx = jnp.where(prefix.k_pos[0] >= 0, prefix.k_pos[0], S)  # (T,)
+    return dict(
+        draft_k=tuple(c.at[slot, :, :, idx].set(n[0], mode="drop")
+                      for c, n in zip(state.draft_k, prefix.draft_k, strict=True)),
+        draft_v=tuple(c.at[slot, :, idx].set(n[0], mode="drop")
+                      for c, n in zip(state.draft_v, prefix.draft_v, strict=True)),
     )
 

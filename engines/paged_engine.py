@@ -13,7 +13,9 @@ With speculative decoding (`EngineConfig.speculative`) generate is the verify st
 engines/speculative.py over the gathered pages (never the TPU kernel, which takes one
 query per slot). A slot may keep fewer of the K + 1 positions it wrote than the host
 planned for, so each step first reads the previous step's lengths back (waiting for it)
-and `SlotPages.sync` returns pages only rejected positions used.
+and `SlotPages.sync` returns pages only rejected positions used. A draft model
+("draft:PATH:K") keeps its own cache contiguous in the decode state (draft_k / draft_v,
+as the contiguous engine's), carried by prefill and insert.
 
 Concurrency: the page bookkeeping is changed only by insert / generate / free_slot,
 which the orchestrator calls from one thread (the engine's generate thread).
@@ -42,7 +44,7 @@ from engines.paged_kv import (
 )
 from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.sampling import sample, token_logprobs
-from engines.speculative import advance_slots, ngram_drafts, verify_step
+from engines.speculative import advance_slots, draft_model_drafts, ngram_drafts, verify_step
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -72,20 +74,26 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
 
 
 def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
-                                params, state: PagedDecodeState, table):
-    """The verify step of engines.transformer_engine over pages: table i32[B, W] covers
-    every position up to length + k of each live slot (SlotPages.lookahead)."""
+                                draft_model: Decoder | None, params, state: PagedDecodeState,
+                                table, draft_params=None):
+    """The verify step of engines.speculative over pages: table i32[B, W] covers every
+    position up to length + k of each live slot (SlotPages.lookahead). The drafts come
+    from the sequence's own tokens, or from `draft_model` (whose cache is contiguous)."""
     S = max_seq_len
-    drafts = ngram_drafts(state.history, state.lengths, k)  # (B, k)
+    if draft_model is None:
+        drafts, q, rest = ngram_drafts(state.history, state.lengths, k), None, state
+        dk, dv = state.draft_k, state.draft_v
+    else:
+        drafts, q, rest, dk, dv = draft_model_drafts(draft_model, k, draft_params, state)
     inp = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
     positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
     kv = PagedDecodeKV(state, table, positions, state.lengths < S, "xla")
     logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
-    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, state, drafts, top_n)
+    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, rest, drafts, top_n, q)
     slot, count = advance_slots(state, tokens, count, S)
     new_state = PagedDecodeState(
         k=tuple(kv.k), v=tuple(kv.v), sampling=dataclasses.replace(state.sampling, key=next_keys),
-        prompt_mask=state.prompt_mask, **slot)
+        prompt_mask=state.prompt_mask, draft_k=tuple(dk), draft_v=tuple(dv), **slot)
     return new_state, pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
 
 
@@ -121,7 +129,8 @@ class PagedTransformerEngine(TransformerEngine):
         return PagedDecodeState(k=(pool,) * L, v=(pool,) * L, lengths=base.lengths,
                                 tokens=base.tokens, sampling=base.sampling,
                                 prompt_mask=base.prompt_mask, counts=base.counts,
-                                history=base.history)
+                                history=base.history, draft_k=base.draft_k,
+                                draft_v=base.draft_v)
 
     def _build_jits(self):
         super()._build_jits()  # prefill and prompt log-probs as the contiguous engine
@@ -135,13 +144,17 @@ class PagedTransformerEngine(TransformerEngine):
             out_shardings=state_sh, donate_argnums=(1,),
         )
         spec = self.config.spec
+        draft_model = self._draft.model if self._draft else None
+        draft_sh = (self._draft.param_shardings,) if self._draft else ()  # _draft_args()
         gen = (functools.partial(_generate_paged_speculative, self.model, top_n,
-                                 self.config.max_seq_len, spec.k) if spec.enabled else
+                                 self.config.max_seq_len, spec.k, draft_model)
+               if spec.enabled else
                functools.partial(_generate_paged, self.model, top_n, self.config.max_seq_len,
                                  self.attention_impl))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
-            in_shardings=(self.param_shardings, state_sh, r), out_shardings=(state_sh, r),
+            in_shardings=(self.param_shardings, state_sh, r, *draft_sh),
+            out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
         self._blocks_of_pages_jit = jax.jit(blocks_of_pages)
@@ -161,6 +174,7 @@ class PagedTransformerEngine(TransformerEngine):
             return PagedDecodeState(
                 k=(pool,) * c.num_layers, v=(pool,) * c.num_layers,
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
+                **self._empty_draft_cache(),
             )
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()
@@ -194,7 +208,7 @@ class PagedTransformerEngine(TransformerEngine):
             self.pages.sync(np.asarray(decode_state.lengths))
         width = self.pages.before_step()  # raises OutOfPages before touching the device
         table = self.pages.table[:, :width].copy()  # the device may read it later
-        out = self._generate_jit(params, decode_state, table)
+        out = self._generate_jit(params, decode_state, table, *self._draft_args())
         self.pages.after_step()
         return out
 

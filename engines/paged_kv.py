@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.kv_cache import Prefix, insert_history
+from engines.kv_cache import Prefix, insert_draft, insert_history
 from engines.model import attention
 from engines.sampling import SlotSampling
 
@@ -44,6 +44,10 @@ class PagedDecodeState:
     prompt_mask: jax.Array  # bool[B, V]
     counts: jax.Array  # i32[B, V]
     history: jax.Array  # i32[B, S] with speculative decoding, else i32[B, 0] (kv_cache)
+    # The draft model's cache (speculative "draft:PATH:K"): contiguous, as in
+    # kv_cache.DecodeState, following the same lengths; () without a draft model.
+    draft_k: tuple[jax.Array, ...] = ()  # L_draft x [B, K_draft, H_draft, S]
+    draft_v: tuple[jax.Array, ...] = ()  # L_draft x [B, K_draft, S, H_draft]
 
 
 def resolve_attention(impl: str, platform: str, sliding_window: int | None,
@@ -189,4 +193,5 @@ def insert_paged(prefix: Prefix, state: PagedDecodeState, slot: jax.Array,
         prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
         counts=row(state.counts, first),
         history=insert_history(state.history, prefix, slot),
+        **insert_draft(state, prefix, slot),
     )

@@ -227,7 +227,11 @@ def draft_model_drafts(draft_model: Decoder, k: int, draft_params, state: Decode
     keys = split(state.sampling.key)  # (B, 2): drafting, the rest of the step
     rest = dataclasses.replace(state, sampling=dataclasses.replace(
         state.sampling, key=jax.vmap(jax.random.key_data)(keys[:, 1])))
-    view = dataclasses.replace(state, k=state.draft_k, v=state.draft_v, k_scale=(), v_scale=())
+    # The draft's cache as a contiguous decode state (whatever the target's layout).
+    view = DecodeState(k=state.draft_k, v=state.draft_v, k_scale=(), v_scale=(),
+                       lengths=state.lengths, tokens=state.tokens, sampling=state.sampling,
+                       prompt_mask=state.prompt_mask, counts=state.counts,
+                       history=state.history)
     random = state.sampling.temperature > 0
 
     def step(carry, i):

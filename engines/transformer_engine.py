@@ -92,9 +92,6 @@ class EngineConfig:
             raise ValueError("speculative decoding verifies several tokens per slot, which "
                              "the pallas_tpu paged kernel does not; use paged_attention "
                              "auto or xla")
-        if self.speculative.startswith("draft:") and self.kv_dtype == "int8":
-            raise ValueError("speculative 'draft:PATH:K' (a draft model) works with the "
-                             "float KV cache only, not kv_dtype int8")
         if self.kv_dtype == "int8" and self.kv_layout == "paged":
             # TODO(#10): int8 pages with per-token scales.
             raise ValueError("kv_dtype int8 works with kv_layout contiguous only, for now")

@@ -94,11 +94,6 @@ def test_cli_builds_a_draft_engine_and_names_a_vocabulary_mismatch():
         build_engine("random:tiny", engine_config=engine_config(args))
 
 
-def test_refused_cache_layouts_are_named():
-    with pytest.raises(ValueError, match="not kv_dtype int8"):
-        EngineConfig(speculative="draft:m:2", kv_dtype="int8")
-
-
 def test_draft_model_and_setting_must_agree():
     config = EngineConfig(speculative="draft:m:2")
     with pytest.raises(ValueError, match="needs the draft model's config"):
@@ -280,3 +275,23 @@ def test_paged_greedy_output_equals_plain_with_a_tight_page_pool(plain, draft):
         assert st["accepted"] >= 0.97 * st["drafted"] > 0
     eng.pages.check()
     assert eng.pages.free_count == eng.pages.pool.num_pages  # every page came back
+
+
+# ---- the int8 KV cache ----------------------------------------------------------------------
+
+
+def test_int8_kv_greedy_output_equals_the_plain_int8_engine():
+    # The target's cache int8 (per-token scales), the draft's in the model dtype.
+    ref, ref_params = _engine("none", kv_dtype="int8")
+    prompts, lens = _prompts(3)[:4], (30, 12, 41, 20)
+    want, _ = _orchestrated(ref, ref_params, prompts, lens)
+    for draft, config in (("small", SMALL), ("itself", CFG)):
+        eng, params = _engine(f"draft:{draft}:{K}", config, kv_dtype="int8")
+        assert eng.decode_state_shardings().k_scale  # the target's cache is int8
+        got, st = _orchestrated(eng, params, prompts, lens)
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        assert st["drafted"] > 0
+        if draft == "itself":  # the float draft of an int8 target: nearly all kept
+            assert st["accepted"] >= 0.9 * st["drafted"]

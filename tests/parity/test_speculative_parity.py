@@ -2,7 +2,7 @@
 generate on the same files, token for token, through the orchestrator's continuous
 batching (six requests of different lengths over three slots: they join and leave),
 on the contiguous and the paged KV cache; and with a draft model (a small random one of
-the same vocabulary, and the target itself) on two families."""
+the same vocabulary on every family, the target itself on two)."""
 
 import jax
 import numpy as np
@@ -79,8 +79,8 @@ SMALL_DRAFT = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, 
                           num_heads=2, num_kv_heads=1, head_dim=16)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-@pytest.mark.parametrize("draft", ["small", "itself"])
+@pytest.mark.parametrize("name, draft", [(name, "small") for name in FAMILIES]
+                         + [("llama", "itself"), ("qwen2", "itself")])
 def test_draft_model_greedy_equals_transformers(hf_dirs, name, draft):
     _check(hf_dirs, name, speculative="draft:d:3",
            draft=SMALL_DRAFT if draft == "small" else draft)

@@ -11,7 +11,6 @@ import pytest
 from scipy import stats
 
 from engines import EngineConfig, ModelConfig, SamplingParams, TransformerEngine
-from engines.kv_cache import PrefillKV
 from engines.sampling import SlotSampling
 from engines.speculative import (
     ngram_drafts,
@@ -21,6 +20,7 @@ from engines.speculative import (
     verify,
 )
 from jetserve.offline import generate_many
+from tests.engines.speculative_sampling import check_first_tokens_follow, prefilled_slots
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=24)
@@ -317,26 +317,7 @@ def test_engine_sampling_at_temperature_1_follows_the_model():
         speculative="ngram:2"), devices=jax.devices()[:1], seed=4)
     params = eng.load_params()
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
-    prefix, first = eng.prefill(params, prompt, len(prompt))
-    seq = prompt + [first.to_host().token(0)]
-    state0 = eng.init_decode_state()
-    for slot in range(B):
-        state0 = eng.insert(prefix, state0, slot)
-    pos = jnp.arange(len(seq))[None]
-    logits = eng.model.apply({"params": params}, jnp.asarray([seq]), pos, PrefillKV(pos, None))
-    p = np.asarray(jax.nn.softmax(logits[0, -1].astype(jnp.float32)), np.float64)
+    state0, p = prefilled_slots(eng, params, prompt)
     drafts = np.asarray(ngram_drafts(state0.history, state0.lengths, 2))
     assert (drafts == drafts[0]).all() and p[drafts[0, 0]] > 0.05  # a draft worth testing
-    first_tokens, kept = [], 0
-    for r in range(12):
-        keys = jax.random.key_data(jax.random.split(jax.random.key(100 + r), B))
-        state = jax.tree.map(jnp.copy, state0)
-        state.sampling = dataclasses.replace(state.sampling, key=keys,
-                                             temperature=jnp.ones((B,), jnp.float32))
-        _, res = eng.generate(params, state)
-        h = res.to_host()
-        first_tokens += [h.token(s, 0) for s in range(B)]
-        kept += sum(h.count(s) > 1 for s in range(B))
-    f_obs = np.bincount(first_tokens, minlength=16)
-    assert 0 < kept < len(first_tokens)  # the draft was kept sometimes, replaced otherwise
-    assert stats.chisquare(f_obs, p / p.sum() * len(first_tokens)).pvalue > 1e-3
+    check_first_tokens_follow(eng, params, state0, p)

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from engines import quantization
+from engines import cpu_matmul, quantization
 from engines.config import ModelConfig, llama3_inv_freq
 from sharding import axes
 from sharding.layout import constrain
@@ -123,12 +123,17 @@ def decode_attention(
     return out.reshape(B, 1, N, H)
 
 
-def linear(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, cfg: ModelConfig, **kw) -> jax.Array:
     """x [..., in] times a kernel stored [out, in] (as HF stores linear weights) -> [..., out].
 
     Kernels are kept output-major because XLA's CPU matmul (YNNPACK) runs this form
     faster than [in, out] at the few rows of a decode step (1-32; the whole step
-    1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md."""
+    1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md. Steps of at most
+    cfg.cpu_matmul_rows tokens (the engine sets it on one CPU device) use our kernel for
+    this form instead, faster still there (engines/cpu_matmul.py)."""
+    rows = math.prod(x.shape[:-1])  # static at trace time
+    if 0 < rows <= cfg.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
+        return cpu_matmul.matmul_nt(x, w)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 
@@ -161,9 +166,9 @@ class Attention(nn.Module):
         wv = _kernel(self, "v_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
         wo = _kernel(self, "o_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), self.dtype)
         B, T = x.shape[:2]
-        q = linear(x, wq.reshape(N * H, D)).reshape(B, T, N, H)
-        k = linear(x, wk.reshape(K * H, D)).reshape(B, T, K, H)
-        v = linear(x, wv.reshape(K * H, D)).reshape(B, T, K, H)
+        q = linear(x, wq.reshape(N * H, D), c).reshape(B, T, N, H)
+        k = linear(x, wk.reshape(K * H, D), c).reshape(B, T, K, H)
+        v = linear(x, wv.reshape(K * H, D), c).reshape(B, T, K, H)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + _param(self, "q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM), self.dtype, zeros)
@@ -183,7 +188,7 @@ class Attention(nn.Module):
         else:
             out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
         out = constrain(out, _HEADS_ACT, "attention output")
-        return linear(out.reshape(B, T, N * H), wo.reshape(D, N * H))
+        return linear(out.reshape(B, T, N * H), wo.reshape(D, N * H), c)
 
 
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -200,9 +205,9 @@ class Mlp(nn.Module):
         wg = _kernel(self, "gate_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         wu = _kernel(self, "up_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         wd = _kernel(self, "down_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
-        h = _act(self.cfg, linear(x, wg)) * linear(x, wu)  # (B, T, F)
+        h = _act(self.cfg, linear(x, wg, self.cfg)) * linear(x, wu, self.cfg)  # (B, T, F)
         h = constrain(h, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
-        return linear(h, wd)
+        return linear(h, wd, self.cfg)
 
 
 class MoeMlp(nn.Module):
@@ -277,5 +282,5 @@ class Decoder(nn.Module):
         x = rms_norm(x, w_norm, c.rms_norm_eps, c.norm_plus_one)
         head = embed if c.tie_word_embeddings else _kernel(
             self, "lm_head", (V, D), (axes.VOCAB, axes.EMBED), self.dtype)
-        logits = linear(x, head, preferred_element_type=jnp.float32)
+        logits = linear(x, head, c, preferred_element_type=jnp.float32)
         return constrain(logits, (axes.BATCH, axes.SEQ, axes.VOCAB), "logits")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint, quantization
+from engines import checkpoint, cpu_matmul, quantization
 from engines.config import ModelConfig
 from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
 from engines.kv_cache import (
@@ -272,6 +272,11 @@ class TransformerEngine(Engine):
         self._mesh = self.sharding.make_mesh(
             devices, {d: getattr(model_config, d) for d in MODEL_DIMS})
         self.dtype = resolve_dtype(self.config.dtype, devices)
+        # Whether the dense layers use the CPU matmul kernel depends on where the model runs,
+        # known here: the model only reads the field.
+        self.model_config = model_config = dataclasses.replace(
+            model_config, cpu_matmul_rows=cpu_matmul.max_rows(
+                self._mesh, self.dtype, model_config.weight_quant))
         self.model = Decoder(model_config, dtype=self.dtype)
         self._logical = self._param_logical_axes()
         self.param_shardings = self._param_shardings()

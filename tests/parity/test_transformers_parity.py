@@ -118,3 +118,22 @@ def test_cli_generate_gives_the_same_tokens(family, capsys):
     for p, row in zip(prompts, rows):
         assert row["token_ids"] == _hf_greedy(model, p, STEPS), name
         assert row["finish_reason"] == "length"
+
+
+def test_cpu_matmul_kernel_matches_transformers(hf_dirs):
+    """On one CPU device decode steps run on our matmul kernel (engines/cpu_matmul.py)."""
+    d, model = hf_dirs["llama"]
+    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=48, max_seq_len=96)
+    eng = TransformerEngine(load_hf_config(d), weights=d, config=cfg, devices=jax.devices()[:1])
+    if not eng.model_config.cpu_matmul_rows:
+        pytest.skip("the CPU matmul kernel is not available here")
+    params = eng.load_params()
+    prompts = _prompts()
+    results = generate_many(eng, params, prompts, max_tokens=STEPS, ignore_eos=True)
+    for p, r in zip(prompts, results, strict=True):
+        assert r.token_ids == _hf_greedy(model, p, STEPS)
+    p, r = prompts[2], results[2]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
+    want = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
+    np.testing.assert_allclose(r.logprobs, want, rtol=1e-4, atol=1e-5)

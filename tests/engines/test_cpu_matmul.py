@@ -1,0 +1,188 @@
+"""The CPU matmul kernel (engines/cpu_matmul.py): its results against numpy for every kind
+of shape tail, where the engine uses it and where it must not, and its fallbacks."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engines import EngineConfig, ModelConfig, TransformerEngine, cpu_matmul
+from engines.kv_cache import PrefillKV
+from jetserve.offline import generate_many
+
+CFG = ModelConfig(vocab_size=99, hidden_size=36, intermediate_size=70, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=10)
+ENGINE = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_matmul.available():
+        pytest.skip("the kernel needs x86-64 with AVX2 and FMA and a C++ compiler")
+
+
+def _lowered(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
+
+
+def _check(x, w):
+    """matmul_nt(x, w) under jit, through the custom call, equals numpy in float64."""
+    assert cpu_matmul.TARGET in _lowered(cpu_matmul.matmul_nt, x, w)
+    got = np.asarray(jax.jit(cpu_matmul.matmul_nt)(x, w))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == want.shape and got.dtype == np.float32
+    K = x.shape[-1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K), err_msg=str(
+        (x.shape, w.shape)))
+
+
+# Widths that end in every tail: N % 4 in {0, 1, 2, 3}, K % 8 in {0, ..., 7}; K > 1024 and
+# rows >= 4 take the kernel's blocks along K.
+NS = (1, 2, 3, 4, 5, 7, 13, 66, 130)
+KS = (1, 3, 7, 8, 9, 17, 31, 100, 1030)
+
+
+def test_every_row_count_and_tail_matches_numpy(kernel):
+    rng = np.random.default_rng(0)
+    for m in range(1, 41):
+        n, k = NS[m % len(NS)], KS[(m * 5) % len(KS)]
+        _check(rng.standard_normal((m, k), dtype=np.float32),
+               rng.standard_normal((n, k), dtype=np.float32))
+
+
+def test_columns_split_over_threads_and_k_blocks_match_numpy(kernel):
+    rng = np.random.default_rng(1)
+    for m, n, k in ((1, 1001, 515), (6, 1030, 2053), (33, 517, 1031)):
+        _check(rng.standard_normal((m, k), dtype=np.float32),
+               rng.standard_normal((n, k), dtype=np.float32))
+
+
+def test_leading_dims_are_flattened_and_restored(kernel):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((11, 19), dtype=np.float32)
+    for lead in ((2, 3), (1, 1), (3, 1, 2)):
+        _check(rng.standard_normal((*lead, 19), dtype=np.float32), w)
+
+
+def test_bad_operands_are_named():
+    with pytest.raises(ValueError, match="float32"):
+        cpu_matmul.matmul_nt(jnp.ones((2, 4), jnp.bfloat16), jnp.ones((3, 4)))
+    with pytest.raises(ValueError, match=r"x \(2, 4\) and w \(3, 5\)"):
+        cpu_matmul.matmul_nt(jnp.ones((2, 4)), jnp.ones((3, 5)))
+
+
+def test_switch_must_be_0_or_1(monkeypatch):
+    monkeypatch.setenv(cpu_matmul.ENV_SWITCH, "no")
+    with pytest.raises(ValueError, match="JETSERVE_CPU_MATMUL must be 0"):
+        cpu_matmul.available()
+
+
+# ---- the model and the engine --------------------------------------------------------
+
+
+def _uses_kernel(model, params, T) -> bool:
+    tokens = jnp.zeros((1, T), jnp.int32)
+    pos = jnp.arange(T)[None]
+    return cpu_matmul.TARGET in _lowered(
+        lambda p, t: model.apply({"params": p}, t, pos, PrefillKV(pos, None)), params, tokens)
+
+
+@pytest.fixture(scope="module")
+def engines(kernel):
+    """The same weights on one device with the kernel and without it."""
+    on = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_matmul.ENV_SWITCH, "0")
+        off = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
+    return on, off, on.load_params()
+
+
+def test_only_steps_up_to_max_rows_use_the_kernel(engines):
+    on, off, params = engines
+    assert on.model_config.cpu_matmul_rows == cpu_matmul.MAX_ROWS
+    assert off.model_config.cpu_matmul_rows == 0
+    assert "cpu_matmul_rows" not in on.model_config.to_json()
+    rows = cpu_matmul.MAX_ROWS
+    assert _uses_kernel(on.model, params, rows)
+    assert not _uses_kernel(on.model, params, rows + 1)  # prefill sizes stay with XLA
+    assert not _uses_kernel(off.model, params, rows)
+    state = on.init_decode_state()
+    assert cpu_matmul.TARGET in on._generate_jit.lower(params, state).as_text()
+    assert cpu_matmul.TARGET not in off._generate_jit.lower(params, state).as_text()
+
+
+def test_greedy_tokens_and_logits_equal_xla(engines):
+    on, off, params = engines
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 99, size=n).tolist() for n in (5, 13, 9, 16, 3)]
+    a = generate_many(on, params, prompts, max_tokens=10, ignore_eos=True)
+    b = generate_many(off, params, prompts, max_tokens=10, ignore_eos=True)
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-5, atol=1e-5)
+    seq = jnp.asarray([prompts[1] + a[1].token_ids])
+    pos = jnp.arange(seq.shape[1])[None]
+    logits = [np.asarray(e.model.apply({"params": params}, seq, pos, PrefillKV(pos, None)))
+              for e in (on, off)]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_sharded_mesh_never_uses_the_kernel(kernel):
+    eng = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:2], seed=3)
+    assert eng.model_config.cpu_matmul_rows == 0
+    params = jax.eval_shape(eng.load_params)
+    assert cpu_matmul.TARGET not in eng._generate_jit.lower(
+        params, eng.init_decode_state()).as_text()
+
+
+def test_quantized_or_bf16_weights_keep_xla(kernel):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    assert cpu_matmul.max_rows(mesh, jnp.float32, "none") == cpu_matmul.MAX_ROWS
+    assert cpu_matmul.max_rows(mesh, jnp.float32, "int8") == 0
+    assert cpu_matmul.max_rows(mesh, jnp.bfloat16, "none") == 0
+
+
+# ---- building in fresh processes -------------------------------------------------------
+
+_CHILD = textwrap.dedent("""
+    import logging
+    import numpy as np, jax
+    from engines import cpu_matmul
+    logging.basicConfig(level=logging.WARNING)
+    x = np.arange(3 * 21, dtype=np.float32).reshape(3, 21) / 50
+    w = np.cos(np.arange(7 * 21, dtype=np.float32)).reshape(7, 21)
+    y = np.asarray(jax.jit(cpu_matmul.matmul_nt)(x, w))
+    err = float(np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)).max())
+    print(cpu_matmul.available(), cpu_matmul.available(), err)
+""")
+
+
+def _start(cache, **env):
+    return subprocess.Popen([sys.executable, "-c", _CHILD], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env={**os.environ, "JETSERVE_KERNEL_CACHE": str(cache), **env})
+
+
+def test_fresh_processes_build_once_and_a_failed_build_falls_back(kernel, tmp_path):
+    # Two processes build into one empty cache at once; a third has a compiler that fails.
+    building = [_start(tmp_path / "cache") for _ in range(2)]
+    failing = _start(tmp_path / "none", CXX="/bin/false")
+    for p in building:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        on, again, e = out.split()
+        assert (on, again) == ("True", "True") and float(e) < 1e-4
+        assert "unavailable" not in err
+    built = os.listdir(tmp_path / "cache")
+    assert len(built) == 1 and built[0].endswith(".so") and built[0].startswith("matmul_nt-")
+    out, err = failing.communicate(timeout=600)
+    assert failing.returncode == 0, err
+    on, again, e = out.split()
+    assert (on, again) == ("False", "False") and float(e) < 1e-4  # XLA's dot, same result
+    assert err.count("CPU matmul kernel is unavailable") == 1 and "/bin/false" in err
+    assert os.listdir(tmp_path / "none") == []  # no half-written library left behind

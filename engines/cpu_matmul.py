@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 TARGET = "jetserve_matmul_nt"
 ENV_SWITCH = "JETSERVE_CPU_MATMUL"
 # Rows (tokens in one step) up to which the kernel runs the dense layers. Measured on a
-# chain of the 156M Llama's layer matmuls (2 cores, XLA time / kernel time): 1.6 at 8
-# rows, 1.4 at 16, 1.15 at 32, 1.1 at 40, 1.0 at 48, 0.9 at 64, 0.7 at 256.
+# chain of the 156M Llama's layer matmuls (2 cores, XLA time / kernel time): 0.9-1.05 at
+# 1 row (both stream the weights), 1.6-1.8 at 2-8, 1.4 at 16, 1.15 at 32, 1.1 at 40, 1.0
+# at 48, 0.9 at 64, 0.7 at 256; the 32000 x 1024 LM head alike (1.1 at 40, 1.0 at 64).
 MAX_ROWS = 40
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "matmul_nt.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wall")
@@ -91,7 +92,7 @@ def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CXX") or "g++")
 
 
-def library_path(compiler: list[str]) -> str:
+def _library_path(compiler: list[str]) -> str:
     """Where the library built by `compiler` for this source, jaxlib and CPU lives."""
     root = os.environ.get("JETSERVE_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "jetserve", "kernels")
@@ -132,7 +133,7 @@ def _load() -> bool:
             _tried = True
             compiler = _compiler()
             try:
-                path = library_path(compiler)
+                path = _library_path(compiler)
                 if not os.path.exists(path):
                     _build(compiler, path)
                 lib = ctypes.cdll.LoadLibrary(path)
@@ -152,8 +153,9 @@ def available() -> bool:
 def max_rows(mesh: Mesh, dtype: Any, weight_quant: str) -> int:
     """Row count up to which a model on `mesh` runs its dense layers on the kernel; 0: none.
 
-    Only a one-device CPU mesh with plain float32 weights qualifies (quantized kernels are
-    dequantized inside the step, where XLA fuses the dequantization into its dot).
+    Only a one-device CPU mesh with plain float32 weights qualifies: quantized kernels,
+    dequantized inside the step, stay with XLA, which can fuse the dequantization into
+    its dot where the custom call would read a materialized float32 copy.
     """
     one_cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
     if not one_cpu or jnp.dtype(dtype) != jnp.float32 or weight_quant != "none":

@@ -166,17 +166,23 @@ def max_rows(mesh: Mesh, dtype: Any, weight_quant: str) -> int:
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """x f32[..., K] times w f32[N, K] transposed -> f32[..., N].
 
-    By the kernel when `available()`, else by XLA's dot (the same result up to rounding).
+    By the kernel when `available()` and lowered for a CPU, else by XLA's dot (the same
+    result up to rounding).
     """
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"matmul_nt takes float32 operands, got x {x.dtype} and w {w.dtype}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"matmul_nt takes x [..., K] and w [N, K], got x {x.shape} and "
                          f"w {w.shape}")
-    if not available():
+    def dot(x, w):
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+    if not available():
+        return dot(x, w)
     lead, (N, K) = x.shape[:-1], w.shape
     M = math.prod(lead)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32),
-                         vmap_method="sequential")(x.reshape(M, K), w)
+    kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32),
+                              vmap_method="sequential")
+    # The target is registered for the CPU only: lowered for another backend, XLA's dot.
+    y = jax.lax.platform_dependent(x.reshape(M, K), w, cpu=kernel, default=dot)
     return y.reshape(*lead, N)

@@ -69,6 +69,14 @@ def test_leading_dims_are_flattened_and_restored(kernel):
         _check(rng.standard_normal((*lead, 19), dtype=np.float32), w)
 
 
+def test_lowered_for_an_accelerator_it_is_xla_dot(kernel):
+    x, w = jnp.ones((3, 20)), jnp.ones((5, 20))
+    for platform in ("cuda", "tpu"):
+        text = jax.jit(cpu_matmul.matmul_nt).trace(x, w).lower(
+            lowering_platforms=(platform,)).as_text()
+        assert cpu_matmul.TARGET not in text and "dot_general" in text
+
+
 def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="float32"):
         cpu_matmul.matmul_nt(jnp.ones((2, 4), jnp.bfloat16), jnp.ones((3, 4)))

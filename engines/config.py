@@ -53,7 +53,7 @@ class ModelConfig:
     weight_quant: str = "none"
     quant_group_size: int = 32
     # Dense layers of a step with at most this many tokens run on the CPU matmul kernel
-    # (engines/cpu_matmul.py); 0: XLA's dot everywhere. The engine sets it for its devices,
+    # (engines/cpu_kernels.py); 0: XLA's dot everywhere. The engine sets it for its devices,
     # so it is never written to a checkpoint's config.
     cpu_matmul_rows: int = 0
 

@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from engines import cpu_kernels
 from engines.model import decode_attention
 from engines.sampling import SlotSampling
 
@@ -174,11 +175,14 @@ class DecodeKV:
 
     Attention reads the first W entries of every slot, W the smallest of window_sizes(S)
     that holds every live slot's position; slots that are not live (length S) do not widen
-    it, and their outputs are not used.
+    it, and their outputs are not used. With `cpu_attention` (the engine's choice, on one
+    CPU device: engines.cpu_kernels) a decode step's attention over a float32 cache runs
+    on the CPU kernel instead, which reads each live slot's own entries only.
     """
 
-    def __init__(self, state: DecodeState, pos: jax.Array):
+    def __init__(self, state: DecodeState, pos: jax.Array, cpu_attention: bool = False):
         self.state = state
+        self.cpu_attention = cpu_attention
         # i32[B]: one token per slot; i32[B, T]: T consecutive positions per slot
         # (speculative verification; positions past the cache are not written).
         self.pos = pos
@@ -225,6 +229,13 @@ class DecodeKV:
         return k, v
 
     def attend(self, layer, q, positions, sliding_window):
+        st = self.state
+        if (self.cpu_attention and self.pos.ndim == 1 and not self.k_scale
+                and q.dtype == self.k[layer].dtype == jnp.float32):
+            live = jnp.where(st.lengths < st.k[layer].shape[-1], self.pos, -1)
+            return cpu_kernels.decode_attention(q, self.k[layer], self.v[layer], live,
+                                                sliding_window)
+
         def within(w):
             def branch(q):
                 k, v = self._read(layer, w, q.dtype)

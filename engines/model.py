@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from engines import cpu_matmul, quantization
+from engines import cpu_kernels, quantization
 from engines.config import ModelConfig, llama3_inv_freq
 from sharding import axes
 from sharding.layout import constrain
@@ -128,12 +128,13 @@ def linear(x: jax.Array, w: jax.Array, cfg: ModelConfig, **kw) -> jax.Array:
 
     Kernels are kept output-major because XLA's CPU matmul (YNNPACK) runs this form
     faster than [in, out] at the few rows of a decode step (1-32; the whole step
-    1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md. Steps of at most
+    1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md. Steps of 2 to
     cfg.cpu_matmul_rows tokens (the engine sets it on one CPU device) use our kernel for
-    this form instead, faster still there (engines/cpu_matmul.py)."""
+    this form instead, faster still there (engines/cpu_kernels.py). At one row both
+    stream the weights at the same speed, and XLA's dot stays."""
     rows = math.prod(x.shape[:-1])  # static at trace time
-    if 0 < rows <= cfg.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
-        return cpu_matmul.matmul_nt(x, w)
+    if 1 < rows <= cfg.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
+        return cpu_kernels.matmul_nt(x, w)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint, cpu_matmul, quantization
+from engines import checkpoint, cpu_kernels, quantization
 from engines.config import ModelConfig
 from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
 from engines.kv_cache import (
@@ -197,7 +197,7 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
     S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
-    kv = DecodeKV(state, pos)
+    kv = DecodeKV(state, pos, cpu_attention=model.cfg.cpu_matmul_rows > 0)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
@@ -275,7 +275,7 @@ class TransformerEngine(Engine):
         # Whether the dense layers use the CPU matmul kernel depends on where the model runs,
         # known here: the model only reads the field.
         self.model_config = model_config = dataclasses.replace(
-            model_config, cpu_matmul_rows=cpu_matmul.max_rows(
+            model_config, cpu_matmul_rows=cpu_kernels.max_rows(
                 self._mesh, self.dtype, model_config.weight_quant))
         self.model = Decoder(model_config, dtype=self.dtype)
         self._logical = self._param_logical_axes()

@@ -1,14 +1,19 @@
 // y[M, N] = x[M, K] . w[N, K]^T in float32: the dense layers of a decode step on the CPU.
 //
 // Why: XLA's CPU backend sends every f32 dot to YNNPACK, which is slow at the 1-32 rows of
-// a decode step, where the step is bound by reading the weights once. This kernel streams
-// each weight row once for all rows of x (tiles of up to 3 rows of x by 4 rows of w, AVX2 +
-// FMA) and splits the output columns over XLA's intra-op thread pool. engines/cpu_matmul.py
-// builds it, registers it as the XLA FFI target "jetserve_matmul_nt" and decides when the
-// model uses it (engines/model.py linear()).
+// a decode step. engines/cpu_kernels.py builds this file, registers it as the XLA FFI
+// target "jetserve_matmul_nt" and decides when the model uses it (engines/model.py
+// linear()). Two forms, both AVX2 + FMA register tiles, output columns split over XLA's
+// intra-op thread pool:
+//  - under 8 rows, "dot" tiles of up to 3 rows of x by 4 rows of w, vectors along K and one
+//    horizontal sum per output: each weight row is streamed once for all rows of x;
+//  - from 8 rows on, x is first packed transposed into blocks xt[K][16] (a last block of
+//    <= 8 rows 8 wide, zero padded), and a tile broadcasts one weight of each of 6 rows of
+//    w per k against the block's one or two vectors of x: 12 FMAs per 2 loads and 6
+//    broadcasts, no horizontal sums (at 16-32 rows the step is bound by the FMAs).
 //
 // Layout: x, w and y are row-major and dense. Any M, N, K (tails of K below 8 and of N
-// below 4 take scalar paths).
+// below the tile width take narrower tiles or scalar paths).
 
 #include <immintrin.h>
 
@@ -17,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +34,10 @@ constexpr int64_t kMaxThreads = 64;
 constexpr int kRows = 3;         // rows of x per register tile
 constexpr int64_t kSmallM = 4;   // below this many rows, no blocking along K
 constexpr int64_t kBlockK = 1024;  // K block that keeps the tile's rows of x in L1
+// From this many rows on, x is packed and the packed tiles below run instead.
+constexpr int64_t kPackedMinRows = 8;
+constexpr int kPackedRows = 16, kPackedCols = 6;  // packed tile: rows of x by rows of w
+constexpr int64_t kPrefetch = 256;  // floats ahead on each weight row (packed tiles)
 
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   __m256 ab = _mm256_hadd_ps(a, b);
@@ -129,6 +139,86 @@ void matmul_cols(const float* x, const float* w, float* y, int64_t M, int64_t N,
   }
 }
 
+// Rows of x in block b of the packed copy: 16, except a last block of at most 8 rows,
+// packed 8 wide.
+inline int64_t block_width(int64_t M, int64_t m0) { return M - m0 <= 8 ? 8 : kPackedRows; }
+
+// y[m, c] = sum_k xt[k, m] w[c, k] for m < rows, c < C, from one packed block xt[K][8 V].
+template <int C, int V>
+struct PackedAcc {
+  __m256 a[C][V];
+};
+
+// One k step of a packed tile. Force-inlined with every loop unrolled, so the accumulators
+// stay in registers (GCC kept them in memory when the k loop and the prefetch were mixed).
+template <int C, int V>
+__attribute__((always_inline)) inline void packed_step(PackedAcc<C, V>& acc, const float* xt,
+                                                       const float* w, int64_t K, int64_t k) {
+  __m256 xv[V];
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(xt + k * 8 * V + 8 * v);
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    const __m256 b = _mm256_broadcast_ss(w + c * K + k);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc.a[c][v] = _mm256_fmadd_ps(xv[v], b, acc.a[c][v]);
+  }
+}
+
+// y[m, c] = sum_k xt[k, m] w[c, k] for m < rows, c < C, from one packed block xt[K][8 V].
+template <int C, int V>
+inline void packed_tile(const float* xt, const float* w, int64_t K, float* y, int64_t ldy,
+                        int64_t rows) {
+  PackedAcc<C, V> acc;
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc.a[c][v] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * K + k + kPrefetch), _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) packed_step(acc, xt, w, K, k + t);
+  }
+  for (; k < K; ++k) packed_step(acc, xt, w, K, k);
+  alignas(32) float out[C][8 * V];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < V; ++v) _mm256_store_ps(out[c] + 8 * v, acc.a[c][v]);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int c = 0; c < C; ++c) y[m * ldy + c] = out[c][m];
+}
+
+template <int V>
+void packed_block(const float* xt, const float* w, float* y, int64_t N, int64_t K, int64_t rows,
+                  int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kPackedCols <= n1; n += kPackedCols)
+    packed_tile<kPackedCols, V>(xt, w + n * K, K, y + n, N, rows);
+  for (; n < n1; ++n) packed_tile<1, V>(xt, w + n * K, K, y + n, N, rows);
+}
+
+// Columns [n0, n1) of y from the packed blocks of x.
+void packed_cols(const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                 int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; m += kPackedRows) {
+    const int64_t rows = std::min<int64_t>(kPackedRows, M - m);
+    if (block_width(M, m) == 8) packed_block<1>(xt + m * K, w, y + m * N, N, K, rows, n0, n1);
+    else packed_block<2>(xt + m * K, w, y + m * N, N, K, rows, n0, n1);
+  }
+}
+
+// xt[k][r] = x[m0 + r, k] per block (zero past row M); block b starts at xt + 16 b K.
+void pack(const float* x, int64_t M, int64_t K, float* xt) {
+  for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
+    const int64_t rows = std::min<int64_t>(kPackedRows, M - m0), width = block_width(M, m0);
+    float* blk = xt + m0 * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < width; ++r) blk[k * width + r] = r < rows ? x[(m0 + r) * K + k] : 0.f;
+  }
+}
+
 struct Progress {
   std::atomic<int64_t> next{0};  // the next column chunk to claim
   std::atomic<int64_t> done{0};  // chunks finished
@@ -147,17 +237,30 @@ ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t threads = std::clamp<int64_t>(pool.num_threads(), 1, kMaxThreads);
-  // Column chunks of a multiple of 4, a few per thread so a late thread still helps; the
-  // calling thread takes chunks too, so the result never waits on a busy pool.
+  const bool packed = M >= kPackedMinRows;
+  // The packed copy of x lives as long as any task that may still read it.
+  std::shared_ptr<std::vector<float>> xt;
+  if (packed) {
+    xt = std::make_shared<std::vector<float>>((M + kPackedRows - 1) / kPackedRows * kPackedRows * K);
+    pack(xp, M, K, xt->data());
+  }
+  // Column chunks of a multiple of the tile width, a few per thread so a late thread still
+  // helps; the calling thread takes chunks too, so the result never waits on a busy pool.
+  const int64_t align = packed ? kPackedCols : 4;
   int64_t chunks = std::min<int64_t>(threads * 4, std::max<int64_t>(1, N / 64));
   if (threads == 1 || M * N * K < (1 << 18)) chunks = 1;
-  const int64_t per = ((N + chunks - 1) / chunks + 3) / 4 * 4;
+  const int64_t per = ((N + chunks - 1) / chunks + align - 1) / align * align;
   chunks = (N + per - 1) / per;
   auto progress = std::make_shared<Progress>();
   auto work = [=]() {
     int64_t c;
     while ((c = progress->next.fetch_add(1)) < chunks) {
-      matmul_cols(xp, wp, yp, M, N, K, c * per, std::min<int64_t>(N, (c + 1) * per));
+      const int64_t n0 = c * per, n1 = std::min<int64_t>(N, (c + 1) * per);
+      if (packed) {
+        packed_cols(xt->data(), wp, yp, M, N, K, n0, n1);
+      } else {
+        matmul_cols(xp, wp, yp, M, N, K, n0, n1);
+      }
       progress->done.fetch_add(1, std::memory_order_release);
     }
   };

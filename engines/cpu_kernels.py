@@ -1,20 +1,26 @@
-"""The CPU matmul kernel of decode steps: y = x . w^T in float32, as an XLA FFI custom call.
+"""The CPU kernels of decode steps, as XLA FFI custom calls, in float32:
 
-XLA's CPU backend sends every f32 dot to YNNPACK, which is slow at the few rows of a decode
-step. `csrc/matmul_nt.cc` is a kernel for exactly that shape (weights stored [out, in], as
-`engines.model.linear` keeps them). This module builds it with the system C++ compiler on
-first use (`$CXX`, else g++), keeps the library in a cache folder
-(`$JETSERVE_KERNEL_CACHE`, else ~/.cache/jetserve/kernels) under a name keyed by
-everything that could change the binary, loads it and registers it with XLA.
+- `matmul_nt`: y = x . w^T (csrc/matmul_nt.cc). XLA's CPU backend sends every f32 dot to
+  YNNPACK, which is slow at the few rows of a decode step; the kernel is made for exactly
+  that shape (weights stored [out, in], as `engines.model.linear` keeps them).
+- `decode_attention`: one new token per slot over the contiguous KV cache
+  (csrc/decode_attention.cc), reading each slot's live entries once, where XLA copies a
+  window of the cache out and runs two batched dots over it.
 
-It runs on x86-64 CPUs with AVX2 and FMA; `JETSERVE_CPU_MATMUL=0` turns it off. Where the
-compiler is missing or the build fails, one warning names the reason and the model keeps
-XLA's dot: the kernel is an optimisation, never a reason for a job to fail.
+This module builds both sources into one library with the system C++ compiler on first
+use (`$CXX`, else g++), keeps it in a cache folder (`$JETSERVE_KERNEL_CACHE`, else
+~/.cache/jetserve/kernels) under a name keyed by everything that could change the binary,
+loads it and registers the targets with XLA.
 
-The engine decides whether its model uses the kernel (`max_rows`): only on a one-device CPU
-mesh (a sharded operand would make XLA's partitioner gather it around the custom call),
-with plain float32 weights, and for at most `MAX_ROWS` rows (decode and speculative
-verification; prefill stays with XLA, which is faster there).
+They run on x86-64 CPUs with AVX2 and FMA; `JETSERVE_CPU_KERNELS=0` turns them off. Where
+the compiler is missing or the build fails, one warning names the reason and the model
+keeps XLA's ops: the kernels are an optimisation, never a reason for a job to fail.
+
+The engine decides whether its model uses them (`max_rows`): only on a one-device CPU mesh
+(a sharded operand would make XLA's partitioner gather it around the custom call), with
+plain float32 weights; the matmul for at most `MAX_ROWS` rows (decode and speculative
+verification; prefill stays with XLA, which is faster there), the attention for decode
+steps over a float32 contiguous cache (engines.kv_cache.DecodeKV).
 
 Concurrency: the first call builds and registers under a lock, once per process; the
 library is written under a temporary name and renamed into place, so processes building
@@ -40,19 +46,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 from jax.sharding import Mesh
 
 log = logging.getLogger(__name__)
 
 TARGET = "jetserve_matmul_nt"
-ENV_SWITCH = "JETSERVE_CPU_MATMUL"
+ATTENTION_TARGET = "jetserve_decode_attention"
+ENV_SWITCH = "JETSERVE_CPU_KERNELS"
 # Rows (tokens in one step) up to which the kernel runs the dense layers. Measured on a
 # chain of the 156M Llama's layer matmuls (2 cores, XLA time / kernel time): 0.9-1.05 at
 # 1 row (both stream the weights), 1.6-1.8 at 2-8, 1.4 at 16, 1.15 at 32, 1.1 at 40, 1.0
 # at 48, 0.9 at 64, 0.7 at 256; the 32000 x 1024 LM head alike (1.1 at 40, 1.0 at 64).
+# The packed tiles from 8 rows on (this session, same chain, one core free): 1.1x the dot
+# tiles at 8 rows, 1.2x at 16, 1.06x at 32. At one row XLA keeps the dot (engines.model).
 MAX_ROWS = 40
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "matmul_nt.cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wall")
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
+                for name in ("matmul_nt.cc", "decode_attention.cc"))
+# -fno-semantic-interposition: with plain -fPIC, GCC kept the matmul's register tiles in
+# memory (2.3x slower tiles than the same code in an executable).
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+         "-fno-semantic-interposition", "-Wall")
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -93,16 +107,17 @@ def _compiler() -> list[str]:
 
 
 def _library_path(compiler: list[str]) -> str:
-    """Where the library built by `compiler` for this source, jaxlib and CPU lives."""
+    """Where the library built by `compiler` for these sources, jaxlib and CPU lives."""
     root = os.environ.get("JETSERVE_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "jetserve", "kernels")
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            h.update(f.read())
     name, flags = _cpu()
     for part in (*compiler, *FLAGS, jaxlib.__version__, name, " ".join(sorted(flags))):
         h.update(part.encode() + b"\0")
-    return os.path.join(root, f"matmul_nt-{h.hexdigest()[:20]}.so")
+    return os.path.join(root, f"jetserve_cpu-{h.hexdigest()[:20]}.so")
 
 
 def _build(compiler: list[str], path: str) -> None:
@@ -113,7 +128,7 @@ def _build(compiler: list[str], path: str) -> None:
     os.close(fd)
     try:
         # XLA's headers come in as system headers: -Wall speaks of our source only.
-        cmd = [*compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+        cmd = [*compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), *SOURCES, "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
@@ -126,7 +141,7 @@ def _build(compiler: list[str], path: str) -> None:
 
 
 def _load() -> bool:
-    """Builds (unless cached), loads and registers the kernel, once per process."""
+    """Builds (unless cached), loads and registers the kernels, once per process."""
     global _library, _tried
     with _lock:
         if not _tried:
@@ -137,16 +152,18 @@ def _load() -> bool:
                 if not os.path.exists(path):
                     _build(compiler, path)
                 lib = ctypes.cdll.LoadLibrary(path)
-                jax.ffi.register_ffi_target(
-                    TARGET, jax.ffi.pycapsule(lib.JetserveMatmulNT), platform="cpu")
+                for target, symbol in ((TARGET, lib.JetserveMatmulNT),
+                                       (ATTENTION_TARGET, lib.JetserveDecodeAttention)):
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
+                                                platform="cpu")
                 _library = lib
             except Exception as e:  # noqa: BLE001 -- any failure means: keep XLA's dot
-                log.warning("the CPU matmul kernel is unavailable, using XLA's dot: %s", e)
+                log.warning("the CPU kernels are unavailable, using XLA's ops: %s", e)
         return _library is not None
 
 
 def available() -> bool:
-    """Whether the kernel can run in this process (it is built on the first call)."""
+    """Whether the kernels can run in this process (they are built on the first call)."""
     return _switched_on() and _cpu_supported() and _load()
 
 
@@ -186,3 +203,26 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     # The target is registered for the CPU only: lowered for another backend, XLA's dot.
     y = jax.lax.platform_dependent(x.reshape(M, K), w, cpu=kernel, default=dot)
     return y.reshape(*lead, N)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
+                     sliding_window: int | None) -> jax.Array:
+    """One decode step's attention over a contiguous float32 cache -> [B, 1, N, H].
+
+    q [B, 1, N, H]; keys [B, K, H, S] and values [B, K, S, H] as engines.kv_cache keeps
+    them, entry j at position j; pos i32[B]: each slot's position (it sees entries up to
+    it, within the sliding window), or -1 for a slot that is not live (zeros out).
+    Callers check `available()` first.
+    """
+    B, T, N, H = q.shape
+    if T != 1 or q.dtype != jnp.float32 or k.dtype != jnp.float32 or v.dtype != jnp.float32:
+        raise ValueError(f"decode_attention takes one float32 token per slot, got q {q.shape} "
+                         f"{q.dtype}, keys {k.dtype}, values {v.dtype}")
+    K, S = k.shape[1], k.shape[3]
+    if k.shape != (B, K, H, S) or v.shape != (B, K, S, H) or pos.shape != (B,) or N % K:
+        raise ValueError(f"decode_attention: q {q.shape}, keys {k.shape}, values {v.shape} "
+                         f"and pos {pos.shape} do not agree")
+    out = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, N, H), jnp.float32),
+                           vmap_method="sequential")(
+        q.reshape(B, N, H), k, v, pos.astype(jnp.int32), window=np.int64(sliding_window or 0))
+    return out.reshape(B, 1, N, H)

@@ -1,5 +1,6 @@
-"""The CPU matmul kernel (engines/cpu_matmul.py): its results against numpy for every kind
-of shape tail, where the engine uses it and where it must not, and its fallbacks."""
+"""The CPU kernels (engines/cpu_kernels.py): the matmul's and the decode attention's results
+against numpy for every kind of shape tail, where the engine uses them and where it must
+not, and their fallbacks."""
 
 import os
 import subprocess
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, TransformerEngine, cpu_matmul
+from engines import EngineConfig, ModelConfig, TransformerEngine, cpu_kernels
 from engines.kv_cache import PrefillKV
 from jetserve.offline import generate_many
 
@@ -22,7 +23,7 @@ ENGINE = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_l
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not cpu_matmul.available():
+    if not cpu_kernels.available():
         pytest.skip("the kernel needs x86-64 with AVX2 and FMA and a C++ compiler")
 
 
@@ -32,8 +33,8 @@ def _lowered(fn, *args) -> str:
 
 def _check(x, w):
     """matmul_nt(x, w) under jit, through the custom call, equals numpy in float64."""
-    assert cpu_matmul.TARGET in _lowered(cpu_matmul.matmul_nt, x, w)
-    got = np.asarray(jax.jit(cpu_matmul.matmul_nt)(x, w))
+    assert cpu_kernels.TARGET in _lowered(cpu_kernels.matmul_nt, x, w)
+    got = np.asarray(jax.jit(cpu_kernels.matmul_nt)(x, w))
     want = x.astype(np.float64) @ w.astype(np.float64).T
     assert got.shape == want.shape and got.dtype == np.float32
     K = x.shape[-1]
@@ -72,22 +73,74 @@ def test_leading_dims_are_flattened_and_restored(kernel):
 def test_lowered_for_an_accelerator_it_is_xla_dot(kernel):
     x, w = jnp.ones((3, 20)), jnp.ones((5, 20))
     for platform in ("cuda", "tpu"):
-        text = jax.jit(cpu_matmul.matmul_nt).trace(x, w).lower(
+        text = jax.jit(cpu_kernels.matmul_nt).trace(x, w).lower(
             lowering_platforms=(platform,)).as_text()
-        assert cpu_matmul.TARGET not in text and "dot_general" in text
+        assert cpu_kernels.TARGET not in text and "dot_general" in text
 
 
 def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="float32"):
-        cpu_matmul.matmul_nt(jnp.ones((2, 4), jnp.bfloat16), jnp.ones((3, 4)))
+        cpu_kernels.matmul_nt(jnp.ones((2, 4), jnp.bfloat16), jnp.ones((3, 4)))
     with pytest.raises(ValueError, match=r"x \(2, 4\) and w \(3, 5\)"):
-        cpu_matmul.matmul_nt(jnp.ones((2, 4)), jnp.ones((3, 5)))
+        cpu_kernels.matmul_nt(jnp.ones((2, 4)), jnp.ones((3, 5)))
 
 
 def test_switch_must_be_0_or_1(monkeypatch):
-    monkeypatch.setenv(cpu_matmul.ENV_SWITCH, "no")
-    with pytest.raises(ValueError, match="JETSERVE_CPU_MATMUL must be 0"):
-        cpu_matmul.available()
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "no")
+    with pytest.raises(ValueError, match="JETSERVE_CPU_KERNELS must be 0"):
+        cpu_kernels.available()
+
+
+# ---- decode attention ----------------------------------------------------------------
+
+
+def _attention_reference(q, k, v, pos, window):
+    """Softmax attention of one token per slot, in float64, from the definitions: slot b
+    at position p sees cache entries j <= p (and j > p - window); p < 0: not live, zeros."""
+    B, _, N, H = q.shape
+    K, S = k.shape[1], k.shape[3]
+    out = np.zeros((B, N, H))
+    for b in range(B):
+        p = min(int(pos[b]), S - 1)
+        if p < 0:
+            continue
+        j = np.arange(S)
+        seen = (j <= p) & ((j > p - window) if window else True)
+        for n in range(N):
+            kh = n // (N // K)
+            s = q[b, 0, n].astype(np.float64) @ k[b, kh].astype(np.float64) / np.sqrt(H)
+            s = np.where(seen, s, -np.inf)
+            e = np.exp(s - s.max())
+            out[b, n] = (e / e.sum()) @ v[b, kh].astype(np.float64)
+    return out[:, None]
+
+
+@pytest.mark.parametrize("B,N,K,H,S,window", [
+    (5, 4, 4, 8, 16, None),     # one query head per kv head
+    (3, 15, 3, 20, 50, 7),      # 5 per kv head (a group of 4 and one more), H % 16 != 0
+    (4, 16, 4, 64, 300, None),  # the 156M Llama's heads; key counts with every tail of 8
+    (2, 6, 2, 33, 37, 64),      # a window longer than the cache
+])
+def test_decode_attention_matches_numpy(kernel, B, N, K, H, S, window):
+    rng = np.random.default_rng(B * S)
+    q = rng.standard_normal((B, 1, N, H), dtype=np.float32)
+    k = rng.standard_normal((B, K, H, S), dtype=np.float32)
+    v = rng.standard_normal((B, K, S, H), dtype=np.float32)
+    # live slots at assorted positions (0, the last entry, past it: clamped), one not live
+    pos = np.array([0, S - 1, S + 3, -1, S // 2][:B], np.int32)
+    fn = jax.jit(lambda *a: cpu_kernels.decode_attention(*a, window))
+    assert cpu_kernels.ATTENTION_TARGET in _lowered(fn, q, k, v, pos)
+    got = np.asarray(fn(q, k, v, pos))
+    np.testing.assert_allclose(got, _attention_reference(q, k, v, pos, window), rtol=2e-5,
+                               atol=2e-6)
+
+
+def test_decode_attention_bad_operands_are_named():
+    q, k, v = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 2, 8, 16)), jnp.ones((2, 2, 16, 8))
+    with pytest.raises(ValueError, match="one float32 token"):
+        cpu_kernels.decode_attention(jnp.ones((2, 3, 4, 8)), k, v, jnp.zeros(2, jnp.int32), None)
+    with pytest.raises(ValueError, match="do not agree"):
+        cpu_kernels.decode_attention(q, k, jnp.ones((2, 2, 8, 16)), jnp.zeros(2, jnp.int32), None)
 
 
 # ---- the model and the engine --------------------------------------------------------
@@ -96,7 +149,7 @@ def test_switch_must_be_0_or_1(monkeypatch):
 def _uses_kernel(model, params, T) -> bool:
     tokens = jnp.zeros((1, T), jnp.int32)
     pos = jnp.arange(T)[None]
-    return cpu_matmul.TARGET in _lowered(
+    return cpu_kernels.TARGET in _lowered(
         lambda p, t: model.apply({"params": p}, t, pos, PrefillKV(pos, None)), params, tokens)
 
 
@@ -105,23 +158,25 @@ def engines(kernel):
     """The same weights on one device with the kernel and without it."""
     on = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(cpu_matmul.ENV_SWITCH, "0")
+        mp.setenv(cpu_kernels.ENV_SWITCH, "0")
         off = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
     return on, off, on.load_params()
 
 
-def test_only_steps_up_to_max_rows_use_the_kernel(engines):
+def test_only_steps_up_to_max_rows_use_the_kernels(engines):
     on, off, params = engines
-    assert on.model_config.cpu_matmul_rows == cpu_matmul.MAX_ROWS
+    assert on.model_config.cpu_matmul_rows == cpu_kernels.MAX_ROWS
     assert off.model_config.cpu_matmul_rows == 0
     assert "cpu_matmul_rows" not in on.model_config.to_json()
-    rows = cpu_matmul.MAX_ROWS
-    assert _uses_kernel(on.model, params, rows)
+    rows = cpu_kernels.MAX_ROWS
+    assert _uses_kernel(on.model, params, rows) and _uses_kernel(on.model, params, 2)
+    assert not _uses_kernel(on.model, params, 1)  # one row: XLA's dot streams as fast
     assert not _uses_kernel(on.model, params, rows + 1)  # prefill sizes stay with XLA
     assert not _uses_kernel(off.model, params, rows)
     state = on.init_decode_state()
-    assert cpu_matmul.TARGET in on._generate_jit.lower(params, state).as_text()
-    assert cpu_matmul.TARGET not in off._generate_jit.lower(params, state).as_text()
+    for target in (cpu_kernels.TARGET, cpu_kernels.ATTENTION_TARGET):
+        assert target in on._generate_jit.lower(params, state).as_text()
+        assert target not in off._generate_jit.lower(params, state).as_text()
 
 
 def test_greedy_tokens_and_logits_equal_xla(engines):
@@ -144,15 +199,15 @@ def test_a_sharded_mesh_never_uses_the_kernel(kernel):
     eng = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:2], seed=3)
     assert eng.model_config.cpu_matmul_rows == 0
     params = jax.eval_shape(eng.load_params)
-    assert cpu_matmul.TARGET not in eng._generate_jit.lower(
+    assert cpu_kernels.TARGET not in eng._generate_jit.lower(
         params, eng.init_decode_state()).as_text()
 
 
 def test_quantized_or_bf16_weights_keep_xla(kernel):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-    assert cpu_matmul.max_rows(mesh, jnp.float32, "none") == cpu_matmul.MAX_ROWS
-    assert cpu_matmul.max_rows(mesh, jnp.float32, "int8") == 0
-    assert cpu_matmul.max_rows(mesh, jnp.bfloat16, "none") == 0
+    assert cpu_kernels.max_rows(mesh, jnp.float32, "none") == cpu_kernels.MAX_ROWS
+    assert cpu_kernels.max_rows(mesh, jnp.float32, "int8") == 0
+    assert cpu_kernels.max_rows(mesh, jnp.bfloat16, "none") == 0
 
 
 # ---- building in fresh processes -------------------------------------------------------
@@ -160,13 +215,13 @@ def test_quantized_or_bf16_weights_keep_xla(kernel):
 _CHILD = textwrap.dedent("""
     import logging
     import numpy as np, jax
-    from engines import cpu_matmul
+    from engines import cpu_kernels
     logging.basicConfig(level=logging.WARNING)
     x = np.arange(3 * 21, dtype=np.float32).reshape(3, 21) / 50
     w = np.cos(np.arange(7 * 21, dtype=np.float32)).reshape(7, 21)
-    y = np.asarray(jax.jit(cpu_matmul.matmul_nt)(x, w))
+    y = np.asarray(jax.jit(cpu_kernels.matmul_nt)(x, w))
     err = float(np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)).max())
-    print(cpu_matmul.available(), cpu_matmul.available(), err)
+    print(cpu_kernels.available(), cpu_kernels.available(), err)
 """)
 
 
@@ -187,10 +242,10 @@ def test_fresh_processes_build_once_and_a_failed_build_falls_back(kernel, tmp_pa
         assert (on, again) == ("True", "True") and float(e) < 1e-4
         assert "unavailable" not in err
     built = os.listdir(tmp_path / "cache")
-    assert len(built) == 1 and built[0].endswith(".so") and built[0].startswith("matmul_nt-")
+    assert len(built) == 1 and built[0].endswith(".so") and built[0].startswith("jetserve_cpu-")
     out, err = failing.communicate(timeout=600)
     assert failing.returncode == 0, err
     on, again, e = out.split()
     assert (on, again) == ("False", "False") and float(e) < 1e-4  # XLA's dot, same result
-    assert err.count("CPU matmul kernel is unavailable") == 1 and "/bin/false" in err
+    assert err.count("CPU kernels are unavailable") == 1 and "/bin/false" in err
     assert os.listdir(tmp_path / "none") == []  # no half-written library left behind

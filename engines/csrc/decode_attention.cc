@@ -1,0 +1,224 @@
+// Decode attention over the contiguous KV cache in float32, one new token per slot: the
+// attention of a decode step on the CPU.
+//
+// Why: XLA's CPU backend runs a decode step's attention as two batched dots per layer over
+// a window of the cache, copying that window out first (engines.kv_cache reads the longest
+// live slot rounded up to a power of two). Here each (slot, kv head) reads exactly its live
+// entries, once, in the cache's memory order, with the softmax in between in registers and
+// L1. engines/cpu_kernels.py builds it and registers it as the XLA FFI target
+// "jetserve_decode_attention"; engines.kv_cache.DecodeKV uses it.
+//
+// Layouts, as engines.kv_cache keeps them: q [B, N, H], keys [B, K, H, S], values
+// [B, K, S, H], pos i32[B]. Entry j of a slot holds sequence position j, so a slot at
+// position p (clamped to S - 1) sees entries max(0, p - window + 1) .. p (window 0: no
+// sliding window); a slot at p < 0 is not live: its output is zeros and nothing of it is
+// read. The N query heads share kv heads in groups of N / K, as in the model.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// exp(x) for x <= 0 (softmax arguments), 8 lanes: x = n ln2 + r, |r| <= ln2 / 2,
+// exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7 on that range).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// scores[g, j] = q[g, :] . k[:, j0 + j] for the G query heads of one kv head. k [H, S]
+// is read row by row (each row's n live entries are contiguous), so the hardware
+// prefetcher sees H short streams in turn rather than H at once; the G score rows stay in
+// L1.
+void scores_any(const float* q, const float* k, int64_t G, int64_t H, int64_t S, int64_t j0,
+                int64_t n, float* scores) {
+  std::fill(scores, scores + G * n, 0.f);
+  for (int64_t h = 0; h < H; ++h) {
+    const float* kh = k + h * S + j0;
+    for (int64_t g = 0; g < G; ++g) {
+      const float qh = q[g * H + h];
+      const __m256 qv = _mm256_set1_ps(qh);
+      float* s = scores + g * n;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(s + j, _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + j), _mm256_loadu_ps(s + j)));
+      for (; j < n; ++j) s[j] += qh * kh[j];
+    }
+  }
+}
+
+// Softmax of scale * s in place, over n entries.
+void softmax(float* s, int64_t n, float scale) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  mx *= scale;
+  const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vs, vm));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vsum);
+  float sum = 0.f;
+  for (float l : lanes) sum += l;
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] * scale - mx));
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+  for (; j < n; ++j) s[j] /= sum;
+}
+
+// out[g, h0:h0+16] = sum_j p[g, j] v[j0 + j, h0:h0+16], two vectors per head in registers.
+template <int G>
+void values_block(const float* p, const float* v, int64_t H, int64_t j0, int64_t n, int64_t h0,
+                  float* out) {
+  __m256 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + (j0 + j) * H + h0;
+    const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+    for (int g = 0; g < G; ++g) {
+      const __m256 pg = _mm256_set1_ps(p[g * n + j]);
+      acc[g][0] = _mm256_fmadd_ps(pg, v0, acc[g][0]);
+      acc[g][1] = _mm256_fmadd_ps(pg, v1, acc[g][1]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    _mm256_storeu_ps(out + g * H + h0, acc[g][0]);
+    _mm256_storeu_ps(out + g * H + h0 + 8, acc[g][1]);
+  }
+}
+
+void values_any(const float* p, const float* v, int64_t G, int64_t H, int64_t j0, int64_t n,
+                float* out) {
+  int64_t h0 = 0;
+  for (; h0 + 16 <= H; h0 += 16) {
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) values_block<4>(p + g * n, v, H, j0, n, h0, out + g * H);
+    for (; g < G; ++g) values_block<1>(p + g * n, v, H, j0, n, h0, out + g * H);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t h = h0; h < H; ++h) {
+      float o = 0.f;
+      for (int64_t j = 0; j < n; ++j) o += p[g * n + j] * v[(j0 + j) * H + h];
+      out[g * H + h] = o;
+    }
+}
+
+// Asks for the live keys (H short rows) and values (one block) of one kv head ahead of
+// use; the hardware prefetcher would fetch the key rows one miss at a time.
+void prefetch_group(const float* k, const float* v, int64_t H, int64_t S, int64_t j0,
+                    int64_t j1) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t j = j0; j < j1; j += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(k + h * S + j), _MM_HINT_T1);
+  for (int64_t i = j0 * H; i < j1 * H; i += 16)
+    _mm_prefetch(reinterpret_cast<const char*>(v + i), _MM_HINT_T1);
+}
+
+// out [G, H] for the G query heads q [G, H] of one kv head over keys k [H, S] and values
+// v [S, H], entries j0 .. j1 - 1.
+void attend_group(const float* q, const float* k, const float* v, float* out, int64_t G,
+                  int64_t H, int64_t S, int64_t j0, int64_t j1, float* scores) {
+  const int64_t n = j1 - j0;
+  scores_any(q, k, G, H, S, j0, n, scores);
+  for (int64_t g = 0; g < G; ++g) softmax(scores + g * n, n, 1.0f / std::sqrt(static_cast<float>(H)));
+  values_any(scores, v, G, H, j0, n, out);
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t window) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || pos.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(
+        "jetserve_decode_attention expects q [B, N, H], k [B, K, H, S], v [B, K, S, H], pos [B]");
+  const int64_t B = qd[0], N = qd[1], H = qd[2], K = kd[1], S = kd[3];
+  if (kd[0] != B || kd[2] != H || vd[0] != B || vd[1] != K || vd[2] != S || vd[3] != H ||
+      pos.dimensions()[0] != B || K == 0 || N % K != 0)
+    return ffi::Error::InvalidArgument("jetserve_decode_attention: shapes do not agree");
+  const int64_t G = N / K;
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const int32_t* pp = pos.typed_data();
+  float* op = out->typed_data();
+  const int64_t tasks = B * K;
+  auto progress = std::make_shared<Progress>();
+  auto work = [=]() {
+    std::vector<float> scores(G * S);
+    auto live = [=](int64_t t, int64_t* j0, int64_t* j1) {  // entries [j0, j1) of task t
+      const int64_t p = std::min<int64_t>(pp[t / K], S - 1);
+      *j0 = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      *j1 = p < 0 ? *j0 : p + 1;
+    };
+    for (int64_t t; (t = progress->next.fetch_add(1)) < tasks;) {
+      int64_t j0, j1;
+      if (t + 1 < tasks) {  // likely this thread's next task
+        live(t + 1, &j0, &j1);
+        prefetch_group(kp + (t + 1) * H * S, vp + (t + 1) * S * H, H, S, j0, j1);
+      }
+      live(t, &j0, &j1);
+      float* o = op + t * G * H;  // (b, kv head) t's query heads: b N + kh G = t G
+      if (j1 > j0)
+        attend_group(qp + t * G * H, kp + t * H * S, vp + t * S * H, o, G, H, S, j0, j1,
+                     scores.data());
+      else
+        std::fill(o, o + G * H, 0.f);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t i = 1; i < std::min(threads, tasks); ++i) pool.Schedule([work]() { work(); });
+  work();
+  // Only chunks other threads already took are left; spin briefly, then yield the core
+  // (on a loaded machine the thread we wait for may need it).
+  for (int spins = 0; progress->done.load(std::memory_order_acquire) < tasks; ++spins) {
+    if (spins < 4096) _mm_pause();
+    else std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JetserveDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));

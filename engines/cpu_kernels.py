@@ -61,8 +61,9 @@ ENV_SWITCH = "JETSERVE_CPU_KERNELS"
 # The packed tiles from 8 rows on (this session, same chain, one core free): 1.1x the dot
 # tiles at 8 rows, 1.2x at 16, 1.06x at 32. At one row XLA keeps the dot (engines.model).
 MAX_ROWS = 40
-SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
-                for name in ("matmul_nt.cc", "decode_attention.cc"))
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = tuple(os.path.join(_CSRC, name) for name in ("matmul_nt.cc", "decode_attention.cc"))
+HEADERS = (os.path.join(_CSRC, "parallel.h"),)
 # -fno-semantic-interposition: with plain -fPIC, GCC kept the matmul's register tiles in
 # memory (2.3x slower tiles than the same code in an executable).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
@@ -111,7 +112,7 @@ def _library_path(compiler: list[str]) -> str:
     root = os.environ.get("JETSERVE_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "jetserve", "kernels")
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         with open(source, "rb") as f:
             h.update(f.read())
     name, flags = _cpu()

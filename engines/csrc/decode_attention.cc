@@ -17,13 +17,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -152,11 +150,6 @@ void attend_group(const float* q, const float* k, const float* v, float* out, in
   values_any(scores, v, G, H, j0, n, out);
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos,
                            ffi::ResultBuffer<ffi::F32> out, int64_t window) {
@@ -174,40 +167,28 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const float* vp = v.typed_data();
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
-  const int64_t tasks = B * K;
-  auto progress = std::make_shared<Progress>();
-  auto work = [=]() {
-    std::vector<float> scores(G * S);
-    auto live = [=](int64_t t, int64_t* j0, int64_t* j1) {  // entries [j0, j1) of task t
-      const int64_t p = std::min<int64_t>(pp[t / K], S - 1);
-      *j0 = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      *j1 = p < 0 ? *j0 : p + 1;
-    };
-    for (int64_t t; (t = progress->next.fetch_add(1)) < tasks;) {
-      int64_t j0, j1;
-      if (t + 1 < tasks) {  // likely this thread's next task
-        live(t + 1, &j0, &j1);
-        prefetch_group(kp + (t + 1) * H * S, vp + (t + 1) * S * H, H, S, j0, j1);
-      }
-      live(t, &j0, &j1);
-      float* o = op + t * G * H;  // (b, kv head) t's query heads: b N + kh G = t G
-      if (j1 > j0)
-        attend_group(qp + t * G * H, kp + t * H * S, vp + t * S * H, o, G, H, S, j0, j1,
-                     scores.data());
-      else
-        std::fill(o, o + G * H, 0.f);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
+  auto live = [=](int64_t t, int64_t* j0, int64_t* j1) {  // entries [j0, j1) of task t
+    const int64_t p = std::min<int64_t>(pp[t / K], S - 1);
+    *j0 = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    *j1 = p < 0 ? *j0 : p + 1;
   };
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t i = 1; i < std::min(threads, tasks); ++i) pool.Schedule([work]() { work(); });
-  work();
-  // Only chunks other threads already took are left; spin briefly, then yield the core
-  // (on a loaded machine the thread we wait for may need it).
-  for (int spins = 0; progress->done.load(std::memory_order_acquire) < tasks; ++spins) {
-    if (spins < 4096) _mm_pause();
-    else std::this_thread::yield();
-  }
+  // One task per (slot, kv head).
+  jetserve::parallel_for(pool, B * K, [=](int64_t t) {
+    thread_local std::vector<float> scores;
+    scores.resize(G * S);
+    int64_t j0, j1;
+    if (t + 1 < B * K) {  // likely this thread's next task
+      live(t + 1, &j0, &j1);
+      prefetch_group(kp + (t + 1) * H * S, vp + (t + 1) * S * H, H, S, j0, j1);
+    }
+    live(t, &j0, &j1);
+    float* o = op + t * G * H;  // (b, kv head) t's query heads: b N + kh G = t G
+    if (j1 > j0)
+      attend_group(qp + t * G * H, kp + t * H * S, vp + t * S * H, o, G, H, S, j0, j1,
+                   scores.data());
+    else
+      std::fill(o, o + G * H, 0.f);
+  });
   return ffi::Error::Success();
 }
 

@@ -18,19 +18,16 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-constexpr int64_t kMaxThreads = 64;
 constexpr int kRows = 3;         // rows of x per register tile
 constexpr int64_t kSmallM = 4;   // below this many rows, no blocking along K
 constexpr int64_t kBlockK = 1024;  // K block that keeps the tile's rows of x in L1
@@ -219,11 +216,6 @@ void pack(const float* x, int64_t M, int64_t K, float* xt) {
   }
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};  // the next column chunk to claim
-  std::atomic<int64_t> done{0};  // chunks finished
-};
-
 ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                     ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -236,7 +228,7 @@ ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t threads = std::clamp<int64_t>(pool.num_threads(), 1, kMaxThreads);
+  const int64_t threads = std::clamp<int64_t>(pool.num_threads(), 1, jetserve::kMaxThreads);
   const bool packed = M >= kPackedMinRows;
   // The packed copy of x lives as long as any task that may still read it.
   std::shared_ptr<std::vector<float>> xt;
@@ -245,36 +237,20 @@ ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     pack(xp, M, K, xt->data());
   }
   // Column chunks of a multiple of the tile width, a few per thread so a late thread still
-  // helps; the calling thread takes chunks too, so the result never waits on a busy pool.
+  // helps.
   const int64_t align = packed ? kPackedCols : 4;
   int64_t chunks = std::min<int64_t>(threads * 4, std::max<int64_t>(1, N / 64));
   if (threads == 1 || M * N * K < (1 << 18)) chunks = 1;
   const int64_t per = ((N + chunks - 1) / chunks + align - 1) / align * align;
   chunks = (N + per - 1) / per;
-  auto progress = std::make_shared<Progress>();
-  auto work = [=]() {
-    int64_t c;
-    while ((c = progress->next.fetch_add(1)) < chunks) {
-      const int64_t n0 = c * per, n1 = std::min<int64_t>(N, (c + 1) * per);
-      if (packed) {
-        packed_cols(xt->data(), wp, yp, M, N, K, n0, n1);
-      } else {
-        matmul_cols(xp, wp, yp, M, N, K, n0, n1);
-      }
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([work] { work(); });
-  work();
-  // Chunks other threads claimed: spin briefly, then give the core away (the machine may
-  // have fewer cores free than the pool has threads).
-  for (int spins = 0; progress->done.load(std::memory_order_acquire) < chunks; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
+  jetserve::parallel_for(pool, chunks, [=](int64_t c) {
+    const int64_t n0 = c * per, n1 = std::min<int64_t>(N, (c + 1) * per);
+    if (packed) {
+      packed_cols(xt->data(), wp, yp, M, N, K, n0, n1);
     } else {
-      std::this_thread::yield();
+      matmul_cols(xp, wp, yp, M, N, K, n0, n1);
     }
-  }
+  });
   return ffi::Error::Success();
 }
 

@@ -120,9 +120,11 @@ def test_cli_generate_gives_the_same_tokens(family, capsys):
         assert row["finish_reason"] == "length"
 
 
-def test_cpu_kernels_match_transformers(hf_dirs):
-    """On one CPU device decode steps run on our kernels (engines/cpu_kernels.py)."""
-    d, model = hf_dirs["llama"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_kernels_match_transformers(hf_dirs, family):
+    """On one CPU device decode steps run on our kernels (engines/cpu_kernels.py): every
+    family's features (sliding windows, biases, tied heads, experts) through them."""
+    d, model = hf_dirs[family]
     cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=48, max_seq_len=96)
     eng = TransformerEngine(load_hf_config(d), weights=d, config=cfg, devices=jax.devices()[:1])
     if not eng.model_config.cpu_matmul_rows:

@@ -52,9 +52,10 @@ class ModelConfig:
     # output channel) or "int4" (groups of quant_group_size along the input axis).
     weight_quant: str = "none"
     quant_group_size: int = 32
-    # Dense layers of a step with at most this many tokens run on the CPU matmul kernel
-    # (engines/cpu_kernels.py); 0: XLA's dot everywhere. The engine sets it for its devices,
-    # so it is never written to a checkpoint's config.
+    # Dense layers of a step with 2 to this many tokens run on the CPU matmul kernel
+    # (engines/cpu_kernels.py), and decode attention on its attention kernel; 0: XLA's ops
+    # everywhere. The engine sets it for its devices, so it is never written to a
+    # checkpoint's config.
     cpu_matmul_rows: int = 0
 
     def __post_init__(self):

@@ -197,7 +197,7 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
     S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
-    kv = DecodeKV(state, pos, cpu_attention=model.cfg.cpu_matmul_rows > 0)
+    kv = DecodeKV(state, pos, cpu_attention=model.cfg.cpu_matmul_rows > 0)  # CPU kernels on
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
@@ -272,8 +272,8 @@ class TransformerEngine(Engine):
         self._mesh = self.sharding.make_mesh(
             devices, {d: getattr(model_config, d) for d in MODEL_DIMS})
         self.dtype = resolve_dtype(self.config.dtype, devices)
-        # Whether the dense layers use the CPU matmul kernel depends on where the model runs,
-        # known here: the model only reads the field.
+        # Whether the model uses the CPU kernels depends on where it runs, known here: the
+        # model (linear()) and the decode step (DecodeKV) only read the field.
         self.model_config = model_config = dataclasses.replace(
             model_config, cpu_matmul_rows=cpu_kernels.max_rows(
                 self._mesh, self.dtype, model_config.weight_quant))

@@ -33,7 +33,7 @@ LAYER = [(N * H, D), (K * H, D), (K * H, D), (D, N * H), (F, D), (F, D), (D, F)]
 def _chain(matmul):
     def run(xs, ws):
         out, prev = [], None
-        for x, w in zip(xs, ws):
+        for x, w in zip(xs, ws, strict=True):
             if prev is not None:  # depend on the previous result, as a step's layers do
                 x = x + prev[:, :1] * 1e-30
             prev = matmul(x, w)

@@ -197,6 +197,8 @@ class DecodeKV:
         self.sizes = window_sizes(S)
         end = last + 1 if pos.ndim == 1 else jnp.minimum(last + 1, S)
         live = jnp.max(jnp.where(state.lengths < S, end, 1))
+        # The CPU attention kernel's positions: each slot's, or -1 where it is not live.
+        self.live_pos = jnp.where(state.lengths < S, pos, -1) if pos.ndim == 1 else None
         self.window = jnp.searchsorted(jnp.asarray(self.sizes), live)  # index into sizes
 
     def update(self, layer, k, v):
@@ -229,11 +231,9 @@ class DecodeKV:
         return k, v
 
     def attend(self, layer, q, positions, sliding_window):
-        st = self.state
-        if (self.cpu_attention and self.pos.ndim == 1 and not self.k_scale
+        if (self.cpu_attention and self.live_pos is not None and not self.k_scale
                 and q.dtype == self.k[layer].dtype == jnp.float32):
-            live = jnp.where(st.lengths < st.k[layer].shape[-1], self.pos, -1)
-            return cpu_kernels.decode_attention(q, self.k[layer], self.v[layer], live,
+            return cpu_kernels.decode_attention(q, self.k[layer], self.v[layer], self.live_pos,
                                                 sliding_window)
 
         def within(w):

@@ -10,7 +10,10 @@
 //  - from 8 rows on, x is first packed transposed into blocks xt[K][16] (a last block of
 //    <= 8 rows 8 wide, zero padded), and a tile broadcasts one weight of each of 6 rows of
 //    w per k against the block's one or two vectors of x: 12 FMAs per 2 loads and 6
-//    broadcasts, no horizontal sums (at 16-32 rows the step is bound by the FMAs).
+//    broadcasts, no horizontal sums (at 16-32 rows the step is bound by the FMAs). The 6
+//    weight rows meet every block of x in turn, so they come from memory once; the packed
+//    copy (128 KiB at 32 rows of 1024) stays in L2. Software prefetch of the weight rows
+//    made these tiles slower here.
 //
 // Layout: x, w and y are row-major and dense. Any M, N, K (tails of K below 8 and of N
 // below the tile width take narrower tiles or scalar paths).
@@ -19,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -34,7 +38,6 @@ constexpr int64_t kBlockK = 1024;  // K block that keeps the tile's rows of x in
 // From this many rows on, x is packed and the packed tiles below run instead.
 constexpr int64_t kPackedMinRows = 8;
 constexpr int kPackedRows = 16, kPackedCols = 6;  // packed tile: rows of x by rows of w
-constexpr int64_t kPrefetch = 256;  // floats ahead on each weight row (packed tiles)
 
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   __m256 ab = _mm256_hadd_ps(a, b);
@@ -140,20 +143,19 @@ void matmul_cols(const float* x, const float* w, float* y, int64_t M, int64_t N,
 // packed 8 wide.
 inline int64_t block_width(int64_t M, int64_t m0) { return M - m0 <= 8 ? 8 : kPackedRows; }
 
-// y[m, c] = sum_k xt[k, m] w[c, k] for m < rows, c < C, from one packed block xt[K][8 V].
 template <int C, int V>
 struct PackedAcc {
   __m256 a[C][V];
 };
 
 // One k step of a packed tile. Force-inlined with every loop unrolled, so the accumulators
-// stay in registers (GCC kept them in memory when the k loop and the prefetch were mixed).
+// stay in registers.
 template <int C, int V>
 __attribute__((always_inline)) inline void packed_step(PackedAcc<C, V>& acc, const float* xt,
                                                        const float* w, int64_t K, int64_t k) {
   __m256 xv[V];
 #pragma GCC unroll 4
-  for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(xt + k * 8 * V + 8 * v);
+  for (int v = 0; v < V; ++v) xv[v] = _mm256_load_ps(xt + k * 8 * V + 8 * v);
 #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     const __m256 b = _mm256_broadcast_ss(w + c * K + k);
@@ -162,10 +164,12 @@ __attribute__((always_inline)) inline void packed_step(PackedAcc<C, V>& acc, con
   }
 }
 
-// y[m, c] = sum_k xt[k, m] w[c, k] for m < rows, c < C, from one packed block xt[K][8 V].
+// out[c][m] = sum_k xt[k, m] w[c, k] for m < 8 V, c < C, from one packed block xt[K][8 V].
+// Kept out of line and writing to a small buffer: inlined into the loops below, GCC shuffled
+// the accumulators between registers and the tile ran ~15% slower.
 template <int C, int V>
-inline void packed_tile(const float* xt, const float* w, int64_t K, float* y, int64_t ldy,
-                        int64_t rows) {
+__attribute__((noinline)) void packed_tile(const float* xt, const float* w, int64_t K,
+                                           float* out) {
   PackedAcc<C, V> acc;
 #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
@@ -173,37 +177,38 @@ inline void packed_tile(const float* xt, const float* w, int64_t K, float* y, in
     for (int v = 0; v < V; ++v) acc.a[c][v] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * K + k + kPrefetch), _MM_HINT_T0);
 #pragma GCC unroll 16
     for (int t = 0; t < 16; ++t) packed_step(acc, xt, w, K, k + t);
   }
   for (; k < K; ++k) packed_step(acc, xt, w, K, k);
-  alignas(32) float out[C][8 * V];
+#pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
-    for (int v = 0; v < V; ++v) _mm256_store_ps(out[c] + 8 * v, acc.a[c][v]);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int c = 0; c < C; ++c) y[m * ldy + c] = out[c][m];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm256_store_ps(out + c * 8 * V + 8 * v, acc.a[c][v]);
 }
 
-template <int V>
-void packed_block(const float* xt, const float* w, float* y, int64_t N, int64_t K, int64_t rows,
-                  int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + kPackedCols <= n1; n += kPackedCols)
-    packed_tile<kPackedCols, V>(xt, w + n * K, K, y + n, N, rows);
-  for (; n < n1; ++n) packed_tile<1, V>(xt, w + n * K, K, y + n, N, rows);
+// y[:, n:n + C] from C rows of w against every packed block of x, one block after the other,
+// so the C weight rows come from memory once and from L1 for the blocks after the first.
+template <int C>
+void packed_cols_tile(const float* xt, const float* w, float* y, int64_t M, int64_t N,
+                      int64_t K, int64_t n) {
+  alignas(32) float out[C * kPackedRows];
+  for (int64_t m = 0; m < M; m += kPackedRows) {
+    const int64_t rows = std::min<int64_t>(kPackedRows, M - m), width = block_width(M, m);
+    if (width == 8) packed_tile<C, 1>(xt + m * K, w + n * K, K, out);
+    else packed_tile<C, 2>(xt + m * K, w + n * K, K, out);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int c = 0; c < C; ++c) y[(m + r) * N + n + c] = out[c * width + r];
+  }
 }
 
 // Columns [n0, n1) of y from the packed blocks of x.
 void packed_cols(const float* xt, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                  int64_t n0, int64_t n1) {
-  for (int64_t m = 0; m < M; m += kPackedRows) {
-    const int64_t rows = std::min<int64_t>(kPackedRows, M - m);
-    if (block_width(M, m) == 8) packed_block<1>(xt + m * K, w, y + m * N, N, K, rows, n0, n1);
-    else packed_block<2>(xt + m * K, w, y + m * N, N, K, rows, n0, n1);
-  }
+  int64_t n = n0;
+  for (; n + kPackedCols <= n1; n += kPackedCols)
+    packed_cols_tile<kPackedCols>(xt, w, y, M, N, K, n);
+  for (; n < n1; ++n) packed_cols_tile<1>(xt, w, y, M, N, K, n);
 }
 
 // xt[k][r] = x[m0 + r, k] per block (zero past row M); block b starts at xt + 16 b K.
@@ -230,23 +235,27 @@ ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   float* yp = y->typed_data();
   const int64_t threads = std::clamp<int64_t>(pool.num_threads(), 1, jetserve::kMaxThreads);
   const bool packed = M >= kPackedMinRows;
-  // The packed copy of x lives as long as any task that may still read it.
-  std::shared_ptr<std::vector<float>> xt;
+  // The packed copy of x lives as long as any task that may still read it. 64-byte aligned,
+  // so each k step's one or two vectors of a block share one cache line.
+  std::shared_ptr<float> xt;
   if (packed) {
-    xt = std::make_shared<std::vector<float>>((M + kPackedRows - 1) / kPackedRows * kPackedRows * K);
-    pack(xp, M, K, xt->data());
+    const int64_t floats = (M + kPackedRows - 1) / kPackedRows * kPackedRows * K;
+    xt.reset(static_cast<float*>(std::aligned_alloc(64, sizeof(float) * floats)), std::free);
+    if (!xt) return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                               "jetserve_matmul_nt: out of memory packing x");
+    pack(xp, M, K, xt.get());
   }
-  // Column chunks of a multiple of the tile width, a few per thread so a late thread still
-  // helps.
+  // Column chunks of a multiple of the tile width, several per thread so a late or
+  // interrupted thread still gets its share.
   const int64_t align = packed ? kPackedCols : 4;
-  int64_t chunks = std::min<int64_t>(threads * 4, std::max<int64_t>(1, N / 64));
+  int64_t chunks = std::min<int64_t>(threads * 8, std::max<int64_t>(1, N / 64));
   if (threads == 1 || M * N * K < (1 << 18)) chunks = 1;
   const int64_t per = ((N + chunks - 1) / chunks + align - 1) / align * align;
   chunks = (N + per - 1) / per;
   jetserve::parallel_for(pool, chunks, [=](int64_t c) {
     const int64_t n0 = c * per, n1 = std::min<int64_t>(N, (c + 1) * per);
     if (packed) {
-      packed_cols(xt->data(), wp, yp, M, N, K, n0, n1);
+      packed_cols(xt.get(), wp, yp, M, N, K, n0, n1);
     } else {
       matmul_cols(xp, wp, yp, M, N, K, n0, n1);
     }

@@ -6,8 +6,11 @@
 - `decode_attention`: one new token per slot over the contiguous KV cache
   (csrc/decode_attention.cc), reading each slot's live entries once, where XLA copies a
   window of the cache out and runs two batched dots over it.
+- `argmax` and `token_logprobs`: the greedy token and the log-probs of a decode step's
+  logits (csrc/logits.cc), in vectors over each row, where XLA runs a generic
+  (value, index) reduction, a log-softmax and a top-k.
 
-This module builds both sources into one library with the system C++ compiler on first
+This module builds the sources into one library with the system C++ compiler on first
 use (`$CXX`, else g++), keeps it in a cache folder (`$JETSERVE_KERNEL_CACHE`, else
 ~/.cache/jetserve/kernels) under a name keyed by everything that could change the binary,
 loads it and registers the targets with XLA.
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 
 TARGET = "jetserve_matmul_nt"
 ATTENTION_TARGET = "jetserve_decode_attention"
+ARGMAX_TARGET = "jetserve_argmax"
+LOG_PROBS_TARGET = "jetserve_log_probs"
 ENV_SWITCH = "JETSERVE_CPU_KERNELS"
 # Rows (tokens in one step) up to which the kernel runs the dense layers. Measured on a
 # chain of the 156M Llama's layer matmuls (2 cores, XLA time / kernel time): 0.9-1.05 at
@@ -62,8 +67,9 @@ ENV_SWITCH = "JETSERVE_CPU_KERNELS"
 # tiles at 8 rows, 1.2x at 16, 1.06x at 32. At one row XLA keeps the dot (engines.model).
 MAX_ROWS = 40
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = tuple(os.path.join(_CSRC, name) for name in ("matmul_nt.cc", "decode_attention.cc"))
-HEADERS = (os.path.join(_CSRC, "parallel.h"),)
+SOURCES = tuple(os.path.join(_CSRC, name)
+                for name in ("matmul_nt.cc", "decode_attention.cc", "logits.cc"))
+HEADERS = tuple(os.path.join(_CSRC, name) for name in ("parallel.h", "simd_math.h"))
 # -fno-semantic-interposition: with plain -fPIC, GCC kept the matmul's register tiles in
 # memory (2.3x slower tiles than the same code in an executable).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
@@ -154,7 +160,9 @@ def _load() -> bool:
                     _build(compiler, path)
                 lib = ctypes.cdll.LoadLibrary(path)
                 for target, symbol in ((TARGET, lib.JetserveMatmulNT),
-                                       (ATTENTION_TARGET, lib.JetserveDecodeAttention)):
+                                       (ATTENTION_TARGET, lib.JetserveDecodeAttention),
+                                       (ARGMAX_TARGET, lib.JetserveArgmax),
+                                       (LOG_PROBS_TARGET, lib.JetserveLogProbs)):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                                 platform="cpu")
                 _library = lib
@@ -202,7 +210,7 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32),
                               vmap_method="sequential")
     # The target is registered for the CPU only: lowered for another backend, XLA's dot.
-    y = jax.lax.platform_dependent(x.reshape(M, K), w, cpu=kernel, default=dot)
+    y = _cpu_only(kernel, dot, x.reshape(M, K), w)
     return y.reshape(*lead, N)
 
 
@@ -227,3 +235,48 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
                            vmap_method="sequential")(
         q.reshape(B, N, H), k, v, pos.astype(jnp.int32), window=np.int64(sliding_window or 0))
     return out.reshape(B, 1, N, H)
+
+
+def _cpu_only(kernel, fallback, *args):
+    """kernel(*args) lowered for a CPU, fallback(*args) for any other backend."""
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=fallback)
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax(logits, axis=-1) of f32[B, V] -> i32[B] (a NaN counts as the largest).
+
+    Callers check `available()` first.
+    """
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"argmax takes float32 logits [B, V], got {logits.shape} {logits.dtype}")
+    kernel = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32),
+                              vmap_method="sequential")
+    return _cpu_only(kernel, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), logits)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int,
+                   fallback) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-softmax of f32[B, V] at `tokens` i32[B], and its `top_n` best with their ids.
+
+    Returns (chosen f32[B], top ids i32[B, n], top log-probs f32[B, n]), as
+    `fallback(logits, tokens, top_n)` (XLA's version) does; a step where some row holds a
+    NaN or an infinite maximum takes the fallback's result. Callers check `available()`.
+    """
+    B, V = logits.shape
+    if logits.dtype != jnp.float32 or tokens.shape != (B,) or not 0 <= top_n <= V:
+        raise ValueError(f"token_logprobs takes float32 logits [B, V], tokens [B] and "
+                         f"0 <= top_n <= V, got {logits.shape} {logits.dtype}, "
+                         f"{tokens.shape} and {top_n}")
+    kernel = jax.ffi.ffi_call(
+        LOG_PROBS_TARGET,
+        (jax.ShapeDtypeStruct((B,), jnp.float32), jax.ShapeDtypeStruct((B, top_n), jnp.int32),
+         jax.ShapeDtypeStruct((B, top_n), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32)),
+        vmap_method="sequential")
+
+    def on_cpu(x, t):
+        chosen, ids, lps, ok = kernel(x, t)
+        return jax.lax.cond(jnp.all(ok != 0), lambda: (chosen, ids, lps),
+                            lambda: fallback(x, t, top_n))
+
+    return _cpu_only(on_cpu, lambda x, t: fallback(x, t, top_n), logits,
+                     tokens.astype(jnp.int32))

@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+import engines.cpu_kernels
+
 _NEG_INF = -1e30
 
 
@@ -153,10 +155,18 @@ def sample(
     s: SlotSampling,
     prompt_mask: jax.Array,  # bool[B, V]
     counts: jax.Array,  # i32[B, V]
+    cpu_kernels: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Picks one token per slot. Returns (tokens i32[B], next keys u32[B, 2])."""
+    """Picks one token per slot. Returns (tokens i32[B], next keys u32[B, 2]).
+
+    cpu_kernels: the greedy token by engines.cpu_kernels.argmax (the engine's choice on one
+    CPU device; the same token as jnp.argmax).
+    """
     logits = apply_penalties(logits.astype(jnp.float32), s, prompt_mask, counts)
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if cpu_kernels:
+        greedy_tok = engines.cpu_kernels.argmax(logits)
+    else:
+        greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(s.key)
     next_keys = jax.vmap(jax.random.key_data)(keys[:, 0])
     use_keys = keys[:, 1]
@@ -172,12 +182,22 @@ def sample(
 
 
 def token_logprobs(
-    logits: jax.Array, tokens: jax.Array, top_n: int
+    logits: jax.Array, tokens: jax.Array, top_n: int, cpu_kernels: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probs of the model's distribution (before penalties and temperature).
 
-    Returns (chosen f32[B], top ids i32[B, n], top log-probs f32[B, n]).
+    Returns (chosen f32[B], top ids i32[B, n], top log-probs f32[B, n]). cpu_kernels: by
+    engines.cpu_kernels.token_logprobs (equal to a few float32 ulps).
     """
+    if cpu_kernels:
+        return engines.cpu_kernels.token_logprobs(logits.astype(jnp.float32), tokens, top_n,
+                                                  fallback=_token_logprobs_xla)
+    return _token_logprobs_xla(logits, tokens, top_n)
+
+
+def _token_logprobs_xla(
+    logits: jax.Array, tokens: jax.Array, top_n: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if top_n > 0:

@@ -197,10 +197,12 @@ def _generate(model: Decoder, top_n: int, params, state: DecodeState):
     S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
-    kv = DecodeKV(state, pos, cpu_attention=model.cfg.cpu_matmul_rows > 0)  # CPU kernels on
+    cpu_kernels = model.cfg.cpu_matmul_rows > 0  # the engine turned the CPU kernels on
+    kv = DecodeKV(state, pos, cpu_attention=cpu_kernels)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
-    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
+    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
+                            cpu_kernels=cpu_kernels)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
     B = tok.shape[0]
     lengths = jnp.where(valid, state.lengths + 1, state.lengths)
     new_state = DecodeState(

@@ -22,30 +22,12 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// exp(x) for x <= 0 (softmax arguments), 8 lanes: x = n ln2 + r, |r| <= ln2 / 2,
-// exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7 on that range).
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 // scores[g, j] = q[g, :] . k[:, j0 + j] for the G query heads of one kv head. k [H, S]
 // is read row by row (each row's n live entries are contiguous), so the hardware
@@ -77,7 +59,7 @@ void softmax(float* s, int64_t n, float scale) {
   __m256 vsum = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_nonpositive(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vs, vm));
+    const __m256 e = jetserve::exp_nonpositive(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vs, vm));
     _mm256_storeu_ps(s + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,13 +45,6 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   __m256 cd = _mm256_hadd_ps(c, d);
   __m256 s = _mm256_hadd_ps(ab, cd);
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-inline float hsum1(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
 }
 
 // y[r, 0:4] (+)= x[r, k0:k1] . w[0:4, k0:k1] for r < R.
@@ -95,7 +89,7 @@ inline void tile1(const float* x, int64_t ldx, const float* w, float* y, int64_t
       acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w0, acc[r]);
   }
   for (int r = 0; r < R; ++r) {
-    float t = hsum1(acc[r]);
+    float t = jetserve::hsum(acc[r]);
     for (int64_t kk = k; kk < k1; ++kk) t += x[r * ldx + kk] * w[kk];
     y[r * ldy] = acc_in ? y[r * ldy] + t : t;
   }

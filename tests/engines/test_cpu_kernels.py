@@ -143,6 +143,90 @@ def test_decode_attention_bad_operands_are_named():
         cpu_kernels.decode_attention(q, k, jnp.ones((2, 2, 8, 16)), jnp.zeros(2, jnp.int32), None)
 
 
+# ---- the greedy token and the log-probs of a step's logits ---------------------------
+
+
+def _logits_cases():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 1003)).astype(np.float32) * 4
+    x[0, 7] = x[0, 500] = x[0].max() + 1  # a tie for the maximum: the lower index
+    x[1, 1:] = -np.inf
+    x[2, 100:] = -np.inf
+    x[3, 999] = 50.0  # the maximum in the scalar tail
+    x[4] = -np.abs(x[4])
+    x[4, 3] = x[4, 9] = x[4, 11] = x[4, 700] = 2.5  # ties in the top 5: lower ids first
+    return [x, rng.standard_normal((32, 32000)).astype(np.float32),
+            rng.standard_normal((2, 5)).astype(np.float32)]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_argmax_equals_jnp_argmax(kernel, case):
+    x = _logits_cases()[case]
+    got = np.asarray(jax.jit(cpu_kernels.argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert cpu_kernels.ARGMAX_TARGET in _lowered(cpu_kernels.argmax, jnp.asarray(x))
+
+
+def test_argmax_counts_a_nan_as_the_largest(kernel):
+    x = np.zeros((4, 40), np.float32)
+    x[0, 30], x[0, 31], x[0, 5] = np.nan, np.nan, np.inf
+    x[1, 38] = np.nan  # in the scalar tail
+    x[2, 0] = np.nan
+    x[3, :] = -np.inf  # every entry -inf: index 0
+    got = jax.jit(cpu_kernels.argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+    np.testing.assert_array_equal(np.asarray(got), [30, 38, 0, 0])
+
+
+def _log_probs_both(x, tokens, n):
+    from engines import sampling
+    x, tokens = jnp.asarray(x), jnp.asarray(tokens, jnp.int32)
+    on = jax.jit(lambda a, t: sampling.token_logprobs(a, t, n, cpu_kernels=True))
+    off = jax.jit(lambda a, t: sampling.token_logprobs(a, t, n))
+    assert cpu_kernels.LOG_PROBS_TARGET in jax.jit(on).lower(x, tokens).as_text()
+    return [tuple(np.asarray(a) for a in f(x, tokens)) for f in (on, off)]
+
+
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("n", [0, 1, 5, 20])
+def test_log_probs_match_xla_and_float64(kernel, case, n):
+    x = _logits_cases()[case]
+    n = min(n, x.shape[1])
+    tokens = np.arange(x.shape[0]) * 7 % x.shape[1]
+    (c, ids, lps), (c0, ids0, lps0) = _log_probs_both(x, tokens, n)
+    x64 = x.astype(np.float64)
+    ref = x64 - x64.max(1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        ref -= np.log(np.exp(ref).sum(1, keepdims=True))
+    np.testing.assert_allclose(c, ref[np.arange(len(ref)), tokens], rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(c, c0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(ids, ids0)
+    np.testing.assert_allclose(lps, lps0, rtol=1e-6, atol=1e-6)
+    assert ids.shape == (x.shape[0], n) and lps.shape == (x.shape[0], n)
+    if case == 0 and n == 5:
+        np.testing.assert_array_equal(ids[4, :4], [3, 9, 11, 700])
+
+
+def test_log_probs_of_a_nan_or_infinite_row_are_xla_s(kernel):
+    x = np.zeros((5, 30), np.float32)
+    x[0, 4] = np.nan
+    x[1, :] = np.nan
+    x[2, 10] = x[2, 20] = np.inf
+    x[3] = np.linspace(-1, 1, 30)
+    x[4, :] = -np.inf
+    got, want = _log_probs_both(x, np.asarray([0, 1, 2, 3, 4]), 3)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)  # the whole step falls back to XLA
+
+
+def test_log_probs_bad_operands_are_named(kernel):
+    with pytest.raises(ValueError, match="top_n <= V"):
+        cpu_kernels.token_logprobs(jnp.zeros((2, 4)), jnp.zeros((2,), jnp.int32), 5,
+                                   fallback=None)
+    with pytest.raises(ValueError, match="float32 logits"):
+        cpu_kernels.argmax(jnp.zeros((2, 4), jnp.bfloat16))
+
+
 # ---- the model and the engine --------------------------------------------------------
 
 
@@ -174,7 +258,8 @@ def test_only_steps_up_to_max_rows_use_the_kernels(engines):
     assert not _uses_kernel(on.model, params, rows + 1)  # prefill sizes stay with XLA
     assert not _uses_kernel(off.model, params, rows)
     state = on.init_decode_state()
-    for target in (cpu_kernels.TARGET, cpu_kernels.ATTENTION_TARGET):
+    for target in (cpu_kernels.TARGET, cpu_kernels.ATTENTION_TARGET, cpu_kernels.ARGMAX_TARGET,
+                   cpu_kernels.LOG_PROBS_TARGET):
         assert target in on._generate_jit.lower(params, state).as_text()
         assert target not in off._generate_jit.lower(params, state).as_text()
 

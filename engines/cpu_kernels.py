@@ -21,9 +21,10 @@ keeps XLA's ops: the kernels are an optimisation, never a reason for a job to fa
 
 The engine decides whether its model uses them (`max_rows`): only on a one-device CPU mesh
 (a sharded operand would make XLA's partitioner gather it around the custom call), with
-plain float32 weights; the matmul for at most `MAX_ROWS` rows (decode and speculative
-verification; prefill stays with XLA, which is faster there), the attention for decode
-steps over a float32 contiguous cache (engines.kv_cache.DecodeKV).
+plain float32 weights; the matmul for at most `MAX_ROWS` rows (decode, speculative
+verification, short prefill chunks; XLA's dot is as fast past that), the attention for
+decode steps over a float32 contiguous cache (engines.kv_cache.DecodeKV), the argmax and
+log-probs for decode steps (engines.sampling).
 
 Concurrency: the first call builds and registers under a lock, once per process; the
 library is written under a temporary name and renamed into place, so processes building
@@ -59,13 +60,13 @@ ATTENTION_TARGET = "jetserve_decode_attention"
 ARGMAX_TARGET = "jetserve_argmax"
 LOG_PROBS_TARGET = "jetserve_log_probs"
 ENV_SWITCH = "JETSERVE_CPU_KERNELS"
-# Rows (tokens in one step) up to which the kernel runs the dense layers. Measured on a
-# chain of the 156M Llama's layer matmuls (2 cores, XLA time / kernel time): 0.9-1.05 at
-# 1 row (both stream the weights), 1.6-1.8 at 2-8, 1.4 at 16, 1.15 at 32, 1.1 at 40, 1.0
-# at 48, 0.9 at 64, 0.7 at 256; the 32000 x 1024 LM head alike (1.1 at 40, 1.0 at 64).
-# The packed tiles from 8 rows on (this session, same chain, one core free): 1.1x the dot
-# tiles at 8 rows, 1.2x at 16, 1.06x at 32. At one row XLA keeps the dot (engines.model).
-MAX_ROWS = 40
+# Rows (tokens in one step) up to which the kernel runs the dense layers: decode,
+# speculative verification and prefill chunks of up to this many tokens. Measured with
+# scripts/cpu_matmul_ab.py (the 156M Llama's 57 layer and head matmuls chained, 2 cores),
+# XLA time / kernel time: 0.96 at 1 row (both stream the weights; XLA keeps that case,
+# engines.model), 1.8-2.2 at 2-16, 1.46-1.56 at 32, 1.3-1.4 at 40-64, 1.2 at 96, 1.13 at
+# 128, 1.03-1.04 at 192-256.
+MAX_ROWS = 128
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(_CSRC, name)
                 for name in ("matmul_nt.cc", "decode_attention.cc", "logits.cc"))

@@ -29,23 +29,58 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// scores[g, j] = q[g, :] . k[:, j0 + j] for the G query heads of one kv head. k [H, S]
-// is read row by row (each row's n live entries are contiguous), so the hardware
-// prefetcher sees H short streams in turn rather than H at once; the G score rows stay in
-// L1.
+// Asks for the live entries [j0, j0 + n) of key rows [h0, h1) ahead of use.
+inline void prefetch_rows(const float* k, int64_t S, int64_t h0, int64_t h1, int64_t j0,
+                          int64_t n) {
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t j = 0; j < n; j += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(k + h * S + j0 + j), _MM_HINT_T0);
+}
+
+// scores[g, j] = q[g, :] . k[:, j0 + j] for the G query heads of one kv head. k [H, S] is
+// read 4 rows at a time (4 short streams: one load of each feeds all G heads, and each
+// score vector is loaded and stored once per 4 rows), and the rows kPrefetchRows ahead are
+// prefetched: a row's n live entries are too short a stream for the hardware prefetcher
+// to ramp up on, and waiting on them made this loop run at ~7 GB/s.
+constexpr int64_t kPrefetchRows = 8;
+
 void scores_any(const float* q, const float* k, int64_t G, int64_t H, int64_t S, int64_t j0,
                 int64_t n, float* scores) {
   std::fill(scores, scores + G * n, 0.f);
-  for (int64_t h = 0; h < H; ++h) {
+  prefetch_rows(k, S, 0, std::min(H, kPrefetchRows), j0, n);
+  int64_t h = 0;
+  for (; h + 4 <= H; h += 4) {
+    prefetch_rows(k, S, std::min(H, h + kPrefetchRows), std::min(H, h + kPrefetchRows + 4),
+                  j0, n);
+    const float* k0 = k + h * S + j0;
+    const float *k1 = k0 + S, *k2 = k1 + S, *k3 = k2 + S;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 a = _mm256_loadu_ps(k0 + j), b = _mm256_loadu_ps(k1 + j);
+      const __m256 c = _mm256_loadu_ps(k2 + j), d = _mm256_loadu_ps(k3 + j);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * H + h;
+        float* sg = scores + g * n + j;
+        __m256 acc = _mm256_loadu_ps(sg);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(qg[0]), a, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(qg[1]), b, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(qg[2]), c, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(qg[3]), d, acc);
+        _mm256_storeu_ps(sg, acc);
+      }
+    }
+    for (; j < n; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * H + h;
+        scores[g * n + j] += qg[0] * k0[j] + qg[1] * k1[j] + qg[2] * k2[j] + qg[3] * k3[j];
+      }
+  }
+  for (; h < H; ++h) {
     const float* kh = k + h * S + j0;
     for (int64_t g = 0; g < G; ++g) {
       const float qh = q[g * H + h];
-      const __m256 qv = _mm256_set1_ps(qh);
-      float* s = scores + g * n;
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8)
-        _mm256_storeu_ps(s + j, _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + j), _mm256_loadu_ps(s + j)));
-      for (; j < n; ++j) s[j] += qh * kh[j];
+      float* sg = scores + g * n;
+      for (int64_t j = 0; j < n; ++j) sg[j] += qh * kh[j];
     }
   }
 }
@@ -112,7 +147,7 @@ void values_any(const float* p, const float* v, int64_t G, int64_t H, int64_t j0
 }
 
 // Asks for the live keys (H short rows) and values (one block) of one kv head ahead of
-// use; the hardware prefetcher would fetch the key rows one miss at a time.
+// use, into L2: the next task's, while this one runs.
 void prefetch_group(const float* k, const float* v, int64_t H, int64_t S, int64_t j0,
                     int64_t j1) {
   for (int64_t h = 0; h < H; ++h)

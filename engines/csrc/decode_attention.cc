@@ -109,13 +109,17 @@ void softmax(float* s, int64_t n, float scale) {
   for (; j < n; ++j) s[j] /= sum;
 }
 
-// out[g, h0:h0+16] = sum_j p[g, j] v[j0 + j, h0:h0+16], two vectors per head in registers.
+// out[g, h0:h0+16] (+)= sum_j p[g, j] v[j0 + j, h0:h0+16] over j in [ja, jb), two vectors
+// per head in registers.
 template <int G>
-void values_block(const float* p, const float* v, int64_t H, int64_t j0, int64_t n, int64_t h0,
-                  float* out) {
+void values_block(const float* p, int64_t n, const float* v, int64_t H, int64_t j0,
+                  int64_t ja, int64_t jb, int64_t h0, float* out, bool accumulate) {
   __m256 acc[G][2];
-  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  for (int g = 0; g < G; ++g) {
+    acc[g][0] = accumulate ? _mm256_loadu_ps(out + g * H + h0) : _mm256_setzero_ps();
+    acc[g][1] = accumulate ? _mm256_loadu_ps(out + g * H + h0 + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t j = ja; j < jb; ++j) {
     const float* vj = v + (j0 + j) * H + h0;
     const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
     for (int g = 0; g < G; ++g) {
@@ -130,16 +134,25 @@ void values_block(const float* p, const float* v, int64_t H, int64_t j0, int64_t
   }
 }
 
+// out [G, H] = p [G, n] . v [j0:j0 + n, H]. The entries go in blocks of kValueRows, each
+// block's rows whole (every 16-head slice of them) before the next, so the values are
+// read from memory in order, once; the partial sums wait in out, in L1.
+constexpr int64_t kValueRows = 16;
+
 void values_any(const float* p, const float* v, int64_t G, int64_t H, int64_t j0, int64_t n,
                 float* out) {
-  int64_t h0 = 0;
-  for (; h0 + 16 <= H; h0 += 16) {
-    int64_t g = 0;
-    for (; g + 4 <= G; g += 4) values_block<4>(p + g * n, v, H, j0, n, h0, out + g * H);
-    for (; g < G; ++g) values_block<1>(p + g * n, v, H, j0, n, h0, out + g * H);
+  const int64_t h16 = H / 16 * 16;
+  for (int64_t ja = 0; ja < n; ja += kValueRows) {
+    const int64_t jb = std::min(n, ja + kValueRows);
+    for (int64_t h0 = 0; h0 < h16; h0 += 16) {
+      int64_t g = 0;
+      for (; g + 4 <= G; g += 4)
+        values_block<4>(p + g * n, n, v, H, j0, ja, jb, h0, out + g * H, ja > 0);
+      for (; g < G; ++g) values_block<1>(p + g * n, n, v, H, j0, ja, jb, h0, out + g * H, ja > 0);
+    }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t h = h0; h < H; ++h) {
+    for (int64_t h = h16; h < H; ++h) {
       float o = 0.f;
       for (int64_t j = 0; j < n; ++j) o += p[g * n + j] * v[(j0 + j) * H + h];
       out[g * H + h] = o;

@@ -202,8 +202,8 @@ void packed_cols(const float* xt, const float* w, float* y, int64_t M, int64_t N
   int64_t n = n0;
   for (; n + kPackedCols <= n1; n += kPackedCols)
     packed_cols_tile<kPackedCols>(xt, w, y, M, N, K, n);
-  // The last N % 6 columns in tiles of 4, 2 and 1 rows of w: one column at a time ran the
-  // 4 tail columns of a [256, K] layer at a sixth of the tile's rate.
+  // The last N % 6 columns in tiles of 4, 2 and 1 rows of w (one row at a time is 2 FMAs
+  // per k where the 6-row tile does 12; every layer of a Llama has such a tail).
   if (n + 4 <= n1) packed_cols_tile<4>(xt, w, y, M, N, K, n), n += 4;
   if (n + 2 <= n1) packed_cols_tile<2>(xt, w, y, M, N, K, n), n += 2;
   if (n < n1) packed_cols_tile<1>(xt, w, y, M, N, K, n);

@@ -65,7 +65,8 @@ ENV_SWITCH = "JETSERVE_CPU_KERNELS"
 # scripts/cpu_matmul_ab.py (the 156M Llama's 57 layer and head matmuls chained, 2 cores),
 # XLA time / kernel time: 0.96 at 1 row (both stream the weights; XLA keeps that case,
 # engines.model), 1.8-2.2 at 2-16, 1.46-1.56 at 32, 1.3-1.4 at 40-64, 1.2 at 96, 1.13 at
-# 128, 1.03-1.04 at 192-256.
+# 128, 1.03-1.04 at 192-256 with AVX2; with AVX-512 (XLA's dot uses it too) 0.98 at 1
+# row, 1.2-1.8 at 2-32, 1.3 at 48-64, 1.17 at 96, 1.08 at 128, ~1 at 192-256.
 MAX_ROWS = 128
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(_CSRC, name)

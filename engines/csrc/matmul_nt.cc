@@ -3,17 +3,19 @@
 // Why: XLA's CPU backend sends every f32 dot to YNNPACK, which is slow at the 1-32 rows of
 // a decode step. engines/cpu_kernels.py builds this file, registers it as the XLA FFI
 // target "jetserve_matmul_nt" and decides when the model uses it (engines/model.py
-// linear()). Two forms, both AVX2 + FMA register tiles, output columns split over XLA's
-// intra-op thread pool:
+// linear()). Two forms, both register tiles (AVX2 + FMA, and AVX-512 where the compiler
+// targets it: the build is -march=native), output columns split over XLA's intra-op thread
+// pool:
 //  - under 8 rows, "dot" tiles of up to 3 rows of x by 4 rows of w, vectors along K and one
 //    horizontal sum per output: each weight row is streamed once for all rows of x;
 //  - from 8 rows on, x is first packed transposed into blocks xt[K][16] (a last block of
 //    <= 8 rows 8 wide, zero padded), and a tile broadcasts one weight of each of 6 rows of
 //    w per k against the block's one or two vectors of x: 12 FMAs per 2 loads and 6
-//    broadcasts, no horizontal sums (at 16-32 rows the step is bound by the FMAs). The 6
-//    weight rows meet every block of x in turn, so they come from memory once; the packed
-//    copy (128 KiB at 32 rows of 1024) stays in L2. Software prefetch of the weight rows
-//    made these tiles slower here.
+//    broadcasts, no horizontal sums (at 16-32 rows the step is bound by the FMAs). With
+//    AVX-512 the tile is 12 rows of w against two 16-row blocks, one 16-float vector each:
+//    24 FMAs per 2 loads and 12 broadcasts. The weight rows meet every block of x in turn,
+//    so they come from memory once; the packed copy (128 KiB at 32 rows of 1024) stays in
+//    L2. Software prefetch of the weight rows made these tiles slower here.
 //
 // Layout: x, w and y are row-major and dense. Any M, N, K (tails of K below 8 and of N
 // below the tile width take narrower tiles or scalar paths).
@@ -38,7 +40,15 @@ constexpr int64_t kSmallM = 4;   // below this many rows, no blocking along K
 constexpr int64_t kBlockK = 1024;  // K block that keeps the tile's rows of x in L1
 // From this many rows on, x is packed and the packed tiles below run instead.
 constexpr int64_t kPackedMinRows = 8;
-constexpr int kPackedRows = 16, kPackedCols = 6;  // packed tile: rows of x by rows of w
+constexpr int kPackedRows = 16;  // rows of x per packed block
+// Rows of w per packed tile. With AVX-512 (32 vector registers, 16 floats each) a tile is
+// 12 rows of w against one or two 16-row blocks of x: up to 24 accumulators, one
+// broadcast per weight; with AVX2 (16 registers, 8 floats) 6 rows against one block.
+#ifdef __AVX512F__
+constexpr int kPackedCols = 12;
+#else
+constexpr int kPackedCols = 6;
+#endif
 
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   __m256 ab = _mm256_hadd_ps(a, b);
@@ -150,7 +160,7 @@ __attribute__((always_inline)) inline void packed_step(PackedAcc<C, V>& acc, con
   __m256 xv[V];
 #pragma GCC unroll 4
   for (int v = 0; v < V; ++v) xv[v] = _mm256_load_ps(xt + k * 8 * V + 8 * v);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int c = 0; c < C; ++c) {
     const __m256 b = _mm256_broadcast_ss(w + c * K + k);
 #pragma GCC unroll 4
@@ -165,7 +175,7 @@ template <int C, int V>
 __attribute__((noinline)) void packed_tile(const float* xt, const float* w, int64_t K,
                                            float* out) {
   PackedAcc<C, V> acc;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int c = 0; c < C; ++c)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc.a[c][v] = _mm256_setzero_ps();
@@ -175,24 +185,83 @@ __attribute__((noinline)) void packed_tile(const float* xt, const float* w, int6
     for (int t = 0; t < 16; ++t) packed_step(acc, xt, w, K, k + t);
   }
   for (; k < K; ++k) packed_step(acc, xt, w, K, k);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int c = 0; c < C; ++c)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) _mm256_store_ps(out + c * 8 * V + 8 * v, acc.a[c][v]);
 }
 
-// y[:, n:n + C] from C rows of w against every packed block of x, one block after the other,
-// so the C weight rows come from memory once and from L1 for the blocks after the first.
+#ifdef __AVX512F__
+template <int C, int B>
+struct PackedAcc512 {
+  __m512 a[C][B];
+};
+
+// One k step of an AVX-512 packed tile over B full 16-row blocks, block b at xt + b ldb.
+template <int C, int B>
+__attribute__((always_inline)) inline void packed_step512(PackedAcc512<C, B>& acc,
+                                                          const float* xt, int64_t ldb,
+                                                          const float* w, int64_t K, int64_t k) {
+  __m512 xv[B];
+#pragma GCC unroll 2
+  for (int b = 0; b < B; ++b) xv[b] = _mm512_load_ps(xt + b * ldb + k * 16);
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    const __m512 s = _mm512_set1_ps(w[c * K + k]);
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) acc.a[c][b] = _mm512_fmadd_ps(xv[b], s, acc.a[c][b]);
+  }
+}
+
+// out[c][16 b + m] = sum_k xt_b[k, m] w[c, k] for B full 16-row blocks xt_b = xt + b ldb.
+// Two blocks share each broadcast weight (24 FMAs per 12 broadcasts and 2 loads of x).
+template <int C, int B>
+__attribute__((noinline)) void packed_tile512(const float* xt, int64_t ldb, const float* w,
+                                              int64_t K, float* out) {
+  PackedAcc512<C, B> acc;
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) acc.a[c][b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) packed_step512(acc, xt, ldb, w, K, k + t);
+  }
+  for (; k < K; ++k) packed_step512(acc, xt, ldb, w, K, k);
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) _mm512_store_ps(out + c * 16 * B + 16 * b, acc.a[c][b]);
+}
+#endif
+
+// y[:, n:n + C] from C rows of w against every packed block of x, one block (AVX-512: two
+// blocks) after the other, so the C weight rows come from memory once and from cache for
+// the blocks after the first.
 template <int C>
 void packed_cols_tile(const float* xt, const float* w, float* y, int64_t M, int64_t N,
                       int64_t K, int64_t n) {
-  alignas(32) float out[C * kPackedRows];
-  for (int64_t m = 0; m < M; m += kPackedRows) {
-    const int64_t rows = std::min<int64_t>(kPackedRows, M - m), width = block_width(M, m);
+  alignas(64) float out[C * 2 * kPackedRows];
+  for (int64_t m = 0; m < M;) {
+    const int64_t width = block_width(M, m);
+    int64_t rows = std::min<int64_t>(kPackedRows, M - m), stride = width;
+#ifdef __AVX512F__
+    if (width == kPackedRows && M - m > 2 * kPackedRows - 8) {  // two full blocks
+      packed_tile512<C, 2>(xt + m * K, kPackedRows * K, w + n * K, K, out);
+      rows = std::min<int64_t>(2 * kPackedRows, M - m), stride = 2 * kPackedRows;
+    } else if (width == kPackedRows) {
+      packed_tile512<C, 1>(xt + m * K, 0, w + n * K, K, out);
+    } else {
+      packed_tile<C, 1>(xt + m * K, w + n * K, K, out);
+    }
+#else
     if (width == 8) packed_tile<C, 1>(xt + m * K, w + n * K, K, out);
     else packed_tile<C, 2>(xt + m * K, w + n * K, K, out);
+#endif
     for (int64_t r = 0; r < rows; ++r)
-      for (int c = 0; c < C; ++c) y[(m + r) * N + n + c] = out[c * width + r];
+      for (int c = 0; c < C; ++c) y[(m + r) * N + n + c] = out[c * stride + r];
+    m += rows;
   }
 }
 
@@ -202,8 +271,12 @@ void packed_cols(const float* xt, const float* w, float* y, int64_t M, int64_t N
   int64_t n = n0;
   for (; n + kPackedCols <= n1; n += kPackedCols)
     packed_cols_tile<kPackedCols>(xt, w, y, M, N, K, n);
-  // The last N % 6 columns in tiles of 4, 2 and 1 rows of w (one row at a time is 2 FMAs
-  // per k where the 6-row tile does 12; every layer of a Llama has such a tail).
+  // The last N % kPackedCols columns in tiles of 8 (AVX-512), 4, 2 and 1 rows of w (one row
+  // at a time is 2 FMAs per k where the 6-row tile does 12; every layer of a Llama has such
+  // a tail).
+#ifdef __AVX512F__
+  if (n + 8 <= n1) packed_cols_tile<8>(xt, w, y, M, N, K, n), n += 8;
+#endif
   if (n + 4 <= n1) packed_cols_tile<4>(xt, w, y, M, N, K, n), n += 4;
   if (n + 2 <= n1) packed_cols_tile<2>(xt, w, y, M, N, K, n), n += 2;
   if (n < n1) packed_cols_tile<1>(xt, w, y, M, N, K, n);

@@ -56,6 +56,16 @@ def test_every_row_count_and_tail_matches_numpy(kernel):
                rng.standard_normal((n, k), dtype=np.float32))
 
 
+def test_packed_blocks_and_column_tiles_match_numpy(kernel):
+    # Row counts that end in one or two 16-row blocks, a part block or an 8-wide block, up to
+    # MAX_ROWS; column counts that end in every tail of a 6- or 12-column tile.
+    rng = np.random.default_rng(2)
+    for m in (16, 24, 25, 31, 32, 47, 48, 57, 64, 72, 100, 128):
+        for n in (11, 23, 29):
+            _check(rng.standard_normal((m, 67), dtype=np.float32),
+                   rng.standard_normal((n, 67), dtype=np.float32))
+
+
 def test_columns_split_over_threads_and_k_blocks_match_numpy(kernel):
     rng = np.random.default_rng(1)
     for m, n, k in ((1, 1001, 515), (6, 1030, 2053), (33, 517, 1031)):

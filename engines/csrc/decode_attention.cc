@@ -5,7 +5,8 @@
 // a window of the cache, copying that window out first (engines.kv_cache reads the longest
 // live slot rounded up to a power of two). Here each (slot, kv head) reads exactly its live
 // entries, once, in the cache's memory order, with the softmax in between in registers and
-// L1. engines/cpu_kernels.py builds it and registers it as the XLA FFI target
+// L1; AVX2 + FMA, 16-float vectors where the build targets AVX-512. engines/cpu_kernels.py
+// builds it and registers it as the XLA FFI target
 // "jetserve_decode_attention"; engines.kv_cache.DecodeKV uses it.
 //
 // Layouts, as engines.kv_cache keeps them: q [B, N, H], keys [B, K, H, S], values
@@ -29,33 +30,36 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Asks for the live entries [j0, j0 + n) of key rows [h0, h1) ahead of use.
-inline void prefetch_rows(const float* k, int64_t S, int64_t h0, int64_t h1, int64_t j0,
-                          int64_t n) {
-  for (int64_t h = h0; h < h1; ++h)
-    for (int64_t j = 0; j < n; j += 16)
-      _mm_prefetch(reinterpret_cast<const char*>(k + h * S + j0 + j), _MM_HINT_T0);
-}
-
 // scores[g, j] = q[g, :] . k[:, j0 + j] for the G query heads of one kv head. k [H, S] is
 // read 4 rows at a time (4 short streams: one load of each feeds all G heads, and each
-// score vector is loaded and stored once per 4 rows), and the rows kPrefetchRows ahead are
-// prefetched: a row's n live entries are too short a stream for the hardware prefetcher
-// to ramp up on. (The whole kernel read its live keys and values at ~7 GB/s with one row at
-// a time and no prefetch, ~9-11 GB/s so, against a ~32 GB/s streaming probe.)
-constexpr int64_t kPrefetchRows = 8;
-
+// score vector is loaded and stored once per 4 rows). Software prefetch, of the rows ahead
+// or of the next task's keys and values, made the kernel slower on both machines measured
+// (AMD Zen 3 with AVX2, Intel Xeon with AVX-512; docs/BENCHMARKS.md).
 void scores_any(const float* q, const float* k, int64_t G, int64_t H, int64_t S, int64_t j0,
                 int64_t n, float* scores) {
   std::fill(scores, scores + G * n, 0.f);
-  prefetch_rows(k, S, 0, std::min(H, kPrefetchRows), j0, n);
   int64_t h = 0;
   for (; h + 4 <= H; h += 4) {
-    prefetch_rows(k, S, std::min(H, h + kPrefetchRows), std::min(H, h + kPrefetchRows + 4),
-                  j0, n);
     const float* k0 = k + h * S + j0;
     const float *k1 = k0 + S, *k2 = k1 + S, *k3 = k2 + S;
     int64_t j = 0;
+#ifdef __AVX512F__
+    for (; j < n; j += 16) {  // 16 entries a vector, the last ones masked
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 a = _mm512_maskz_loadu_ps(m, k0 + j), b = _mm512_maskz_loadu_ps(m, k1 + j);
+      const __m512 c = _mm512_maskz_loadu_ps(m, k2 + j), d = _mm512_maskz_loadu_ps(m, k3 + j);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * H + h;
+        float* sg = scores + g * n + j;
+        __m512 acc = _mm512_maskz_loadu_ps(m, sg);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qg[0]), a, acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qg[1]), b, acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qg[2]), c, acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qg[3]), d, acc);
+        _mm512_mask_storeu_ps(sg, m, acc);
+      }
+    }
+#endif
     for (; j + 8 <= n; j += 8) {
       const __m256 a = _mm256_loadu_ps(k0 + j), b = _mm256_loadu_ps(k1 + j);
       const __m256 c = _mm256_loadu_ps(k2 + j), d = _mm256_loadu_ps(k3 + j);
@@ -132,6 +136,45 @@ void values_block(const float* p, int64_t n, const float* v, int64_t H, int64_t 
   }
 }
 
+#ifdef __AVX512F__
+// out[g, h0:h0 + 64] = sum_j p[g, j] v[j0 + j, h0:h0 + 64] over all n entries for GB heads,
+// four 16-float vectors per head in registers (masked to the hw <= 64 heads' columns left):
+// the values are read in memory order, once per 64 columns.
+template <int GB>
+void values_block512(const float* p, int64_t n, const float* v, int64_t H, int64_t j0,
+                     int64_t h0, int64_t hw, float* out) {
+  __mmask16 m[4];
+  for (int i = 0; i < 4; ++i) {
+    const int64_t w = std::clamp<int64_t>(hw - 16 * i, 0, 16);
+    m[i] = w == 16 ? 0xFFFF : static_cast<__mmask16>((1u << w) - 1);
+  }
+  __m512 acc[GB][4];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + (j0 + j) * H + h0;
+    __m512 x[4];
+    for (int i = 0; i < 4; ++i) x[i] = _mm512_maskz_loadu_ps(m[i], vj + 16 * i);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(pg, x[i], acc[g][i]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(out + g * H + h0 + 16 * i, m[i], acc[g][i]);
+}
+
+void values_any(const float* p, const float* v, int64_t G, int64_t H, int64_t j0, int64_t n,
+                float* out) {
+  for (int64_t h0 = 0; h0 < H; h0 += 64) {
+    const int64_t hw = std::min<int64_t>(64, H - h0);
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) values_block512<4>(p + g * n, n, v, H, j0, h0, hw, out + g * H);
+    for (; g + 2 <= G; g += 2) values_block512<2>(p + g * n, n, v, H, j0, h0, hw, out + g * H);
+    for (; g < G; ++g) values_block512<1>(p + g * n, n, v, H, j0, h0, hw, out + g * H);
+  }
+}
+#else
 // out [G, H] = p [G, n] . v [j0:j0 + n, H]. The entries go in blocks of kValueRows, each
 // block's rows whole (every 16-head slice of them) before the next, so the values are
 // read from memory in order, once; the partial sums wait in out, in L1.
@@ -156,17 +199,7 @@ void values_any(const float* p, const float* v, int64_t G, int64_t H, int64_t j0
       out[g * H + h] = o;
     }
 }
-
-// Asks for the live keys (H short rows) and values (one block) of one kv head ahead of
-// use, into L2: the next task's, while this one runs.
-void prefetch_group(const float* k, const float* v, int64_t H, int64_t S, int64_t j0,
-                    int64_t j1) {
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t j = j0; j < j1; j += 16)
-      _mm_prefetch(reinterpret_cast<const char*>(k + h * S + j), _MM_HINT_T1);
-  for (int64_t i = j0 * H; i < j1 * H; i += 16)
-    _mm_prefetch(reinterpret_cast<const char*>(v + i), _MM_HINT_T1);
-}
+#endif
 
 // out [G, H] for the G query heads q [G, H] of one kv head over keys k [H, S] and values
 // v [S, H], entries j0 .. j1 - 1.
@@ -205,10 +238,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     thread_local std::vector<float> scores;
     scores.resize(G * S);
     int64_t j0, j1;
-    if (t + 1 < B * K) {  // likely this thread's next task
-      live(t + 1, &j0, &j1);
-      prefetch_group(kp + (t + 1) * H * S, vp + (t + 1) * S * H, H, S, j0, j1);
-    }
     live(t, &j0, &j1);
     float* o = op + t * G * H;  // (b, kv head) t's query heads: b N + kh G = t G
     if (j1 > j0)

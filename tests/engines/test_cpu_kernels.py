@@ -130,6 +130,7 @@ def _attention_reference(q, k, v, pos, window):
     (3, 15, 3, 20, 50, 7),      # 5 per kv head (a group of 4 and one more), H % 16 != 0
     (4, 16, 4, 64, 300, None),  # the 156M Llama's heads; key counts with every tail of 8
     (2, 6, 2, 33, 37, 64),      # a window longer than the cache
+    (2, 8, 2, 130, 40, None),   # heads wider than 64: value columns in several passes
 ])
 def test_decode_attention_matches_numpy(kernel, B, N, K, H, S, window):
     rng = np.random.default_rng(B * S)

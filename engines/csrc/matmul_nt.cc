@@ -50,6 +50,14 @@ constexpr int kPackedCols = 12;
 constexpr int kPackedCols = 6;
 #endif
 
+#ifdef __AVX512F__
+// The two 8-float halves of a added.
+inline __m256 fold(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#endif
+
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   __m256 ab = _mm256_hadd_ps(a, b);
   __m256 cd = _mm256_hadd_ps(c, d);
@@ -65,6 +73,26 @@ inline void tile4(const float* x, int64_t ldx, const float* w, int64_t ldw, floa
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
   int64_t k = k0;
+#ifdef __AVX512F__
+  if (k + 16 <= k1) {  // 16 k at a time, the halves folded into the 8-wide sums after
+    __m512 acc16[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc16[r][j] = _mm512_setzero_ps();
+    for (; k + 16 <= k1; k += 16) {
+      __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + ldw + k);
+      __m512 w2 = _mm512_loadu_ps(w + 2 * ldw + k), w3 = _mm512_loadu_ps(w + 3 * ldw + k);
+      for (int r = 0; r < R; ++r) {
+        __m512 xr = _mm512_loadu_ps(x + r * ldx + k);
+        acc16[r][0] = _mm512_fmadd_ps(xr, w0, acc16[r][0]);
+        acc16[r][1] = _mm512_fmadd_ps(xr, w1, acc16[r][1]);
+        acc16[r][2] = _mm512_fmadd_ps(xr, w2, acc16[r][2]);
+        acc16[r][3] = _mm512_fmadd_ps(xr, w3, acc16[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = fold(acc16[r][j]);
+  }
+#endif
   for (; k + 8 <= k1; k += 8) {
     __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + ldw + k);
     __m256 w2 = _mm256_loadu_ps(w + 2 * ldw + k), w3 = _mm256_loadu_ps(w + 3 * ldw + k);
@@ -93,6 +121,18 @@ inline void tile1(const float* x, int64_t ldx, const float* w, float* y, int64_t
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   int64_t k = k0;
+#ifdef __AVX512F__
+  if (k + 16 <= k1) {
+    __m512 acc16[R];
+    for (int r = 0; r < R; ++r) acc16[r] = _mm512_setzero_ps();
+    for (; k + 16 <= k1; k += 16) {
+      __m512 w0 = _mm512_loadu_ps(w + k);
+      for (int r = 0; r < R; ++r)
+        acc16[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k), w0, acc16[r]);
+    }
+    for (int r = 0; r < R; ++r) acc[r] = fold(acc16[r]);
+  }
+#endif
   for (; k + 8 <= k1; k += 8) {
     __m256 w0 = _mm256_loadu_ps(w + k);
     for (int r = 0; r < R; ++r)

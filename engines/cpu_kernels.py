@@ -15,7 +15,8 @@ use (`$CXX`, else g++), keeps it in a cache folder (`$JETSERVE_KERNEL_CACHE`, el
 ~/.cache/jetserve/kernels) under a name keyed by everything that could change the binary,
 loads it and registers the targets with XLA.
 
-They run on x86-64 CPUs with AVX2 and FMA; `JETSERVE_CPU_KERNELS=0` turns them off. Where
+They run on x86-64 CPUs with AVX2 and FMA, with wider tiles where the CPU has AVX-512 (the
+build is -march=native); `JETSERVE_CPU_KERNELS=0` turns them off. Where
 the compiler is missing or the build fails, one warning names the reason and the model
 keeps XLA's ops: the kernels are an optimisation, never a reason for a job to fail.
 

@@ -58,7 +58,8 @@ def test_every_row_count_and_tail_matches_numpy(kernel):
 
 def test_packed_blocks_and_column_tiles_match_numpy(kernel):
     # Row counts that end in one or two 16-row blocks, a part block or an 8-wide block, up to
-    # MAX_ROWS; column counts that end in every tail of a 6- or 12-column tile.
+    # MAX_ROWS; column counts past whole 6- or 12-column tiles that take the tail tiles
+    # (11 = 8 + 2 + 1, 23 = 12 + 11, 29 = 24 + 4 + 1; with 6-column tiles 4 + 1 each).
     rng = np.random.default_rng(2)
     for m in (16, 24, 25, 31, 32, 47, 48, 57, 64, 72, 100, 128):
         for n in (11, 23, 29):

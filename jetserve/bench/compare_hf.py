@@ -117,6 +117,19 @@ class JetserveSide:
         self.orch.stop()
 
 
+def decode_rate(batch: int, n: int, t1: float, tn: float) -> float | None:
+    """Decode tokens/s from the wall times to 1 and to n new tokens per sequence; None when
+    T(n) <= T(1): noise swamped the decode time (tiny models, few tokens), and any figure
+    would be meaningless."""
+    if tn <= t1:
+        return None
+    return batch * (n - 1) / (tn - t1)
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def _timed(fn, ids, n) -> tuple[float, np.ndarray]:
     t0 = time.perf_counter()
     out = fn(ids, n)
@@ -168,14 +181,18 @@ def run(cfg: CompareConfig, devices: Sequence[jax.Device] | None = None, log=pri
                             f"T({cfg.new_tokens}) {tn:.2f} s")
             finally:
                 js.close()
-            rate = {k: b * (cfg.new_tokens - 1) / max(tn - t1, 1e-9)
-                    for k, (t1, tn) in best.items()}
+            rate = {k: decode_rate(b, cfg.new_tokens, t1, tn) for k, (t1, tn) in best.items()}
+            for k, r in rate.items():
+                if r is None:
+                    log(f"batch {b} {k}: T({cfg.new_tokens}) was not above T(1), so its decode "
+                        f"rate is unresolved (null); raise --new-tokens or --repeats")
             same = tokens["jetserve"] == tokens["hf"]
-            row = {"batch": b, "jetserve_tok_s": round(rate["jetserve"], 1),
-                   "hf_tok_s": round(rate["hf"], 1),
-                   "ratio": round(rate["jetserve"] / rate["hf"], 3)}
+            js_rate, hf_rate = rate["jetserve"], rate["hf"]
+            row = {"batch": b, "jetserve_tok_s": _round(js_rate, 1), "hf_tok_s": _round(hf_rate, 1),
+                   "ratio": None if js_rate is None or hf_rate is None
+                   else round(js_rate / hf_rate, 3)}
             if cfg.bf16:
-                row["hf_bf16_tok_s"] = round(rate["hf_bf16"], 1)
+                row["hf_bf16_tok_s"] = _round(rate["hf_bf16"], 1)
             row["sequences_identical"] = float(np.mean(np.all(same, axis=1)))
             row["tokens_identical"] = float(np.mean(same))
             rows.append(row)

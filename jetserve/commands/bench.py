@@ -251,9 +251,12 @@ def _compare_hf(args: argparse.Namespace) -> int:
         return 0
     print(f"{'batch':>5} {'jetserve tok/s':>15} {'hf f32 tok/s':>13} {'ratio':>6} "
           f"{'hf bf16 tok/s':>14} {'same seqs':>9}")
+    def num(x, width: int, digits: int) -> str:  # null: the rate was not resolved
+        return f"{'n/a':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
+
     for r in out["rows"]:
-        print(f"{r['batch']:>5} {r['jetserve_tok_s']:>15.1f} {r['hf_tok_s']:>13.1f} "
-              f"{r['ratio']:>6.2f} {r.get('hf_bf16_tok_s', float('nan')):>14.1f} "
+        print(f"{r['batch']:>5} {num(r['jetserve_tok_s'], 15, 1)} {num(r['hf_tok_s'], 13, 1)} "
+              f"{num(r['ratio'], 6, 2)} {num(r.get('hf_bf16_tok_s', float('nan')), 14, 1)} "
               f"{r['sequences_identical']:>9.2f}")
     return 0
 

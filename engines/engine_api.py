@@ -132,7 +132,7 @@ class HostResults:
         lps_at = COL_TOKENS + 2 * T + T * n + i * n
         ids = self.data[slot, ids_at : ids_at + n]
         lps = self.data[slot, lps_at : lps_at + n].copy().view(np.float32)
-        return [(int(i), float(lp)) for i, lp in zip(ids, lps)]
+        return [(int(i), float(lp)) for i, lp in zip(ids, lps, strict=True)]
 
 
 class Tokenizer(Protocol):

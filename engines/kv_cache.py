@@ -261,10 +261,10 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
         return cache.at[slot, :, idx].set(new[0], mode="drop")
 
     if state.k_scale:
-        kq, ks = zip(*map(quantize_kv, prefix.k))
-        vq, vs = zip(*map(quantize_kv, prefix.v))
-        k_scale = tuple(put(c, n) for c, n in zip(state.k_scale, ks))
-        v_scale = tuple(put(c, n) for c, n in zip(state.v_scale, vs))
+        kq, ks = zip(*map(quantize_kv, prefix.k), strict=True)
+        vq, vs = zip(*map(quantize_kv, prefix.v), strict=True)
+        k_scale = tuple(put(c, n) for c, n in zip(state.k_scale, ks, strict=True))
+        v_scale = tuple(put(c, n) for c, n in zip(state.v_scale, vs, strict=True))
     else:
         kq, vq, k_scale, v_scale = prefix.k, prefix.v, (), ()
 
@@ -275,8 +275,8 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
     V = state.counts.shape[1]
     first = jax.nn.one_hot(prefix.token, V, dtype=state.counts.dtype)
     return DecodeState(
-        k=tuple(put_k(c, n) for c, n in zip(state.k, kq)),
-        v=tuple(put(c, n) for c, n in zip(state.v, vq)),
+        k=tuple(put_k(c, n) for c, n in zip(state.k, kq, strict=True)),
+        v=tuple(put(c, n) for c, n in zip(state.v, vq, strict=True)),
         k_scale=k_scale,
         v_scale=v_scale,
         lengths=row(state.lengths, prefix.length),

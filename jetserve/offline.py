@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from engines import Engine, HostResults, SamplingParams
 from jetserve.orchestrator.stopping import stop_ids, token_budget, token_finish
 
+GREEDY = SamplingParams()  # frozen: one shared default
+
 
 @dataclasses.dataclass
 class OfflineResult:
@@ -32,7 +34,7 @@ def generate_many(
     prompts: Sequence[Sequence[int]],
     *,
     max_tokens: int,
-    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     ignore_eos: bool = False,
 ) -> list[OfflineResult]:
     """Runs every prompt to completion; results in prompt order."""

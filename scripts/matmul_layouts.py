@@ -29,11 +29,12 @@ LAYER = [(D, N * H), (D, K * H), (D, K * H), (N * H, D), (D, F), (D, F), (F, D)]
 
 
 def _in_out(xs, ws):
-    return [x @ w for x, w in zip(xs, ws)]
+    return [x @ w for x, w in zip(xs, ws, strict=True)]
 
 
 def _out_in(xs, ws):
-    return [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))) for x, w in zip(xs, ws)]
+    dims = (((1,), (1,)), ((), ()))
+    return [jax.lax.dot_general(x, w, dims) for x, w in zip(xs, ws, strict=True)]
 
 
 def _time(fn, *args) -> float:

@@ -140,7 +140,7 @@ def run(cfg: QualityConfig, log=print) -> dict:
         greedy = generate_many(engine, params, prompts, max_tokens=cfg.steps, ignore_eos=True)
         greedy = [r.token_ids for r in greedy]
         if base is None:
-            seqs = [p + g for p, g in zip(prompts, greedy)]
+            seqs = [p + g for p, g in zip(prompts, greedy, strict=True)]
         logits = forced_logits(engine, params, seqs, cfg.prompt_len)  # (B, steps, V)
         ppl = None
         if text is not None:
@@ -158,8 +158,8 @@ def run(cfg: QualityConfig, log=print) -> dict:
         else:
             err = np.abs(logits - base["logits"])
             forced_top1 = np.argmax(logits, axis=-1) == np.argmax(base["logits"], axis=-1)
-            run_same = np.mean([a == b for ga, gb in zip(greedy, base["greedy"])
-                                for a, b in zip(ga, gb)])
+            run_same = np.mean([a == b for ga, gb in zip(greedy, base["greedy"], strict=True)
+                                for a, b in zip(ga, gb, strict=True)])
             row.update(max_logit_error=float(err.max()), mean_logit_error=float(err.mean()),
                        top1_agreement=float(forced_top1.mean()),
                        greedy_run_agreement=float(run_same))

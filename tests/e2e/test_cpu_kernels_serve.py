@@ -12,7 +12,6 @@ import pytest
 from engines import cpu_kernels
 from jetserve import orchestrator
 from jetserve.server.runner import BackgroundServers
-
 from tests.e2e.conftest import TINY_ENGINE, TINY_MODEL, local_config
 
 PROMPTS = ["def add(a, b):", "import os", "class Foo:", "for i in range(", "return", "# x"]

@@ -144,7 +144,7 @@ def test_v1_checkpoint_loads_transposed(hf_dir, tmp_path, quantize):
     flat1, tree1 = jax.tree_util.tree_flatten_with_path(v1)
     assert tree1 == tree2
     moved = 0
-    for (p, a), (_, b) in zip(flat2, flat1):
+    for (p, a), (_, b) in zip(flat2, flat1, strict=True):
         assert a.shape == b.shape and a.sharding == b.sharding, p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
         moved += a.ndim > 1 and "embed" not in str(p)

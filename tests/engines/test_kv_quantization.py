@@ -59,7 +59,7 @@ def test_int8_cache_layout_and_insert_isolation(engines):
     before = jax.tree.map(np.array, state)
     p2, _ = eng.prefill(params, PROMPTS[1], len(PROMPTS[1]))
     after = jax.tree.map(np.array, eng.insert(p2, state, 2))
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(a[[0, 1, 3]], b[[0, 1, 3]])
     # The inserted rows hold the prefix, quantized: scale * value within half a step.
     n = len(PROMPTS[1])
@@ -76,7 +76,7 @@ def test_int8_cache_decodes_close_to_float(engines):
     f, q, params = engines
     rf = generate_many(f, params, PROMPTS, max_tokens=24, ignore_eos=True)
     rq = generate_many(q, params, PROMPTS, max_tokens=24, ignore_eos=True)
-    for a, b in zip(rf, rq):
+    for a, b in zip(rf, rq, strict=True):
         # Compare the chosen token's log-prob while both runs still agree on the text.
         same = 0
         while same < len(a.token_ids) and a.token_ids[same] == b.token_ids[same]:

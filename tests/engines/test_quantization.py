@@ -99,7 +99,7 @@ def test_hf_weights_quantized_at_load_time(hf_dir):
         params = _np(eng.load_params())
         want = _np(qz.quantize_params(_np(float_params), scheme, qz.DEFAULT_GROUP, np))
         assert jax.tree.structure(params) == jax.tree.structure(want)
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
         q_proj = params["layers_0"]["self_attn"]["q_proj"]
         assert q_proj[qz.QVALUE].dtype == np.int8  # no float copy is kept
@@ -125,7 +125,8 @@ def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path, capsys):
     eng = TransformerEngine(stored, weights=out, config=EngineConfig(**ECFG),
                             devices=jax.devices()[:1])
     params = eng.load_params()
-    for a, b in zip(jax.tree.leaves(_np(params)), jax.tree.leaves(_np(want_params))):
+    got, want = jax.tree.leaves(_np(params)), jax.tree.leaves(_np(want_params))
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
     want_tokens = _tokens(eng, params)
     assert want_tokens == _tokens(on_load, want_params)
@@ -167,7 +168,7 @@ def test_every_family_quantizes_its_kernels(family, tmp_path):
     params = _np(eng.load_params())
     want = _np(qz.quantize_params(_np(plain.load_params()), "int4", qz.DEFAULT_GROUP, np))
     assert jax.tree.structure(params) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     quantized = {str(path[-2].key) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
                  if path[-1].key == qz.QVALUE}

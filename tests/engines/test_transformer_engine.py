@@ -50,7 +50,7 @@ def test_insert_leaves_other_slots_bit_identical(engine):
     before = _np_state(state)
     prefix, _ = eng.prefill(params, [5, 6, 7], 3)
     after = _np_state(eng.insert(prefix, state, 1))
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         keep = [s for s in range(4) if s != 1]
         np.testing.assert_array_equal(a[keep], b[keep])
     assert after.lengths[1] == 3 and not np.array_equal(before.k[0][1], after.k[0][1])

@@ -22,7 +22,8 @@ def test_forced_logits_follow_the_greedy_run():
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
     greedy = [r.token_ids for r in generate_many(eng, params, prompts, max_tokens=6,
                                                  ignore_eos=True)]
-    logits = quality.forced_logits(eng, params, [p + g for p, g in zip(prompts, greedy)], 8)
+    seqs = [p + g for p, g in zip(prompts, greedy, strict=True)]
+    logits = quality.forced_logits(eng, params, seqs, 8)
     assert logits.shape == (2, 6, 256)
     # Fed its own greedy tokens, the decode path picks them again at every step.
     assert np.argmax(logits, axis=-1).tolist() == greedy

@@ -17,9 +17,9 @@ from engines.mock_engine import ByteTokenizer
 from jetserve.orchestrator.detokenize import (
     REPLACEMENT,
     IncrementalDetokenizer,
-    make_detokenizer,
     StopStrings,
     TextStream,
+    make_detokenizer,
 )
 from jetserve.tokenizer import HFTokenizer, SentencePieceTokenizer
 

@@ -79,7 +79,7 @@ def test_greedy_tokens_match_transformers_generate(family):
     name, d, model, eng, params = family
     prompts = _prompts()
     results = generate_many(eng, params, prompts, max_tokens=STEPS, ignore_eos=True)
-    for p, r in zip(prompts, results):
+    for p, r in zip(prompts, results, strict=True):
         assert r.token_ids == _hf_greedy(model, p, STEPS), name
 
 
@@ -115,7 +115,7 @@ def test_cli_generate_gives_the_same_tokens(family, capsys):
     assert cli.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [r["prompt_ids"] for r in rows] == prompts
-    for p, row in zip(prompts, rows):
+    for p, row in zip(prompts, rows, strict=True):
         assert row["token_ids"] == _hf_greedy(model, p, STEPS), name
         assert row["finish_reason"] == "length"
 

@@ -5,8 +5,9 @@ makes, in turns, on this host.
 
 Each round times, best of 3 passes each, over the same 492 MB as the 156M Llama's matmul
 weights:
-- `probe`: the probe's own method (torch's threaded sum over a numpy array, which numpy
-  places on 2 MiB huge pages where transparent huge pages are on `madvise`);
+- `probe`: the probe itself, jetserve.bench.bandwidth.stream_read_bandwidth (a numpy
+  threaded sum and torch's sum over a fresh numpy array, which numpy places on 2 MiB huge
+  pages where transparent huge pages are on `madvise`; the best pass);
 - `xla-sum`: XLA's jitted sum over a jax array (XLA's own buffer);
 - `xla-matvec`: XLA's one-row dot against that buffer as a [N, 1024] weight stored
   [out, in], as a batch-1 step reads each layer.
@@ -17,13 +18,13 @@ bandwidth swings from second to second, only ratios taken side by side mean anyt
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from jetserve.bench import bandwidth
 
 BYTES = 491_520_000  # 120,000 rows of 1,024 float32
 
@@ -41,23 +42,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
     rows, K = BYTES // 4096, 1024
-    host = torch.from_numpy(np.ones(rows * K, np.float32))
     w = jnp.full((rows, K), 0.5, jnp.float32)
     x = jnp.ones((1, K), jnp.float32)
     xla_sum = jax.jit(jnp.sum)
     matvec = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
     xla_sum(w).block_until_ready()
     matvec(x, w).block_until_ready()
-    sides = {"probe": lambda: float(host.sum()),
-             "xla-sum": lambda: xla_sum(w).block_until_ready(),
+    sides = {"xla-sum": lambda: xla_sum(w).block_until_ready(),
              "xla-matvec": lambda: matvec(x, w).block_until_ready()}
-    ratios = {k: [] for k in sides if k != "probe"}
+    ratios = {k: [] for k in sides}
     for r in range(args.rounds):
-        gbps = {k: BYTES / _best(f) / 1e9 for k, f in sides.items()}
+        gbps = {"probe": bandwidth.stream_read_bandwidth(read_bytes=BYTES, repeats=3).gbps}
+        gbps.update({k: BYTES / _best(f) / 1e9 for k, f in sides.items()})
         for k in ratios:
             ratios[k].append(gbps[k] / gbps["probe"])
         print(f"round {r + 1:2d}: " + "  ".join(f"{k} {v:5.1f} GB/s" for k, v in gbps.items())

@@ -251,14 +251,16 @@ def _compare_hf(args: argparse.Namespace) -> int:
         return 0
     print(f"{'batch':>5} {'jetserve tok/s':>15} {'hf f32 tok/s':>13} {'ratio':>6} "
           f"{'hf bf16 tok/s':>14} {'same seqs':>9}")
-    def num(x, width: int, digits: int) -> str:  # null: the rate was not resolved
-        return f"{'n/a':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
-
     for r in out["rows"]:
-        print(f"{r['batch']:>5} {num(r['jetserve_tok_s'], 15, 1)} {num(r['hf_tok_s'], 13, 1)} "
-              f"{num(r['ratio'], 6, 2)} {num(r.get('hf_bf16_tok_s', float('nan')), 14, 1)} "
-              f"{r['sequences_identical']:>9.2f}")
+        print(f"{r['batch']:>5} {_cell(r['jetserve_tok_s'], 15, 1)} "
+              f"{_cell(r['hf_tok_s'], 13, 1)} {_cell(r['ratio'], 6, 2)} "
+              f"{_cell(r.get('hf_bf16_tok_s'), 14, 1)} {r['sequences_identical']:>9.2f}")
     return 0
+
+
+def _cell(x: float | None, width: int, digits: int) -> str:
+    """A table cell; n/a for a figure the run did not resolve (or did not take)."""
+    return f"{'n/a':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
 
 
 def _batch(args: argparse.Namespace) -> int:

@@ -73,14 +73,20 @@ def test_make_hf_model_loads_in_jetserve(tiny_hf):
 
 
 def test_compare_hf_same_tokens_as_transformers(tiny_hf):
-    # 16 new tokens, best of 2: T(16) - T(1) stays clear of timing noise on a loaded machine
-    # (with 6 tokens and one run, T(6) once came out below T(1)).
     cfg = compare_hf.CompareConfig(model=tiny_hf, batches=(3,), prompt_len=8, new_tokens=16,
                                    repeats=2, max_seq_len=32, bf16=False, read_bytes=16 * MB)
     out = compare_hf.run(cfg, log=lambda *a: None)
     (row,) = out["rows"]
-    assert row["batch"] == 3 and row["jetserve_tok_s"] > 0 and row["hf_tok_s"] > 0
-    assert row["ratio"] == pytest.approx(row["jetserve_tok_s"] / row["hf_tok_s"], rel=0.01)
+    assert row["batch"] == 3
+    # Rates are timings: on a loaded machine T(16) may come out at or below T(1), and the
+    # rate is then null (decode_rate). Either way no figure is asserted, only its form.
+    rates = (row["jetserve_tok_s"], row["hf_tok_s"])
+    for rate in rates:
+        assert rate is None or (isinstance(rate, float) and rate > 0)
+    if None in rates:
+        assert row["ratio"] is None
+    else:
+        assert row["ratio"] == pytest.approx(rates[0] / rates[1], rel=0.01)
     # Same weights, greedy, f32: the serving path and transformers agree token for token.
     assert row["sequences_identical"] == 1.0
     assert out["serving_path"] == "orchestrator"

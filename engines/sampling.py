@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import engines.cpu_kernels
 
 _NEG_INF = -1e30
+_INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,8 +47,11 @@ class SamplingParams:
         finite("repetition_penalty", 1e-3, 100.0)
         finite("frequency_penalty", -2.0, 2.0)
         finite("presence_penalty", -2.0, 2.0)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        # top_k becomes an int32 on the device: a larger one would overflow there.
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                or not 0 <= self.top_k <= _INT32_MAX):
+            raise ValueError(f"top_k must be an integer in [0, {_INT32_MAX}], "
+                             f"got {self.top_k!r}")
         if self.top_p <= 0.0:
             raise ValueError(f"top_p must be > 0, got {self.top_p!r}")
         if self.seed is not None and (

@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jetserve.server.validation import InvalidArgument, ModelLimits
+from jetserve.server.validation import InvalidArgument, ModelLimits, check_text, show
 
 # Used when the model ships no template: role-tagged turns, then the assistant's cue.
 DEFAULT_TEMPLATE = (
@@ -63,7 +63,7 @@ def normalize_messages(messages: Any, field: str = "messages") -> list[dict[str,
         role = m.get("role")
         if role not in ROLES:
             raise InvalidArgument(f"{where}.role",
-                                  f"{where}.role must be one of {list(ROLES)}, got {role!r}")
+                                  f"{where}.role must be one of {list(ROLES)}, got {show(role)}")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -76,11 +76,12 @@ def normalize_messages(messages: Any, field: str = "messages") -> list[dict[str,
                         f"{where}.content[{j}]",
                         f"{where}.content[{j}] must be a text part "
                         "({'type': 'text', 'text': ...}); other parts are not supported")
-                texts.append(part["text"])
+                texts.append(check_text(part["text"], f"{where}.content[{j}].text"))
             content = "".join(texts)
         if not isinstance(content, str):
             raise InvalidArgument(f"{where}.content",
-                                  f"{where}.content must be a string, got {content!r}")
+                                  f"{where}.content must be a string, got {show(content)}")
+        check_text(content, f"{where}.content")  # the tokenizer fails on a lone surrogate
         out.append({"role": role, "content": content})
     return out
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,6 +33,8 @@ from jetserve.server.streams import merge, submit_all
 from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
+
+log = logging.getLogger("jetserve.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 Sample = pb.DecodeResponse.StreamContent.Sample
@@ -62,6 +66,23 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
     async def Decode(self, request: pb.DecodeRequest | Malformed,
                      context) -> AsyncIterator[pb.DecodeResponse]:
+        """The stream of `_decode`; an unexpected exception in it (a bug) becomes
+        INTERNAL naming a call id, and a log line with the traceback under that id."""
+        try:
+            async with contextlib.aclosing(self._decode(request, context)) as stream:
+                async for msg in stream:
+                    yield msg
+        except grpc.aio.AbortError:  # a status _decode chose; already sent
+            raise
+        except Exception:
+            call_id = f"call-{uuid.uuid4().hex}"
+            log.exception("gRPC Decode %s failed", call_id)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error while handling request {call_id}; "
+                                "the server log has the details")
+
+    async def _decode(self, request: pb.DecodeRequest | Malformed,
+                      context) -> AsyncIterator[pb.DecodeResponse]:
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
@@ -93,7 +114,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                                                "token_content")
         if r.lora_adapter_id:
             raise v.InvalidArgument("lora_adapter_id", "lora_adapter_id "
-                                    f"{r.lora_adapter_id!r}: this server has no LoRA adapters")
+                                    f"{v.show(r.lora_adapter_id)}: this server has no LoRA adapters")
         # has_bos false: the content lacks BOS, so the server prepends it (as JetStream).
         add_bos = not r.has_bos
         if which == "text_content":

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import socket
 import time
 import uuid
@@ -34,6 +35,8 @@ from jetserve.server import validation as v
 from jetserve.server.config import ServerConfig
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
 from jetserve.server.streams import Joined, merge, submit_all
+
+log = logging.getLogger("jetserve.server")
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -116,6 +119,13 @@ class OpenAIApp:
                                       kind="rate_limit_error")
             except ValueError as e:  # the orchestrator's own request checks
                 return error_response(400, str(e))
+            except Exception:  # a bug: answer at once, and leave the traceback in the log
+                rid = f"req-{uuid.uuid4().hex}"
+                log.exception("HTTP request %s (%s %s) failed", rid, request.method,
+                              request.url.path)
+                return error_response(500, f"internal error while handling request {rid}; "
+                                           "the server log has the details",
+                                      kind="server_error")
 
         route.__name__ = handler.__name__
         return route

@@ -72,7 +72,7 @@ def _stream_flags(r: Any) -> tuple[bool, bool]:
 
 def check_model(name: str | None, served: str) -> None:
     if name is not None and name != served:
-        raise v.InvalidArgument("model", f"model {name!r} is not served here; "
+        raise v.InvalidArgument("model", f"model {v.show(name)} is not served here; "
                                          f"this server serves {served!r}")
 
 
@@ -103,7 +103,7 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str)
                                   allow_zero=True)
         if r.best_of is not None and r.best_of != n:
             raise v.InvalidArgument("best_of", f"best_of must equal n ({n}) here, "
-                                               f"got {r.best_of!r}")
+                                               f"got {v.show(r.best_of)}")
         if kw["max_tokens"] == 0 and not scoring:
             run = False  # nothing to generate and nothing to score
             continue

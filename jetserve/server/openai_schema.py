@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from jetserve.server.validation import InvalidArgument
+from jetserve.server.validation import InvalidArgument, check_json_depth, show
 
 
 class _Strict(BaseModel):
@@ -74,10 +74,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
                                       f"{raw[e.start:e.start + 1]!r})") from None
     if not text.strip():
         raise InvalidArgument("body", "body is empty; send a JSON object")
+    check_json_depth(raw)  # json.loads recurses per level
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument("body", f"body is not valid JSON: {e}") from None
+    except ValueError:  # an integer longer than int() converts (4,300 digits)
+        raise InvalidArgument("body", "body has a number with too many digits to read; "
+                                      "send numbers as the fields' ranges allow") from None
     if not isinstance(body, dict):
         raise InvalidArgument("body", f"body must be a JSON object, got {type(body).__name__}")
     return body
@@ -88,10 +92,12 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
-        field = ".".join(loc) or "body"
-        value = err.get("input")
-        raise InvalidArgument(field, f"{field}: {err['msg'].lower()}, got {value!r}") from None
+        # A location can hold a client's dict key: cut and escaped like a value.
+        loc = [p if isinstance(p, int) or (len(p) <= 64 and p.isprintable()) else show(p, 64)
+               for p in err["loc"] if not _is_type_tag(p)]
+        field = ".".join(map(str, loc)) or "body"
+        value = show(err.get("input"))
+        raise InvalidArgument(field, f"{field}: {err['msg'].lower()}, got {value}") from None
 
 
 def _is_type_tag(p: Any) -> bool:
@@ -107,7 +113,8 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
         return [prompt]
     if not isinstance(prompt, list):
         raise InvalidArgument("prompt", "prompt must be a string, a list of strings, a list "
-                                        f"of token ids or a list of such lists, got {prompt!r}")
+                                        f"of token ids or a list of such lists, "
+                                        f"got {show(prompt)}")
     if not prompt:
         raise InvalidArgument("prompt", "prompt is an empty list")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):

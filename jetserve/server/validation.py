@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import reprlib
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from engines import SamplingParams
 
@@ -19,6 +22,15 @@ from engines import SamplingParams
 MAX_SEED = 2**32 - 1
 MAX_STOP_STRINGS = 16
 MAX_SAMPLES = 16
+# Stop strings are held and matched on every generated token; real ones are short.
+MAX_STOP_LENGTH = 1000
+# top_k travels as int32 to the device (and uint32 between processes).
+MAX_TOP_K = 2**31 - 1
+# JSON nesting a request may use; real requests need 4 or 5 levels. Python's json
+# parser recurses per level, so a deep body would end in a RecursionError.
+MAX_JSON_DEPTH = 64
+# Longest rendering of a client's value in an error message.
+SHOW_LIMIT = 200
 
 
 class InvalidArgument(ValueError):
@@ -59,12 +71,92 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# ---- edge checks: plain functions of (value, field name), shared with jetserve.batch ----
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict = 3, 8, 8, 8
+_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = SHOW_LIMIT
+
+
+def show(value: Any, limit: int = SHOW_LIMIT) -> str:
+    """`value` for an error message: a repr of at most about `limit` characters, so a
+    5 MB bad value does not come back as a 5 MB error. Lone surrogates come out escaped
+    (repr escapes what is not printable), so the message itself always encodes."""
+    try:
+        text = _SHOW.repr(value)
+    except ValueError:  # an integer with more digits than str() converts
+        return f"<an integer of {value.bit_length():,} bits>"
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deeply to show>"
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if isinstance(value, str) and len(value) > _SHOW.maxstring:
+        text += f" ({len(value):,} characters)"
+    elif isinstance(value, (list, tuple, dict)) and len(value) > _SHOW.maxlist:
+        text += f" ({len(value):,} items)"
+    return text
+
+
+def check_text(value: Any, field: str) -> str:
+    """A string that encodes as UTF-8. JSON can carry a lone surrogate ("\\ud800"),
+    which Python keeps in a str but no tokenizer or encoder accepts."""
+    if not isinstance(value, str):
+        raise InvalidArgument(field, f"{field} must be a string, got {show(value)}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgument(
+                field, f"{field} is not valid Unicode: character {e.start} is a lone "
+                       f"surrogate {value[e.start]!r} (escapes \\ud800-\\udfff must come "
+                       "in high-low pairs)") from None
+    return value
+
+
+def check_int(value: Any, field: str, lo: int, hi: int) -> int:
+    """An integer in [lo, hi] (not a bool): what the engine's arrays can hold."""
+    if not _is_int(value):
+        raise InvalidArgument(field, f"{field} must be an integer, got {show(value)}")
+    if not lo <= value <= hi:
+        raise InvalidArgument(field, f"{field} must be an integer in [{lo}, {hi}], "
+                                     f"got {show(value)}")
+    return int(value)
+
+
+# Every byte that is not a bracket or a quote, to delete in one pass.
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+
+
+def check_json_depth(raw: bytes | str, field: str = "body",
+                     limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuses JSON nested deeper than `limit` before a recursive parser sees it.
+
+    Brackets inside strings do not count. Linear in the size and vectorized: escapes
+    are dropped, then all but brackets and quotes; a bracket after an odd number of
+    quotes is inside a string; the depth is a running sum over the others. Free when
+    the text has few brackets at all."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return
+    # An escaped backslash first, so that in '\\"' the quote still ends the string.
+    data = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    marks = np.frombuffer(data, np.uint8)
+    quote = marks == ord('"')
+    outside = ((np.cumsum(quote, dtype=np.int32) & 1) == 0) & ~quote  # even quotes before
+    steps = np.where((marks == ord("[")) | (marks == ord("{")), np.int32(1), np.int32(-1))
+    steps = steps[outside]
+    if steps.size and int(np.cumsum(steps, dtype=np.int32).max()) > limit:
+        raise InvalidArgument(field, f"{field} is JSON nested more than {limit} levels "
+                                     "deep; flatten it")
+
+
 def encode_text(limits: ModelLimits, text: Any, field: str, *,
                 add_bos: bool | None) -> list[int]:
     """Tokenizes `text`. add_bos None: the tokenizer's default (tokenizer_config's
     add_bos_token; True when it has no opinion, as `jetserve generate`)."""
     if not isinstance(text, str):
         raise InvalidArgument(field, f"{field} must be a string, got {type(text).__name__}")
+    check_text(text, field)  # sentencepiece fails deep inside on a lone surrogate
     if text == "":
         raise InvalidArgument(field, f"{field} is empty; give at least one character")
     tok = limits.tokenizer
@@ -86,10 +178,11 @@ def check_token_ids(limits: ModelLimits, ids: Any, field: str) -> list[int]:
         raise InvalidArgument(field, f"{field} is empty; give at least one token id")
     for i, t in enumerate(ids):
         if not _is_int(t):
-            raise InvalidArgument(field, f"{field}[{i}] must be an integer token id, got {t!r}")
+            raise InvalidArgument(field, f"{field}[{i}] must be an integer token id, got {show(t)}")
         if not 0 <= t < limits.vocab_size:
             raise InvalidArgument(
-                field, f"{field}[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")
+                field, f"{field}[{i}] = {show(t)} is outside the vocabulary "
+                       f"[0, {limits.vocab_size})")
     return [int(t) for t in ids]
 
 
@@ -108,23 +201,23 @@ def check_max_tokens(limits: ModelLimits, n: Any, prompt_len: int, field: str = 
                      *, allow_zero: bool = False) -> int:
     """1 <= n (0 when allowed) and prompt + n within max_seq_len."""
     if not _is_int(n):
-        raise InvalidArgument(field, f"{field} must be an integer, got {n!r}")
+        raise InvalidArgument(field, f"{field} must be an integer, got {show(n)}")
     lo = 0 if allow_zero else 1
     if n < lo:
-        raise InvalidArgument(field, f"{field} must be >= {lo}, got {n}")
+        raise InvalidArgument(field, f"{field} must be >= {lo}, got {show(n)}")
     room = limits.max_seq_len - prompt_len
     if n > room:
         raise InvalidArgument(
-            field, f"{field} = {n} is too large: the prompt has {prompt_len} tokens and "
+            field, f"{field} = {show(n)} is too large: the prompt has {prompt_len} tokens and "
                    f"max_seq_len is {limits.max_seq_len}, so at most {room} can be generated")
     return int(n)
 
 
 def _number(v: Any, field: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidArgument(field, f"{field} must be a number, got {v!r}")
+        raise InvalidArgument(field, f"{field} must be a number, got {show(v)}")
     if not math.isfinite(v):
-        raise InvalidArgument(field, f"{field} must be a finite number, got {v!r}")
+        raise InvalidArgument(field, f"{field} must be a finite number, got {show(v)}")
     return float(v)
 
 
@@ -142,15 +235,10 @@ def sampling_params(*, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
                   repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                   presence_penalty=presence_penalty)
     values: dict[str, Any] = {k: _number(v, name(k)) for k, v in floats.items()}
-    if not _is_int(top_k):
-        raise InvalidArgument(name("top_k"), f"{name('top_k')} must be an integer, got {top_k!r}")
-    values["top_k"] = max(int(top_k), 0) if top_k == -1 else int(top_k)  # -1: off, as vLLM
+    top_k = check_int(top_k, name("top_k"), -1, MAX_TOP_K)
+    values["top_k"] = max(top_k, 0)  # -1: off, as vLLM
     if seed is not None:
-        if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
-            raise InvalidArgument(name("seed"),
-                                  f"{name('seed')} must be an integer in [0, {MAX_SEED}], "
-                                  f"got {seed!r}")
-        values["seed"] = int(seed)
+        values["seed"] = check_int(seed, name("seed"), 0, MAX_SEED)
     try:
         return SamplingParams(**values)
     except ValueError as e:
@@ -169,15 +257,18 @@ def sample_seed(sampling: SamplingParams, index: int) -> SamplingParams:
 
 def check_logprobs(limits: ModelLimits, n: Any, field: str = "logprobs") -> int:
     if not _is_int(n) or n < 0:
-        raise InvalidArgument(field, f"{field} must be an integer >= 0, got {n!r}")
+        raise InvalidArgument(field, f"{field} must be an integer >= 0, got {show(n)}")
     if n > limits.top_logprobs:
         raise InvalidArgument(
-            field, f"{field} = {n} is more than this server returns ({limits.top_logprobs})")
+            field, f"{field} = {show(n)} is more than this server returns "
+                   f"({limits.top_logprobs})")
     return int(n)
 
 
 def check_stop(stop: Any, field: str = "stop") -> tuple[str, ...]:
-    """None, one string or a list of strings -> a tuple of non-empty strings."""
+    """None, one string or a list of strings -> a tuple of non-empty strings, at most
+    MAX_STOP_STRINGS of at most MAX_STOP_LENGTH characters (each is held and matched on
+    every generated token)."""
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else stop
@@ -187,15 +278,20 @@ def check_stop(stop: Any, field: str = "stop") -> tuple[str, ...]:
         raise InvalidArgument(field, f"{field} has {len(items)} strings; at most "
                                      f"{MAX_STOP_STRINGS} are allowed")
     for i, s in enumerate(items):
+        where = field if isinstance(stop, str) else f"{field}[{i}]"
         if not isinstance(s, str) or s == "":
-            raise InvalidArgument(field, f"{field}[{i}] must be a non-empty string, got {s!r}")
+            raise InvalidArgument(where, f"{where} must be a non-empty string, got {show(s)}")
+        check_text(s, where)
+        if len(s) > MAX_STOP_LENGTH:
+            raise InvalidArgument(where, f"{where} has {len(s):,} characters; a stop string "
+                                         f"may have at most {MAX_STOP_LENGTH}")
     return tuple(items)
 
 
 def check_samples(n: Any, field: str = "n") -> int:
     if not _is_int(n) or not 1 <= n <= MAX_SAMPLES:
         raise InvalidArgument(field, f"{field} must be an integer in [1, {MAX_SAMPLES}], "
-                                     f"got {n!r}")
+                                     f"got {show(n)}")
     return int(n)
 
 

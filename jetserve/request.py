@@ -15,6 +15,7 @@ import uuid
 from engines import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
+MAX_CLIENT_LENGTH = 256  # a client id names a key hash or an address, never more
 
 
 class Overloaded(RuntimeError):
@@ -55,6 +56,9 @@ class Request:
       prompt_logprobs: also return the log-prob of each prompt token (echo / scoring).
       deadline: a `time.monotonic()` value; the request ends with "deadline" after it.
       request_id: unique while in flight; a random hex id by default.
+      client: who asked (the servers set an API key's hash or the peer's address); the
+        admission queue serves clients in turn and bounds each one's share. Never seen by
+        the engine. "" for a caller that does not say (batch jobs, `generate`).
     """
 
     prompt_ids: tuple[int, ...]
@@ -67,6 +71,7 @@ class Request:
     prompt_logprobs: bool = False
     deadline: float | None = None
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    client: str = ""
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples.
@@ -101,6 +106,11 @@ class Request:
             raise ValueError(f"deadline must be a time.monotonic() value, got {self.deadline!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        if not isinstance(self.client, str):
+            raise ValueError(f"client must be a string, got {type(self.client).__name__}")
+        if len(self.client) > MAX_CLIENT_LENGTH:
+            raise ValueError(f"client is {len(self.client)} characters long; at most "
+                             f"{MAX_CLIENT_LENGTH}")
 
 
 @dataclasses.dataclass

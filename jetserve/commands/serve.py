@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound: beyond it, RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--max-queued-per-client", type=int, default=None, metavar="N",
+                   help="the most requests (prompts x samples) one client, a peer address, "
+                        "may have queued; beyond it that client gets 429 / "
+                        "RESOURCE_EXHAUSTED while others still get in, and clients are "
+                        "served in turn (default: half of --max-queued-requests)")
     add_scheduling_arguments(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before listening (the first requests compile)")
@@ -100,6 +105,7 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
                          "(or add --interleaved to serve on the first --generate-devices)")
     default = args.sharding
     config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
+                                max_queued_per_client=_per_client(args),
                                 prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args))
     if jax.process_count() > 1:
         return _lock_step_orchestrator(args, devices, config)
@@ -109,6 +115,18 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
         prefill_sharding=args.prefill_sharding or default,
         generate_sharding=args.generate_sharding or default,
         engine_config=engine_config(args), config=config)
+
+
+def _per_client(args: argparse.Namespace) -> int:
+    """--max-queued-per-client, by default half the queue: one client (one request of many
+    prompts and samples) can never shut the others out, and can still queue a lot alone."""
+    n, total = args.max_queued_per_client, args.max_queued_requests
+    if n is None:
+        return max(1, total // 2)
+    if not 1 <= n <= total:
+        raise ValueError(f"--max-queued-per-client must be in [1, --max-queued-requests="
+                         f"{total}], got {n}")
+    return n
 
 
 def _lock_step_orchestrator(args: argparse.Namespace, devices, config):

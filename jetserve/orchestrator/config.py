@@ -12,6 +12,10 @@ class OrchestratorConfig:
 
     Args:
       max_queued_requests: admission bound; submit() raises Overloaded beyond it.
+      max_queued_per_client: the most requests one client (Request.client) may have
+        queued; beyond it only that client is refused (Overloaded) while others still get
+        in. Clients are served in turn either way (fair_queue.py). None: up to
+        max_queued_requests (what callers with one client, batch jobs, want).
       transfer_queue_size: prefixes waiting for the transfer thread, per generate engine.
       backlog_size: transferred prefixes waiting for a slot, per generate engine
         (None: as many as the engine has slots).
@@ -29,6 +33,7 @@ class OrchestratorConfig:
     """
 
     max_queued_requests: int = 256
+    max_queued_per_client: int | None = None
     transfer_queue_size: int = 4
     backlog_size: int | None = None
     detokenize_queue_size: int = 256
@@ -44,6 +49,13 @@ class OrchestratorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        q = self.max_queued_per_client
+        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 1):
+            raise ValueError(f"max_queued_per_client must be None or an integer >= 1, got {q!r}")
+        if q is not None and q > self.max_queued_requests:
+            raise ValueError(f"max_queued_per_client={q} is more than "
+                             f"max_queued_requests={self.max_queued_requests}; a client's "
+                             "share is part of the whole")
         b = self.backlog_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"backlog_size must be None or an integer >= 1, got {b!r}")

@@ -4,7 +4,8 @@ Threads and who owns what
 -------------------------
 ::
 
-  submit() ──> admission queue (bounded: full -> Overloaded at once)
+  submit() ──> admission queue (bounded: full -> Overloaded at once); one lane per
+                 client, served in turn, each bounded by its share (fair_queue.py)
                  │
      prefill thread, one per prefill engine (prefill_worker.py)
        prompt log-probs, engine.prefill -> first token ──────────────┐
@@ -53,6 +54,7 @@ from typing import Any
 from engines import Engine
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.detokenize_worker import STOP, DetokenizeWorker
+from jetserve.orchestrator.fair_queue import ClientFull, FairQueue, Full
 from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.live import LiveRequest
@@ -120,7 +122,8 @@ class Orchestrator:
         self.generate_engines = list(generate_engines)
         self._stopping = threading.Event()
         self._listeners = Listeners()
-        self._admission: queue.Queue[LiveRequest] = queue.Queue(config.max_queued_requests)
+        self._admission: FairQueue[LiveRequest] = FairQueue(config.max_queued_requests,
+                                                            config.max_queued_per_client)
         self._outbox: queue.Queue = queue.Queue(config.detokenize_queue_size)
         self._resume: queue.Queue[LiveRequest] = queue.Queue()  # preempted, to recompute
         self._live: dict[str, LiveRequest] = {}
@@ -259,36 +262,71 @@ class Orchestrator:
     # ---- requests ------------------------------------------------------------------------
 
     def submit(self, request: Request) -> RequestHandle:
-        """Admits a request; raises Overloaded when admission is full, ValueError when the
-        request does not fit the served model."""
-        if not isinstance(request, Request):
-            raise ValueError(f"submit() takes a jetserve.request.Request, got "
-                             f"{type(request).__name__}")
-        self._validate(request)
+        """Admits a request; raises Overloaded when admission (or its client's share of
+        it) is full, ValueError when the request does not fit the served model."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[Request]) -> list[RequestHandle]:
+        """Admits every request or none (the sub-requests of one client request: prompts x
+        samples), as submit() does; they must share one `client`. ValueError also when they
+        are more than one client may queue at once, which no retry would change."""
+        for r in requests:
+            if not isinstance(r, Request):
+                raise ValueError(f"submit() takes a jetserve.request.Request, got "
+                                 f"{type(r).__name__}")
+            self._validate(r)
+        if not requests:
+            return []
+        clients = {r.client for r in requests}
+        if len(clients) > 1:
+            raise ValueError(f"submit_many: requests of {len(clients)} clients; one call "
+                             "admits one client's requests")
+        client = clients.pop()
         if not self._accepting:
             raise Overloaded("the orchestrator is shutting down; not accepting requests")
-        timing = RequestTiming(arrival=time.monotonic())
-        live = LiveRequest(
-            request=request, handle=None, timing=timing,  # type: ignore[arg-type]
-            budget=token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len),
-            stop_ids=stop_ids(self.eos_ids, request.stop_token_ids, request.ignore_eos),
-        )
-        live.handle = RequestHandle(request, timing, lambda: self._cancel(live))
-        with self._live_cond:
-            if request.request_id in self._live:
-                raise ValueError(f"request_id {request.request_id!r} is already in flight")
-            self._live[request.request_id] = live
+        share = self._admission.per_client
+        if len(requests) > share:
+            raise ValueError(f"this request makes {len(requests)} sub-requests (prompts x "
+                             f"samples); this server queues at most {share} per client: "
+                             "send fewer prompts or samples per request")
+        lives = [self._live_request(r) for r in requests]
+        self._register(lives)
         try:
-            self._admission.put_nowait(live)
-        except queue.Full:
+            self._admission.put_all_nowait(lives, client)
+        except (Full, ClientFull) as e:
             with self._live_cond:
-                del self._live[request.request_id]
+                for live in lives:
+                    del self._live[live.request_id]
                 self._counters["overloaded"] += 1
+            if isinstance(e, ClientFull):
+                raise Overloaded(f"this client's share of the admission queue is full "
+                                 f"({self._admission.held_by(client)} of {share} requests "
+                                 "waiting); retry later") from None
             raise Overloaded(f"admission queue is full ({self.config.max_queued_requests} "
                              "requests waiting); retry later") from None
         with self._live_cond:
-            self._counters["submitted"] += 1
-        return live.handle
+            self._counters["submitted"] += len(lives)
+        return [live.handle for live in lives]
+
+    def _live_request(self, request: Request) -> LiveRequest:
+        live = LiveRequest(
+            request=request, handle=None,  # type: ignore[arg-type]
+            timing=RequestTiming(arrival=time.monotonic()),
+            budget=token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len),
+            stop_ids=stop_ids(self.eos_ids, request.stop_token_ids, request.ignore_eos),
+        )
+        live.handle = RequestHandle(request, live.timing, lambda: self._cancel(live))
+        return live
+
+    def _register(self, lives: list[LiveRequest]) -> None:
+        """Into the registry of requests in flight; ValueError on an id already there."""
+        with self._live_cond:
+            fresh: dict[str, LiveRequest] = {}
+            for live in lives:
+                if live.request_id in self._live or live.request_id in fresh:
+                    raise ValueError(f"request_id {live.request_id!r} is already in flight")
+                fresh[live.request_id] = live
+            self._live.update(fresh)
 
     def _validate(self, r: Request) -> None:
         V = self.vocab_size
@@ -352,6 +390,7 @@ class Orchestrator:
         return {
             "admission_queue": self._admission.qsize(),
             "max_queued_requests": self.config.max_queued_requests,
+            "admission_clients": self._admission.clients(),
             "in_flight": in_flight,
             "detokenize_queue": self._outbox.qsize(),
             "prefill": [{"engine": w.index, "busy": w.busy, "prefills": w.prefills}
@@ -373,8 +412,10 @@ class Orchestrator:
         """Compiles prefill (one bucket per length), insert and generate on every engine by
         running throwaway requests (needs start())."""
         n = max(len(self.generate_engines), len(self.prefill_engines))
-        handles = [self.submit(Request(prompt_ids=(0,) * L, max_tokens=2, ignore_eos=True))
-                   for L in prompt_lengths for _ in range(n)]
+        # One client each: they go in all at once, whatever a client's share is.
+        handles = [self.submit(Request(prompt_ids=(0,) * L, max_tokens=2, ignore_eos=True,
+                                       client=f"warmup-{k}"))
+                   for k, L in enumerate(L for L in prompt_lengths for _ in range(n))]
         for h in handles:
             h.result(timeout)
 
@@ -475,7 +516,7 @@ def _least_loaded_route(generate: list[GenerateWorker], transfers: list[Transfer
     return route
 
 
-def _pending_for(p: PrefillWorker, admission: queue.Queue,
+def _pending_for(p: PrefillWorker, admission: FairQueue,
                  resume: queue.Queue) -> Callable[[], bool]:
     # unfinished_tasks counts admitted requests until a prefill thread has handed them on
     # (task_done), so there is no gap between taking one off the queue and prefilling it.

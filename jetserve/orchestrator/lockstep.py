@@ -18,8 +18,8 @@ The loop, one turn at a time, on every process::
                       so the host reads while the device runs) -> the detokenize thread
 
 Process 0 keeps everything else of `Orchestrator` (it is a subclass): submit, validation,
-the bounded admission queue, the detokenize thread, request handles, listeners, stats,
-drain on stop. So the servers run on it unchanged. Its loop runs on a thread of its own
+the bounded admission queue (clients served in turn), the detokenize thread, request
+handles, listeners, stats, drain on stop. So the servers run on it unchanged. Its loop runs on a thread of its own
 (`start`); the other processes run the same loop in their main thread (`run`) and never
 look at tokens: the plan alone tells them which slots are in use.
 
@@ -98,10 +98,10 @@ class LockStepOrchestrator(Orchestrator):
     def _thread_bodies(self):
         return [("lockstep", self.run), ("detokenize", self._detok.run)]
 
-    def submit(self, request):
+    def submit_many(self, requests):
         if not self.primary:
             raise RuntimeError("requests go to process 0; this process follows its plans")
-        return super().submit(request)
+        return super().submit_many(requests)
 
     def stats(self) -> dict:
         s = super().stats()

@@ -1,10 +1,11 @@
 """The prefill thread of one prefill engine: admission queue -> first token -> a slot.
 
-It takes the oldest admitted request, runs the prompt (and its prompt log-probs when
-asked), sends the first token to the detokenize thread at once, then hands the prefix on:
-straight into its own engine's backlog in interleaved mode, or to the transfer thread of
-the least loaded generate engine. Handing on blocks while that queue is full, which is
-what bounds memory end to end. An exception ends only the request being prefilled.
+It takes the next admitted request (the oldest of the client whose turn it is), runs the
+prompt (and its prompt log-probs when asked), sends the first token to the detokenize
+thread at once, then hands the prefix on: straight into its own engine's backlog in
+interleaved mode, or to the transfer thread of the least loaded generate engine. Handing
+on blocks while that queue is full, which is what bounds memory end to end. An exception
+ends only the request being prefilled.
 
 Requests preempted by a generate thread (paged KV, out of pages) come back through the
 resume queue, which goes before new admissions: their prompt and generated tokens are
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from engines.engine_api import Engine
+from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.timing import Listeners, PrefillDone
@@ -48,7 +50,7 @@ Route = Callable[[LiveRequest, Any], bool]
 
 
 class PrefillWorker:
-    def __init__(self, index: int, engine: Engine, params: Any, admission: queue.Queue,
+    def __init__(self, index: int, engine: Engine, params: Any, admission: FairQueue,
                  outbox: queue.Queue, listeners: Listeners, stopping: threading.Event,
                  poll_s: float, *, resume: queue.Queue | None = None,
                  chunk: int | None = None, cache: PrefixCache | None = None,
@@ -87,7 +89,7 @@ class PrefillWorker:
                     self.admission.task_done()
 
     def _next(self) -> tuple[LiveRequest | None, bool]:
-        """A preempted request if one waits, else the oldest admitted; (None, _) if idle."""
+        """A preempted request if one waits, else the next admitted; (None, _) if idle."""
         try:
             return self.resume.get_nowait(), False
         except queue.Empty:

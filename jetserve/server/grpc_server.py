@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jetserve.request import Delta, Overloaded, Request
+from jetserve.server import client_id
 from jetserve.server import validation as v
 from jetserve.server.config import ServerConfig
 from jetserve.server.streams import merge, submit_all
@@ -86,7 +87,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            requests = self.build_requests(request, context.time_remaining())
+            requests = self.build_requests(request, context.time_remaining(),
+                                           client_id.from_grpc(context))
             handles = submit_all(self.orch, requests)
         except v.InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -105,8 +107,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 for msg in _messages(batch, n):
                     yield msg
 
-    def build_requests(self, r: pb.DecodeRequest, time_remaining: float | None) -> list[Request]:
-        """Validates a DecodeRequest; one Request per sample."""
+    def build_requests(self, r: pb.DecodeRequest, time_remaining: float | None,
+                       client: str = "") -> list[Request]:
+        """Validates a DecodeRequest; one Request per sample, from `client`."""
         lim = self.limits
         which = r.WhichOneof("content")
         if which is None:
@@ -142,7 +145,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         deadline = time.monotonic() + time_remaining if time_remaining is not None else None
         return [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, i),
                         max_tokens=max_tokens, stop_token_ids=stop_ids, stop_strings=stop,
-                        ignore_eos=r.ignore_eos, logprobs=logprobs, deadline=deadline)
+                        ignore_eos=r.ignore_eos, logprobs=logprobs, deadline=deadline,
+                        client=client)
                 for i in range(n)]
 
 

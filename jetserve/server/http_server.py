@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from jetserve.request import Overloaded
+from jetserve.server import client_id
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.config import ServerConfig
@@ -195,7 +196,8 @@ class OpenAIApp:
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, CompletionRequest)
-        prep = fmt.prepare_completion(self.limits, body, self.config.model_name)
+        prep = fmt.prepare_completion(self.limits, body, self.config.model_name,
+                                      client_id.from_http(request))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.config.model_name}
@@ -248,7 +250,8 @@ class OpenAIApp:
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request, ChatRequest)
-        prep = fmt.prepare_chat(self.limits, body, self.config.model_name)
+        prep = fmt.prepare_chat(self.limits, body, self.config.model_name,
+                                client_id.from_http(request))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": self.config.model_name}
         handles = self._submit(prep)

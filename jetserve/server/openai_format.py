@@ -76,7 +76,8 @@ def check_model(name: str | None, served: str) -> None:
                                          f"this server serves {served!r}")
 
 
-def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str) -> Prepared:
+def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
+                       client: str = "") -> Prepared:
     check_model(r.model, served)
     if r.suffix:
         raise v.InvalidArgument("suffix", "suffix is not supported")
@@ -108,7 +109,8 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str)
             run = False  # nothing to generate and nothing to score
             continue
         requests.extend(Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
-                                logprobs=logprobs, prompt_logprobs=scoring, **kw)
+                                logprobs=logprobs, prompt_logprobs=scoring, client=client,
+                                **kw)
                         for j in range(n))
     stream, usage = _stream_flags(r)
     if not run:
@@ -118,7 +120,8 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str)
                     stream=stream, include_usage=usage, run=run)
 
 
-def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str) -> Prepared:
+def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
+                 client: str = "") -> Prepared:
     check_model(r.model, served)
     add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
     ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen)
@@ -133,7 +136,7 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str) -> Prepared
     elif r.top_logprobs:
         raise v.InvalidArgument("top_logprobs", "top_logprobs needs logprobs: true")
     requests = [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
-                        logprobs=logprobs, **kw) for j in range(n)]
+                        logprobs=logprobs, client=client, **kw) for j in range(n)]
     stream, usage = _stream_flags(r)
     return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
                     echo=False, logprobs=logprobs, stream=stream, include_usage=usage,

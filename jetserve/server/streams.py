@@ -21,7 +21,10 @@ from jetserve.request import Delta, Overloaded, Request
 
 
 def submit_all(orch: Any, requests: Sequence[Request]) -> list[Any]:
-    """Submits every request or none: on Overloaded the ones already in are cancelled."""
+    """Submits every request or none: at once where the orchestrator can (submit_many, so
+    none takes a place in the queue), else on Overloaded the ones already in are cancelled."""
+    if hasattr(orch, "submit_many"):
+        return orch.submit_many(requests)
     handles = []
     try:
         for r in requests:

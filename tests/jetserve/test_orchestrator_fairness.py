@@ -1,0 +1,165 @@
+"""Fair admission on MockEngine: a client's short request is not stuck behind another
+client's many long ones, a client beyond its share is refused while others get in, and
+the samples of one request are admitted whole or not at all.
+
+Order is measured by the order of prefills (a recording engine), never by time.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from engines import MockEngine
+from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Overloaded, Request, driver
+from jetserve.orchestrator.fair_queue import FairQueue
+from jetserve.orchestrator.lockstep import LockStepOrchestrator
+from jetserve.server.streams import submit_all
+from tests.jetserve.test_orchestrator_mock import expected, wait_until
+
+A_PROMPTS = 24  # client A's requests: far more than slots + backlog can hold
+B_PROMPT = 200  # client B's one request; A's prompts are 10..33
+
+
+class RecordingEngine(MockEngine):
+    """Adds ("prefill", first token of the prompt) to `events` on every prefill."""
+
+    def __init__(self, events: list, **kw):
+        super().__init__(**kw)
+        self.events = events
+
+    def prefill(self, params, tokens, true_length, **kw):
+        self.events.append(("prefill", int(np.asarray(tokens).reshape(-1)[0])))
+        return super().prefill(params, tokens, true_length, **kw)
+
+
+def recording_queue(events: list, fifo: bool = False) -> type[FairQueue]:
+    """The admission queue, adding ("queued", client) to `events` once a client's requests
+    are in; fifo: one lane for everyone, as admission was before (what the ordering test
+    must catch)."""
+
+    class Recording(FairQueue):
+        def put_all_nowait(self, items, client=""):
+            super().put_all_nowait(items, "" if fifo else client)
+            events.append(("queued", client))
+
+    return Recording
+
+
+def make(mode, config=None, events=None):
+    """(orchestrator, its prefill engine) on MockEngine: 2 slots, steps of 5 ms."""
+    devs = jax.devices()
+    events = [] if events is None else events
+    kw = dict(max_concurrent_decodes=2, max_seq_len=512, step_delay_s=0.005)
+    if mode == "lockstep":
+        e = RecordingEngine(events, devices=devs[:1], **kw)
+        return LockStepOrchestrator(e, e.load_params(), config=config, primary=True,
+                                    broadcast=lambda x: x, idle_wait_s=0.01), e
+    if mode == "interleaved":
+        e = RecordingEngine(events, devices=devs[:1], **kw)
+        return Orchestrator.from_engines(e, config=config), e
+    pe, ge = RecordingEngine(events, devices=devs[:1], **kw), MockEngine(devices=devs[4:5], **kw)
+    return Orchestrator(prefill_engines=[pe], generate_engines=[ge],
+                        prefill_params=[pe.load_params()], generate_params=[ge.load_params()],
+                        config=config), pe
+
+
+def a_prefills_ahead_of_b(mode, monkeypatch, fifo=False) -> tuple[int, int]:
+    """Client A asks for many generations at once (24 x 40 tokens on 2 slots); once they
+    run, client B asks for 2 tokens. Returns (A's requests queued just before B asked,
+    A's prefills after B's request was in the queue and before B's own)."""
+    events: list = []
+    monkeypatch.setattr(driver, "FairQueue", recording_queue(events, fifo))
+    orch, engine = make(mode, events=events)
+    with orch:
+        a = orch.submit_many([Request(prompt_ids=[10 + i], max_tokens=40, ignore_eos=True,
+                                      client="A") for i in range(A_PROMPTS)])
+        wait_until(lambda: len(events) >= 3, timeout=30)  # A's are prefilling
+        queued = orch.stats()["admission_queue"]
+        b = orch.submit(Request(prompt_ids=[B_PROMPT], max_tokens=2, client="B"))
+        first = next(iter(b))  # B's first token
+        assert first.token_ids == [B_PROMPT]
+        for h in a:
+            h.cancel()
+        assert b.result(60).token_ids == expected([B_PROMPT], 2)
+    arrived, served = events.index(("queued", "B")), events.index(("prefill", B_PROMPT))
+    return queued, sum(kind == "prefill" for kind, _ in events[arrived:served])
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "disaggregated", "lockstep"])
+def test_a_short_request_waits_for_at_most_one_of_another_clients_queued(mode, monkeypatch):
+    queued, ahead = a_prefills_ahead_of_b(mode, monkeypatch)
+    assert queued >= 4  # B really arrived behind a queue of A's
+    # The prefill thread may have taken one of A's just before B arrived; no more.
+    assert ahead <= 1, f"{ahead} of client A's requests were prefilled before B's"
+
+
+def test_the_ordering_check_catches_a_fifo_queue(monkeypatch):
+    # One lane for everyone, as before: B waits behind every queued request of A.
+    queued, ahead = a_prefills_ahead_of_b("interleaved", monkeypatch, fifo=True)
+    assert ahead >= queued - 2 >= 2
+
+
+def test_a_client_beyond_its_share_is_refused_while_others_get_in():
+    orch, _ = make("interleaved", OrchestratorConfig(max_queued_requests=8,
+                                                     max_queued_per_client=3))
+    samples = lambda client, n, first=1: [Request(prompt_ids=[first + i], max_tokens=2,
+                                                  client=client) for i in range(n)]
+    a = submit_all(orch, samples("A", 2))
+    with pytest.raises(Overloaded, match="client's share .* full \\(2 of 3"):
+        submit_all(orch, samples("A", 2, first=20))  # 2 + 2 > 3: neither goes in
+    assert orch.stats()["admission_queue"] == 2 and orch.stats()["in_flight"] == 2
+    a += submit_all(orch, samples("A", 1, first=30))  # what fits the share still does
+    b = submit_all(orch, samples("B", 3, first=40))
+    c = submit_all(orch, samples("C", 2, first=50))
+    with pytest.raises(Overloaded, match="admission queue is full"):
+        submit_all(orch, samples("D", 1, first=60))  # 8 queued: the total bound holds
+    with pytest.raises(ValueError, match="4 sub-requests .* at most 3 per client"):
+        submit_all(orch, samples("D", 4))  # never fits: not a retry-later
+    with pytest.raises(ValueError, match="2 clients"):
+        orch.submit_many(samples("A", 1) + samples("B", 1))
+    assert orch.stats()["counters"]["overloaded"] == 2
+    with orch:
+        got = [h.result(30).token_ids for h in a + b + c]
+    firsts = [1, 2, 30, 40, 41, 42, 50, 51]
+    assert got == [expected([f], 2) for f in firsts]
+    assert orch.stats()["in_flight"] == 0 and orch.stats()["admission_queue"] == 0
+
+
+def test_a_client_id_is_a_bounded_string():
+    with pytest.raises(ValueError, match="client must be a string"):
+        Request(prompt_ids=[1], client=7)
+    with pytest.raises(ValueError, match="client is 300 characters"):
+        Request(prompt_ids=[1], client="x" * 300)
+    with pytest.raises(ValueError, match="max_queued_per_client=9 is more than"):
+        OrchestratorConfig(max_queued_requests=8, max_queued_per_client=9)
+
+
+@pytest.mark.parametrize("argv, share", [
+    ((), 128),  # half of the default 256
+    (("--max-queued-requests", "10"), 5),
+    (("--max-queued-requests", "1"), 1),
+    (("--max-queued-per-client", "7"), 7),
+])
+def test_serve_gives_each_client_a_share_of_the_queue(monkeypatch, argv, share):
+    from jetserve import orchestrator
+    from jetserve.cli import build_parser
+    from jetserve.commands import serve
+
+    seen = {}
+    monkeypatch.setattr(orchestrator, "build", lambda model, **kw: seen.update(kw))
+    serve.build_orchestrator(build_parser().parse_args(["serve", "--model", "random:tiny",
+                                                        *argv]))
+    assert seen["config"].max_queued_per_client == share
+    with pytest.raises(ValueError, match="--max-queued-per-client must be in"):
+        serve.build_orchestrator(build_parser().parse_args(
+            ["serve", "--max-queued-per-client", "300"]))
+
+
+def test_a_group_with_an_id_in_flight_or_twice_goes_in_not_at_all():
+    orch, _ = make("interleaved")
+    orch.submit(Request(prompt_ids=[1], request_id="x", client="A"))
+    for ids in (["y", "x"], ["z", "z"]):
+        with pytest.raises(ValueError, match="already in flight"):
+            orch.submit_many([Request(prompt_ids=[1], request_id=i, client="A") for i in ids])
+    assert orch.stats()["in_flight"] == 1 and orch.stats()["admission_queue"] == 1
+    orch.stop(drain=False)

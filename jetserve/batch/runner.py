@@ -167,11 +167,21 @@ def _jobs(cfg: BatchConfig, limits: ModelLimits, entries: list[inputs.Entry],
         except RowError as e:
             emit([(None, entry.error_row(f"line {n}: {e}"))])
             continue
+        except Exception as e:  # noqa: BLE001 (a tokenizer or template bug: this row only)
+            emit([(None, entry.error_row(f"line {n}: the row could not be prepared "
+                                         f"({_brief(e)})"))])
+            continue
         window.append((n, job))
         if len(window) >= cfg.window:
             yield from _ordered(window)
             window = []
     yield from _ordered(window)
+
+
+def _brief(e: Exception, limit: int = 200) -> str:
+    """An unexpected exception in a few words (its text may quote the whole row)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _ordered(window: list[tuple[int, Job]]) -> Iterator[Job]:

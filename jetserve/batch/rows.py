@@ -92,6 +92,18 @@ def id_key(rid: Any) -> str:
     return json.dumps(rid)
 
 
+def line_key(line: int) -> str:
+    """The key of an error row about an input line without a usable id."""
+    return f"#line {line}"
+
+
+def output_key(row: dict) -> str:
+    """The key of an output row: what identifies its input row (see journal.py)."""
+    if "line" in row:
+        return line_key(row["line"])
+    return id_key(row["id"])
+
+
 def parse_line(line: str) -> Any:
     try:
         return json.loads(line)

@@ -12,8 +12,8 @@ So each complete line is checked:
 
 A file that fails any check is refused, naming the first bad line and the way out:
 `--repair` rewrites it (atomically, see durable.replace_atomically) with the first valid
-row of each key, so the rows dropped run again. `--retry-failed` drops error rows the
-same way. Nothing is changed in a refused file.
+row of each key, so input rows left without a result run again. `--retry-failed` drops
+error rows the same way. Nothing is changed in a refused file.
 
 Used by one thread (the batch runner's, before the job starts).
 """
@@ -159,7 +159,7 @@ def _refusal(path: str, problems: list[str]) -> str:
     more = f" (and {len(problems) - 1} more bad lines)" if len(problems) > 1 else ""
     return (f"{problems[0]}{more}: --output does not hold this job's rows alone; run "
             "again with --resume --repair to rewrite it keeping the first valid row of "
-            "each input row (the rows dropped run again)")
+            "each input row (input rows left without one run again)")
 
 
 def _truncate(path: str, size: int) -> None:

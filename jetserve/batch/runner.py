@@ -138,7 +138,8 @@ def prepare(cfg: BatchConfig) -> Prepared:
               f"{cfg.output}", file=sys.stderr)
     if journal.repaired:
         print(f"jetserve batch: --repair removed {len(journal.repaired)} bad lines from "
-              f"{cfg.output} (first: {journal.repaired[0]}); their rows run again",
+              f"{cfg.output} (first: {journal.repaired[0]}); input rows left without a "
+              "result run again",
               file=sys.stderr)
     if journal.dropped:
         print(f"jetserve batch: running {journal.dropped} failed rows again (removed from "

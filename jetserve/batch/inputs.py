@@ -16,8 +16,7 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable, Iterator
 
-from jetserve.batch.journal import line_key
-from jetserve.batch.rows import RowError, id_key, parse_line, row_id
+from jetserve.batch.rows import RowError, id_key, line_key, parse_line, row_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +25,7 @@ class Entry:
 
     line: int  # 1-based line number in the input file
     id: object | None  # the row's id, when it has a usable one
-    key: str  # output key (journal.output_key of its result row)
+    key: str  # output key (rows.output_key of its result row)
     error: str | None  # set when the line cannot run at all (bad JSON, no id, duplicate)
 
     def error_row(self, message: str | None = None) -> dict:

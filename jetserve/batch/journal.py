@@ -1,12 +1,16 @@
 """The output file as a journal: rows appended and fsync'd, read back to resume.
 
 A row is on disk before the job counts it done: `append` writes complete lines (each
-ending in a newline) with one `write` and then `os.fsync`, so after a SIGKILL or power
-loss the file holds every row appended so far, plus at most one torn line at the end (a
-write cut short). `recover` truncates that torn line and returns the keys of the rows
-that are there, so `--resume` runs only the rest and every input row ends up in the file
-exactly once. `--retry-failed` also rewrites the file without its error rows (a new file
-renamed over the old: a crash leaves one or the other), so those rows run again.
+ending in a newline) with `os.write` on an unbuffered descriptor and then `os.fsync`, so
+after a SIGKILL or power loss the file holds every row appended so far, plus at most one
+torn line at the end (a write cut short). Resuming (recovery.py) truncates that torn line
+and verifies the rest before trusting it; `--retry-failed` and `--repair` rewrite the
+file without its error rows or its bad lines (a new file renamed over the old: a crash
+leaves one or the other).
+
+A write that fails (a full disk, an I/O error) is undone: the file is cut back to the
+rows before it, and `OutputError` names the path, so the job stops with the output
+resumable once there is room.
 
 A row's key is what identifies its input row: the id (canonical JSON, see rows.id_key)
 for rows that have a usable id, and "#line N" for error rows about input lines without
@@ -19,20 +23,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
-from jetserve.batch.rows import id_key
+from jetserve.batch.durable import OutputError, describe, fsync_dir, write_all
+from jetserve.batch.recovery import Recovered, recover
+from jetserve.batch.rows import line_key, output_key
 
-
-def line_key(line: int) -> str:
-    return f"#line {line}"
-
-
-def output_key(row: dict) -> str:
-    """The key of an output row (see the module docstring)."""
-    if "line" in row:
-        return line_key(row["line"])
-    return id_key(row["id"])
+__all__ = ["Journal", "OutputError", "line_key", "output_key", "part_path", "read_rows",
+           "recover"]
 
 
 def part_path(output: str, process_id: int, num_processes: int) -> str:
@@ -56,114 +54,82 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def recover(path: str) -> tuple[dict[str, bool], int]:
-    """(key -> row succeeded, bytes of torn tail removed) for an existing output file.
-
-    A last line that is cut short (no newline, or not JSON) is what a kill leaves behind:
-    it is truncated away. A bad line anywhere else means the file is not ours.
-    """
-    if not os.path.exists(path):
-        return {}, 0
-    with open(path, "rb") as f:
-        data = f.read()
-    done: dict[str, bool] = {}
-    pos, n = 0, 0  # pos: end of the complete, parsed lines so far
-    while pos < len(data):
-        n += 1
-        nl = data.find(b"\n", pos)
-        if nl < 0:  # no newline: the last write was cut short
-            break
-        raw = data[pos:nl]
-        if raw.strip():
-            row = _parse(raw)
-            if row is None:
-                if not data[nl + 1:].strip():  # the last line: torn
-                    break
-                raise ValueError(f"{path}:{n} is not a JSON object row; the output file "
-                                 "was changed by something other than jetserve batch")
-            done[output_key(row)] = "error" not in row
-        pos = nl + 1
-    good_end = pos
-    torn = len(data) - good_end
-    if torn:
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-            f.flush()
-            os.fsync(f.fileno())
-    return done, torn
-
-
-def _parse(raw: bytes) -> dict | None:
+def encode_row(row: dict) -> bytes:
+    """One output line. Text stays readable (ensure_ascii off) unless it holds something
+    UTF-8 cannot carry (a lone surrogate quoted in a message): then JSON escapes."""
     try:
-        row = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(row, dict) or ("id" not in row and "line" not in row):
-        return None
-    return row
+        return (json.dumps(row, ensure_ascii=False) + "\n").encode()
+    except UnicodeEncodeError:
+        return (json.dumps(row) + "\n").encode()
 
 
 class Journal:
-    """An output file opened for appending durable rows."""
+    """An output file opened for appending durable rows.
 
-    def __init__(self, path: str, *, resume: bool, retry_failed: bool = False):
+    resume: continue the file (see recovery.recover for what is checked); expected: the
+    keys of the input rows this job runs, to check it against; retry_failed / repair:
+    drop its error rows / its bad lines instead of keeping / refusing them.
+    """
+
+    def __init__(self, path: str, *, resume: bool, retry_failed: bool = False,
+                 repair: bool = False, expected: Collection[str] | None = None):
         if not resume and os.path.exists(path) and os.path.getsize(path) > 0:
             raise ValueError(f"--output {path} already exists; pass --resume to continue "
                              "that job, or remove the file to start over")
         self.path = path
-        self.done, self.torn_bytes = recover(path) if resume else ({}, 0)
-        self.dropped = 0  # error rows removed to run again
-        if retry_failed and not all(self.done.values()):
-            self.dropped = _drop_failed(path)
-            self.done = {k: ok for k, ok in self.done.items() if ok}
+        rec = (recover(path, expected, drop_failed=retry_failed, repair=repair) if resume
+               else Recovered({}))
+        self.done = rec.done
+        self.torn_bytes = rec.torn_bytes
+        self.dropped = rec.dropped_failed  # error rows removed to run again
+        self.repaired = rec.repaired  # bad lines --repair removed
         parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
         created = not os.path.exists(path)
-        self._f = open(path, "ab")  # noqa: SIM115 (closed by close())
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                               0o644)
+        except OSError as e:
+            raise OutputError(f"cannot open {path} for writing: {describe(e)}") from None
+        self._end = os.fstat(self._fd).st_size  # where the last complete append ends
+        self._failed: OutputError | None = None
         if created:  # the new directory entry must survive a crash too
-            _fsync_dir(parent)
+            fsync_dir(parent)
 
     def append(self, rows: Iterable[dict]) -> None:
         """Writes rows (complete lines) and waits until they are on disk."""
-        data = b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows)
+        if self._failed is not None:
+            raise self._failed
+        data = b"".join(encode_row(r) for r in rows)
         if not data:
             return
-        self._f.write(data)
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:
+            write_all(self._fd, data)
+            os.fsync(self._fd)
+        except OSError as e:
+            self._failed = OutputError(
+                f"cannot write {self.path}: {describe(e)}; the rows written before are "
+                "kept: make room (or make it writable) and run again with --resume")
+            self._undo()
+            raise self._failed from None
+        self._end += len(data)
+
+    def _undo(self) -> None:
+        """Cuts a part-written append off; if even that fails, it is the torn last line
+        that --resume removes."""
+        try:
+            os.ftruncate(self._fd, self._end)
+            os.fsync(self._fd)
+        except OSError:
+            pass
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> Journal:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _drop_failed(path: str) -> int:
-    """Rewrites the (recovered) output without its error rows; returns how many."""
-    rows = read_rows(path)
-    kept = [r for r in rows if "error" not in r]
-    tmp = f"{path}.retrying"
-    with open(tmp, "wb") as f:
-        f.write(b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    return len(rows) - len(kept)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)

@@ -11,17 +11,19 @@ absent or complete.
 
 from __future__ import annotations
 
-import json
 import os
 
 from jetserve.batch import inputs
-from jetserve.batch.journal import output_key, part_path, read_rows
+from jetserve.batch.durable import replace_atomically
+from jetserve.batch.journal import encode_row, output_key, part_path, read_rows
+from jetserve.batch.preflight import check_paths
 
 
 def merge(input_path: str, output: str, num_processes: int) -> tuple[int, int]:
     """Writes the merged output; returns (rows, error rows)."""
     if num_processes < 1:
         raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
+    check_paths(input_path, output)
     entries = inputs.scan(input_path)
     rows: dict[str, dict] = {}
     for i in range(num_processes):
@@ -38,14 +40,6 @@ def merge(input_path: str, output: str, num_processes: int) -> tuple[int, int]:
         raise ValueError(f"{len(missing)} input rows have no result yet (first: line "
                          f"{e.line}, id {e.id!r}, process {who}); run the unfinished "
                          "processes again with --resume, then merge")
-    tmp = f"{output}.merging"
-    errors = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for e in entries:
-            row = rows[e.key]
-            errors += "error" in row
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, output)
-    return len(entries), errors
+    merged = [rows[e.key] for e in entries]
+    replace_atomically(output, b"".join(encode_row(r) for r in merged), suffix=".merging")
+    return len(entries), sum("error" in r for r in merged)

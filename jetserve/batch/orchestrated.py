@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from jetserve.batch.results import error_row, from_completion
 from jetserve.batch.rows import Job
-from jetserve.batch.runner import BatchConfig, Emit, Summary, run_job
+from jetserve.batch.runner import BatchConfig, Emit, Prepared, Summary, run_job
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Overloaded, RequestFinished
 from jetserve.server.validation import ModelLimits
 
@@ -37,16 +37,16 @@ def config(engine, *, max_queued: int | None = None, **fields) -> OrchestratorCo
         **fields)
 
 
-def run(cfg: BatchConfig, orch: Orchestrator,
-        warmup_lengths: tuple[int, ...] = ()) -> Summary:
+def run(cfg: BatchConfig, orch: Orchestrator, warmup_lengths: tuple[int, ...] = (),
+        prepared: Prepared | None = None) -> Summary:
     """The whole job on an orchestrator (not yet started; stopped at the end).
     warmup_lengths: prompt lengths compiled before the job starts (benchmarks; a job
-    compiles as it goes)."""
+    compiles as it goes). prepared: runner.prepare(cfg), done before the model loaded."""
     with orch:
         if warmup_lengths:
             orch.warmup(prompt_lengths=warmup_lengths)
         return run_job(cfg, ModelLimits.from_orchestrator(orch),
-                       lambda jobs, emit: execute(orch, jobs, emit))
+                       lambda jobs, emit: execute(orch, jobs, emit), prepared)
 
 
 def execute(orch: Orchestrator, jobs: Iterator[Job], emit: Emit) -> None:

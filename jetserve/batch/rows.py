@@ -18,6 +18,7 @@ import dataclasses
 import json
 from typing import Any
 
+from jetserve.batch import wellformed
 from jetserve.request import Request
 from jetserve.server import chat_template
 from jetserve.server import validation as v
@@ -80,6 +81,9 @@ def row_id(obj: Any) -> Any:
     rid = obj["id"]
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         raise RowError(f'"id" must be a non-empty string or an integer, got {rid!r}')
+    why = wellformed.text_problem(rid) if isinstance(rid, str) else None
+    if why:  # the id is written to the output: it must be encodable
+        raise RowError(f'"id" contains {why}')
     return rid
 
 
@@ -88,23 +92,39 @@ def id_key(rid: Any) -> str:
     return json.dumps(rid)
 
 
+def line_key(line: int) -> str:
+    """The key of an error row about an input line without a usable id."""
+    return f"#line {line}"
+
+
+def output_key(row: dict) -> str:
+    """The key of an output row: what identifies its input row (see journal.py)."""
+    if "line" in row:
+        return line_key(row["line"])
+    return id_key(row["id"])
+
+
 def parse_line(line: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise RowError(f"the line is not valid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:  # json's C decoder stops at Python's recursion limit
+        raise RowError("the line is nested too deeply to parse (at most "
+                       f"{wellformed.MAX_DEPTH} levels of [ and {{ are accepted)") from None
 
 
 def build_job(obj: dict, limits: v.ModelLimits, *, default_max_tokens: int) -> Job:
     """The job for a parsed row (its id already checked by `row_id`)."""
     try:
+        wellformed.check(obj)
         if any(k in obj for k in ("context", "context_ids", "continuation",
                                   "continuation_ids")):
             return _score_job(obj, limits)
         return _generate_job(obj, limits, default_max_tokens)
     except v.InvalidArgument as e:
         raise RowError(e.message) from None
-    except ValueError as e:  # Request / SamplingParams validation
+    except ValueError as e:  # Request / SamplingParams validation, wellformed.Malformed
         raise RowError(str(e)) from None
 
 

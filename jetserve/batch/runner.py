@@ -3,7 +3,9 @@
 `run_job` owns the job's bookkeeping and leaves the device work to an executor (a function
 that takes an iterator of jobs and calls `emit` with finished rows), in practice
 `orchestrated.execute` (an orchestrator at full occupancy). Every row goes through the
-`Journal`, so resume and exactly-once hold however the rows ran.
+`Journal`, so resume and exactly-once hold however the rows ran. `prepare` does what can
+refuse a job (the paths, the input's first pass, verifying the output it resumes), so
+the command runs it before loading a model.
 
 Order: the rows still to run are read a window at a time (`window` rows: bounded memory
 for inputs of millions of rows), tokenized, and sorted by prompt-length bucket, longest
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 from jetserve.batch import inputs
 from jetserve.batch.journal import Journal
+from jetserve.batch.preflight import check_paths
 from jetserve.batch.rows import Job, RowError, build_job, parse_line
 from jetserve.server.validation import ModelLimits
 
@@ -40,6 +43,8 @@ class BatchConfig:
       resume: continue an existing output file (skip the ids it holds).
       retry_failed: with resume, run the rows whose output is an error row again (they
         are removed from the output first).
+      repair: with resume, rewrite an output that fails verification to its valid rows
+        (the first valid row of each input row) instead of refusing it.
       process_id / num_processes: this process's share of the rows (by id hash).
       default_max_tokens: max_tokens of rows that give none.
       window: rows tokenized and ordered at a time.
@@ -50,6 +55,7 @@ class BatchConfig:
     output: str
     resume: bool = False
     retry_failed: bool = False
+    repair: bool = False
     process_id: int = 0
     num_processes: int = 1
     default_max_tokens: int = 16
@@ -66,6 +72,8 @@ class BatchConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.retry_failed and not self.resume:
             raise ValueError("retry_failed continues an existing output: it needs resume")
+        if self.repair and not self.resume:
+            raise ValueError("repair continues an existing output: it needs resume")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
@@ -110,18 +118,43 @@ class Summary:
                 "tokens/s in+out")
 
 
-def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor) -> Summary:
-    """Runs the rows of cfg.input this process owns that cfg.output does not hold yet."""
-    t0 = time.monotonic()
+@dataclasses.dataclass
+class Prepared:
+    """A job ready to run: its input scanned, its output verified and open."""
+
+    entries: list[inputs.Entry]  # the input rows this process owns
+    journal: Journal
+
+
+def prepare(cfg: BatchConfig) -> Prepared:
+    """Everything about a job that can be refused before its model loads: the paths,
+    the input's first pass, the output's recovery and verification."""
+    check_paths(cfg.input, cfg.output)
     entries = inputs.mine(inputs.scan(cfg.input), cfg.process_id, cfg.num_processes)
-    journal = Journal(cfg.output, resume=cfg.resume, retry_failed=cfg.retry_failed)
-    done = journal.done
+    journal = Journal(cfg.output, resume=cfg.resume, retry_failed=cfg.retry_failed,
+                      repair=cfg.repair, expected={e.key for e in entries})
     if journal.torn_bytes:
         print(f"jetserve batch: removed a torn last line ({journal.torn_bytes} bytes) from "
               f"{cfg.output}", file=sys.stderr)
+    if journal.repaired:
+        print(f"jetserve batch: --repair removed {len(journal.repaired)} bad lines from "
+              f"{cfg.output} (first: {journal.repaired[0]}); input rows left without a "
+              "result run again",
+              file=sys.stderr)
     if journal.dropped:
         print(f"jetserve batch: running {journal.dropped} failed rows again (removed from "
               f"{cfg.output})", file=sys.stderr)
+    return Prepared(entries, journal)
+
+
+def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor,
+            prepared: Prepared | None = None) -> Summary:
+    """Runs the rows of cfg.input this process owns that cfg.output does not hold yet.
+    prepared: `prepare(cfg)`, when the caller checked the job before loading a model."""
+    t0 = time.monotonic()
+    prepared = prepared or prepare(cfg)
+    entries, journal = prepared.entries, prepared.journal
+    done = journal.done
     s = Summary(rows=len(entries))
     todo = [e for e in entries if e.key not in done]
     s.resumed = len(entries) - len(todo)
@@ -167,11 +200,21 @@ def _jobs(cfg: BatchConfig, limits: ModelLimits, entries: list[inputs.Entry],
         except RowError as e:
             emit([(None, entry.error_row(f"line {n}: {e}"))])
             continue
+        except Exception as e:  # noqa: BLE001 (a tokenizer or template bug: this row only)
+            emit([(None, entry.error_row(f"line {n}: the row could not be prepared "
+                                         f"({_brief(e)})"))])
+            continue
         window.append((n, job))
         if len(window) >= cfg.window:
             yield from _ordered(window)
             window = []
     yield from _ordered(window)
+
+
+def _brief(e: Exception, limit: int = 200) -> str:
+    """An unexpected exception in a few words (its text may quote the whole row)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _ordered(window: list[tuple[int, Job]]) -> Iterator[Job]:

@@ -15,6 +15,9 @@ Output rows (appended and fsync'd as each finishes, in completion order): "id" w
 --resume continues a killed job: rows already in --output are skipped (a torn last line
 is removed), so every id ends up there exactly once; --retry-failed also runs the rows
 whose result is an error row again (after the input is fixed, say), replacing those rows.
+--resume first verifies --output: a line that is not a result row, a second row for an
+id, or a row for an id not in the input is refused, naming its line; --repair rewrites
+the file to its valid rows (the first valid row of each input row) and runs the rest.
 
 Several hosts: without --coordinator, --num-processes N --process-id I runs the rows
 whose id hashes to I and writes OUTPUT.part-I-of-N; then `--merge --num-processes N`
@@ -23,7 +26,9 @@ model sharded over all their devices: process 0 reads the input, plans every ste
 writes OUTPUT; the others follow its steps.
 
 Exit status: 0 when every row succeeded, 1 when any row is an error row (including ones
-written by an earlier run of a resumed job), 2 for a usage error.
+written by an earlier run of a resumed job), 2 for a usage error or an output that cannot
+be written (a full disk, a read-only directory: the rows written so far stay, ready for
+--resume).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import sys
 
 from jetserve import distributed
+from jetserve.batch.durable import OutputError, describe
 from jetserve.commands.common import (
     add_model_arguments,
     add_scheduling_arguments,
@@ -56,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue an existing --output, skipping the ids it holds")
     p.add_argument("--retry-failed", action="store_true",
                    help="with --resume: run the rows whose result is an error row again")
+    p.add_argument("--repair", action="store_true",
+                   help="with --resume: rewrite an --output that fails verification to its "
+                        "valid rows (dropping bad, repeated and unknown rows) and run the "
+                        "rest, instead of refusing it")
     p.add_argument("--merge", action="store_true",
                    help="join OUTPUT.part-I-of-N (I < --num-processes) into OUTPUT in "
                         "input order, then exit")
@@ -74,41 +84,69 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.merge:
-        return _merge(args)
+    try:
+        return _merge(args) if args.merge else _run(args)
+    except OSError as e:  # a full disk, a read-only directory...: one line, no traceback
+        print(f"jetserve batch: error: {_os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from jetserve.batch import orchestrated
     from jetserve.batch.journal import part_path
-    from jetserve.batch.runner import BatchConfig
+    from jetserve.batch.preflight import check_coordinator_port, check_paths
+    from jetserve.batch.runner import BatchConfig, prepare
 
     independent = args.coordinator is None and (
         args.num_processes is not None or args.process_id is not None)
     n_proc, proc = 1, 0
     if independent:
         n_proc, proc = _independent_share(args)
+    output = part_path(args.output, proc, n_proc) if independent else args.output
+    for flag in ("retry_failed", "repair"):
+        if getattr(args, flag) and not args.resume:
+            raise ValueError(f"--{flag.replace('_', '-')} continues a job: add --resume")
+    check_paths(args.input, output)
+    if args.coordinator is not None:
+        check_coordinator_port(args.coordinator, args.process_id)
     # Before anything touches a device: join the other processes (--coordinator only).
     shared = argparse.Namespace(**vars(args))
     if independent:
         shared.num_processes = shared.process_id = None
     devices = distributed.setup(shared)
 
-    output = part_path(args.output, proc, n_proc) if independent else args.output
-    if args.retry_failed and not args.resume:
-        raise ValueError("--retry-failed continues a job: add --resume")
     cfg = BatchConfig(input=args.input, output=output, resume=args.resume,
-                      retry_failed=args.retry_failed,
+                      retry_failed=args.retry_failed, repair=args.repair,
                       process_id=proc, num_processes=n_proc,
                       default_max_tokens=args.max_tokens, window=args.window,
                       progress=not args.no_progress)
+    # The input and output are checked (and the output opened) before the model loads:
+    # a job that is refused costs no load.
+    prepared = prepare(cfg) if distributed.is_primary() else None
     orch = _orchestrator(args, devices)
-    if not distributed.is_primary():
+    if prepared is None:
         orch.run()  # process 0's steps, until it stops
         return 0
-    summary = orchestrated.run(cfg, orch)
+    summary = orchestrated.run(cfg, orch, prepared=prepared)
     print(summary.line(), file=sys.stderr)
     if args.summary:
-        with open(args.summary, "w") as f:
-            json.dump({"output": output, **summary.as_dict()}, f, indent=1)
+        _write_summary(args.summary, {"output": output, **summary.as_dict()})
     return 0 if summary.all_ok else 1
+
+
+def _write_summary(path: str, summary: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=1)
+    except OSError as e:
+        raise OutputError(f"cannot write --summary {path}: {describe(e)} (the job itself "
+                          "finished; its rows are in the output)") from None
+
+
+def _os_error(e: OSError) -> str:
+    if isinstance(e, OutputError):
+        return str(e)
+    return f"{e.filename}: {describe(e)}" if e.filename else describe(e)
 
 
 def _independent_share(args: argparse.Namespace) -> tuple[int, int]:

@@ -29,13 +29,14 @@ def test_recover_truncates_a_torn_last_line(tmp_path):
     good = out.read_bytes()
     for torn in (b'{"id": "b", "te', b'{"id": "b", "te\n'):
         out.write_bytes(good + torn)
-        done, removed = recover(str(out))
-        assert done == {'"a"': True, "1": False, "#line 4": False}
-        assert removed == len(torn) and out.read_bytes() == good
+        rec = recover(str(out))
+        assert rec.done == {'"a"': True, "1": False, "#line 4": False}
+        assert rec.torn_bytes == len(torn) and out.read_bytes() == good
 
 
 def test_recover_refuses_a_file_damaged_in_the_middle(tmp_path):
-    out = write_lines(tmp_path / "out.jsonl", ['{"id": "a"}', "garbage", '{"id": "b"}'])
+    out = write_lines(tmp_path / "out.jsonl", ['{"id": "a", "text": ""}', "garbage",
+                                                    '{"id": "b", "text": ""}'])
     with pytest.raises(ValueError, match=":2 is not a JSON object row"):
         recover(out)
 

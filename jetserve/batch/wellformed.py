@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jetserve.server.validation import text_problem
+
 # Real rows are a few levels deep (messages -> message -> content parts); metadata gets
 # plenty of room. Low enough that json.dumps of the output row stays far from the
 # recursion limit wherever it is called.
@@ -24,19 +26,6 @@ MAX_DEPTH = 64
 
 class Malformed(ValueError):
     """A row that is not well-formed data; the message names the field."""
-
-
-def text_problem(s: str) -> str | None:
-    """Why `s` cannot be tokenized or written as UTF-8, or None when it can."""
-    if s.isascii():
-        return None
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return (f"a lone surrogate U+{ord(s[e.start]):04X} at character {e.start} "
-                "(text must be valid Unicode; a JSON \\ud800-\\udfff escape must be half "
-                "of a pair)")
-    return None
 
 
 def check(obj: Any, root: str = "") -> None:

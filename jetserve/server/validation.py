@@ -97,19 +97,28 @@ def show(value: Any, limit: int = SHOW_LIMIT) -> str:
     return text
 
 
+def text_problem(s: str) -> str | None:
+    """Why `s` cannot be tokenized or written as UTF-8, or None when it can. JSON can carry
+    a lone surrogate ("\\ud800"), which Python keeps in a str but no tokenizer or encoder
+    accepts."""
+    if s.isascii():
+        return None
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"a lone surrogate U+{ord(s[e.start]):04X} at character {e.start} "
+                "(text must be valid Unicode; a JSON \\ud800-\\udfff escape must be half "
+                "of a pair)")
+    return None
+
+
 def check_text(value: Any, field: str) -> str:
-    """A string that encodes as UTF-8. JSON can carry a lone surrogate ("\\ud800"),
-    which Python keeps in a str but no tokenizer or encoder accepts."""
+    """A string that encodes as UTF-8 (see text_problem)."""
     if not isinstance(value, str):
         raise InvalidArgument(field, f"{field} must be a string, got {show(value)}")
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidArgument(
-                field, f"{field} is not valid Unicode: character {e.start} is a lone "
-                       f"surrogate {value[e.start]!r} (escapes \\ud800-\\udfff must come "
-                       "in high-low pairs)") from None
+    why = text_problem(value)
+    if why:
+        raise InvalidArgument(field, f"{field} is not valid Unicode: it contains {why}")
     return value
 
 

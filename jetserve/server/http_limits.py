@@ -5,11 +5,12 @@ that trickles its request headers, or its body, one byte at a time holds a socke
 with many such clients, the file descriptor table) for as long as it likes, and a body
 of any size is read into memory and parsed. Two pieces close those gaps:
 
-- `h11_protocol(header_timeout_s)`: uvicorn's h11 protocol with a header deadline. A
-  connection must deliver complete request headers within `header_timeout_s` of
-  connecting, or of its previous response finishing (keep-alive); otherwise it gets a
-  408 (when part of a request came) and is closed. The same deadline bounds how long a
-  connection may go on sending the rest of a body the server already refused.
+- `h11_protocol(header_timeout_s, body_timeout_s)`: uvicorn's h11 protocol with a
+  header deadline. A connection must deliver complete request headers within
+  `header_timeout_s` of connecting, or of its previous response finishing (keep-alive);
+  otherwise it gets a 408 (when part of a request came) and is closed. When the server
+  answered before the body was in (a refusal), the rest of the body, which is discarded
+  unparsed, must arrive within `body_timeout_s` of that answer.
 - `BodyLimits`: ASGI middleware in front of the application. A Content-Length over
   `max_body_bytes` is refused with 413 before any of the body is read; a chunked body
   is counted as it arrives and refused the moment it passes the limit, so no oversized
@@ -50,6 +51,7 @@ class _HeaderDeadlineProtocol(H11Protocol):
     """
 
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
@@ -78,7 +80,10 @@ class _HeaderDeadlineProtocol(H11Protocol):
             return
         self._waiting_cycle = self.cycle
         self._bytes_since_armed = 0
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+        # SEND_BODY here: answered before the body was in; the client may finish sending it.
+        timeout = (self.body_timeout_s if self.conn.their_state is h11.SEND_BODY
+                   else self.header_timeout_s)
+        self._header_timer = self.loop.call_later(timeout, self._header_timeout)
 
     def _disarm_header_deadline(self) -> None:
         if self._header_timer is not None:
@@ -93,8 +98,8 @@ class _HeaderDeadlineProtocol(H11Protocol):
         self._header_timer = None
         if self.transport.is_closing():
             return
-        log.debug("closing HTTP connection from %s: no complete request headers within "
-                  "%s s", self.client, self.header_timeout_s)
+        log.debug("closing HTTP connection from %s: its request (%s) did not come in time",
+                  self.client, self.conn.their_state)
         # A 408 tells a client that had started a request why it was cut off; an idle
         # connection is simply closed, as the keep-alive timeout does.
         if self._bytes_since_armed and self.conn.their_state is h11.IDLE:
@@ -102,10 +107,11 @@ class _HeaderDeadlineProtocol(H11Protocol):
         self.transport.close()
 
 
-def h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
+def h11_protocol(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
     """The protocol class to pass as `uvicorn.Config(http=...)`."""
     return type("HeaderDeadlineH11Protocol", (_HeaderDeadlineProtocol,),
-                {"header_timeout_s": float(header_timeout_s)})
+                {"header_timeout_s": float(header_timeout_s),
+                 "body_timeout_s": float(body_timeout_s)})
 
 
 def _json_error(status: int, message: str, *, close: bool) -> tuple[dict, dict]:
@@ -145,7 +151,7 @@ class BodyLimits:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
             # Refused unread. The connection stays open: what the client still sends of
-            # the body is discarded unparsed (bounded by the header deadline), so a client
+            # the body is discarded unparsed (for at most the body timeout), so a client
             # that sends its whole body before reading still gets to read this answer.
             for message in _json_error(413, f"request body is {declared} bytes; this "
                                        f"server accepts at most {self.max_body_bytes}",

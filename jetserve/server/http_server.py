@@ -309,7 +309,7 @@ class HttpServer:
                          body_timeout_s=c.body_timeout_s)
         cfg = uvicorn.Config(app, log_level="warning", access_log=False,
                              lifespan="off", timeout_graceful_shutdown=c.drain_timeout_s,
-                             http=h11_protocol(c.header_timeout_s),
+                             http=h11_protocol(c.header_timeout_s, c.body_timeout_s),
                              timeout_keep_alive=c.keep_alive_timeout_s)
         self._server = _Uvicorn(cfg)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))

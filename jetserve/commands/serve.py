@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     p.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
-                   help="HTTP: seconds a connection has to send complete request headers "
-                        "(from connecting, or from its previous response; default %(default)s)")
+                   help="HTTP: seconds a client has to send complete request headers (from "
+                        "connecting, or from a keep-alive request's first byte; default "
+                        "%(default)s)")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
                    help="HTTP: seconds the request body may take after its headers (408; default %(default)s)")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,

@@ -23,7 +23,7 @@ class ServerConfig:
     model_name: str = "jetserve"  # the id /v1/models reports and requests must name
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight streams may take to finish
     # HTTP connection limits (jetserve.server.http_limits), seconds and bytes.
-    header_timeout_s: float = 10.0  # complete request headers, from connect or last response
+    header_timeout_s: float = 10.0  # request headers, from connecting or their first byte
     body_timeout_s: float = 30.0  # the whole body, from its headers
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed
     max_body_bytes: int = 16 * 2**20  # well above a 128k-token prompt as JSON

@@ -7,8 +7,9 @@ of any size is read into memory and parsed. Two pieces close those gaps:
 
 - `h11_protocol(header_timeout_s, body_timeout_s)`: uvicorn's h11 protocol with a
   header deadline. A connection must deliver complete request headers within
-  `header_timeout_s` of connecting, or of its previous response finishing (keep-alive);
-  otherwise it gets a 408 (when part of a request came) and is closed. When the server
+  `header_timeout_s` of connecting, or on a keep-alive connection of the first byte of
+  its next request (uvicorn's keep-alive timeout closes one that stays silent); otherwise
+  it gets a 408 (when part of a request came) and is closed. When the server
   answered before the body was in (a refusal), the rest of the body, which is discarded
   unparsed, must arrive within `body_timeout_s` of that answer.
 - `BodyLimits`: ASGI middleware in front of the application. A Content-Length over
@@ -45,9 +46,11 @@ _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain;
 class _HeaderDeadlineProtocol(H11Protocol):
     """H11Protocol that closes connections whose request headers do not come in time.
 
-    The deadline is armed when the connection is made and again whenever a response
-    completes; it is disarmed when uvicorn has parsed the next request's headers, which
-    it signals by starting a new request cycle (`self.cycle` changes).
+    The protocol waits for headers from the moment the connection is made and from each
+    response's end; the wait ends when uvicorn has parsed the next request's headers,
+    which it signals by starting a new request cycle (`self.cycle` changes). The clock
+    runs from the connection's start, and on a keep-alive connection from the first byte
+    of the next request: the silent time before that is the keep-alive timeout's to bound.
     """
 
     header_timeout_s: float = 10.0
@@ -55,44 +58,53 @@ class _HeaderDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
+        self._waiting = False  # for the headers of a request after `_waiting_cycle`
         self._waiting_cycle: Any = None
         self._bytes_since_armed = 0
         super().connection_made(transport)
-        self._arm_header_deadline()
+        self._wait_for_headers(self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        if self._waiting and self._header_timer is None:
+            self._arm(self.header_timeout_s)  # a keep-alive connection's next request began
         self._bytes_since_armed += len(data)
         super().data_received(data)
-        self._disarm_if_headers_came()
+        self._stop_if_headers_came()
 
     def on_response_complete(self) -> None:
-        self._arm_header_deadline()
+        # SEND_BODY: answered (refused) before the body was in. The client may finish
+        # sending it, to be discarded, within the body timeout.
+        refused_early = self.conn.their_state is h11.SEND_BODY
+        self._wait_for_headers(self.body_timeout_s if refused_early else None)
         super().on_response_complete()
-        self._disarm_if_headers_came()  # a pipelined request may have been parsed already
+        self._stop_if_headers_came()  # a pipelined request may have been parsed already
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_deadline()
+        self._disarm()
         super().connection_lost(exc)
 
-    def _arm_header_deadline(self) -> None:
-        self._disarm_header_deadline()
-        if self.transport is None or self.transport.is_closing():
+    def _wait_for_headers(self, timeout: float | None) -> None:
+        self._disarm()
+        self._waiting, self._waiting_cycle = True, self.cycle
+        if timeout is not None:
+            self._arm(timeout)
+
+    def _arm(self, timeout: float) -> None:
+        self._disarm()
+        if self.transport.is_closing():
             return
-        self._waiting_cycle = self.cycle
         self._bytes_since_armed = 0
-        # SEND_BODY here: answered before the body was in; the client may finish sending it.
-        timeout = (self.body_timeout_s if self.conn.their_state is h11.SEND_BODY
-                   else self.header_timeout_s)
         self._header_timer = self.loop.call_later(timeout, self._header_timeout)
 
-    def _disarm_header_deadline(self) -> None:
+    def _disarm(self) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
 
-    def _disarm_if_headers_came(self) -> None:
-        if self._header_timer is not None and self.cycle is not self._waiting_cycle:
-            self._disarm_header_deadline()
+    def _stop_if_headers_came(self) -> None:
+        if self._waiting and self.cycle is not self._waiting_cycle:
+            self._waiting = False
+            self._disarm()
 
     def _header_timeout(self) -> None:
         self._header_timer = None

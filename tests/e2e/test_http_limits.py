@@ -22,6 +22,7 @@ from tests.e2e.conftest import local_config
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 2.0
+KEEP_ALIVE = 4.0
 MAX_BODY = 2**20
 MAX_PROMPTS = 4
 MAX_SUB_REQUESTS = 8
@@ -31,6 +32,7 @@ BOUND = 30.0  # generous: the limits above are 1 and 2 s
 @pytest.fixture(scope="module")
 def limited(tiny_orch):
     config = local_config(header_timeout_s=HEADER_TIMEOUT, body_timeout_s=BODY_TIMEOUT,
+                          keep_alive_timeout_s=KEEP_ALIVE,
                           max_body_bytes=MAX_BODY, max_prompts_per_request=MAX_PROMPTS,
                           max_sub_requests=MAX_SUB_REQUESTS)
     with BackgroundServers(tiny_orch, config) as s:
@@ -143,6 +145,20 @@ def test_header_deadline_rearms_after_each_keep_alive_response(limited):
                 pass
             _, closed = _read_until_closed(s, 0.2)
     assert closed, "a keep-alive connection trickling its next request was kept open"
+
+
+def test_idle_keep_alive_connection_is_governed_by_the_keep_alive_timeout(limited):
+    assert limited.servers.http._server.config.timeout_keep_alive == KEEP_ALIVE
+    with _connect(limited.http_port) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert _read_response(s)[0] == 200
+        # Silent for twice the header timeout, well inside the keep-alive timeout: a
+        # header clock started at the response's end would have closed it.
+        time.sleep(2 * HEADER_TIMEOUT)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert _read_response(s)[0] == 200
+        data, closed = _read_until_closed(s)
+    assert closed and data == b""
 
 
 def test_idle_new_connection_is_closed(limited):

@@ -63,10 +63,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "may have queued; beyond it that client gets 429 / "
                         "RESOURCE_EXHAUSTED while others still get in, and clients are "
                         "served in turn (default: half of --max-queued-requests)")
+    _add_limit_arguments(p)
     add_scheduling_arguments(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling before listening (the first requests compile)")
     distributed.add_arguments(p)
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="HTTP: seconds a client has to send complete request headers (from "
+                        "connecting, or from a keep-alive request's first byte; default "
+                        "%(default)s)")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="HTTP: seconds the request body may take after its headers (408; default %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,
+                   help="HTTP: seconds an idle keep-alive connection stays open (default %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="HTTP: largest request body accepted (413 above it; default %(default)s)")
+    p.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help="most prompts in one /v1/completions request (default %(default)s)")
+    p.add_argument("--max-sub-requests", type=int, default=d.max_sub_requests,
+                   help="most sequences one request may start: prompts x n (HTTP), "
+                        "num_samples (gRPC); default %(default)s")
+
+
+def _limits(args: argparse.Namespace) -> dict:
+    return dict(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                keep_alive_timeout_s=args.keep_alive_timeout,
+                max_body_bytes=args.max_body_bytes,
+                max_prompts_per_request=args.max_prompts_per_request,
+                max_sub_requests=args.max_sub_requests)
 
 
 def _port(value: int, flag: str) -> int | None:
@@ -87,7 +115,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, grpc_port=_port(args.grpc_port, "--grpc-port"),
                         http_port=_port(args.http_port, "--http-port"), api_key=args.api_key,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, model_name=name,
-                        drain_timeout_s=args.drain_timeout)
+                        drain_timeout_s=args.drain_timeout, **_limits(args))
 
 
 def build_orchestrator(args: argparse.Namespace, devices=None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 
@@ -21,6 +22,14 @@ class ServerConfig:
     tls_key: str | None = None
     model_name: str = "jetserve"  # the id /v1/models reports and requests must name
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight streams may take to finish
+    # HTTP connection limits (jetserve.server.http_limits), seconds and bytes.
+    header_timeout_s: float = 10.0  # request headers, from connecting or their first byte
+    body_timeout_s: float = 30.0  # the whole body, from its headers
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed
+    max_body_bytes: int = 16 * 2**20  # well above a 128k-token prompt as JSON
+    # Per request, both protocols: prompts in one body, and prompts x n sub-requests.
+    max_prompts_per_request: int = 64
+    max_sub_requests: int = 64
 
     def __post_init__(self):
         for name in ("grpc_port", "http_port"):
@@ -42,3 +51,11 @@ class ServerConfig:
             raise ValueError("model_name is empty")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        for name in ("max_body_bytes", "max_prompts_per_request", "max_sub_requests"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

@@ -133,6 +133,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         v.check_prompt_length(lim, ids, field)
         max_tokens = v.check_max_tokens(lim, r.max_tokens, len(ids))
         n = v.check_samples(r.num_samples or 1, "num_samples")
+        v.check_sub_requests(lim, 1, n, n_field="num_samples")
         opt = lambda name, default: getattr(r, name) if r.HasField(name) else default
         sampling = v.sampling_params(
             temperature=opt("temperature", 0.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),

@@ -34,6 +34,7 @@ from jetserve.server import client_id
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.config import ServerConfig
+from jetserve.server.http_limits import BodyLimits, h11_protocol
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
 from jetserve.server.streams import Joined, merge, submit_all
 
@@ -317,9 +318,12 @@ class HttpServer:
         sock.listen(512)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        cfg = uvicorn.Config(self.api.app, log_level="warning", access_log=False,
+        app = BodyLimits(self.api.app, max_body_bytes=c.max_body_bytes,
+                         body_timeout_s=c.body_timeout_s)
+        cfg = uvicorn.Config(app, log_level="warning", access_log=False,
                              lifespan="off", timeout_graceful_shutdown=c.drain_timeout_s,
-                             timeout_keep_alive=5)
+                             http=h11_protocol(c.header_timeout_s, c.body_timeout_s),
+                             timeout_keep_alive=c.keep_alive_timeout_s)
         self._server = _Uvicorn(cfg)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -84,6 +84,7 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
     prompts: list[list[int]] = []
     texts: list[str | None] = []
     items = prompt_list(r.prompt)
+    v.check_sub_requests(limits, len(items), v.check_samples(1 if r.n is None else r.n))
     for k, p in enumerate(items):
         field = "prompt" if len(items) == 1 else f"prompt[{k}]"
         if isinstance(p, str):
@@ -123,6 +124,7 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
 def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
                  client: str = "") -> Prepared:
     check_model(r.model, served)
+    v.check_sub_requests(limits, 1, v.check_samples(1 if r.n is None else r.n))
     add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
     ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen)
     v.check_prompt_length(limits, ids, "messages")

@@ -28,7 +28,7 @@ class Servers:
     def __init__(self, orch: Any, config: ServerConfig, *, metrics: ServerMetrics | None = None):
         self.orch = orch
         self.config = config
-        self.limits = ModelLimits.from_orchestrator(orch)
+        self.limits = ModelLimits.from_orchestrator(orch, config)
         self.metrics = metrics if metrics is not None else ServerMetrics(orch)
         self.grpc = (GrpcServer(orch, self.limits, config)
                      if config.grpc_port is not None else None)

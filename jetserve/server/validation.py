@@ -53,9 +53,16 @@ class ModelLimits:
     eos_ids: tuple[int, ...]
     top_logprobs: int
     tokenizer: Any | None
+    # Server policy (ServerConfig): how much one request may ask for.
+    max_prompts_per_request: int = 64
+    max_sub_requests: int = 64  # prompts x n
 
     @classmethod
-    def from_orchestrator(cls, orch: Any) -> ModelLimits:
+    def from_orchestrator(cls, orch: Any, config: Any | None = None) -> ModelLimits:
+        """`config` (a ServerConfig) adds the server's per-request caps."""
+        caps = {} if config is None else dict(
+            max_prompts_per_request=config.max_prompts_per_request,
+            max_sub_requests=config.max_sub_requests)
         return cls(
             vocab_size=int(orch.vocab_size),
             max_prefill_length=int(getattr(orch, "max_prompt_length", orch.max_prefill_length)),
@@ -64,6 +71,7 @@ class ModelLimits:
             eos_ids=tuple(orch.eos_ids),
             top_logprobs=int(getattr(orch, "top_logprobs", 0) or 0),
             tokenizer=orch.tokenizer,
+            **caps,
         )
 
 
@@ -302,6 +310,20 @@ def check_samples(n: Any, field: str = "n") -> int:
         raise InvalidArgument(field, f"{field} must be an integer in [1, {MAX_SAMPLES}], "
                                      f"got {show(n)}")
     return int(n)
+
+
+def check_sub_requests(limits: ModelLimits, prompts: int, n: int, *,
+                       prompt_field: str = "prompt", n_field: str = "n") -> None:
+    """One request's prompts and prompts x n within the server's caps; called before
+    anything is tokenized, so an oversized request costs nothing."""
+    if prompts > limits.max_prompts_per_request:
+        raise InvalidArgument(prompt_field, f"{prompt_field} has {prompts} prompts; this "
+                              f"server accepts at most {limits.max_prompts_per_request} "
+                              "per request")
+    if prompts * n > limits.max_sub_requests:
+        made = f"{prompts} prompts x {n_field} {n}" if prompts > 1 else f"{n_field} {n}"
+        raise InvalidArgument(n_field, f"{made} make {prompts * n} sub-requests; this server "
+                              f"runs at most {limits.max_sub_requests} per request")
 
 
 def check_stop_token_ids(limits: ModelLimits, ids: Any,

@@ -25,6 +25,17 @@ def test_ports_keys_and_names(monkeypatch):
         serve.server_config(_args("--grpc-port", "70000"))
 
 
+def test_connection_limit_flags_reach_the_config():
+    d = serve.server_config(_args())
+    assert (d.header_timeout_s, d.body_timeout_s, d.keep_alive_timeout_s) == (10.0, 30.0, 5.0)
+    assert 50 * 2**20 > d.max_body_bytes >= 4 * 2**20  # refuses the 50 MB body; fits 128k tokens
+    c = serve.server_config(_args("--header-timeout", "2", "--body-timeout", "3",
+                                  "--keep-alive-timeout", "4", "--max-body-bytes", "1000",
+                                  "--max-prompts-per-request", "5", "--max-sub-requests", "6"))
+    assert (c.header_timeout_s, c.body_timeout_s, c.keep_alive_timeout_s, c.max_body_bytes,
+            c.max_prompts_per_request, c.max_sub_requests) == (2.0, 3.0, 4.0, 1000, 5, 6)
+
+
 @pytest.mark.parametrize("argv, layout", [
     ((), dict(interleaved=True, prefill_devices=None, generate_devices=None)),
     (("--prefill-devices", "2", "--generate-devices", "6"),
@@ -54,6 +65,12 @@ def test_half_a_disaggregated_layout_is_an_error():
     (dict(tls_cert="/nonexistent.pem"), "tls_cert"),
     (dict(tls_cert="/nonexistent.pem", tls_key="/nonexistent.key"), "tls_cert"),
     (dict(drain_timeout_s=-1.0), "drain_timeout_s"),
+    (dict(header_timeout_s=0), "header_timeout_s"),
+    (dict(body_timeout_s=float("inf")), "body_timeout_s"),
+    (dict(keep_alive_timeout_s=-1), "keep_alive_timeout_s"),
+    (dict(max_body_bytes=0), "max_body_bytes"),
+    (dict(max_prompts_per_request=1.5), "max_prompts_per_request"),
+    (dict(max_sub_requests=True), "max_sub_requests"),
 ])
 def test_server_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):

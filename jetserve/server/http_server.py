@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from jetserve.request import Overloaded
@@ -121,6 +122,8 @@ class OpenAIApp:
                                       kind="rate_limit_error")
             except ValueError as e:  # the orchestrator's own request checks
                 return error_response(400, str(e))
+            except ClientDisconnect:  # gone while sending its body: nobody to answer
+                raise  # http_limits.BodyLimits logs it as one quiet line
             except Exception:  # a bug: answer at once, and leave the traceback in the log
                 rid = f"req-{uuid.uuid4().hex}"
                 log.exception("HTTP request %s (%s %s) failed", rid, request.method,

@@ -28,6 +28,7 @@ from jetserve.commands.common import (
     refuse_prefix_cache_over_processes,
 )
 from jetserve.server.config import ServerConfig
+from jetserve.server.ports import check_free
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
     config = server_config(args)
     # Before anything touches a device: join the other processes, pick the devices.
     devices = distributed.setup(args)
+    if distributed.is_primary():  # it alone serves; a taken port ends it before the load
+        check_free(config.host, {"--grpc-port": config.grpc_port,
+                                 "--http-port": config.http_port})
     orch = build_orchestrator(args, devices)
     if not distributed.is_primary():
         print(f"jetserve serve: process {args.process_id} follows process 0's steps",

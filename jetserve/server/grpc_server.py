@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from jetserve.request import Delta, Overloaded, Request
 from jetserve.server import validation as v
 from jetserve.server.config import ServerConfig
+from jetserve.server.ports import unavailable
 from jetserve.server.streams import merge, submit_all
 from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
@@ -270,20 +271,27 @@ class GrpcServer:
     async def start(self) -> int:
         c = self.config
         interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
-        server = grpc.aio.server(interceptors=interceptors)
+        # grpc.so_reuseport 0: a port another server holds is an error, not shared with it.
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         add_servicer(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{c.host}:{c.grpc_port}"
+        credentials = None
         if c.tls_cert:
             with open(c.tls_key, "rb") as f:
                 key = f.read()
             with open(c.tls_cert, "rb") as f:
                 cert = f.read()
-            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            port = server.add_insecure_port(address)
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+        try:  # a port that cannot be bound: 0 from some grpc versions, RuntimeError from others
+            port = (server.add_secure_port(address, credentials) if credentials is not None
+                    else server.add_insecure_port(address))
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise unavailable("gRPC port", c.host, c.grpc_port)
         await server.start()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

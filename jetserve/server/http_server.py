@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +32,7 @@ from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.config import ServerConfig
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
+from jetserve.server.ports import listening_socket
 from jetserve.server.streams import Joined, merge, submit_all
 
 
@@ -297,12 +297,7 @@ class HttpServer:
 
     async def start(self) -> int:
         c = self.config
-        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((c.host, c.http_port))
-        sock.listen(512)
-        sock.setblocking(False)
+        sock = listening_socket(c.host, c.http_port, what="HTTP port")
         self.port = sock.getsockname()[1]
         cfg = uvicorn.Config(self.api.app, log_level="warning", access_log=False,
                              lifespan="off", timeout_graceful_shutdown=c.drain_timeout_s,

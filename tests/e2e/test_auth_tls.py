@@ -1,5 +1,7 @@
-"""API keys on both servers (missing / wrong rejected, right served) and gRPC over TLS."""
+"""API keys on both servers (missing / wrong rejected, right served), gRPC over TLS, and a
+second server on a taken port failing instead of sharing it."""
 
+import dataclasses
 import shutil
 import subprocess
 
@@ -79,6 +81,36 @@ def test_http_serves_the_right_key(keyed):
                                        messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("which", ["grpc", "http"])
+def test_a_second_server_on_a_taken_port_fails_naming_it(tiny_orch, keyed, which):
+    port = keyed.grpc_port if which == "grpc" else keyed.http_port
+    ports = dict(grpc_port=port, http_port=None) if which == "grpc" else dict(http_port=port,
+                                                                               grpc_port=None)
+    config = dataclasses.replace(local_config(api_key="impostor"), **ports)
+    impostor = BackgroundServers(tiny_orch, config)
+    try:
+        name = "gRPC" if which == "grpc" else "HTTP"
+        with pytest.raises(ValueError,  # PortUnavailable: the CLI's one line, exit 2
+                           match=f"^{name} port {port} on 127.0.0.1 is already in use$"):
+            impostor.start()
+    finally:
+        impostor.stop()
+    # Every new connection still reaches the first server: the impostor, which would
+    # refuse KEY, never listened (a shared port would hand it about half of them).
+    for _ in range(20):
+        if which == "grpc":
+            # A channel of its own: no connection shared with the other channels.
+            with grpc.insecure_channel(f"127.0.0.1:{port}",
+                                       options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+                pb_grpc.OrchestratorStub(ch).HealthCheck(
+                    pb.HealthCheckRequest(), metadata=(("x-api-key", KEY),), timeout=60)
+        else:
+            with httpx.Client(timeout=60) as client:  # a fresh connection each time
+                r = client.get(f"http://127.0.0.1:{port}/v1/models",
+                               headers={"Authorization": f"Bearer {KEY}"})
+                assert r.status_code == 200
 
 
 @pytest.fixture(scope="module")

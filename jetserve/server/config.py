@@ -16,7 +16,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     grpc_port: int | None = 9000
     http_port: int | None = 8000
-    api_key: str | None = None  # HTTP `Authorization: Bearer KEY`; gRPC metadata
+    api_key: str | None = None  # `Authorization: Bearer KEY` or `x-api-key: KEY`, both servers
     tls_cert: str | None = None  # PEM files; TLS for gRPC when both are given
     tls_key: str | None = None
     model_name: str = "jetserve"  # the id /v1/models reports and requests must name

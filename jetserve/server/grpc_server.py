@@ -14,7 +14,6 @@ the standard `grpc.health.v1.Health` service and server reflection.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -26,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jetserve.request import Delta, Overloaded, Request
 from jetserve.server import validation as v
+from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
 from jetserve.server.ports import unavailable
 from jetserve.server.streams import merge, submit_all
@@ -36,9 +36,6 @@ from protos import jetstream_pb2_grpc as pb_grpc
 SERVICE = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 Sample = pb.DecodeResponse.StreamContent.Sample
 
-# Metadata an API key may come in (lower-case, as gRPC delivers keys).
-_AUTH_HEADER = "authorization"
-_KEY_HEADER = "x-api-key"
 # Reachable without a key, so load balancers and orchestration probes can check liveness.
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -213,28 +210,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     with UNAUTHENTICATED; grpc.health.v1 stays open for probes."""
 
     def __init__(self, api_key: str):
-        self._key = api_key.encode()
-
-    def _allowed(self, metadata) -> bool:
-        for k, value in metadata or ():
-            key = k.lower()
-            if isinstance(value, bytes):
-                continue
-            if key == _AUTH_HEADER and value.startswith("Bearer "):
-                value = value[len("Bearer "):]
-            elif key != _KEY_HEADER:
-                continue
-            if hmac.compare_digest(value.strip().encode(), self._key):
-                return True
-        return False
+        self._key = ApiKey(api_key)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if (handler is None or details.method.startswith(_OPEN_PREFIXES)
-                or self._allowed(details.invocation_metadata)):
+                or self._key.accepts(details.invocation_metadata or ())):
             return handler
-        message = ("missing or wrong API key: send metadata 'authorization: Bearer KEY' "
-                   "or 'x-api-key: KEY'")
+        message = f"missing or wrong API key: {HOW_TO_SEND} as metadata"
 
         async def deny_unary(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). With an API key, /v1/* needs `Authorization: Bearer KEY`;
-/health and /metrics stay open for probes and scrapers.
+GET /metrics (Prometheus text). With an API key, /v1/* needs `Authorization: Bearer KEY`
+or `x-api-key: KEY`; /health and /metrics stay open for probes and scrapers.
 
 Concurrency: one asyncio loop (uvicorn's) serves every request. Handlers validate, submit
 to the orchestrator (never blocking: a full queue raises Overloaded -> 429) and await the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 import uuid
@@ -30,6 +29,7 @@ from starlette.responses import StreamingResponse
 from jetserve.request import Overloaded
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
+from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
 from jetserve.server.ports import listening_socket
@@ -91,7 +91,7 @@ class OpenAIApp:
         self.metrics = metrics
         self.live = True
         self.tt = fmt.TokenText(limits.tokenizer)
-        self._key = config.api_key.encode() if config.api_key else None
+        self._key = ApiKey(config.api_key) if config.api_key else None
         app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
@@ -121,15 +121,10 @@ class OpenAIApp:
         return route
 
     def _authorize(self, request: Request) -> None:
-        if self._key is None:
+        if self._key is None or self._key.accepts(request.headers.items()):
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
-            return
-        raise _HttpError(error_response(
-            401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-            kind="authentication_error"))
+        raise _HttpError(error_response(401, f"missing or wrong API key: {HOW_TO_SEND}",
+                                        kind="authentication_error"))
 
     async def _body(self, request: Request, model: type) -> Any:
         return validate(model, parse_body(await request.body()))

@@ -1,5 +1,5 @@
-"""API keys on both servers (missing / wrong rejected, right served), gRPC over TLS, and a
-second server on a taken port failing instead of sharing it."""
+"""API keys on both servers (missing / wrong rejected, right served in either header),
+gRPC over TLS, and a second server on a taken port failing instead of sharing it."""
 
 import dataclasses
 import shutil
@@ -47,7 +47,9 @@ def test_grpc_rejects_missing_or_wrong_key(keyed, metadata):
 
 
 @pytest.mark.parametrize("metadata", [(("authorization", f"Bearer {KEY}"),),
-                                      (("x-api-key", KEY),)], ids=["bearer", "x-api-key"])
+                                      (("authorization", f"bearer {KEY}"),),
+                                      (("x-api-key", KEY),)],
+                         ids=["bearer", "lower-case bearer", "x-api-key"])
 def test_grpc_serves_the_right_key(keyed, metadata):
     with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
         stub = pb_grpc.OrchestratorStub(ch)
@@ -61,7 +63,8 @@ def test_grpc_serves_the_right_key(keyed, metadata):
 def test_http_rejects_missing_or_wrong_key(keyed):
     base = f"http://127.0.0.1:{keyed.http_port}"
     body = {"model": TINY_MODEL, "prompt": "hi", "max_tokens": 2}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"x-api-key": "wrong"}, {"Authorization": "Basic " + KEY}):
         r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
@@ -81,6 +84,14 @@ def test_http_serves_the_right_key(keyed):
                                        messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("headers", [{"x-api-key": KEY}, {"Authorization": f"bearer {KEY}"},
+                                     {"Authorization": f"BEARER {KEY}"}],
+                         ids=["x-api-key", "lower-case bearer", "upper-case bearer"])
+def test_http_accepts_either_header(keyed, headers):
+    r = httpx.get(f"http://127.0.0.1:{keyed.http_port}/v1/models", headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == TINY_MODEL
 
 
 @pytest.mark.parametrize("which", ["grpc", "http"])

@@ -1,10 +1,30 @@
-"""Port checks that refuse a held port."""
+"""The API-key header parsing both servers share, and port checks that refuse a held port."""
 
 import socket
 
 import pytest
 
+from jetserve.server.auth import ApiKey
 from jetserve.server.ports import PortUnavailable, check_free, listening_socket
+
+
+@pytest.mark.parametrize("headers, ok", [
+    ([("authorization", "Bearer k3y")], True),
+    ([("Authorization", "bearer k3y")], True),
+    ([("authorization", "BEARER   k3y  ")], True),
+    ([("x-api-key", "k3y")], True),
+    ([("X-Api-Key", " k3y ")], True),
+    ([("x-api-key", "wrong"), ("authorization", "Bearer k3y")], True),
+    ([], False),
+    ([("authorization", "k3y")], False),  # no scheme
+    ([("authorization", "Basic k3y")], False),
+    ([("authorization", "Bearer k3y2")], False),
+    ([("x-api-key", "k3")], False),
+    ([("x-other", "k3y")], False),
+    ([("x-api-key-bin", b"k3y")], False),  # binary gRPC metadata
+])
+def test_api_key_headers(headers, ok):
+    assert ApiKey("k3y").accepts(headers) is ok
 
 
 def test_a_held_port_is_refused_naming_it():

@@ -38,3 +38,18 @@ class ApiKey:
             ok |= hmac.compare_digest(value.strip().encode(), self._key)
         return ok
 
+
+def read_api_key_file(path: str) -> str:
+    """The key in a file (its content, stripped): `--api-key-file`, which `ps` cannot show."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"--api-key-file {path!r}: cannot read it: {reason}") from None
+    if not key:
+        raise ValueError(f"--api-key-file {path!r} is empty")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"--api-key-file {path!r}: the key must be one line of printable "
+                         "ASCII (headers and gRPC metadata carry nothing else)")
+    return key

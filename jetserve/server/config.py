@@ -31,6 +31,10 @@ class ServerConfig:
             raise ValueError("grpc_port and http_port are both None: nothing to serve")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; omit it to serve without authentication")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
+            # Headers and gRPC metadata carry printable ASCII: another key could never match.
+            raise ValueError("api_key must be printable ASCII (no newlines or control "
+                             "characters)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together, got "
                              f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}")

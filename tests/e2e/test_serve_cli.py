@@ -1,6 +1,6 @@
 """`jetserve serve` as a process: prints where it listens, serves both protocols
 disaggregated, and on SIGTERM lets in-flight streams finish before it exits 0; a taken
-port ends it at once with one line."""
+port ends it at once with one line; --api-key-file keeps the key off its command line."""
 
 import os
 import re
@@ -110,6 +110,31 @@ def test_a_taken_port_exits_2_naming_it_before_the_model_loads(tmp_path, flag):
     assert r.returncode == 2, r.stderr
     assert r.stderr == f"jetserve serve: error: {flag} {port} on 127.0.0.1 is already in use\n"
     assert "listening" not in r.stdout
+
+
+def test_api_key_file_keeps_the_key_out_of_argv(tmp_path):
+    key = "file-key-7c1e"
+    path = tmp_path / "key"
+    path.write_text(f"  {key}\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JETSERVE_API_KEY="not-this-one")
+    proc = subprocess.Popen([sys.executable, "-m", "jetserve", "serve", "--model", "random:tiny",
+                             "--host", "127.0.0.1", "--grpc-port", "-1", "--http-port", "0",
+                             "--api-key-file", str(path), "--no-warmup",
+                             "--max-seq-len", "64", "--max-prefill-length", "32"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = wait_listening(proc, 1, timeout_s=300)["HTTP"]
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url, timeout=60).status_code == 401
+        assert httpx.get(url, headers={"x-api-key": "not-this-one"}, timeout=60).status_code == 401
+        assert httpx.get(url, headers={"x-api-key": key}, timeout=60).status_code == 200
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"},
+                         timeout=60).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # A port taken between serve's check and the servers binding: the same one line, exit 2, and

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "default: $JETSERVE_API_KEY")
     keys.add_argument("--api-key-file", default=None, metavar="PATH",
                       help="require the key this file holds (its content, stripped)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate: serve both gRPC and HTTP (HTTPS) over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients name (default: the model directory's name)")
@@ -151,7 +152,8 @@ async def _serve(orch, config: ServerConfig) -> None:
         print(f"jetserve serve: gRPC listening on {shown}:{servers.grpc_port} "
               f"({scheme}; jetstream_proto.Orchestrator/Decode)", flush=True)
     if servers.http_port is not None:
-        print(f"jetserve serve: HTTP listening on http://{shown}:{servers.http_port} "
+        url = f"{'https' if config.tls_cert else 'http'}://{shown}:{servers.http_port}"
+        print(f"jetserve serve: HTTP listening on {url} "
               f"(OpenAI-compatible /v1, /health, /metrics)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

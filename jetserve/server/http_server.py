@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus text). With an API key, /v1/* needs `Authorization: Bearer KEY`
-or `x-api-key: KEY`; /health and /metrics stay open for probes and scrapers.
+or `x-api-key: KEY`; /health and /metrics stay open for probes and scrapers. With
+`tls_cert`/`tls_key` it serves HTTPS only.
 
 Concurrency: one asyncio loop (uvicorn's) serves every request. Handlers validate, submit
 to the orchestrator (never blocking: a full queue raises Overloaded -> 429) and await the
@@ -296,7 +297,8 @@ class HttpServer:
         self.port = sock.getsockname()[1]
         cfg = uvicorn.Config(self.api.app, log_level="warning", access_log=False,
                              lifespan="off", timeout_graceful_shutdown=c.drain_timeout_s,
-                             timeout_keep_alive=5)
+                             timeout_keep_alive=5,
+                             ssl_certfile=c.tls_cert, ssl_keyfile=c.tls_key)
         self._server = _Uvicorn(cfg)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -7,10 +7,15 @@ import time
 _LISTENING = re.compile(r"(gRPC|HTTP) listening on (?:https?://)?127\.0\.0\.1:(\d+)")
 
 
-def wait_listening(proc: subprocess.Popen, count: int, timeout_s: float = 600) -> dict[str, int]:
+def wait_listening(proc: subprocess.Popen, count: int, timeout_s: float = 600,
+                   lines: list[str] | None = None) -> dict[str, int]:
     """{"gRPC" / "HTTP": port} once `count` servers said they listen; AssertionError with
-    what the process printed if it stopped or `timeout_s` passed first."""
-    lines, ports = [], {}
+    what the process printed if it stopped or `timeout_s` passed first.
+
+    The lines read so far are appended to `lines` when given.
+    """
+    lines = [] if lines is None else lines
+    ports = {}
     deadline = time.monotonic() + timeout_s
     while len(ports) < count and time.monotonic() < deadline:
         line = proc.stdout.readline()

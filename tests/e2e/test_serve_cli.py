@@ -1,11 +1,13 @@
 """`jetserve serve` as a process: prints where it listens, serves both protocols
 disaggregated, and on SIGTERM lets in-flight streams finish before it exits 0; a taken
-port ends it at once with one line; --api-key-file keeps the key off its command line."""
+port ends it at once with one line; --api-key-file keeps the key off its command line;
+--tls-cert serves both protocols over TLS."""
 
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import pytest
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 from tests.e2e.serve_process import wait_listening
+from tests.e2e.tls_cert import self_signed
 
 LONG = 240  # of max_seq_len 256: the streams outlast the SIGTERM by far
 
@@ -132,6 +135,28 @@ def test_api_key_file_keeps_the_key_out_of_argv(tmp_path):
         assert httpx.get(url, headers={"x-api-key": key}, timeout=60).status_code == 200
         assert httpx.get(url, headers={"Authorization": f"Bearer {key}"},
                          timeout=60).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_tls_serves_both_and_the_lines_say_so(tmp_path):
+    crt, key = self_signed(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "jetserve", "serve", "--model", "random:tiny",
+                             "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
+                             "--tls-cert", crt, "--tls-key", key, "--no-warmup",
+                             "--max-seq-len", "64", "--max-prefill-length", "32"],
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        ports = wait_listening(proc, 2, timeout_s=300, lines=lines)
+        text = "".join(lines)
+        assert f"gRPC listening on 127.0.0.1:{ports['gRPC']} (TLS;" in text
+        assert f"HTTP listening on https://127.0.0.1:{ports['HTTP']} " in text
+        r = httpx.get(f"https://localhost:{ports['HTTP']}/health", timeout=60,
+                      verify=ssl.create_default_context(cafile=crt))
+        assert r.json() == {"status": "ok"}
     finally:
         proc.kill()
         proc.wait()

@@ -83,3 +83,10 @@ def test_a_bad_api_key_file_is_an_error_naming_it(tmp_path, content, message):
     with pytest.raises(ValueError, match=message) as e:
         serve.server_config(_args("--api-key-file", str(path)))
     assert str(e.value).startswith(f"--api-key-file {str(path)!r}")
+
+
+def test_a_tls_pair_that_does_not_load_is_refused_naming_both(tmp_path):
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match=f"tls_cert {str(bad)!r} and tls_key {str(bad)!r}"):
+        ServerConfig(tls_cert=str(bad), tls_key=str(bad))

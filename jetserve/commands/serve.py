@@ -27,7 +27,9 @@ from jetserve.commands.common import (
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
 )
+from jetserve.server.auth import read_api_key_file
 from jetserve.server.config import ServerConfig
+from jetserve.server.ports import check_free
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,10 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="preset name or YAML path for the prefill slice (default: --sharding)")
     p.add_argument("--generate-sharding", default=None,
                    help="preset name or YAML path for the generate slice (default: --sharding)")
-    p.add_argument("--api-key", default=os.environ.get("JETSERVE_API_KEY"),
-                   help="require this key (HTTP 'Authorization: Bearer KEY', gRPC metadata); "
-                        "default: $JETSERVE_API_KEY")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None,
+                      help="require this key on both servers ('Authorization: Bearer KEY' or "
+                           "'x-api-key: KEY'); visible in ps, so prefer --api-key-file; "
+                           "default: $JETSERVE_API_KEY")
+    keys.add_argument("--api-key-file", default=None, metavar="PATH",
+                      help="require the key this file holds (its content, stripped)")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate: serve both gRPC and HTTP (HTTPS) over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients name (default: the model directory's name)")
@@ -113,9 +120,17 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         model = args.model or default_model()
         name = os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
     return ServerConfig(host=args.host, grpc_port=_port(args.grpc_port, "--grpc-port"),
-                        http_port=_port(args.http_port, "--http-port"), api_key=args.api_key,
+                        http_port=_port(args.http_port, "--http-port"), api_key=_api_key(args),
                         tls_cert=args.tls_cert, tls_key=args.tls_key, model_name=name,
                         drain_timeout_s=args.drain_timeout, **_limits(args))
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        return read_api_key_file(args.api_key_file)
+    if args.api_key is not None:
+        return args.api_key
+    return os.environ.get("JETSERVE_API_KEY")
 
 
 def build_orchestrator(args: argparse.Namespace, devices=None):
@@ -183,7 +198,8 @@ async def _serve(orch, config: ServerConfig) -> None:
         print(f"jetserve serve: gRPC listening on {shown}:{servers.grpc_port} "
               f"({scheme}; jetstream_proto.Orchestrator/Decode)", flush=True)
     if servers.http_port is not None:
-        print(f"jetserve serve: HTTP listening on http://{shown}:{servers.http_port} "
+        url = f"{'https' if config.tls_cert else 'http'}://{shown}:{servers.http_port}"
+        print(f"jetserve serve: HTTP listening on {url} "
               f"(OpenAI-compatible /v1, /health, /metrics)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -200,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
     config = server_config(args)
     # Before anything touches a device: join the other processes, pick the devices.
     devices = distributed.setup(args)
+    if distributed.is_primary():  # it alone serves; a taken port ends it before the load
+        check_free(config.host, {"--grpc-port": config.grpc_port,
+                                 "--http-port": config.http_port})
     orch = build_orchestrator(args, devices)
     if not distributed.is_primary():
         print(f"jetserve serve: process {args.process_id} follows process 0's steps",

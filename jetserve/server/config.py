@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import ssl
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,8 +18,8 @@ class ServerConfig:
     host: str = "0.0.0.0"
     grpc_port: int | None = 9000
     http_port: int | None = 8000
-    api_key: str | None = None  # HTTP `Authorization: Bearer KEY`; gRPC metadata
-    tls_cert: str | None = None  # PEM files; TLS for gRPC when both are given
+    api_key: str | None = None  # `Authorization: Bearer KEY` or `x-api-key: KEY`, both servers
+    tls_cert: str | None = None  # PEM files; TLS for both servers when both are given
     tls_key: str | None = None
     model_name: str = "jetserve"  # the id /v1/models reports and requests must name
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight streams may take to finish
@@ -40,6 +41,10 @@ class ServerConfig:
             raise ValueError("grpc_port and http_port are both None: nothing to serve")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; omit it to serve without authentication")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
+            # Headers and gRPC metadata carry printable ASCII: another key could never match.
+            raise ValueError("api_key must be printable ASCII (no newlines or control "
+                             "characters)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together, got "
                              f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}")
@@ -47,6 +52,8 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {path!r}")
+        if self.tls_cert is not None and self.tls_key is not None:
+            _check_tls_pair(self.tls_cert, self.tls_key)
         if not self.model_name:
             raise ValueError("model_name is empty")
         if not self.drain_timeout_s >= 0:
@@ -59,3 +66,16 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+def _check_tls_pair(cert: str, key: str) -> None:
+    """Loads the pair once, so a bad one is refused before a model loads, not after.
+
+    The empty password makes an encrypted key an error here; without it OpenSSL would
+    prompt on the terminal (neither server could decrypt it either).
+    """
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"tls_cert {cert!r} and tls_key {key!r} must be a PEM certificate "
+                         f"(chain) and its unencrypted private key: {e}") from None

@@ -14,7 +14,6 @@ the standard `grpc.health.v1.Health` service and server reflection.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -29,7 +28,9 @@ from grpc_reflection.v1alpha import reflection
 from jetserve.request import Delta, Overloaded, Request
 from jetserve.server import client_id
 from jetserve.server import validation as v
+from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
+from jetserve.server.ports import unavailable
 from jetserve.server.streams import merge, submit_all
 from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
@@ -40,9 +41,6 @@ log = logging.getLogger("jetserve.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 Sample = pb.DecodeResponse.StreamContent.Sample
 
-# Metadata an API key may come in (lower-case, as gRPC delivers keys).
-_AUTH_HEADER = "authorization"
-_KEY_HEADER = "x-api-key"
 # Reachable without a key, so load balancers and orchestration probes can check liveness.
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -238,28 +236,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     with UNAUTHENTICATED; grpc.health.v1 stays open for probes."""
 
     def __init__(self, api_key: str):
-        self._key = api_key.encode()
-
-    def _allowed(self, metadata) -> bool:
-        for k, value in metadata or ():
-            key = k.lower()
-            if isinstance(value, bytes):
-                continue
-            if key == _AUTH_HEADER and value.startswith("Bearer "):
-                value = value[len("Bearer "):]
-            elif key != _KEY_HEADER:
-                continue
-            if hmac.compare_digest(value.strip().encode(), self._key):
-                return True
-        return False
+        self._key = ApiKey(api_key)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if (handler is None or details.method.startswith(_OPEN_PREFIXES)
-                or self._allowed(details.invocation_metadata)):
+                or self._key.accepts(details.invocation_metadata or ())):
             return handler
-        message = ("missing or wrong API key: send metadata 'authorization: Bearer KEY' "
-                   "or 'x-api-key: KEY'")
+        message = f"missing or wrong API key: {HOW_TO_SEND} as metadata"
 
         async def deny_unary(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -296,20 +280,27 @@ class GrpcServer:
     async def start(self) -> int:
         c = self.config
         interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
-        server = grpc.aio.server(interceptors=interceptors)
+        # grpc.so_reuseport 0: a port another server holds is an error, not shared with it.
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         add_servicer(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{c.host}:{c.grpc_port}"
+        credentials = None
         if c.tls_cert:
             with open(c.tls_key, "rb") as f:
                 key = f.read()
             with open(c.tls_cert, "rb") as f:
                 cert = f.read()
-            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            port = server.add_insecure_port(address)
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+        try:  # a port that cannot be bound: 0 from some grpc versions, RuntimeError from others
+            port = (server.add_secure_port(address, credentials) if credentials is not None
+                    else server.add_insecure_port(address))
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise unavailable("gRPC port", c.host, c.grpc_port)
         await server.start()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). With an API key, /v1/* needs `Authorization: Bearer KEY`;
-/health and /metrics stay open for probes and scrapers.
+GET /metrics (Prometheus text). With an API key, /v1/* needs `Authorization: Bearer KEY`
+or `x-api-key: KEY`; /health and /metrics stay open for probes and scrapers. With
+`tls_cert`/`tls_key` it serves HTTPS only.
 
 Concurrency: one asyncio loop (uvicorn's) serves every request. Handlers validate, submit
 to the orchestrator (never blocking: a full queue raises Overloaded -> 429) and await the
@@ -15,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,9 +33,11 @@ from jetserve.request import Overloaded
 from jetserve.server import client_id
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
+from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
 from jetserve.server.http_limits import BodyLimits, h11_protocol
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
+from jetserve.server.ports import listening_socket
 from jetserve.server.streams import Joined, merge, submit_all
 
 log = logging.getLogger("jetserve.server")
@@ -97,7 +98,7 @@ class OpenAIApp:
         self.metrics = metrics
         self.live = True
         self.tt = fmt.TokenText(limits.tokenizer)
-        self._key = config.api_key.encode() if config.api_key else None
+        self._key = ApiKey(config.api_key) if config.api_key else None
         app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
@@ -136,15 +137,10 @@ class OpenAIApp:
         return route
 
     def _authorize(self, request: Request) -> None:
-        if self._key is None:
+        if self._key is None or self._key.accepts(request.headers.items()):
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
-            return
-        raise _HttpError(error_response(
-            401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-            kind="authentication_error"))
+        raise _HttpError(error_response(401, f"missing or wrong API key: {HOW_TO_SEND}",
+                                        kind="authentication_error"))
 
     async def _body(self, request: Request, model: type) -> Any:
         return validate(model, parse_body(await request.body()))
@@ -314,19 +310,15 @@ class HttpServer:
 
     async def start(self) -> int:
         c = self.config
-        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((c.host, c.http_port))
-        sock.listen(512)
-        sock.setblocking(False)
+        sock = listening_socket(c.host, c.http_port, what="HTTP port")
         self.port = sock.getsockname()[1]
         app = BodyLimits(self.api.app, max_body_bytes=c.max_body_bytes,
                          body_timeout_s=c.body_timeout_s)
         cfg = uvicorn.Config(app, log_level="warning", access_log=False,
                              lifespan="off", timeout_graceful_shutdown=c.drain_timeout_s,
                              http=h11_protocol(c.header_timeout_s, c.body_timeout_s),
-                             timeout_keep_alive=c.keep_alive_timeout_s)
+                             timeout_keep_alive=c.keep_alive_timeout_s,
+                             ssl_certfile=c.tls_cert, ssl_keyfile=c.tls_key)
         self._server = _Uvicorn(cfg)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -44,10 +44,16 @@ class Servers:
         return self.http.port if self.http else None
 
     async def start(self) -> None:
-        if self.grpc:
-            await self.grpc.start()
-        if self.http:
-            await self.http.start()
+        try:
+            if self.grpc:
+                await self.grpc.start()
+            if self.http:
+                await self.http.start()
+        except BaseException:
+            # One failed (a taken port): stop the other while its loop still runs, or grpc's
+            # finalizer meets a closed loop and prints a traceback after the error.
+            await self.stop()
+            raise
 
     async def stop(self) -> None:
         """Stops accepting; waits for in-flight requests (up to the drain timeout)."""

@@ -62,6 +62,7 @@ def test_half_a_disaggregated_layout_is_an_error():
     (dict(grpc_port=-5), "grpc_port"),
     (dict(grpc_port=None, http_port=None), "grpc_port"),
     (dict(api_key="  "), "api_key"),
+    (dict(api_key="k\ney"), "api_key"),
     (dict(tls_cert="/nonexistent.pem"), "tls_cert"),
     (dict(tls_cert="/nonexistent.pem", tls_key="/nonexistent.key"), "tls_cert"),
     (dict(drain_timeout_s=-1.0), "drain_timeout_s"),
@@ -75,3 +76,34 @@ def test_half_a_disaggregated_layout_is_an_error():
 def test_server_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**kw)
+
+
+def test_api_key_from_a_file_the_flag_or_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "key"
+    path.write_text("\n  from-file \n")
+    monkeypatch.setenv("JETSERVE_API_KEY", "from-env")
+    assert serve.server_config(_args("--api-key-file", str(path))).api_key == "from-file"
+    assert serve.server_config(_args("--api-key", "from-flag")).api_key == "from-flag"
+    assert serve.server_config(_args()).api_key == "from-env"
+    with pytest.raises(SystemExit):  # argparse: not allowed with argument --api-key
+        _args("--api-key", "k", "--api-key-file", str(path))
+
+
+@pytest.mark.parametrize("content, message", [
+    ("  \n", "is empty"), (None, "cannot read it: No such file or directory"),
+    ("a\nb", "one line of printable ASCII"), ("kéy", "one line of printable ASCII"),
+])
+def test_a_bad_api_key_file_is_an_error_naming_it(tmp_path, content, message):
+    path = tmp_path / "key"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as e:
+        serve.server_config(_args("--api-key-file", str(path)))
+    assert str(e.value).startswith(f"--api-key-file {str(path)!r}")
+
+
+def test_a_tls_pair_that_does_not_load_is_refused_naming_both(tmp_path):
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match=f"tls_cert {str(bad)!r} and tls_key {str(bad)!r}"):
+        ServerConfig(tls_cert=str(bad), tls_key=str(bad))

@@ -59,10 +59,18 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import PrefillWorker
-from jetserve.orchestrator.prefix_cache import ArrayStore, PageStore, PrefixCache
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
+from jetserve.orchestrator.wiring import (
+    build_prefix_cache,
+    check_engines,
+    direct_route,
+    least_loaded_route,
+    page_stats,
+    pending_for,
+    step_between,
+)
 from jetserve.request import Delta, Overloaded, Request
 
 
@@ -79,7 +87,7 @@ class Orchestrator:
     def __init__(self, *, prefill_engines: Sequence[Engine], generate_engines: Sequence[Engine],
                  prefill_params: Sequence[Any], generate_params: Sequence[Any],
                  config: OrchestratorConfig | None = None):
-        _check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
+        check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
         config = self._init_intake(prefill_engines, generate_engines, config)
         poll = config.poll_interval_s
         self._generate = [
@@ -94,7 +102,7 @@ class Orchestrator:
         self._prefill = [
             PrefillWorker(i, e, p, self._admission, self._outbox, self._listeners,
                           self._stopping, poll, resume=self._resume, chunk=config.prefill_chunk,
-                          cache=_prefix_cache(e, config, own.get(id(e))),
+                          cache=build_prefix_cache(e, config, own.get(id(e))),
                           cache_key=config.prefix_cache_key)
             for i, (e, p) in enumerate(zip(prefill_engines, prefill_params, strict=True))
         ]
@@ -153,12 +161,12 @@ class Orchestrator:
         for p in self._prefill:
             if id(p.engine) in own:
                 g = by_engine[id(p.engine)]
-                p.route = _direct_route(g, self._stopping, self.config.poll_interval_s)
-                g.prefill_pending = _pending_for(p, self._admission, self._resume)
+                p.route = direct_route(g, self._stopping, self.config.poll_interval_s)
+                g.prefill_pending = pending_for(p, self._admission, self._resume)
                 if self.config.prefill_chunk:
-                    p.between_chunks = _step_between(g)
+                    p.between_chunks = step_between(g)
             else:
-                p.route = _least_loaded_route(self._generate, transfers)
+                p.route = least_loaded_route(self._generate, transfers)
         return transfers
 
     @classmethod
@@ -400,7 +408,7 @@ class Orchestrator:
             "generate": [{"engine": g.index, "slots": g.slots.size,
                           "slots_in_use": g.slots.in_use, "backlog": len(g.backlog),
                           "steps": g.steps, "tokens": g.tokens, "drafted": g.drafted,
-                          "accepted": g.accepted, **_page_stats(g)}
+                          "accepted": g.accepted, **page_stats(g)}
                          for g in self._generate],
             "resume_queue": self._resume.qsize(),
             "prefix_cache": [{"engine": w.index, **w.cache.stats()} for w in self._prefill
@@ -459,78 +467,3 @@ class Orchestrator:
     @property
     def max_concurrent_decodes(self) -> int:
         return sum(e.max_concurrent_decodes for e in self.generate_engines)
-
-
-def _prefix_cache(engine: Engine, config: OrchestratorConfig,
-                  own: GenerateWorker | None) -> PrefixCache | None:
-    """A prefix cache for one prefill engine, when the config gives it a budget: in the
-    engine's own KV pages when it is a paged engine that also generates (own), else in
-    device arrays of its own."""
-    hbm, host = config.prefix_cache_hbm_bytes, config.prefix_cache_host_bytes
-    if not hbm and not host:
-        return None
-    if not hasattr(engine, "prefix_from_blocks"):
-        raise ValueError(f"a prefix cache needs an engine that continues prefixes; "
-                         f"{type(engine).__name__} does not")
-    if own is not None and own.pages is not None:
-        own.cache = PrefixCache(store=PageStore(engine, own.read_pages), hbm_bytes=hbm,
-                                host_bytes=host)
-        return own.cache
-    return PrefixCache(store=ArrayStore(engine, config.prefix_cache_block), hbm_bytes=hbm,
-                       host_bytes=host)
-
-
-def _page_stats(g: GenerateWorker) -> dict:
-    if g.pages is None:
-        return {}
-    return {"kv_pages": g.pages.pool.num_pages, "kv_pages_free": g.pages.free_count,
-            "preemptions": g.preemptions}
-
-
-def _check_engines(pe, ge, pp, gp) -> None:
-    if not pe or not ge:
-        raise ValueError("give at least one prefill engine and one generate engine")
-    if len(pe) != len(pp):
-        raise ValueError(f"prefill_params has {len(pp)} entries for {len(pe)} prefill engines")
-    if len(ge) != len(gp):
-        raise ValueError(f"generate_params has {len(gp)} entries for {len(ge)} generate engines")
-    if len({id(e) for e in ge}) != len(ge) or len({id(e) for e in pe}) != len(pe):
-        raise ValueError("an engine appears twice in one list; each engine runs one thread")
-    vocab = {e.vocab_size for e in list(pe) + list(ge)}
-    if len(vocab) != 1:
-        raise ValueError(f"engines disagree on vocab_size: {sorted(vocab)}")
-
-
-def _direct_route(g: GenerateWorker, stopping: threading.Event, poll_s: float):
-    def route(live, prefix) -> bool:
-        return g.backlog.put((live, prefix), stopping, poll_s)
-
-    return route
-
-
-def _least_loaded_route(generate: list[GenerateWorker], transfers: list[TransferWorker]):
-    def route(live, prefix) -> bool:
-        i = min(range(len(generate)), key=lambda k: generate[k].load())
-        return transfers[i].offer(live, prefix)
-
-    return route
-
-
-def _pending_for(p: PrefillWorker, admission: FairQueue,
-                 resume: queue.Queue) -> Callable[[], bool]:
-    # unfinished_tasks counts admitted requests until a prefill thread has handed them on
-    # (task_done), so there is no gap between taking one off the queue and prefilling it.
-    # A prefill waiting between its chunks is waiting for this very engine to step.
-    def pending() -> bool:
-        work = admission.unfinished_tasks > 0 or resume.qsize() > 0 or p.busy
-        return work and not p.waiting_between_chunks
-
-    return pending
-
-
-def _step_between(g: GenerateWorker) -> Callable[[], None]:
-    def between() -> None:
-        g.backlog.poke()  # it may be idling on the backlog, waiting for prefill
-        g.wait_for_step()
-
-    return between

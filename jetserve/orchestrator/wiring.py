@@ -1,0 +1,93 @@
+"""How the orchestrator's workers are wired to each other and to the engines: which
+generate worker a prefill hands its prefix to, when a prefill thread counts as having work,
+what an interleaved prefill does between its chunks, and the checks and prefix caches that
+`Orchestrator.__init__` builds."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from engines import Engine
+from jetserve.orchestrator.config import OrchestratorConfig
+from jetserve.orchestrator.fair_queue import FairQueue
+from jetserve.orchestrator.generate_worker import GenerateWorker
+from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.prefix_cache import ArrayStore, PageStore, PrefixCache
+from jetserve.orchestrator.transfer_worker import TransferWorker
+
+
+def build_prefix_cache(engine: Engine, config: OrchestratorConfig,
+                  own: GenerateWorker | None) -> PrefixCache | None:
+    """A prefix cache for one prefill engine, when the config gives it a budget: in the
+    engine's own KV pages when it is a paged engine that also generates (own), else in
+    device arrays of its own."""
+    hbm, host = config.prefix_cache_hbm_bytes, config.prefix_cache_host_bytes
+    if not hbm and not host:
+        return None
+    if not hasattr(engine, "prefix_from_blocks"):
+        raise ValueError(f"a prefix cache needs an engine that continues prefixes; "
+                         f"{type(engine).__name__} does not")
+    if own is not None and own.pages is not None:
+        own.cache = PrefixCache(store=PageStore(engine, own.read_pages), hbm_bytes=hbm,
+                                host_bytes=host)
+        return own.cache
+    return PrefixCache(store=ArrayStore(engine, config.prefix_cache_block), hbm_bytes=hbm,
+                       host_bytes=host)
+
+
+def page_stats(g: GenerateWorker) -> dict:
+    if g.pages is None:
+        return {}
+    return {"kv_pages": g.pages.pool.num_pages, "kv_pages_free": g.pages.free_count,
+            "preemptions": g.preemptions}
+
+
+def check_engines(pe, ge, pp, gp) -> None:
+    if not pe or not ge:
+        raise ValueError("give at least one prefill engine and one generate engine")
+    if len(pe) != len(pp):
+        raise ValueError(f"prefill_params has {len(pp)} entries for {len(pe)} prefill engines")
+    if len(ge) != len(gp):
+        raise ValueError(f"generate_params has {len(gp)} entries for {len(ge)} generate engines")
+    if len({id(e) for e in ge}) != len(ge) or len({id(e) for e in pe}) != len(pe):
+        raise ValueError("an engine appears twice in one list; each engine runs one thread")
+    vocab = {e.vocab_size for e in list(pe) + list(ge)}
+    if len(vocab) != 1:
+        raise ValueError(f"engines disagree on vocab_size: {sorted(vocab)}")
+
+
+def direct_route(g: GenerateWorker, stopping: threading.Event, poll_s: float):
+    def route(live, prefix) -> bool:
+        return g.backlog.put((live, prefix), stopping, poll_s)
+
+    return route
+
+
+def least_loaded_route(generate: list[GenerateWorker], transfers: list[TransferWorker]):
+    def route(live, prefix) -> bool:
+        i = min(range(len(generate)), key=lambda k: generate[k].load())
+        return transfers[i].offer(live, prefix)
+
+    return route
+
+
+def pending_for(p: PrefillWorker, admission: FairQueue,
+                 resume: queue.Queue) -> Callable[[], bool]:
+    # unfinished_tasks counts admitted requests until a prefill thread has handed them on
+    # (task_done), so there is no gap between taking one off the queue and prefilling it.
+    # A prefill waiting between its chunks is waiting for this very engine to step.
+    def pending() -> bool:
+        work = admission.unfinished_tasks > 0 or resume.qsize() > 0 or p.busy
+        return work and not p.waiting_between_chunks
+
+    return pending
+
+
+def step_between(g: GenerateWorker) -> Callable[[], None]:
+    def between() -> None:
+        g.backlog.poke()  # it may be idling on the backlog, waiting for prefill
+        g.wait_for_step()
+
+    return between

@@ -21,6 +21,10 @@ class ServerConfig:
     tls_key: str | None = None
     model_name: str = "jetserve"  # the id /v1/models reports and requests must name
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight streams may take to finish
+    # A stream whose client accepts nothing for this long (its socket send or gRPC write
+    # blocks) is cancelled and its connection closed, so a reader that stopped reading
+    # cannot hold a slot and its queued output.
+    write_timeout_s: float = 30.0
 
     def __post_init__(self):
         for name in ("grpc_port", "http_port"):
@@ -42,3 +46,5 @@ class ServerConfig:
             raise ValueError("model_name is empty")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+        if not self.write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be > 0 seconds, got {self.write_timeout_s!r}")

@@ -57,6 +57,10 @@ class StreamCut:
             wake()
 
 
+# How long after a drain cut a server's own hard stop comes: time for the cut streams to
+# send their last message.
+CUT_GRACE_S = 5.0
+
 # Deltas buffered per sample before its pump stops pulling from the request's stream: the
 # backlog stays in the request's handle (which keeps them anyway) rather than here.
 BUFFER = 64

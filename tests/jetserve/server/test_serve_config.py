@@ -58,3 +58,10 @@ def test_half_a_disaggregated_layout_is_an_error():
 def test_server_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**kw)
+
+
+def test_write_timeout_flag_and_its_check():
+    assert serve.server_config(_args()).write_timeout_s == 30.0
+    assert serve.server_config(_args("--write-timeout", "2.5")).write_timeout_s == 2.5
+    with pytest.raises(ValueError, match="write_timeout_s must be > 0"):
+        ServerConfig(write_timeout_s=0)

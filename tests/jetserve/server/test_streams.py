@@ -104,7 +104,7 @@ def test_ready_backlog_drains_in_order_and_lets_the_loop_run_between_batches():
     seen, ticks_at = asyncio.run(run())
     for i, h in enumerate(handles):
         assert seen[i] == h.deltas
-    stalls = sum(b <= a for a, b in zip(ticks_at, ticks_at[1:]))
+    stalls = sum(b <= a for a, b in zip(ticks_at, ticks_at[1:], strict=False))
     assert stalls == 0, f"{stalls} of {len(ticks_at)} batches came without the loop running"
 
 

@@ -279,3 +279,26 @@ def test_a_grpc_stream_cut_by_the_drain_timeout_ends_unavailable(paced_orch):
         servers.stop()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in e.value.details()
+
+
+def test_a_grpc_client_that_reads_nothing_loses_its_stream_after_the_write_timeout(paced_orch):
+    orch = paced_orch
+    with (BackgroundServers(orch, local_config(write_timeout_s=1.0)) as servers,
+          Finished(orch) as finished):
+        _stats_idle(orch)
+        # A small flow-control window, as a client that consumes nothing soon leaves.
+        options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+        with grpc.insecure_channel(f"127.0.0.1:{servers.grpc_port}", options=options) as ch:
+            call = pb_grpc.OrchestratorStub(ch).Decode(pb.DecodeRequest(
+                max_tokens=LONG, has_bos=True, ignore_eos=True, num_samples=SLOTS,
+                token_content=pb.DecodeRequest.TokenContent(token_ids=PROMPT)), timeout=120)
+            _wait_for(lambda: len(finished) == SLOTS, 60)  # reading nothing meanwhile
+            assert [e.finish_reason for e in finished] == ["cancelled"] * SLOTS
+            assert all(e.completion_tokens < LONG for e in finished)
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in call:
+                    pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "write timeout" in e.value.details()
+        stats = _stats_idle(orch)
+        assert stats["in_flight"] == 0, stats

@@ -218,7 +218,11 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout(paced_or
         assert all(e.completion_tokens < LONG for e in finished)
         stats = _stats_idle(orch)
         assert stats["in_flight"] == 0, stats
-        # ...and its connection: what was buffered, then EOF, the stream unfinished.
+        # ...and its connection, which the server drops with its unsent output (a close
+        # would wait for the client to read it) while the client still reads nothing.
+        uvicorn_state = servers.servers.http._server.server_state
+        assert _wait_for(lambda: not uvicorn_state.connections, 30)
+        # What was buffered in the kernel arrives, then EOF, the stream unfinished.
         try:
             raw = _read_to_eof(s, timeout=60)
         except ConnectionResetError:
@@ -238,14 +242,18 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_a_final_chunk_and_done(pace
     servers = BackgroundServers(orch, dataclasses.replace(local_config(), drain_timeout_s=1.0)).start()
     try:
         _stats_idle(orch)
-        s = _silent_client(servers.http_port, {"n": SLOTS, "max_tokens": LONG})
+        s = _silent_client(servers.http_port, {"n": SLOTS - 1, "max_tokens": LONG})
+        plain = ThreadPoolExecutor(1).submit(
+            httpx.post, f"http://127.0.0.1:{servers.http_port}/v1/completions", timeout=60,
+            json={"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True})
         end = time.monotonic() + 60
         while orch.stats()["in_flight"] < SLOTS and time.monotonic() < end:
             time.sleep(0.02)
-        pool = _stop_in_background(servers)  # drain: 1 s, and this stream is far from done
+        pool = _stop_in_background(servers)  # drain: 1 s, and these are far from done
         time.sleep(2.0)  # read nothing until the drain timeout has passed
         events = _sse_events(_read_to_eof(s))
         pool.shutdown(wait=True)
+        plain = plain.result()
     finally:
         servers.stop()
     assert events[-1] == "[DONE]"
@@ -256,7 +264,10 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_a_final_chunk_and_done(pace
         for c in json.loads(e)["choices"]:
             if c["finish_reason"] is not None:
                 finals[c["index"]] = c["finish_reason"]
-    assert finals == {i: "cancelled" for i in range(SLOTS)}, finals
+    assert finals == {i: "cancelled" for i in range(SLOTS - 1)}, finals
+    # A non-streaming request cut the same way is refused as the server going away.
+    assert plain.status_code == 503, plain.text
+    assert "shutting down" in plain.json()["error"]["message"]
 
 
 def test_a_grpc_stream_cut_by_the_drain_timeout_ends_unavailable(paced_orch):

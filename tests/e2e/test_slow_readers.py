@@ -108,8 +108,8 @@ def _sse_events(raw: bytes) -> list[str]:
 
 
 class HealthPoller:
-    """Asks HTTP /health and gRPC health every 100 ms on two threads; records the worst
-    wait and any probe that got no answer within ANSWER_BOUND_S."""
+    """Asks HTTP /health and gRPC health every 100 ms on two threads; counts the answers
+    and records any probe that got no answer within ANSWER_BOUND_S."""
 
     def __init__(self, servers):
         self.servers = servers

@@ -1,7 +1,8 @@
 """Serve a model over gRPC (JetStream-compatible) and HTTP (OpenAI-compatible).
 
 Runs the orchestrator on this host's devices, interleaved on one slice or disaggregated
-(prefill on N devices, generate on M others), and both servers on one asyncio loop.
+(prefill on N devices, generate on M others), and each server on its own asyncio loop
+and thread.
 SIGTERM or Ctrl-C: stop accepting, let in-flight streams finish (up to --drain-timeout
 seconds), stop the orchestrator, exit 0.
 
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model id clients name (default: the model directory's name)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a stream may wait on a client that reads nothing before "
+                        "it is cancelled and its connection closed")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="admission bound: beyond it, RESOURCE_EXHAUSTED / HTTP 429")
     p.add_argument("--max-queued-per-client", type=int, default=None, metavar="N",
@@ -122,7 +126,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, grpc_port=_port(args.grpc_port, "--grpc-port"),
                         http_port=_port(args.http_port, "--http-port"), api_key=_api_key(args),
                         tls_cert=args.tls_cert, tls_key=args.tls_key, model_name=name,
-                        drain_timeout_s=args.drain_timeout, **_limits(args))
+                        drain_timeout_s=args.drain_timeout, write_timeout_s=args.write_timeout, **_limits(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

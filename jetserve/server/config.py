@@ -31,6 +31,10 @@ class ServerConfig:
     # Per request, both protocols: prompts in one body, and prompts x n sub-requests.
     max_prompts_per_request: int = 64
     max_sub_requests: int = 64
+    # A stream whose client accepts nothing for this long (its socket send or gRPC write
+    # blocks) is cancelled and its connection closed, so a reader that stopped reading
+    # cannot hold a slot and its queued output.
+    write_timeout_s: float = 30.0
 
     def __post_init__(self):
         for name in ("grpc_port", "http_port"):
@@ -66,6 +70,8 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not self.write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be > 0 seconds, got {self.write_timeout_s!r}")
 
 
 def _check_tls_pair(cert: str, key: str) -> None:

@@ -13,11 +13,12 @@ the standard `grpc.health.v1.Health` service and server reflection.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -31,7 +32,7 @@ from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
 from jetserve.server.ports import unavailable
-from jetserve.server.streams import merge, submit_all
+from jetserve.server.streams import CUT_GRACE_S, ShuttingDown, StreamCut, merge, submit_all
 from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
@@ -55,22 +56,22 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     """
 
     def __init__(self, orch: Any, limits: v.ModelLimits, *,
-                 is_live: Callable[[], bool] = lambda: True):
+                 is_live: Callable[[], bool] = lambda: True, write_timeout: float = 30.0,
+                 cut: StreamCut | None = None):
         self.orch = orch
         self.limits = limits
         self.is_live = is_live
+        self.write_timeout = write_timeout
+        self.cut = cut if cut is not None else StreamCut()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
         return pb.HealthCheckResponse(is_live=self.is_live())
 
-    async def Decode(self, request: pb.DecodeRequest | Malformed,
-                     context) -> AsyncIterator[pb.DecodeResponse]:
-        """The stream of `_decode`; an unexpected exception in it (a bug) becomes
-        INTERNAL naming a call id, and a log line with the traceback under that id."""
+    async def Decode(self, request: pb.DecodeRequest | Malformed, context) -> None:
+        """Runs `_decode`; an unexpected exception in it (a bug) becomes INTERNAL naming a
+        call id, and a log line with the traceback under that id."""
         try:
-            async with contextlib.aclosing(self._decode(request, context)) as stream:
-                async for msg in stream:
-                    yield msg
+            await self._decode(request, context)
         except grpc.aio.AbortError:  # a status _decode chose; already sent
             raise
         except Exception:
@@ -80,8 +81,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                                 f"internal error while handling request {call_id}; "
                                 "the server log has the details")
 
-    async def _decode(self, request: pb.DecodeRequest | Malformed,
-                      context) -> AsyncIterator[pb.DecodeResponse]:
+    async def _decode(self, request: pb.DecodeRequest | Malformed, context) -> None:
+        # context.write rather than yield: a write that flow control holds (the client
+        # reads nothing) is bounded by the write timeout; a yielded message is not.
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
@@ -96,14 +98,26 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         except ValueError as e:  # the orchestrator's own checks; they name the field too
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         n = len(handles)
-        async with contextlib.aclosing(merge(handles)) as batches:
-            async for batch in batches:
-                for i, d in batch:
-                    if d.finish_reason == "error":
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"sample {i} failed: {d.error or 'internal error'}")
-                for msg in _messages(batch, n):
-                    yield msg
+        try:
+            async with contextlib.aclosing(merge(handles, cut=self.cut)) as batches:
+                async for batch in batches:
+                    for i, d in batch:
+                        if d.finish_reason == "error":
+                            await context.abort(grpc.StatusCode.INTERNAL, f"sample {i} failed: "
+                                                f"{d.error or 'internal error'}")
+                    for msg in _messages(batch, n):
+                        async with asyncio.timeout(self.write_timeout):
+                            await context.write(msg)
+        except ShuttingDown:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "server shutting down: the drain timeout ended this stream")
+        except TimeoutError:
+            log.warning("ending the Decode stream of %s: it read nothing for %g s (write "
+                        "timeout); its requests are cancelled", context.peer(),
+                        self.write_timeout)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the client read nothing for {self.write_timeout:g} s "
+                                "(write timeout); the request was cancelled")
 
     def build_requests(self, r: pb.DecodeRequest, time_remaining: float | None,
                        client: str = "") -> list[Request]:
@@ -272,7 +286,9 @@ class GrpcServer:
     def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig):
         self.config = config
         self.live = True
-        self.servicer = OrchestratorServicer(orch, limits, is_live=lambda: self.live)
+        self.cut = StreamCut()  # fired when a drain runs out of time (stop)
+        self.servicer = OrchestratorServicer(orch, limits, is_live=lambda: self.live,
+                                             write_timeout=config.write_timeout_s, cut=self.cut)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -308,8 +324,15 @@ class GrpcServer:
         return port
 
     async def stop(self, grace: float | None) -> None:
-        """Refuses new calls at once; in-flight streams get `grace` seconds to finish."""
+        """Refuses new calls at once; in-flight streams get `grace` seconds to finish, then
+        end with UNAVAILABLE."""
         self.live = False
-        await self.health.enter_graceful_shutdown()
-        if self.server is not None:
-            await self.server.stop(grace)
+        # At `grace` our streams end with a status; gRPC's own cancel, CUT_GRACE_S later, is
+        # for those whose status cannot go out.
+        cut = asyncio.get_running_loop().call_later(grace or 0.0, self.cut.fire)
+        try:
+            await self.health.enter_graceful_shutdown()
+            if self.server is not None:
+                await self.server.stop(None if grace is None else grace + CUT_GRACE_S)
+        finally:
+            cut.cancel()

@@ -27,7 +27,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
 
 from jetserve.request import Overloaded
 from jetserve.server import client_id
@@ -38,7 +37,15 @@ from jetserve.server.config import ServerConfig
 from jetserve.server.http_limits import BodyLimits, h11_protocol
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
 from jetserve.server.ports import listening_socket
-from jetserve.server.streams import Joined, merge, submit_all
+from jetserve.server.sse import CarryTransport, EventStream
+from jetserve.server.streams import (
+    CUT_GRACE_S,
+    Joined,
+    ShuttingDown,
+    StreamCut,
+    merge,
+    submit_all,
+)
 
 log = logging.getLogger("jetserve.server")
 
@@ -61,30 +68,18 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events that stop, and close their source, when the client leaves."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        producer = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            done, _ = await asyncio.wait({producer, watcher},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if producer in done:
-                exc = producer.exception()
-                if exc is not None and not isinstance(exc, OSError):
-                    raise exc
-        finally:
-            producer.cancel()
-            watcher.cancel()
-            await asyncio.gather(producer, watcher, return_exceptions=True)
-            await self.body_iterator.aclose()  # runs the source's finally: requests cancelled
-
-
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+_SHUTTING_DOWN = "server shutting down: the drain timeout ended this request; retry elsewhere"
+# After a drain cut's final chunks: why the stream ended (then usage, if asked, and [DONE]).
+_SHUTDOWN_EVENT = _sse({"error": {"message": _SHUTTING_DOWN, "type": "server_error",
+                                  "code": "shutting_down"}})
+
+
+def _unfinished(totals: list[Joined]) -> list[int]:
+    return [i for i, j in enumerate(totals) if j.finish_reason is None]
 
 
 class OpenAIApp:
@@ -99,6 +94,7 @@ class OpenAIApp:
         self.live = True
         self.tt = fmt.TokenText(limits.tokenizer)
         self._key = ApiKey(config.api_key) if config.api_key else None
+        self.cut = StreamCut()  # fired when a drain runs out of time (HttpServer.stop)
         app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
@@ -150,7 +146,7 @@ class OpenAIApp:
         out = [Joined() for _ in handles]
 
         async def collect():
-            async with contextlib.aclosing(merge(handles)) as batches:
+            async with contextlib.aclosing(merge(handles, cut=self.cut)) as batches:
                 async for batch in batches:
                     for i, d in batch:
                         out[i].add(d)
@@ -166,6 +162,8 @@ class OpenAIApp:
             await asyncio.gather(work, gone, return_exceptions=True)
         if work.cancelled():
             raise _HttpError(error_response(499, "client closed the request"))
+        if isinstance(work.exception(), ShuttingDown):
+            raise _HttpError(error_response(503, _SHUTTING_DOWN, kind="server_error"))
         work.result()
         for j in out:
             if j.finish_reason == "error":
@@ -175,6 +173,9 @@ class OpenAIApp:
 
     def _submit(self, prep: fmt.Prepared) -> list[Any]:
         return submit_all(self.orch, prep.requests)
+
+    def _events(self, events: AsyncIterator[str]) -> EventStream:
+        return EventStream(events, write_timeout=self.config.write_timeout_s)
 
     # ---- routes ------------------------------------------------------------------------
 
@@ -204,13 +205,13 @@ class OpenAIApp:
         if not prep.run:  # max_tokens 0 and nothing to score: echo (or nothing) at once
             joined = [Joined(finish_reason="length") for _ in range(prep.choices)]
             if prep.stream:
-                return EventStream(self._completion_events(prep, head, None, joined))
+                return self._events(self._completion_events(prep, head, None, joined))
             return JSONResponse({**head, "choices": [
                 fmt.completion_choice(prep, self.tt, i, j) for i, j in enumerate(joined)],
                 "usage": fmt.usage(prep, joined)})
         handles = self._submit(prep)
         if prep.stream:
-            return EventStream(self._completion_events(prep, head, handles, None))
+            return self._events(self._completion_events(prep, head, handles, None))
         joined = await self._joined(request, handles)
         return JSONResponse({**head, "choices": [
             fmt.completion_choice(prep, self.tt, i, j) for i, j in enumerate(joined)],
@@ -233,17 +234,23 @@ class OpenAIApp:
             for i, j in enumerate(done or ()):
                 yield chunk(i, j)
         else:
-            async with contextlib.aclosing(merge(handles)) as batches:
-                async for batch in batches:
-                    for i, d in batch:
-                        part = Joined()
-                        part.add(d)
-                        totals[i].add(d)
-                        if d.finish_reason == "error":
-                            yield _sse({"error": {"message": f"generation failed: {d.error}",
-                                                  "type": "server_error"}})
-                            return
-                        yield chunk(i, part)
+            try:
+                async with contextlib.aclosing(merge(handles, cut=self.cut)) as batches:
+                    async for batch in batches:
+                        for i, d in batch:
+                            part = Joined()
+                            part.add(d)
+                            totals[i].add(d)
+                            if d.finish_reason == "error":
+                                yield _sse({"error": {"message": f"generation failed: {d.error}",
+                                                      "type": "server_error"}})
+                                return
+                            yield chunk(i, part)
+            except ShuttingDown:
+                for i in _unfinished(totals):
+                    totals[i].finish_reason = "cancelled"
+                    yield chunk(i, Joined(finish_reason="cancelled"))
+                yield _SHUTDOWN_EVENT
         if prep.include_usage:
             yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
         yield "data: [DONE]\n\n"
@@ -256,7 +263,7 @@ class OpenAIApp:
         head = {"id": rid, "created": created, "model": self.config.model_name}
         handles = self._submit(prep)
         if prep.stream:
-            return EventStream(self._chat_events(prep, head, handles))
+            return self._events(self._chat_events(prep, head, handles))
         joined = await self._joined(request, handles)
         return JSONResponse({**head, "object": "chat.completion", "choices": [
             fmt.chat_choice(prep, self.tt, i, j) for i, j in enumerate(joined)],
@@ -270,21 +277,28 @@ class OpenAIApp:
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
-        async with contextlib.aclosing(merge(handles)) as batches:
-            async for batch in batches:
-                for i, d in batch:
-                    if d.finish_reason == "error":
-                        yield _sse({"error": {"message": f"generation failed: {d.error}",
-                                              "type": "server_error"}})
-                        return
-                    totals[i].add(d)
-                    logprobs = (fmt.chat_logprobs(self.tt, d.token_ids, d.logprobs,
-                                                  d.top_logprobs)
-                                if prep.logprobs is not None else None)
-                    delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                    yield _sse({**head, "choices": [{"index": i, "delta": delta,
-                                                     "logprobs": logprobs,
-                                                     "finish_reason": d.finish_reason}]})
+        try:
+            async with contextlib.aclosing(merge(handles, cut=self.cut)) as batches:
+                async for batch in batches:
+                    for i, d in batch:
+                        if d.finish_reason == "error":
+                            yield _sse({"error": {"message": f"generation failed: {d.error}",
+                                                  "type": "server_error"}})
+                            return
+                        totals[i].add(d)
+                        logprobs = (fmt.chat_logprobs(self.tt, d.token_ids, d.logprobs,
+                                                      d.top_logprobs)
+                                    if prep.logprobs is not None else None)
+                        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                        yield _sse({**head, "choices": [{"index": i, "delta": delta,
+                                                         "logprobs": logprobs,
+                                                         "finish_reason": d.finish_reason}]})
+        except ShuttingDown:
+            for i in _unfinished(totals):
+                totals[i].finish_reason = "cancelled"
+                yield _sse({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                 "finish_reason": "cancelled"}]})
+            yield _SHUTDOWN_EVENT
         if prep.include_usage:
             yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
         yield "data: [DONE]\n\n"
@@ -312,10 +326,11 @@ class HttpServer:
         c = self.config
         sock = listening_socket(c.host, c.http_port, what="HTTP port")
         self.port = sock.getsockname()[1]
-        app = BodyLimits(self.api.app, max_body_bytes=c.max_body_bytes,
-                         body_timeout_s=c.body_timeout_s)
+        app = CarryTransport(BodyLimits(self.api.app, max_body_bytes=c.max_body_bytes,
+                                        body_timeout_s=c.body_timeout_s))
         cfg = uvicorn.Config(app, log_level="warning", access_log=False,
-                             lifespan="off", timeout_graceful_shutdown=c.drain_timeout_s,
+                             lifespan="off",
+                             timeout_graceful_shutdown=c.drain_timeout_s + CUT_GRACE_S,
                              http=h11_protocol(c.header_timeout_s, c.body_timeout_s),
                              timeout_keep_alive=c.keep_alive_timeout_s,
                              ssl_certfile=c.tls_cert, ssl_keyfile=c.tls_key)
@@ -331,6 +346,13 @@ class HttpServer:
     async def stop(self) -> None:
         """Stops accepting connections; in-flight responses finish (up to the drain timeout)."""
         self.api.live = False
+        # At the drain timeout our streams end themselves (final chunk, [DONE]); uvicorn's
+        # own cut, CUT_GRACE_S later, is for those that cannot even send that.
+        cut = asyncio.get_running_loop().call_later(self.config.drain_timeout_s,
+                                                    self.api.cut.fire)
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
-            await self._task
+            try:
+                await self._task
+            finally:
+                cut.cancel()

@@ -1,12 +1,19 @@
-"""Both servers over one orchestrator, on one asyncio loop; start, drain, stop.
+"""Both servers over one orchestrator, each on its own asyncio loop and thread; start,
+drain, stop.
 
-Concurrency: `Servers` lives on one asyncio loop (the main thread's in `jetserve serve`,
-a background thread's in tests, see `BackgroundServers`). The orchestrator runs its own
-threads; the servers only call its non-blocking `submit` and await its async streams.
+Concurrency: the gRPC server and the HTTP server each run on their own asyncio loop, in
+their own thread (`_LoopThread`), so neither can starve the other: a stream that keeps
+one loop busy leaves the other's health checks answering. `Servers` is driven from a
+third loop (the main thread's in `jetserve serve`, a background thread's in tests, see
+`BackgroundServers`) and only hands coroutines to the two server loops. The orchestrator
+runs its own threads; the servers only call its non-blocking `submit` and await its
+async streams, which wake whichever loop reads them.
 
 Draining (SIGTERM): both servers stop accepting at once (gRPC refuses new calls, the HTTP
 socket closes, health turns NOT_SERVING / 503), in-flight streams run to the end (bounded
-by `ServerConfig.drain_timeout_s`), then the caller stops the orchestrator.
+by `ServerConfig.drain_timeout_s`; a stream still going then is cut the way its protocol
+ends one: a final SSE chunk and `[DONE]`, a gRPC UNAVAILABLE status), then the caller
+stops the orchestrator.
 """
 
 from __future__ import annotations
@@ -22,18 +29,52 @@ from jetserve.server.metrics import ServerMetrics
 from jetserve.server.validation import ModelLimits
 
 
+class _LoopThread:
+    """An asyncio loop running forever on a daemon thread of its own."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coro) -> Any:
+        """Runs `coro` on this loop and waits for it (from another thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def acall(self, coro) -> Any:
+        """Runs `coro` on this loop and awaits it (from another loop)."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+async def _build(make: Any) -> Any:
+    return make()  # on the server's loop: grpc.aio binds to the loop it is created on
+
+
 class Servers:
-    """The gRPC and HTTP servers of one orchestrator."""
+    """The gRPC and HTTP servers of one orchestrator, each on its own loop thread."""
 
     def __init__(self, orch: Any, config: ServerConfig, *, metrics: ServerMetrics | None = None):
         self.orch = orch
         self.config = config
         self.limits = ModelLimits.from_orchestrator(orch, config)
         self.metrics = metrics if metrics is not None else ServerMetrics(orch)
-        self.grpc = (GrpcServer(orch, self.limits, config)
-                     if config.grpc_port is not None else None)
-        self.http = (HttpServer(orch, self.limits, config, self.metrics)
-                     if config.http_port is not None else None)
+        self.grpc: GrpcServer | None = None
+        self.http: HttpServer | None = None
+        self._loops: dict[str, _LoopThread] = {}
+        if config.grpc_port is not None:
+            self._loops["grpc"] = t = _LoopThread("jetserve-grpc")
+            self.grpc = t.call(_build(lambda: GrpcServer(orch, self.limits, config)))
+        if config.http_port is not None:
+            self._loops["http"] = t = _LoopThread("jetserve-http")
+            self.http = t.call(_build(lambda: HttpServer(orch, self.limits, config,
+                                                         self.metrics)))
 
     @property
     def grpc_port(self) -> int | None:
@@ -46,23 +87,32 @@ class Servers:
     async def start(self) -> None:
         try:
             if self.grpc:
-                await self.grpc.start()
+                await self._loops["grpc"].acall(self.grpc.start())
             if self.http:
-                await self.http.start()
+                await self._loops["http"].acall(self.http.start())
         except BaseException:
             # One failed (a taken port): stop the other while its loop still runs, or grpc's
             # finalizer meets a closed loop and prints a traceback after the error.
-            await self.stop()
+            await self.stop()  # closes the loop threads too
             raise
 
     async def stop(self) -> None:
         """Stops accepting; waits for in-flight requests (up to the drain timeout)."""
         tasks = []
         if self.grpc:
-            tasks.append(self.grpc.stop(grace=self.config.drain_timeout_s))
+            tasks.append(self._loops["grpc"].acall(
+                self.grpc.stop(grace=self.config.drain_timeout_s)))
         if self.http:
-            tasks.append(self.http.stop())
-        await asyncio.gather(*tasks)
+            tasks.append(self._loops["http"].acall(self.http.stop()))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Ends the server loops' threads (after stop, or after a failed start)."""
+        for t in self._loops.values():
+            t.close()
 
 
 class BackgroundServers:
@@ -74,18 +124,11 @@ class BackgroundServers:
     """
 
     def __init__(self, orch: Any, config: ServerConfig, **kw: Any):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="jetserve-servers",
-                                        daemon=True)
-        self._thread.start()
-        self.servers: Servers = self._call(self._make(orch, config, kw))
-
-    @staticmethod
-    async def _make(orch, config, kw) -> Servers:
-        return Servers(orch, config, **kw)  # built on the loop: grpc.aio binds to it
+        self._control = _LoopThread("jetserve-servers")
+        self.servers: Servers = self._control.call(_build(lambda: Servers(orch, config, **kw)))
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._control.call(coro)
 
     def start(self) -> BackgroundServers:
         self._call(self.servers.start())
@@ -100,14 +143,12 @@ class BackgroundServers:
         return self.servers.http_port
 
     def stop(self) -> None:
-        if self._loop.is_closed():
+        if self._control.loop.is_closed():
             return
         try:
             self._call(self.servers.stop())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._control.close()
 
     def __enter__(self) -> BackgroundServers:
         return self.start()

@@ -1,11 +1,13 @@
 """Submitting a request's samples and merging their delta streams, for both servers.
 
-Concurrency: everything here runs on the server's asyncio loop. `merge` starts one task
-per RequestHandle that copies its async delta stream into one asyncio.Queue; the caller
-reads batches of deltas that are ready together (one per sample at most), so a server
-sends one message per generate step rather than one per sample. Leaving the loop early (a
-client that cancels or disconnects, an error) cancels every unfinished request, which
-frees its slot within one generate step.
+Concurrency: everything here runs on one server's asyncio loop. `merge` starts one task
+per RequestHandle that copies its async delta stream into that sample's bounded deque;
+the caller reads batches of deltas that are ready together (one per sample at most), so a
+server sends one message per generate step rather than one per sample. A batch costs
+O(samples ready) and merge suspends after each one, so a backlog drains in linear time
+without holding the loop. Leaving the loop early (a client that cancels or disconnects,
+an error, a drain cut) cancels every unfinished request, which frees its slot within one
+generate step.
 """
 
 from __future__ import annotations
@@ -36,50 +38,125 @@ def submit_all(orch: Any, requests: Sequence[Request]) -> list[Any]:
     return handles
 
 
-async def _pump(index: int, handle: Any, queue: asyncio.Queue) -> None:
-    try:
-        async for delta in handle.stream():
-            await queue.put((index, delta))
-    except Exception as e:  # delivered to the reader, which decides what to tell the client
-        await queue.put((index, e))
-    else:
-        await queue.put((index, None))
+class ShuttingDown(Exception):
+    """The server's drain timeout ran out while the stream was still going."""
 
 
-async def merge(handles: Sequence[Any]) -> AsyncIterator[list[tuple[int, Delta]]]:
+class StreamCut:
+    """Fired once when a draining server stops waiting for its streams (one per loop).
+
+    Every merge that was given it raises ShuttingDown at its next batch, so each server
+    can end its streams the way its protocol says (a final SSE chunk and [DONE]; a gRPC
+    status) instead of having the connection cut under it.
+    """
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._wakers: set[Any] = set()
+
+    def fire(self) -> None:
+        self.fired = True
+        for wake in list(self._wakers):
+            wake()
+
+
+# How long after a drain cut a server's own hard stop comes: time for the cut streams to
+# send their last message.
+CUT_GRACE_S = 5.0
+
+# Deltas buffered per sample before its pump stops pulling from the request's stream: the
+# backlog stays in the request's handle (which keeps them anyway) rather than here.
+BUFFER = 64
+
+
+class _Merger:
+    """Per-sample deques plus the set of samples with something ready.
+
+    Each batch costs O(samples ready), never a rescan of what is buffered, so draining a
+    backlog of N deltas is O(N).
+    """
+
+    def __init__(self, n: int, cut: StreamCut | None):
+        self.buffers: list[collections.deque] = [collections.deque() for _ in range(n)]
+        self.room = [asyncio.Event() for _ in range(n)]
+        for e in self.room:
+            e.set()
+        self.ready: dict[int, None] = {}  # insertion-ordered set: arrival order of samples
+        self.wake = asyncio.Event()
+        self.cut = cut
+
+    def put(self, i: int, item: Any) -> None:
+        buf = self.buffers[i]
+        buf.append(item)
+        self.ready[i] = None
+        self.wake.set()
+        if len(buf) >= BUFFER:
+            self.room[i].clear()
+
+    async def pump(self, i: int, handle: Any) -> None:
+        try:
+            async for delta in handle.stream():
+                self.put(i, delta)
+                if not self.room[i].is_set():
+                    await self.room[i].wait()
+        except Exception as e:  # delivered to the reader, which decides what to tell the client
+            self.put(i, e)
+        else:
+            self.put(i, None)
+
+    def take(self) -> list[tuple[int, Any]]:
+        """One item of every sample that has one, in the order they became ready."""
+        out = []
+        for i in list(self.ready):
+            buf = self.buffers[i]
+            out.append((i, buf.popleft()))
+            if not buf:
+                del self.ready[i]
+            if len(buf) < BUFFER:
+                self.room[i].set()
+        return out
+
+    async def wait(self) -> None:
+        while not self.ready:
+            if self.cut is not None and self.cut.fired:
+                return
+            self.wake.clear()
+            await self.wake.wait()
+
+
+async def merge(handles: Sequence[Any], *,
+                cut: StreamCut | None = None) -> AsyncIterator[list[tuple[int, Delta]]]:
     """Yields lists of (sample index, Delta) that arrived together, each index once.
 
-    Raises the first exception a stream raised. Cancels unfinished requests on exit.
+    Raises the first exception a stream raised, and ShuttingDown once `cut` fires. Cancels
+    unfinished requests on exit. Suspends after every batch, even when more is ready, so
+    a backlog (or a reader whose sends never block, e.g. its socket is gone) cannot hold
+    the event loop.
     """
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.ensure_future(_pump(i, h, queue)) for i, h in enumerate(handles)]
+    m = _Merger(len(handles), cut)
+    if cut is not None:
+        cut._wakers.add(m.wake.set)
+    tasks = [asyncio.ensure_future(m.pump(i, h)) for i, h in enumerate(handles)]
     live = set(range(len(handles)))
-    # Arrived, not yet delivered, in arrival order. A second item of an index already in
-    # this batch (a delta, its end marker, an error) waits for the next batch.
-    pending: collections.deque = collections.deque()
     try:
         while live:
-            if not pending:
-                pending.append(await queue.get())
-            while not queue.empty():
-                pending.append(queue.get_nowait())
+            await m.wait()
+            if cut is not None and cut.fired:
+                raise ShuttingDown("server shutting down")
             batch: list[tuple[int, Delta]] = []
-            later: collections.deque = collections.deque()
-            taken: set[int] = set()  # indices with an item in this batch or deferred
-            for i, d in pending:
-                if i in taken:
-                    later.append((i, d))
-                elif isinstance(d, Exception):
+            for i, d in m.take():
+                if isinstance(d, Exception):
                     raise d
-                elif d is None:
+                if d is None:
                     live.discard(i)
                 else:
                     batch.append((i, d))
-                    taken.add(i)
-            pending = later
             if batch:
                 yield batch
+            await asyncio.sleep(0)
     finally:
+        if cut is not None:
+            cut._wakers.discard(m.wake.set)
         for i in live:
             handles[i].cancel()
         for t in tasks:

@@ -107,3 +107,10 @@ def test_a_tls_pair_that_does_not_load_is_refused_naming_both(tmp_path):
     bad.write_text("not a certificate\n")
     with pytest.raises(ValueError, match=f"tls_cert {str(bad)!r} and tls_key {str(bad)!r}"):
         ServerConfig(tls_cert=str(bad), tls_key=str(bad))
+
+
+def test_write_timeout_flag_and_its_check():
+    assert serve.server_config(_args()).write_timeout_s == 30.0
+    assert serve.server_config(_args("--write-timeout", "2.5")).write_timeout_s == 2.5
+    with pytest.raises(ValueError, match="write_timeout_s must be > 0"):
+        ServerConfig(write_timeout_s=0)

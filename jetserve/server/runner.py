@@ -68,6 +68,7 @@ class Servers:
         self.grpc: GrpcServer | None = None
         self.http: HttpServer | None = None
         self._loops: dict[str, _LoopThread] = {}
+        self._closed = False
         if config.grpc_port is not None:
             self._loops["grpc"] = t = _LoopThread("jetserve-grpc")
             self.grpc = t.call(_build(lambda: GrpcServer(orch, self.limits, config)))
@@ -97,7 +98,10 @@ class Servers:
             raise
 
     async def stop(self) -> None:
-        """Stops accepting; waits for in-flight requests (up to the drain timeout)."""
+        """Stops accepting; waits for in-flight requests (up to the drain timeout). Once
+        stopped (or after a failed start, which stops), a no-op."""
+        if self._closed:
+            return
         tasks = []
         if self.grpc:
             tasks.append(self._loops["grpc"].acall(
@@ -111,6 +115,7 @@ class Servers:
 
     def close(self) -> None:
         """Ends the server loops' threads (after stop, or after a failed start)."""
+        self._closed = True
         for t in self._loops.values():
             t.close()
 

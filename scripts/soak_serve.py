@@ -3,7 +3,8 @@
 Starts `jetserve serve` (the bundled model by default) on 127.0.0.1 as a subprocess, then,
 all at once:
 
-- `--requests` requests at `--concurrency`, mixed protocols (gRPC Decode streams, HTTP
+- `--requests` requests at `--concurrency` (a refused one retried after 1 s, as its
+  Retry-After says, up to 3 times), mixed protocols (gRPC Decode streams, HTTP
   completions streamed and not, HTTP chat streamed), random prompts and lengths; about
   `--cancel-frac` of them leave mid-stream (the stream is closed after a few messages, or a
   non-streaming request's client times out);
@@ -44,6 +45,10 @@ from protos import jetstream_pb2_grpc as pb_grpc
 PROMPTS = ["import os\n\ndef read_file(path):\n    ", "class Stack:\n    def __init__(self):",
            "def add(a, b):\n    ", "for i in range(10):\n    ", '"""Utilities for ',
            "    return self._", "if __name__ == '__main__':\n    ", "try:\n    import "]
+
+
+HTTP_CLIENTS = 8  # source addresses 127.0.0.2 ... 127.0.0.9
+RETRIES = 3  # an overloaded request is retried this often before it counts as refused
 
 
 def free_port() -> int:
@@ -155,6 +160,18 @@ async def one(kind, stub, client, rng, cancel, timeout) -> str:
         return f"error {type(e).__name__}"
 
 
+async def with_retries(kind, stub, client, rng, cancel, timeout, tally: Tally) -> str:
+    """As a real client does: an overloaded answer is retried after the server's
+    Retry-After (1 s), up to RETRIES times; each refusal is counted."""
+    for _ in range(RETRIES):
+        outcome = await one(kind, stub, client, rng, cancel, timeout)
+        if outcome != "overloaded":
+            return outcome
+        tally.add("refused_then_retried")
+        await asyncio.sleep(1.0)
+    return await one(kind, stub, client, rng, cancel, timeout)
+
+
 async def slow_reader(port: int, stop: asyncio.Event, tally: Tally) -> None:
     body = json.dumps({"model": "jetserve", "prompt": PROMPTS[0], "n": 16, "max_tokens": 1000,
                        "stream": True, "ignore_eos": True}).encode()
@@ -198,27 +215,32 @@ async def slowloris(port: int, stop: asyncio.Event, tally: Tally) -> None:
             s.close()
 
 
-async def prober(http_port: int, grpc_port: int, stop: asyncio.Event, lat: dict) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+async def http_prober(http_port: int, stop: asyncio.Event, lat: list[float]) -> None:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as c:
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
-        hs = health_pb2_grpc.HealthStub(ch)
         while not stop.is_set():
             t = time.perf_counter()
             try:
                 await c.get("/health", timeout=60)
-                lat["http"].append(time.perf_counter() - t)
+                lat.append(time.perf_counter() - t)
             except httpx.HTTPError:
-                lat["http"].append(float("inf"))
-            t = time.perf_counter()
-            try:
-                await hs.Check(health_pb2.HealthCheckRequest(), timeout=60)
-                lat["grpc"].append(time.perf_counter() - t)
-            except grpc.aio.AioRpcError:
-                lat["grpc"].append(float("inf"))
+                lat.append(float("inf"))
             await asyncio.sleep(0.1)
-        await ch.close()
+
+
+async def grpc_prober(grpc_port: int, stop: asyncio.Event, lat: list[float]) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    hs = health_pb2_grpc.HealthStub(ch)
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            await hs.Check(health_pb2.HealthCheckRequest(), timeout=60)
+            lat.append(time.perf_counter() - t)
+        except grpc.aio.AioRpcError:
+            lat.append(float("inf"))
+        await asyncio.sleep(0.1)
+    await ch.close()
 
 
 async def drive(n: int, concurrency: int, cancel_frac: float, http_port: int, grpc_port: int,
@@ -226,21 +248,30 @@ async def drive(n: int, concurrency: int, cancel_frac: float, http_port: int, gr
     kinds = ["grpc", "http_stream", "http_plain", "http_chat"]
     limits = httpx.Limits(max_connections=concurrency + 10, max_keepalive_connections=concurrency)
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", limits=limits,
-                                 timeout=None) as client:
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
-        stub = pb_grpc.OrchestratorStub(ch)
+    # HTTP clients come from several loopback addresses, so the server sees several
+    # clients (its fair share is per peer address); gRPC comes from 127.0.0.1.
+    clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", limits=limits,
+                                 timeout=None,
+                                 transport=httpx.AsyncHTTPTransport(
+                                     local_address=f"127.0.0.{2 + k}", limits=limits))
+               for k in range(HTTP_CLIENTS)]
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+    stub = pb_grpc.OrchestratorStub(ch)
 
-        async def task(i):
-            async with sem:
-                r = random.Random(seed * 1_000_003 + i)
-                tally.add(await one(r.choice(kinds), stub, client, r,
-                                    r.random() < cancel_frac, timeout))
+    async def task(i):
+        async with sem:
+            r = random.Random(seed * 1_000_003 + i)
+            tally.add(await with_retries(r.choice(kinds), stub, clients[i % HTTP_CLIENTS], r,
+                                         r.random() < cancel_frac, timeout, tally))
 
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    try:
         await asyncio.gather(*(task(i) for i in range(n)))
+    finally:
         elapsed = time.perf_counter() - t0
         await ch.close()
+        for c in clients:
+            await c.aclose()
     return elapsed
 
 
@@ -273,7 +304,8 @@ async def soak(args, http_port: int, grpc_port: int, pid: int) -> dict:
             for _ in range(args.slow_readers)]
     side += [asyncio.ensure_future(slowloris(http_port, stop, tally))
              for _ in range(args.slowloris)]
-    side.append(asyncio.ensure_future(prober(http_port, grpc_port, stop, lat)))
+    side.append(asyncio.ensure_future(http_prober(http_port, stop, lat["http"])))
+    side.append(asyncio.ensure_future(grpc_prober(grpc_port, stop, lat["grpc"])))
     elapsed = await drive(args.requests, args.concurrency, args.cancel_frac, http_port, grpc_port,
                           seed=args.seed, timeout=args.request_timeout, tally=tally)
     stop.set()

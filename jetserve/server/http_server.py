@@ -48,6 +48,8 @@ from jetserve.server.streams import (
 )
 
 log = logging.getLogger("jetserve.server")
+# What a 429 tells a client to wait, in seconds: about how long a slot takes to turn over.
+RETRY_AFTER_S = "1"
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -115,8 +117,10 @@ class OpenAIApp:
             except v.InvalidArgument as e:
                 return error_response(400, str(e), param=e.field)
             except Overloaded as e:
-                return error_response(429, f"server overloaded, retry later: {e}",
-                                      kind="rate_limit_error")
+                refused = error_response(429, f"server overloaded, retry later: {e}",
+                                         kind="rate_limit_error")
+                refused.headers["Retry-After"] = RETRY_AFTER_S
+                return refused
             except ValueError as e:  # the orchestrator's own request checks
                 return error_response(400, str(e))
             except ClientDisconnect:  # gone while sending its body: nobody to answer

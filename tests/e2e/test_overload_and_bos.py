@@ -93,6 +93,8 @@ def test_http_overload_is_429_and_others_are_served(mock_servers):
     def one(_):
         r = httpx.post(url, json={"prompt": [5], "max_tokens": LONG, "temperature": 0},
                        timeout=120)
+        if r.status_code == 429:  # tells the client when to come back
+            assert r.headers["retry-after"] == "1"
         return r.status_code, r.json()
 
     with ThreadPoolExecutor(12) as pool:

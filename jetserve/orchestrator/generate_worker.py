@@ -70,15 +70,26 @@ class Backlog:
             self._cond.notify_all()
             return True
 
-    def peek(self) -> tuple[LiveRequest, Any] | None:
-        with self._cond:
-            return self._items[0] if self._items else None
-
-    def pop(self) -> tuple[LiveRequest, Any] | None:
+    def peek(self, rank: Callable[[LiveRequest], int] | None = None
+             ) -> tuple[LiveRequest, Any] | None:
+        """The next to insert: the first with the lowest rank (arrival order without one)."""
         with self._cond:
             if not self._items:
                 return None
-            item = self._items.popleft()
+            if rank is None:
+                return self._items[0]
+            return min(self._items, key=lambda item: rank(item[0]))  # first of the lowest
+
+    def pop(self, item: tuple[LiveRequest, Any] | None = None
+            ) -> tuple[LiveRequest, Any] | None:
+        """Removes `item` (by default the oldest) and returns it."""
+        with self._cond:
+            if not self._items:
+                return None
+            if item is None or item is self._items[0]:
+                item = self._items.popleft()
+            else:
+                self._items.remove(item)
             self._cond.notify_all()
             return item
 
@@ -189,11 +200,16 @@ class GenerateWorker:
                     self._end(live, live.abandoned(now) or "cancelled")
 
     def _fill(self) -> None:
+        # A free slot goes to the waiting request whose client holds the fewest slots (the
+        # oldest among those): a client whose many requests filled the backlog does not
+        # keep another client's request out of the slots they free.
+        held = collections.Counter(live.request.client for _, live in self.slots.rows())
         while self.slots.has_free:
-            item = self.backlog.peek()
+            item = self.backlog.peek(lambda live: held[live.request.client])
             if item is None or not self._pages_for(*item):
                 return
-            self.backlog.pop()
+            self.backlog.pop(item)
+            held[item[0].request.client] += 1
             live, prefix = item
             hit, live.cache_hit = live.cache_hit, None
             try:

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from engines import MockEngine
-from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Overloaded, Request, driver
+from jetserve.orchestrator import (
+    Orchestrator,
+    OrchestratorConfig,
+    Overloaded,
+    Request,
+    driver,
+    generate_worker,
+)
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.lockstep import LockStepOrchestrator
 from jetserve.server.streams import submit_all
@@ -30,6 +37,10 @@ class RecordingEngine(MockEngine):
     def prefill(self, params, tokens, true_length, **kw):
         self.events.append(("prefill", int(np.asarray(tokens).reshape(-1)[0])))
         return super().prefill(params, tokens, true_length, **kw)
+
+    def insert(self, prefix, decode_state, slot, **kw):
+        self.events.append(("insert", int(np.asarray(prefix.token))))
+        return super().insert(prefix, decode_state, slot, **kw)
 
 
 def recording_queue(events: list, fifo: bool = False) -> type[FairQueue]:
@@ -163,3 +174,61 @@ def test_a_group_with_an_id_in_flight_or_twice_goes_in_not_at_all():
             orch.submit_many([Request(prompt_ids=[1], request_id=i, client="A") for i in ids])
     assert orch.stats()["in_flight"] == 1 and orch.stats()["admission_queue"] == 1
     orch.stop(drain=False)
+
+
+def a_inserts_ahead_of_b(mode, backlog_fifo: bool, monkeypatch) -> tuple[int, int]:
+    """Client A's 24 long requests fill 2 slots and a backlog of 6 prefilled ones; then
+    client B asks for 2 tokens. Returns (A's requests waiting in the backlog when B's
+    prefill was done, A's inserts after that and before B's own)."""
+    events: list = []
+    if backlog_fifo:  # slots handed out in arrival order, as before
+        monkeypatch.setattr(generate_worker.Backlog, "peek",
+                            lambda self, rank=None: self._items[0] if self._items else None)
+    devs = jax.devices()
+    kw = dict(max_concurrent_decodes=SLOTS, max_seq_len=512, step_delay_s=0.005)
+    config = OrchestratorConfig(backlog_size=6)
+    if mode == "interleaved":
+        e = RecordingEngine(events, devices=devs[:1], **kw)
+        orch, gen = Orchestrator.from_engines(e, config=config), e
+    else:
+        pe = MockEngine(devices=devs[:1], **kw)
+        gen = RecordingEngine(events, devices=devs[4:5], **kw)
+        orch = Orchestrator(prefill_engines=[pe], generate_engines=[gen],
+                            prefill_params=[pe.load_params()],
+                            generate_params=[gen.load_params()], config=config)
+    with orch:
+        a = orch.submit_many([Request(prompt_ids=[10 + i], max_tokens=40, ignore_eos=True,
+                                      client="A") for i in range(A_PROMPTS)])
+        wait_until(lambda: orch.stats()["generate"][0]["backlog"] >= 6, timeout=60)
+        b = orch.submit(Request(prompt_ids=[B_PROMPT], max_tokens=2, client="B"))
+        wait_until(lambda: b.timing.first_token is not None, timeout=60)
+        waiting = orch.stats()["generate"][0]["backlog"]
+        mark = len(events)
+        assert b.result(60).token_ids == expected([B_PROMPT], 2)
+        for h in a:
+            h.cancel()
+    later = events[mark:]
+    served = later.index(("insert", B_PROMPT))
+    return waiting, sum(kind == "insert" for kind, _ in later[:served])
+
+
+# B's prefix reaches the full backlog once a slot frees; slots that free before it is in
+# (at most the 2 slots) go to A's. Disaggregated, it first waits in the transfer queue
+# (first come, first served, OrchestratorConfig.transfer_queue_size of them) too.
+SLOTS = 2
+AHEAD_AT_MOST = {"interleaved": SLOTS,
+                 "disaggregated": SLOTS + OrchestratorConfig().transfer_queue_size}
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "disaggregated"])
+def test_a_free_slot_goes_to_the_client_holding_fewest(mode, monkeypatch):
+    waiting, ahead = a_inserts_ahead_of_b(mode, False, monkeypatch)
+    assert waiting >= 5  # B's prefix waits behind a backlog of A's
+    # The first slot to free once B's prefix is in the backlog is B's.
+    assert ahead <= AHEAD_AT_MOST[mode], f"{ahead} of A's waiting requests went before B"
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "disaggregated"])
+def test_the_slot_order_check_catches_a_fifo_backlog(mode, monkeypatch):
+    waiting, ahead = a_inserts_ahead_of_b(mode, True, monkeypatch)
+    assert ahead > AHEAD_AT_MOST[mode] and ahead >= waiting - 1 >= 4

@@ -2,6 +2,7 @@
 
 from engines.config import ModelConfig, from_hf_config, load_hf_config
 from engines.engine_api import Engine, HostResults, ResultTokens, prefill_buckets
+from engines.factory import create_engine
 from engines.kv_cache import DecodeState, Prefix
 from engines.mock_engine import MockEngine
 from engines.sampling import SamplingParams
@@ -9,6 +10,6 @@ from engines.transformer_engine import EngineConfig, TransformerEngine
 
 __all__ = [
     "DecodeState", "Engine", "EngineConfig", "HostResults", "MockEngine", "ModelConfig",
-    "Prefix", "ResultTokens", "SamplingParams", "TransformerEngine", "from_hf_config",
-    "load_hf_config", "prefill_buckets",
+    "Prefix", "ResultTokens", "SamplingParams", "TransformerEngine", "create_engine",
+    "from_hf_config", "load_hf_config", "prefill_buckets",
 ]

@@ -13,13 +13,12 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint, cpu_kernels, quantization
+from engines import cpu_kernels, param_loading, quantization
 from engines.config import ModelConfig
 from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
 from engines.kv_cache import (
@@ -126,16 +125,6 @@ def resolve_dtype(name: str, devices: Sequence[jax.Device]) -> Any:
     return jnp.dtype(name)
 
 
-class _ShapeOnlyKV:
-    """KV store for tracing shapes at init: attend over the new tokens only."""
-
-    def __init__(self, k_pos):
-        self.k_pos = k_pos
-
-    def update(self, layer, k, v):
-        return k, v, self.k_pos
-
-
 # ---- pure device functions (jitted by the engine) ---------------------------------------
 
 
@@ -240,15 +229,12 @@ class TransformerEngine(Engine):
       seed: RNG seed for random weights (a random draft model's too).
       draft_config, draft_weights: the draft model of speculative "draft:PATH:K" (its
         config, and its weights as `weights`), replicated on the same devices.
+
+    Build engines with `engines.create_engine`, which picks this class or the paged one
+    (engines/paged_engine.py) for `config.kv_layout`.
     """
 
-    def __new__(cls, *args, config: EngineConfig | None = None, **kwargs):
-        # kv_layout="paged" selects the paged subclass (engines/paged_engine.py).
-        if cls is TransformerEngine and config is not None and config.kv_layout == "paged":
-            from engines.paged_engine import PagedTransformerEngine
-
-            cls = PagedTransformerEngine
-        return super().__new__(cls)
+    KV_LAYOUT = "contiguous"  # the EngineConfig.kv_layout this class implements
 
     def __init__(
         self,
@@ -264,6 +250,11 @@ class TransformerEngine(Engine):
         draft_weights: str | None = None,
     ):
         self.config = config or EngineConfig()
+        if self.config.kv_layout != self.KV_LAYOUT:
+            raise ValueError(f"{type(self).__name__} keeps its KV {self.KV_LAYOUT}, but "
+                             f"config.kv_layout is {self.config.kv_layout!r}: build the "
+                             f"engine with engines.create_engine, which picks the class "
+                             f"for the layout")
         self.model_config = model_config = quantization.with_weight_quant(
             model_config, self.config.quantize, self.config.quant_group_size)
         self.weights = weights
@@ -280,8 +271,9 @@ class TransformerEngine(Engine):
             model_config, cpu_matmul_rows=cpu_kernels.max_rows(
                 self._mesh, self.dtype, model_config.weight_quant))
         self.model = Decoder(model_config, dtype=self.dtype)
-        self._logical = self._param_logical_axes()
-        self.param_shardings = self._param_shardings()
+        self.abstract_params, self._logical = param_loading.trace_params(self.model)
+        self.param_shardings = param_loading.param_shardings(
+            self.sharding, self._mesh, self._logical, self.abstract_params)
         self._draft = self._draft_engine(draft_config, draft_weights, devices)
         self._draft_params = None
         self._build_jits()
@@ -315,32 +307,8 @@ class TransformerEngine(Engine):
 
     # ---- shardings ---------------------------------------------------------------------
 
-    def _param_logical_axes(self) -> dict:
-        T = 1
-        tok = jnp.zeros((1, T), jnp.int32)
-        pos = jnp.zeros((1, T), jnp.int32)
-        boxed = jax.eval_shape(
-            lambda: self.model.init(jax.random.key(0), tok, pos, _ShapeOnlyKV(pos))
-        )["params"]
-        self.abstract_params = nn.meta.unbox(boxed)
-        return nn.get_partition_spec(boxed)
-
     def _named(self, names, shape, tensor: str) -> NamedSharding:
         return self.sharding.named(self._mesh, tuple(names), shape, tensor)
-
-    def _param_shardings(self) -> dict:
-        def one(path, spec, abstract):
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
-            # Quantization scales are 1/group the size of their kernel: where their groups
-            # do not divide over the channel's mesh axis they stay whole on every device.
-            return self.sharding.named(self._mesh, tuple(spec), abstract.shape,
-                                       f"parameter {name}",
-                                       strict=not name.endswith(f"/{quantization.SCALE}"))
-
-        return jax.tree_util.tree_map_with_path(
-            one, self._logical, self.abstract_params,
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
-        )
 
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self._mesh, PartitionSpec())
@@ -454,30 +422,9 @@ class TransformerEngine(Engine):
         return (self._draft_params,)
 
     def _load_own_params(self) -> dict:
-        if quantization.needs_quantizing(self.model_config, self.weights):
-            return quantization.load_quantized(self)
-        if self.weights is None:
-            init = jax.jit(
-                lambda key: nn.meta.unbox(
-                    self.model.init(key, jnp.zeros((1, 1), jnp.int32),
-                                    jnp.zeros((1, 1), jnp.int32),
-                                    _ShapeOnlyKV(jnp.zeros((1, 1), jnp.int32)))["params"]
-                ),
-                out_shardings=self.param_shardings,
-            )
-            return init(jax.random.key(self.seed))
-        if checkpoint.is_orbax_dir(self.weights):
-            target = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                self.abstract_params, self.param_shardings,
-            )
-            return checkpoint.read_orbax_params(self.weights, target)
-        flat_sh = {"/".join(str(getattr(k, "key", k)) for k in p): s
-                   for p, s in jax.tree_util.tree_flatten_with_path(self.param_shardings)[0]}
-        return checkpoint.read_hf_params(
-            self.weights, self.model_config, self.abstract_params,
-            lambda path, arr: jax.device_put(arr, flat_sh[path]),
-        )
+        return param_loading.load_params(
+            self.model, self.weights, seed=self.seed, sharding=self.sharding,
+            mesh=self._mesh, shardings=self.param_shardings, abstract=self.abstract_params)
 
     def init_decode_state(self) -> DecodeState:
         c, e = self.model_config, self.config

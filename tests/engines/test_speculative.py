@@ -11,14 +11,9 @@ import pytest
 from scipy import stats
 
 from engines import EngineConfig, ModelConfig, SamplingParams, create_engine
+from engines.engine_config import parse_speculative
 from engines.sampling import SlotSampling
-from engines.speculative import (
-    ngram_drafts,
-    parse_speculative,
-    running_counts,
-    target_probs,
-    verify,
-)
+from engines.speculative import ngram_drafts, running_counts, target_probs, verify
 from jetserve.offline import generate_many
 from tests.engines.speculative_sampling import check_first_tokens_follow, prefilled_slots
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from engines import EngineConfig, ModelConfig, SamplingParams, create_engine
+from engines.engine_config import Speculative, parse_speculative
 from engines.kv_cache import PrefillKV
-from engines.speculative import Speculative, parse_speculative
 from jetserve.commands.common import add_model_arguments, engine_config
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many

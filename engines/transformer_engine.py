@@ -1,8 +1,9 @@
 """The Flax transformer engine: the decoder behind prefill / insert / generate.
 
-The three device functions are module-level pure functions, jitted once in the engine's
-constructor with explicit in/out shardings; insert and generate donate the decode state.
-prefill compiles once per bucket (its input shape), insert and generate once.
+The three device functions are module-level pure functions
+(engines/device_functions.py), jitted once in the engine's constructor with explicit
+in/out shardings; insert and generate donate the decode state. prefill compiles once per
+bucket (its input shape), insert and generate once.
 """
 
 from __future__ import annotations
@@ -18,22 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import cpu_kernels, param_loading, quantization
+from engines import cpu_kernels, device_functions, param_loading, quantization
 from engines.config import ModelConfig
-from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
+from engines.device_functions import PromptLogprobs
+from engines.engine_api import Engine, ResultTokens, Tokenizer
 from engines.engine_config import EngineConfig, resolve_dtype
-from engines.kv_cache import (
-    DecodeKV,
-    DecodeState,
-    PrefillKV,
-    Prefix,
-    empty_slot_fields,
-    grow_prefix,
-    insert_prefix,
-)
+from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, grow_prefix, insert_prefix
 from engines.model import Decoder
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
-from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
+from engines.sampling import SamplingParams, SlotSampling
 from engines.speculative import generate_speculative
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
@@ -43,97 +37,6 @@ K_CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.HEAD_DIM, axes.CACHE_SE
 V_CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ, axes.HEAD_DIM)
 SCALE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
-
-
-# ---- pure device functions (jitted by the engine) ---------------------------------------
-
-
-def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
-             prompt_mask, existing, draft_params=None, *, draft_model: Decoder | None = None):
-    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length).
-    With a draft model (speculative decoding) the draft's KV of the prompt comes too
-    (whole prompts only: the engine refuses existing prefixes then)."""
-    T = tokens.shape[1]
-    idx = jnp.arange(T)[None, :]
-    positions = start + idx  # (1, T)
-    new_k_pos = jnp.where(idx < true_length, positions, -1)
-    kv = PrefillKV(new_k_pos, existing, start)
-    last = jnp.reshape(true_length - 1, (1,))
-    logits = model.apply({"params": params}, tokens, positions, kv, last=last)[:, 0]  # (1, V)
-    V = logits.shape[-1]
-    seen = jnp.zeros((1, V), jnp.int32).at[0, tokens[0]].max((idx[0] < true_length).astype(jnp.int32))
-    mask = prompt_mask | (seen > 0)
-    counts = jnp.zeros((1, V), jnp.int32)
-    tok, next_key = sample(logits, sampling, mask, counts)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
-    length = start + true_length
-    all_tokens = (tokens if existing is None else  # placed as kv.k_pos places positions
-                  jax.lax.dynamic_update_slice_in_dim(existing.tokens, tokens, start, 1))
-    draft = PrefillKV(new_k_pos, None)
-    if draft_model is not None:
-        draft_model.apply({"params": draft_params}, tokens, positions, draft, last=last)
-    prefix = Prefix(
-        k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, tokens=all_tokens,
-        length=length.astype(jnp.int32),
-        token=tok[0], sampling=dataclasses.replace(sampling, key=next_key), prompt_mask=mask,
-        draft_k=tuple(draft.k), draft_v=tuple(draft.v),
-    )
-    res = pack_results(tok, jnp.ones((1,), bool), jnp.reshape(length + 1, (1,)), lp, top_ids,
-                       top_lp)
-    return prefix, res
-
-
-def _prompt_logprobs(model: Decoder, top_n: int, params, tokens, true_length):
-    """Log-probs of each prompt token given the ones before it (echo / scoring)."""
-    T = tokens.shape[1]
-    idx = jnp.arange(T)[None, :]
-    kv = PrefillKV(jnp.where(idx < true_length, idx, -1), None)
-    logits = model.apply({"params": params}, tokens, idx, kv)[0]  # (T, V)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nxt = jnp.roll(tokens[0], -1)  # token t+1 is scored by the logits at t
-    chosen = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, max(top_n, 1))
-    greedy = jnp.argmax(logp, axis=-1).astype(jnp.int32)
-    # Shift by one so row t describes prompt token t; row 0 has no context.
-    shift = lambda x, fill: jnp.concatenate([jnp.full((1,) + x.shape[1:], fill, x.dtype), x[:-1]])
-    return PromptLogprobs(
-        token_logprobs=shift(chosen, jnp.nan), top_ids=shift(top_ids[:, :top_n].astype(jnp.int32), -1),
-        top_logprobs=shift(top_lp[:, :top_n], jnp.nan), greedy=shift(greedy, -1),
-    )
-
-
-def _generate(model: Decoder, top_n: int, params, state: DecodeState):
-    S = state.k[0].shape[-1]
-    valid = state.lengths < S
-    pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
-    cpu_kernels = model.cfg.cpu_matmul_rows > 0  # the engine turned the CPU kernels on
-    kv = DecodeKV(state, pos, cpu_attention=cpu_kernels)
-    logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
-    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
-                            cpu_kernels=cpu_kernels)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
-    B = tok.shape[0]
-    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
-    new_state = DecodeState(
-        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
-        lengths=lengths, tokens=tok,
-        sampling=dataclasses.replace(state.sampling, key=next_keys),
-        prompt_mask=state.prompt_mask,
-        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
-        history=state.history,
-    )
-    return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PromptLogprobs:
-    """Per prompt position t: log p(token_t | tokens before t); row 0 is NaN / -1."""
-
-    token_logprobs: Any  # f32[T]
-    top_ids: Any  # i32[T, n]
-    top_logprobs: Any  # f32[T, n]
-    greedy: Any  # i32[T] the argmax token at t given tokens before t
 
 
 class TransformerEngine(Engine):
@@ -297,13 +200,13 @@ class TransformerEngine(Engine):
         draft_sh = (self._draft.param_shardings,) if self._draft else ()
         self._prefill_jit = jax.jit(
             self._counted("prefill", laid_out(functools.partial(
-                _prefill, self.model, top_n, draft_model=draft_model))),
+                device_functions.prefill, self.model, top_n, draft_model=draft_model))),
             in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
             out_shardings=(prefix_sh, r),
         )
         self._prompt_logprobs_jit = jax.jit(
-            self._counted("prompt_logprobs",
-                          laid_out(functools.partial(_prompt_logprobs, self.model, top_n))),
+            self._counted("prompt_logprobs", laid_out(functools.partial(
+                device_functions.prompt_logprobs, self.model, top_n))),
             in_shardings=(self.param_shardings, r, r), out_shardings=r,
         )
         self._insert_jit = jax.jit(
@@ -312,7 +215,8 @@ class TransformerEngine(Engine):
         )
         spec = self.config.spec
         gen = (functools.partial(generate_speculative, self.model, top_n, spec.k, draft_model)
-               if spec.enabled else functools.partial(_generate, self.model, top_n))
+               if spec.enabled else
+               functools.partial(device_functions.generate, self.model, top_n))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
             in_shardings=(self.param_shardings, state_sh, *draft_sh),

@@ -1,4 +1,4 @@
-"""The packages stay layered: no import cycles.
+"""The packages stay layered: no import cycles, no oversized hand-written modules.
 
 Imports are read with `ast`, so an import inside a function (a deferred import, often
 the way a cycle is hidden) counts like one at the top of a module. A package's
@@ -15,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engines", "sharding", "jetserve")
+MAX_LINES = 500
 
 
 def _module_name(path: Path) -> str:
@@ -83,3 +84,8 @@ def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
+
+def test_no_hand_written_module_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in _hand_written(pkg)
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"

@@ -1,4 +1,5 @@
-"""The packages stay layered: no import cycles, no oversized hand-written modules.
+"""The packages stay layered: no import cycles, engines/ importing only downwards, no
+oversized hand-written modules.
 
 Imports are read with `ast`, so an import inside a function (a deferred import, often
 the way a cycle is hidden) counts like one at the top of a module. A package's
@@ -16,6 +17,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engines", "sharding", "jetserve")
 MAX_LINES = 500
+
+# engines/ from the bottom up; a module imports only from its own layer or those below.
+ENGINE_LAYERS = (
+    # configs, the Engine API, attention / sampling / quantization math, page bookkeeping
+    ("config", "engine_config", "engine_api", "attention", "sampling", "quantization",
+     "cpu_kernels", "page_pool"),
+    # the model and the KV stores (and checkpoint files, the mock engine)
+    ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine"),
+    # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)
+    ("device_functions", "speculative", "param_loading"),
+    # the engines: shardings and jit wiring
+    ("transformer_engine", "paged_engine"),
+    # the choice between them, and the package's public names
+    ("factory",),
+    ("",),
+)
 
 
 def _module_name(path: Path) -> str:
@@ -83,6 +100,17 @@ def test_cycle_finder_sees_a_deferred_cycle():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_engines_import_only_downwards():
+    layer_of = {("engines." + m).rstrip("."): i for i, ms in enumerate(ENGINE_LAYERS)
+                for m in ms}
+    graph = import_graph(("engines",))
+    unplaced = sorted(set(graph) - set(layer_of))
+    assert not unplaced, f"place these modules in ENGINE_LAYERS: {unplaced}"
+    upward = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                    if layer_of[b] > layer_of[a])
+    assert not upward, f"imports from a higher layer of engines/: {upward}"
 
 
 def test_no_hand_written_module_over_500_lines():

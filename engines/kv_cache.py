@@ -10,7 +10,7 @@ these layouts both are batched over (B, K) and read the cache once, in memory or
 sequence in the batch rounded up to a power of two (`window_sizes`), one compiled branch
 per size, picked on the device.
 
-`PrefillKV` and `DecodeKV` implement `engines.model.KVStore` for the two device functions.
+`PrefillKV` and `DecodeKV` implement `engines.attention.KVStore` for the two device functions.
 
 An int8 cache (`EngineConfig.kv_dtype="int8"`) stores each token's k and v per kv head as
 int8 values with one f32 scale (max |x| over H / 127) in `k_scale`/`v_scale` [B, K, S];
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from engines import cpu_kernels
-from engines.model import decode_attention
+from engines.attention import decode_attention
 from engines.sampling import SlotSampling
 
 MIN_WINDOW = 128  # smallest decode read window (engines.kv_cache.window_sizes)

@@ -4,7 +4,8 @@ The model does math only: it never builds meshes or calls jit. Parameters carry 
 axis names (`sharding.axes`), which the engine maps to mesh axes. The KV cache is not
 owned here: each attention layer hands its new keys and values to a `KVStore` supplied by
 the caller, which returns what the layer should attend over (prefill concatenates,
-generate scatters into per-slot buffers, a paged store would write pages).
+generate scatters into per-slot buffers, a paged store would write pages); the attention
+math itself is engines/attention.py.
 
 Letters: B batch, T query length, S key length, D model, N query heads, K kv heads,
 G = N/K, H head dim, F ffn, V vocab, E experts.
@@ -13,35 +14,22 @@ G = N/K, H head dim, F ffn, V vocab, E experts.
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from engines import cpu_kernels, quantization
+from engines.attention import KVStore, attention
 from engines.config import ModelConfig, llama3_inv_freq
 from sharding import axes
 from sharding.layout import constrain
 
-_MASKED = -1e30
 # Logical names of activations, for sharding constraints (no-ops outside an engine's mesh).
 _RESIDUAL_ACT = (axes.BATCH, axes.SEQ, axes.EMBED)  # (B, T, D)
 _HEADS_ACT = (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM)  # (B, T, N, H)
 _KV_ACT = (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM)  # (B, T, K, H)
-
-
-class KVStore(Protocol):
-    """Where a layer's keys and values go, and what it attends over."""
-
-    def update(
-        self, layer: int, k: jax.Array, v: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Takes new k, v [B, T, K, H]; returns (k_all, v_all [B, S, K, H], k_pos i32[B, S]).
-
-        k_pos holds each key's sequence position, or -1 for an empty entry.
-        """
-        ...
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
@@ -59,68 +47,6 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def _attention_probs(scores: jax.Array, qp: jax.Array, kp: jax.Array, head_dim: int,
-                     sliding_window: int | None, dtype: Any) -> jax.Array:
-    """Scaled, causally masked softmax of raw q.k scores (last axis: keys); qp / kp are
-    the query / key positions shaped to broadcast against them (key position -1: empty)."""
-    visible = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        visible &= kp > qp - sliding_window
-    scores = jnp.where(visible, scores / math.sqrt(head_dim), _MASKED)
-    return jax.nn.softmax(scores, axis=-1).astype(dtype)
-
-
-def attention(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, S, K, H]
-    v: jax.Array,  # [B, S, K, H]
-    q_pos: jax.Array,  # i32[B, T]
-    k_pos: jax.Array,  # i32[B, S], -1 = empty
-    sliding_window: int | None,
-) -> jax.Array:
-    """Causal grouped-query attention by positions; returns [B, T, N, H]."""
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)  # (B, T, K, G, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
-    kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(B, T, N, H)
-
-
-def decode_attention(
-    q: jax.Array,  # [B, T, N, H], T = 1 but in speculative verification
-    k: jax.Array,  # [B, K, H, S] positions minor
-    v: jax.Array,  # [B, K, S, H]
-    q_pos: jax.Array,  # i32[B, T]
-    k_pos: jax.Array,  # i32[B, S], -1 = empty
-    sliding_window: int | None,
-) -> jax.Array:
-    """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
-    (T > 1 new tokens per row, speculative verification: q [B, T, N, H], q_pos [B, T].)
-
-    Both contractions are batched over (B, K) and run along the cache's memory order, so
-    the cache is read once and never transposed (see engines.kv_cache)."""
-    B, T, N, H = q.shape
-    K = k.shape[1]
-    if T > 1:
-        qg = q.reshape(B, T, K, N // K, H)
-        scores = jnp.einsum("btkgh,bkhs->bkgts", qg, k, preferred_element_type=jnp.float32)
-        qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
-        kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
-        return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
-    qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
-    scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
-    qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
-    kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
-    out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
-    return out.reshape(B, 1, N, H)
 
 
 def linear(x: jax.Array, w: jax.Array, cfg: ModelConfig, **kw) -> jax.Array:

@@ -19,7 +19,7 @@ as the contiguous engine's), carried by prefill and insert.
 
 Concurrency: the page bookkeeping is changed only by insert / generate / free_slot,
 which the orchestrator calls from one thread (the engine's generate thread).
-`TransformerEngine(..., config=EngineConfig(kv_layout="paged"))` builds this class.
+`engines.create_engine(..., config=EngineConfig(kv_layout="paged"))` builds this class.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k:
 
 class PagedTransformerEngine(TransformerEngine):
     """TransformerEngine whose decode state is a page pool per layer (see module doc)."""
+
+    KV_LAYOUT = "paged"
 
     def __init__(self, model_config, **kwargs):
         config = kwargs.get("config")

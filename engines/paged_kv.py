@@ -24,8 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from engines.attention import attention
 from engines.kv_cache import Prefix, insert_draft, insert_history
-from engines.model import attention
 from engines.sampling import SlotSampling
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu")

@@ -39,47 +39,6 @@ from engines.model import Decoder
 from engines.sampling import SlotSampling, apply_penalties, filter_logits, token_logprobs
 
 NGRAM_SIZES = (3, 2, 1)  # longest suffix tried first
-MAX_DRAFTS = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Speculative:
-    """A parsed `speculative` setting: kind "none", "ngram" or "draft" (with the draft
-    model's `path`: a directory or random:NAME), K drafts per step."""
-
-    kind: str = "none"
-    k: int = 0
-    path: str = ""
-
-    @property
-    def enabled(self) -> bool:
-        return self.kind != "none"
-
-
-def parse_speculative(text: str) -> Speculative:
-    """'none', 'ngram:K' or 'draft:PATH:K' (1 <= K <= MAX_DRAFTS); a ValueError names what
-    was wrong."""
-    if not isinstance(text, str):
-        raise ValueError(f"speculative must be a string like 'ngram:4', got {text!r}")
-    if text == "none":
-        return Speculative()
-    kind, _, rest = text.partition(":")
-    if kind not in ("ngram", "draft"):
-        raise ValueError(f"speculative must be 'none', 'ngram:K' or 'draft:PATH:K', "
-                         f"got {text!r}")
-    path, _, k_text = rest.rpartition(":") if kind == "draft" else ("", "", rest)
-    if kind == "draft" and not path:
-        raise ValueError(f"speculative 'draft:PATH:K' needs the draft model's PATH (a "
-                         f"directory or random:NAME) and K, got {text!r}")
-    try:
-        k = int(k_text)
-    except ValueError:
-        raise ValueError(f"speculative '{kind}:...K' needs an integer K of drafts per step, "
-                         f"got {text!r}") from None
-    if not 1 <= k <= MAX_DRAFTS:
-        raise ValueError(f"speculative {kind}:K needs 1 <= K <= {MAX_DRAFTS} drafts per "
-                         f"step, got K={k}")
-    return Speculative(kind, k, path)
 
 
 def ngram_drafts(history: jax.Array, lengths: jax.Array, k: int) -> jax.Array:

@@ -1,8 +1,9 @@
 """The Flax transformer engine: the decoder behind prefill / insert / generate.
 
-The three device functions are module-level pure functions, jitted once in the engine's
-constructor with explicit in/out shardings; insert and generate donate the decode state.
-prefill compiles once per bucket (its input shape), insert and generate once.
+The three device functions are module-level pure functions
+(engines/device_functions.py), jitted once in the engine's constructor with explicit
+in/out shardings; insert and generate donate the decode state. prefill compiles once per
+bucket (its input shape), insert and generate once.
 """
 
 from __future__ import annotations
@@ -13,28 +14,21 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint, cpu_kernels, quantization
+from engines import cpu_kernels, device_functions, param_loading, quantization
 from engines.config import ModelConfig
-from engines.engine_api import Engine, ResultTokens, Tokenizer, pack_results
-from engines.kv_cache import (
-    DecodeKV,
-    DecodeState,
-    PrefillKV,
-    Prefix,
-    empty_slot_fields,
-    grow_prefix,
-    insert_prefix,
-)
+from engines.device_functions import PromptLogprobs
+from engines.engine_api import Engine, ResultTokens, Tokenizer
+from engines.engine_config import EngineConfig, resolve_dtype
+from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, grow_prefix, insert_prefix
 from engines.model import Decoder
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
-from engines.sampling import SamplingParams, SlotSampling, sample, token_logprobs
-from engines.speculative import Speculative, generate_speculative, parse_speculative
+from engines.sampling import SamplingParams, SlotSampling
+from engines.speculative import generate_speculative
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
 # Decode cache layouts (engines.kv_cache): keys [B, K, H, S], values [B, K, S, H], int8
@@ -43,188 +37,6 @@ K_CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.HEAD_DIM, axes.CACHE_SE
 V_CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ, axes.HEAD_DIM)
 SCALE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
-KV_DTYPES = ("auto", "int8")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Serving shapes of one engine (the model's own shapes live in ModelConfig)."""
-
-    max_concurrent_decodes: int = 8
-    max_prefill_length: int = 256
-    max_seq_len: int = 512
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on TPU/GPU
-    top_logprobs: int = 5
-    # KV layout: "contiguous" (a [S] row per slot) or "paged" (engines/paged_engine.py:
-    # pages of page_size tokens from a pool of num_pages, default enough for every slot).
-    kv_layout: str = "contiguous"
-    page_size: int = 16
-    num_pages: int | None = None
-    paged_attention: str = "auto"  # auto | xla | pallas_tpu (engines/paged_kv.py)
-    # Matmul weights quantized at load time (engines/quantization.py): none | int8 | int4
-    # (int4 in groups of quant_group_size along the input axis).
-    quantize: str = "none"
-    quant_group_size: int = quantization.DEFAULT_GROUP
-    # KV cache storage: auto (the model dtype) or int8 with a scale per token and kv head.
-    kv_dtype: str = "auto"
-    # Speculative decoding in the generate step (engines/speculative.py): "none",
-    # "ngram:K" (K drafts per step from the sequence's own tokens) or "draft:PATH:K" (K
-    # drafts per step from a smaller model; the engine is given its config and weights).
-    speculative: str = "none"
-
-    def __post_init__(self):
-        _check_kv_layout(self)
-        quantization.check_scheme("quantize", self.quantize, self.quant_group_size)
-        for name in ("max_concurrent_decodes", "max_prefill_length", "max_seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_prefill_length > self.max_seq_len:
-            raise ValueError(
-                f"max_prefill_length ({self.max_prefill_length}) must be <= max_seq_len "
-                f"({self.max_seq_len})"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.speculative != "none" and self.paged_attention == "pallas_tpu":
-            raise ValueError("speculative decoding verifies several tokens per slot, which "
-                             "the pallas_tpu paged kernel does not; use paged_attention "
-                             "auto or xla")
-        if self.kv_dtype == "int8" and self.kv_layout == "paged":
-            # TODO(#10): int8 pages with per-token scales.
-            raise ValueError("kv_dtype int8 works with kv_layout contiguous only, for now")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
-        parse_speculative(self.speculative)
-
-    @property
-    def spec(self) -> Speculative:
-        return parse_speculative(self.speculative)
-
-
-def _check_kv_layout(c: EngineConfig) -> None:
-    if c.kv_layout not in ("contiguous", "paged"):
-        raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {c.kv_layout!r}")
-    if not isinstance(c.page_size, int) or c.page_size < 1:
-        raise ValueError(f"page_size must be a positive integer, got {c.page_size!r}")
-    if c.num_pages is not None:
-        need = -(-c.max_seq_len // c.page_size) if isinstance(c.max_seq_len, int) else 1
-        if not isinstance(c.num_pages, int) or c.num_pages < need:
-            raise ValueError(f"num_pages must be an integer >= {need} (one sequence of "
-                             f"max_seq_len={c.max_seq_len} in pages of {c.page_size}), "
-                             f"got {c.num_pages!r}")
-    if c.paged_attention not in ("auto", "xla", "pallas_tpu"):
-        raise ValueError(f"paged_attention must be auto, xla or pallas_tpu, "
-                         f"got {c.paged_attention!r}")
-
-
-def resolve_dtype(name: str, devices: Sequence[jax.Device]) -> Any:
-    if name == "auto":
-        return jnp.float32 if devices[0].platform == "cpu" else jnp.bfloat16
-    return jnp.dtype(name)
-
-
-class _ShapeOnlyKV:
-    """KV store for tracing shapes at init: attend over the new tokens only."""
-
-    def __init__(self, k_pos):
-        self.k_pos = k_pos
-
-    def update(self, layer, k, v):
-        return k, v, self.k_pos
-
-
-# ---- pure device functions (jitted by the engine) ---------------------------------------
-
-
-def _prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
-             prompt_mask, existing, draft_params=None, *, draft_model: Decoder | None = None):
-    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length).
-    With a draft model (speculative decoding) the draft's KV of the prompt comes too
-    (whole prompts only: the engine refuses existing prefixes then)."""
-    T = tokens.shape[1]
-    idx = jnp.arange(T)[None, :]
-    positions = start + idx  # (1, T)
-    new_k_pos = jnp.where(idx < true_length, positions, -1)
-    kv = PrefillKV(new_k_pos, existing, start)
-    last = jnp.reshape(true_length - 1, (1,))
-    logits = model.apply({"params": params}, tokens, positions, kv, last=last)[:, 0]  # (1, V)
-    V = logits.shape[-1]
-    seen = jnp.zeros((1, V), jnp.int32).at[0, tokens[0]].max((idx[0] < true_length).astype(jnp.int32))
-    mask = prompt_mask | (seen > 0)
-    counts = jnp.zeros((1, V), jnp.int32)
-    tok, next_key = sample(logits, sampling, mask, counts)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
-    length = start + true_length
-    all_tokens = (tokens if existing is None else  # placed as kv.k_pos places positions
-                  jax.lax.dynamic_update_slice_in_dim(existing.tokens, tokens, start, 1))
-    draft = PrefillKV(new_k_pos, None)
-    if draft_model is not None:
-        draft_model.apply({"params": draft_params}, tokens, positions, draft, last=last)
-    prefix = Prefix(
-        k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, tokens=all_tokens,
-        length=length.astype(jnp.int32),
-        token=tok[0], sampling=dataclasses.replace(sampling, key=next_key), prompt_mask=mask,
-        draft_k=tuple(draft.k), draft_v=tuple(draft.v),
-    )
-    res = pack_results(tok, jnp.ones((1,), bool), jnp.reshape(length + 1, (1,)), lp, top_ids,
-                       top_lp)
-    return prefix, res
-
-
-def _prompt_logprobs(model: Decoder, top_n: int, params, tokens, true_length):
-    """Log-probs of each prompt token given the ones before it (echo / scoring)."""
-    T = tokens.shape[1]
-    idx = jnp.arange(T)[None, :]
-    kv = PrefillKV(jnp.where(idx < true_length, idx, -1), None)
-    logits = model.apply({"params": params}, tokens, idx, kv)[0]  # (T, V)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nxt = jnp.roll(tokens[0], -1)  # token t+1 is scored by the logits at t
-    chosen = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, max(top_n, 1))
-    greedy = jnp.argmax(logp, axis=-1).astype(jnp.int32)
-    # Shift by one so row t describes prompt token t; row 0 has no context.
-    shift = lambda x, fill: jnp.concatenate([jnp.full((1,) + x.shape[1:], fill, x.dtype), x[:-1]])
-    return PromptLogprobs(
-        token_logprobs=shift(chosen, jnp.nan), top_ids=shift(top_ids[:, :top_n].astype(jnp.int32), -1),
-        top_logprobs=shift(top_lp[:, :top_n], jnp.nan), greedy=shift(greedy, -1),
-    )
-
-
-def _generate(model: Decoder, top_n: int, params, state: DecodeState):
-    S = state.k[0].shape[-1]
-    valid = state.lengths < S
-    pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
-    cpu_kernels = model.cfg.cpu_matmul_rows > 0  # the engine turned the CPU kernels on
-    kv = DecodeKV(state, pos, cpu_attention=cpu_kernels)
-    logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
-    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
-                            cpu_kernels=cpu_kernels)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
-    B = tok.shape[0]
-    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
-    new_state = DecodeState(
-        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
-        lengths=lengths, tokens=tok,
-        sampling=dataclasses.replace(state.sampling, key=next_keys),
-        prompt_mask=state.prompt_mask,
-        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
-        history=state.history,
-    )
-    return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PromptLogprobs:
-    """Per prompt position t: log p(token_t | tokens before t); row 0 is NaN / -1."""
-
-    token_logprobs: Any  # f32[T]
-    top_ids: Any  # i32[T, n]
-    top_logprobs: Any  # f32[T, n]
-    greedy: Any  # i32[T] the argmax token at t given tokens before t
 
 
 class TransformerEngine(Engine):
@@ -240,15 +52,12 @@ class TransformerEngine(Engine):
       seed: RNG seed for random weights (a random draft model's too).
       draft_config, draft_weights: the draft model of speculative "draft:PATH:K" (its
         config, and its weights as `weights`), replicated on the same devices.
+
+    Build engines with `engines.create_engine`, which picks this class or the paged one
+    (engines/paged_engine.py) for `config.kv_layout`.
     """
 
-    def __new__(cls, *args, config: EngineConfig | None = None, **kwargs):
-        # kv_layout="paged" selects the paged subclass (engines/paged_engine.py).
-        if cls is TransformerEngine and config is not None and config.kv_layout == "paged":
-            from engines.paged_engine import PagedTransformerEngine
-
-            cls = PagedTransformerEngine
-        return super().__new__(cls)
+    KV_LAYOUT = "contiguous"  # the EngineConfig.kv_layout this class implements
 
     def __init__(
         self,
@@ -264,6 +73,11 @@ class TransformerEngine(Engine):
         draft_weights: str | None = None,
     ):
         self.config = config or EngineConfig()
+        if self.config.kv_layout != self.KV_LAYOUT:
+            raise ValueError(f"{type(self).__name__} keeps its KV {self.KV_LAYOUT}, but "
+                             f"config.kv_layout is {self.config.kv_layout!r}: build the "
+                             f"engine with engines.create_engine, which picks the class "
+                             f"for the layout")
         self.model_config = model_config = quantization.with_weight_quant(
             model_config, self.config.quantize, self.config.quant_group_size)
         self.weights = weights
@@ -280,8 +94,9 @@ class TransformerEngine(Engine):
             model_config, cpu_matmul_rows=cpu_kernels.max_rows(
                 self._mesh, self.dtype, model_config.weight_quant))
         self.model = Decoder(model_config, dtype=self.dtype)
-        self._logical = self._param_logical_axes()
-        self.param_shardings = self._param_shardings()
+        self.abstract_params, self._logical = param_loading.trace_params(self.model)
+        self.param_shardings = param_loading.param_shardings(
+            self.sharding, self._mesh, self._logical, self.abstract_params)
         self._draft = self._draft_engine(draft_config, draft_weights, devices)
         self._draft_params = None
         self._build_jits()
@@ -315,32 +130,8 @@ class TransformerEngine(Engine):
 
     # ---- shardings ---------------------------------------------------------------------
 
-    def _param_logical_axes(self) -> dict:
-        T = 1
-        tok = jnp.zeros((1, T), jnp.int32)
-        pos = jnp.zeros((1, T), jnp.int32)
-        boxed = jax.eval_shape(
-            lambda: self.model.init(jax.random.key(0), tok, pos, _ShapeOnlyKV(pos))
-        )["params"]
-        self.abstract_params = nn.meta.unbox(boxed)
-        return nn.get_partition_spec(boxed)
-
     def _named(self, names, shape, tensor: str) -> NamedSharding:
         return self.sharding.named(self._mesh, tuple(names), shape, tensor)
-
-    def _param_shardings(self) -> dict:
-        def one(path, spec, abstract):
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
-            # Quantization scales are 1/group the size of their kernel: where their groups
-            # do not divide over the channel's mesh axis they stay whole on every device.
-            return self.sharding.named(self._mesh, tuple(spec), abstract.shape,
-                                       f"parameter {name}",
-                                       strict=not name.endswith(f"/{quantization.SCALE}"))
-
-        return jax.tree_util.tree_map_with_path(
-            one, self._logical, self.abstract_params,
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
-        )
 
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self._mesh, PartitionSpec())
@@ -409,13 +200,13 @@ class TransformerEngine(Engine):
         draft_sh = (self._draft.param_shardings,) if self._draft else ()
         self._prefill_jit = jax.jit(
             self._counted("prefill", laid_out(functools.partial(
-                _prefill, self.model, top_n, draft_model=draft_model))),
+                device_functions.prefill, self.model, top_n, draft_model=draft_model))),
             in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
             out_shardings=(prefix_sh, r),
         )
         self._prompt_logprobs_jit = jax.jit(
-            self._counted("prompt_logprobs",
-                          laid_out(functools.partial(_prompt_logprobs, self.model, top_n))),
+            self._counted("prompt_logprobs", laid_out(functools.partial(
+                device_functions.prompt_logprobs, self.model, top_n))),
             in_shardings=(self.param_shardings, r, r), out_shardings=r,
         )
         self._insert_jit = jax.jit(
@@ -424,7 +215,8 @@ class TransformerEngine(Engine):
         )
         spec = self.config.spec
         gen = (functools.partial(generate_speculative, self.model, top_n, spec.k, draft_model)
-               if spec.enabled else functools.partial(_generate, self.model, top_n))
+               if spec.enabled else
+               functools.partial(device_functions.generate, self.model, top_n))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
             in_shardings=(self.param_shardings, state_sh, *draft_sh),
@@ -454,30 +246,9 @@ class TransformerEngine(Engine):
         return (self._draft_params,)
 
     def _load_own_params(self) -> dict:
-        if quantization.needs_quantizing(self.model_config, self.weights):
-            return quantization.load_quantized(self)
-        if self.weights is None:
-            init = jax.jit(
-                lambda key: nn.meta.unbox(
-                    self.model.init(key, jnp.zeros((1, 1), jnp.int32),
-                                    jnp.zeros((1, 1), jnp.int32),
-                                    _ShapeOnlyKV(jnp.zeros((1, 1), jnp.int32)))["params"]
-                ),
-                out_shardings=self.param_shardings,
-            )
-            return init(jax.random.key(self.seed))
-        if checkpoint.is_orbax_dir(self.weights):
-            target = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                self.abstract_params, self.param_shardings,
-            )
-            return checkpoint.read_orbax_params(self.weights, target)
-        flat_sh = {"/".join(str(getattr(k, "key", k)) for k in p): s
-                   for p, s in jax.tree_util.tree_flatten_with_path(self.param_shardings)[0]}
-        return checkpoint.read_hf_params(
-            self.weights, self.model_config, self.abstract_params,
-            lambda path, arr: jax.device_put(arr, flat_sh[path]),
-        )
+        return param_loading.load_params(
+            self.model, self.weights, seed=self.seed, sharding=self.sharding,
+            mesh=self._mesh, shardings=self.param_shardings, abstract=self.abstract_params)
 
     def init_decode_state(self) -> DecodeState:
         c, e = self.model_config, self.config

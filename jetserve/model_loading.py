@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import jax
 
-from engines import EngineConfig, ModelConfig, TransformerEngine, load_hf_config
+from engines import EngineConfig, ModelConfig, TransformerEngine, create_engine, load_hf_config
 from engines.checkpoint import is_orbax_dir, read_orbax_config
 from engines.mock_engine import ByteTokenizer
 from jetserve.tokenizer import load_tokenizer
@@ -89,7 +89,7 @@ def build_engine(
         sharding = load_preset(sharding)
     spec = engine_config.spec if engine_config is not None else None
     draft = resolve_model(spec.path) if spec is not None and spec.kind == "draft" else None
-    return TransformerEngine(src.config, weights=src.path, devices=devices, sharding=sharding,
-                             config=engine_config, tokenizer=src.tokenizer, seed=seed,
-                             draft_config=draft.config if draft else None,
-                             draft_weights=draft.path if draft else None)
+    return create_engine(src.config, weights=src.path, devices=devices, sharding=sharding,
+                         config=engine_config, tokenizer=src.tokenizer, seed=seed,
+                         draft_config=draft.config if draft else None,
+                         draft_weights=draft.path if draft else None)

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from engines import EngineConfig
-from engines.speculative import parse_speculative
+from engines.engine_config import parse_speculative
 from jetserve.model_loading import build_engine
 
 WORKLOADS = ("python", "random")

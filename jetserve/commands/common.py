@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engines import EngineConfig, quantization
-from engines.speculative import parse_speculative
+from engines.engine_config import parse_speculative
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engines import EngineConfig, TransformerEngine, load_hf_config
+from engines import EngineConfig, create_engine, load_hf_config
 from engines.checkpoint import _V1_TO_V2
 from jetserve import cli
 from jetserve.offline import generate_many
@@ -29,9 +29,9 @@ def hf_dir(tmp_path_factory):
 
 
 def _tokens(model_dir):
-    eng = TransformerEngine(load_hf_config(model_dir) if "config.json" in os.listdir(model_dir)
-                            and not os.path.exists(os.path.join(model_dir, "jetserve_model.json"))
-                            else _orbax_cfg(model_dir), weights=model_dir, config=ECFG)
+    eng = create_engine(load_hf_config(model_dir) if "config.json" in os.listdir(model_dir)
+                        and not os.path.exists(os.path.join(model_dir, "jetserve_model.json"))
+                        else _orbax_cfg(model_dir), weights=model_dir, config=ECFG)
     return [r.token_ids for r in generate_many(eng, eng.load_params(), PROMPTS, max_tokens=8,
                                                ignore_eos=True)]
 
@@ -77,7 +77,7 @@ def _copy_with(hf_dir, tmp_path, edit):
 
 def test_missing_tensor_is_named(hf_dir, tmp_path):
     d = _copy_with(hf_dir, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    eng = TransformerEngine(load_hf_config(d), weights=d, config=ECFG)
+    eng = create_engine(load_hf_config(d), weights=d, config=ECFG)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
         eng.load_params()
 
@@ -87,7 +87,7 @@ def test_mismatched_shape_is_named(hf_dir, tmp_path):
         t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
 
     d = _copy_with(hf_dir, tmp_path, edit)
-    eng = TransformerEngine(load_hf_config(d), weights=d, config=ECFG)
+    eng = create_engine(load_hf_config(d), weights=d, config=ECFG)
     with pytest.raises(ValueError, match=r"k_proj\.weight.*shape"):
         eng.load_params()
 
@@ -97,7 +97,7 @@ def test_corrupt_safetensors_file_is_named(hf_dir, tmp_path):
     d.mkdir()
     shutil.copy(os.path.join(hf_dir, "config.json"), d)
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    eng = TransformerEngine(load_hf_config(str(d)), weights=str(d), config=ECFG)
+    eng = create_engine(load_hf_config(str(d)), weights=str(d), config=ECFG)
     with pytest.raises(ValueError, match="model.safetensors"):
         eng.load_params()
 
@@ -135,7 +135,7 @@ def test_v1_checkpoint_loads_transposed(hf_dir, tmp_path, quantize):
     arrays and the same tokens."""
     out = str(tmp_path / "orbax")
     assert cli.main(["convert", "--from-hf", hf_dir, "--to", out, "--quantize", quantize]) == 0
-    eng = TransformerEngine(_orbax_cfg(out), weights=out, config=ECFG)
+    eng = create_engine(_orbax_cfg(out), weights=out, config=ECFG)
     v2 = eng.load_params()
     before = _tokens(out)
     _rewrite_as_v1(out)
@@ -160,7 +160,7 @@ def test_corrupt_or_mismatched_orbax_checkpoint(hf_dir, tmp_path):
     meta = json.load(open(meta_path))
     meta["model"]["intermediate_size"] = 96
     json.dump(meta, open(meta_path, "w"))
-    eng = TransformerEngine(_orbax_cfg(out), weights=out, config=ECFG)
+    eng = create_engine(_orbax_cfg(out), weights=out, config=ECFG)
     with pytest.raises(ValueError, match="cannot restore Orbax checkpoint"):
         eng.load_params()
     # Array data removed.

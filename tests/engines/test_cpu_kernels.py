@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, TransformerEngine, cpu_kernels
+from engines import EngineConfig, ModelConfig, cpu_kernels, create_engine
 from engines.kv_cache import PrefillKV
 from jetserve.offline import generate_many
 
@@ -252,10 +252,10 @@ def _uses_kernel(model, params, T) -> bool:
 @pytest.fixture(scope="module")
 def engines(kernel):
     """The same weights on one device with the kernel and without it."""
-    on = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
+    on = create_engine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cpu_kernels.ENV_SWITCH, "0")
-        off = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
+        off = create_engine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
     return on, off, on.load_params()
 
 
@@ -274,7 +274,7 @@ def test_only_steps_up_to_max_rows_use_the_kernels(engines):
                    cpu_kernels.LOG_PROBS_TARGET):
         assert target in on._generate_jit.lower(params, state).as_text()
         assert target not in off._generate_jit.lower(params, state).as_text()
-    paged = TransformerEngine(CFG, config=EngineConfig(
+    paged = create_engine(CFG, config=EngineConfig(
         max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48, kv_layout="paged",
         page_size=8), devices=jax.devices()[:1], seed=3)
     table = paged.pages.table[:, :paged.generate_widths()[0]]
@@ -300,7 +300,7 @@ def test_greedy_tokens_and_logits_equal_xla(engines):
 
 
 def test_a_sharded_mesh_never_uses_the_kernel(kernel):
-    eng = TransformerEngine(CFG, config=ENGINE, devices=jax.devices()[:2], seed=3)
+    eng = create_engine(CFG, config=ENGINE, devices=jax.devices()[:2], seed=3)
     assert eng.model_config.cpu_matmul_rows == 0
     params = jax.eval_shape(eng.load_params)
     assert cpu_kernels.TARGET not in eng._generate_jit.lower(

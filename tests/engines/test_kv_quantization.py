@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, TransformerEngine
+from engines import EngineConfig, ModelConfig, create_engine
 from engines.kv_cache import dequantize_kv, quantize_kv
 from jetserve.offline import generate_many
 from sharding import load_preset
@@ -17,7 +17,7 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [27, 18, 28], list(range(40, 70))]
 
 
 def _engine(kv_dtype, devices=1, sharding="replicated"):
-    return TransformerEngine(
+    return create_engine(
         CFG, config=EngineConfig(max_concurrent_decodes=4, max_prefill_length=32,
                                  max_seq_len=64, kv_dtype=kv_dtype),
         devices=jax.devices()[:devices], sharding=load_preset(sharding), seed=5)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, TransformerEngine
+from engines import EngineConfig, TransformerEngine, create_engine
 from engines.page_pool import OutOfPages, width_buckets
 from engines.paged_engine import PagedTransformerEngine
 from engines.paged_kv import pallas_decode_attention, resolve_attention, xla_decode_attention
@@ -24,8 +24,8 @@ SHAPES = dict(max_concurrent_decodes=3, max_prefill_length=16, max_seq_len=40)
 def _engines(family, **paged):
     cfg = model_config(family)
     dev = jax.devices()[:1]
-    contiguous = TransformerEngine(cfg, devices=dev, config=EngineConfig(**SHAPES))
-    p = TransformerEngine(cfg, devices=dev, config=EngineConfig(
+    contiguous = create_engine(cfg, devices=dev, config=EngineConfig(**SHAPES))
+    p = create_engine(cfg, devices=dev, config=EngineConfig(
         **SHAPES, kv_layout="paged", page_size=4, **paged))
     return contiguous, p
 
@@ -192,3 +192,10 @@ def test_pallas_kernel_agrees_with_gather_path():
     ref = xla_decode_attention(q, k_pool, v_pool, table, lengths)
     out = pallas_decode_attention(q[:, None], k_pool, v_pool, table, lengths)[:, 0]
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-2, rtol=2e-2)
+
+
+def test_the_contiguous_class_refuses_a_paged_config():
+    # create_engine picks the class for the layout; the base class never swaps itself.
+    with pytest.raises(ValueError, match="kv_layout is 'paged'.*create_engine"):
+        TransformerEngine(model_config("llama"), devices=jax.devices()[:1],
+                          config=EngineConfig(**SHAPES, kv_layout="paged", page_size=4))

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, TransformerEngine, load_hf_config
+from engines import EngineConfig, ModelConfig, create_engine, load_hf_config
 from engines import quantization as qz
 from engines.checkpoint import read_orbax_config
 from jetserve import cli
@@ -84,18 +84,18 @@ def test_bad_quantize_settings_are_named():
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=7)
     with pytest.raises(ValueError, match="must be even"):
-        TransformerEngine(cfg, config=EngineConfig(quantize="int4", **ECFG),
-                          devices=jax.devices()[:1])
+        create_engine(cfg, config=EngineConfig(quantize="int4", **ECFG),
+                      devices=jax.devices()[:1])
 
 
 def test_hf_weights_quantized_at_load_time(hf_dir):
     cfg = load_hf_config(hf_dir)
-    plain = TransformerEngine(cfg, weights=hf_dir, config=EngineConfig(**ECFG),
-                              devices=jax.devices()[:1])
+    plain = create_engine(cfg, weights=hf_dir, config=EngineConfig(**ECFG),
+                          devices=jax.devices()[:1])
     float_params = plain.load_params()
     for scheme in ("int8", "int4"):
-        eng = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
-                                config=EngineConfig(quantize=scheme, **ECFG))
+        eng = create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                            config=EngineConfig(quantize=scheme, **ECFG))
         params = _np(eng.load_params())
         want = _np(qz.quantize_params(_np(float_params), scheme, qz.DEFAULT_GROUP, np))
         assert jax.tree.structure(params) == jax.tree.structure(want)
@@ -112,9 +112,9 @@ def test_hf_weights_quantized_at_load_time(hf_dir):
 
 def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path, capsys):
     cfg = load_hf_config(hf_dir)
-    on_load = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
-                                config=EngineConfig(quantize="int4", quant_group_size=16,
-                                                    **ECFG))
+    on_load = create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                            config=EngineConfig(quantize="int4", quant_group_size=16,
+                                                **ECFG))
     want_params = on_load.load_params()
     out = str(tmp_path / "int4")
     assert cli.main(["convert", "--from-hf", hf_dir, "--to", out, "--quantize", "int4",
@@ -122,8 +122,8 @@ def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path, capsys):
     meta = json.load(open(os.path.join(out, "jetserve_model.json")))["model"]
     assert (meta["weight_quant"], meta["quant_group_size"]) == ("int4", 16)
     stored = read_orbax_config(out)
-    eng = TransformerEngine(stored, weights=out, config=EngineConfig(**ECFG),
-                            devices=jax.devices()[:1])
+    eng = create_engine(stored, weights=out, config=EngineConfig(**ECFG),
+                        devices=jax.devices()[:1])
     params = eng.load_params()
     got, want = jax.tree.leaves(_np(params)), jax.tree.leaves(_np(want_params))
     for a, b in zip(got, want, strict=True):
@@ -138,7 +138,7 @@ def test_convert_quantized_orbax_round_trip(hf_dir, tmp_path, capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["token_ids"] == want_tokens[0]
     with pytest.raises(ValueError, match="holds int4 weights .* cannot load them as int8"):
-        TransformerEngine(stored, weights=out, config=EngineConfig(quantize="int8", **ECFG))
+        create_engine(stored, weights=out, config=EngineConfig(quantize="int8", **ECFG))
 
 
 @pytest.mark.slow
@@ -146,9 +146,9 @@ def test_tp_quantized_engine_matches_one_device(hf_dir):
     cfg = load_hf_config(hf_dir)  # 4 heads, 2 kv heads, F 128
     for scheme in ("int8", "int4"):
         ec = EngineConfig(quantize=scheme, **ECFG)
-        one = TransformerEngine(cfg, weights=hf_dir, config=ec, devices=jax.devices()[:1])
-        tp = TransformerEngine(cfg, weights=hf_dir, config=ec, devices=jax.devices()[:2],
-                               sharding=load_preset("tp"))
+        one = create_engine(cfg, weights=hf_dir, config=ec, devices=jax.devices()[:1])
+        tp = create_engine(cfg, weights=hf_dir, config=ec, devices=jax.devices()[:2],
+                           sharding=load_preset("tp"))
         tp_params = tp.load_params()
         down = tp_params["layers_0"]["mlp"]["down_proj"][qz.QVALUE]
         assert down.sharding.shard_shape(down.shape)[1] == down.shape[1] // 2  # split over F
@@ -161,10 +161,10 @@ def test_every_family_quantizes_its_kernels(family, tmp_path):
     d = str(tmp_path / family)
     make_hf_model(family, d)
     cfg = load_hf_config(d)
-    plain = TransformerEngine(cfg, weights=d, config=EngineConfig(**ECFG),
-                              devices=jax.devices()[:1])
-    eng = TransformerEngine(cfg, weights=d, config=EngineConfig(quantize="int4", **ECFG),
-                            devices=jax.devices()[:1])
+    plain = create_engine(cfg, weights=d, config=EngineConfig(**ECFG),
+                          devices=jax.devices()[:1])
+    eng = create_engine(cfg, weights=d, config=EngineConfig(quantize="int4", **ECFG),
+                        devices=jax.devices()[:1])
     params = _np(eng.load_params())
     want = _np(qz.quantize_params(_np(plain.load_params()), "int4", qz.DEFAULT_GROUP, np))
     assert jax.tree.structure(params) == jax.tree.structure(want)
@@ -182,11 +182,11 @@ def test_every_family_quantizes_its_kernels(family, tmp_path):
 
 def test_paged_engine_with_quantized_weights(hf_dir):
     cfg = load_hf_config(hf_dir)
-    want = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
-                             config=EngineConfig(quantize="int8", **ECFG))
-    paged = TransformerEngine(cfg, weights=hf_dir, devices=jax.devices()[:1],
-                              config=EngineConfig(quantize="int8", kv_layout="paged",
-                                                  page_size=8, **ECFG))
+    want = create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                         config=EngineConfig(quantize="int8", **ECFG))
+    paged = create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                          config=EngineConfig(quantize="int8", kv_layout="paged",
+                                              page_size=8, **ECFG))
     assert paged.kv_pages is not None  # the paged engine, not the contiguous one
     params = paged.load_params()
     assert params["layers_1"]["mlp"]["up_proj"][qz.QVALUE].dtype == np.int8

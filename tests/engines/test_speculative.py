@@ -10,15 +10,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from engines import EngineConfig, ModelConfig, SamplingParams, TransformerEngine
+from engines import EngineConfig, ModelConfig, SamplingParams, create_engine
+from engines.engine_config import parse_speculative
 from engines.sampling import SlotSampling
-from engines.speculative import (
-    ngram_drafts,
-    parse_speculative,
-    running_counts,
-    target_probs,
-    verify,
-)
+from engines.speculative import ngram_drafts, running_counts, target_probs, verify
 from jetserve.offline import generate_many
 from tests.engines.speculative_sampling import check_first_tokens_follow, prefilled_slots
 
@@ -30,7 +25,7 @@ K = 4
 def _engine(speculative, **kw):
     config = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
                           speculative=speculative, **kw)
-    eng = TransformerEngine(CFG, config=config, devices=jax.devices()[:1], seed=3)
+    eng = create_engine(CFG, config=config, devices=jax.devices()[:1], seed=3)
     return eng, eng.load_params()
 
 
@@ -312,7 +307,7 @@ def test_engine_sampling_at_temperature_1_follows_the_model():
     # model's softmax at that position, whether the draft was kept or replaced.
     cfg = dataclasses.replace(CFG, vocab_size=16, sliding_window=None)
     B = 128
-    eng = TransformerEngine(cfg, config=EngineConfig(
+    eng = create_engine(cfg, config=EngineConfig(
         max_concurrent_decodes=B, max_prefill_length=16, max_seq_len=32, top_logprobs=0,
         speculative="ngram:2"), devices=jax.devices()[:1], seed=4)
     params = eng.load_params()

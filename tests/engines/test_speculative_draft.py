@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, SamplingParams, TransformerEngine
+from engines import EngineConfig, ModelConfig, SamplingParams, create_engine
+from engines.engine_config import Speculative, parse_speculative
 from engines.kv_cache import PrefillKV
-from engines.speculative import Speculative, parse_speculative
 from jetserve.commands.common import add_model_arguments, engine_config
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
@@ -32,8 +32,8 @@ K = 4
 def _engine(speculative, draft=None, **kw):
     config = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
                           speculative=speculative, **kw)
-    eng = TransformerEngine(CFG, config=config, devices=jax.devices()[:1], seed=3,
-                            draft_config=draft)
+    eng = create_engine(CFG, config=config, devices=jax.devices()[:1], seed=3,
+                        draft_config=draft)
     return eng, eng.load_params()
 
 
@@ -97,9 +97,9 @@ def test_cli_builds_a_draft_engine_and_names_a_vocabulary_mismatch():
 def test_draft_model_and_setting_must_agree():
     config = EngineConfig(speculative="draft:m:2")
     with pytest.raises(ValueError, match="needs the draft model's config"):
-        TransformerEngine(CFG, config=config)
+        create_engine(CFG, config=config)
     with pytest.raises(ValueError, match="not 'draft:PATH:K'"):
-        TransformerEngine(CFG, config=EngineConfig(speculative="ngram:2"), draft_config=SMALL)
+        create_engine(CFG, config=EngineConfig(speculative="ngram:2"), draft_config=SMALL)
 
 
 def test_chunked_prefill_prefix_cache_and_mixed_engines_are_refused(plain, small):
@@ -210,7 +210,7 @@ def test_engine_sampling_at_temperature_1_follows_the_target():
     # follows the target's softmax, whether the draft was kept or replaced.
     cfg = dataclasses.replace(CFG, vocab_size=16, sliding_window=None)
     B = 128
-    eng = TransformerEngine(cfg, config=EngineConfig(
+    eng = create_engine(cfg, config=EngineConfig(
         max_concurrent_decodes=B, max_prefill_length=16, max_seq_len=32, top_logprobs=0,
         speculative="draft:small:2"), devices=jax.devices()[:1], seed=4,
         draft_config=dataclasses.replace(SMALL, vocab_size=16))
@@ -225,8 +225,8 @@ def test_a_tensor_parallel_target_with_a_replicated_draft(plain):
     # replicated on the same devices: the same greedy tokens as the plain engine.
     config = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
                           speculative=f"draft:itself:{K}")
-    eng = TransformerEngine(CFG, config=config, devices=jax.devices()[:2], seed=3,
-                            sharding=load_preset("tp"), draft_config=CFG)
+    eng = create_engine(CFG, config=config, devices=jax.devices()[:2], seed=3,
+                        sharding=load_preset("tp"), draft_config=CFG)
     params = eng.load_params()
     prompts, lens = _prompts(8)[:4], (20, 9, 26, 14)
     want, _ = _orchestrated(*plain, prompts, lens)

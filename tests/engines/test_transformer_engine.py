@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, TransformerEngine, prefill_buckets
+from engines import EngineConfig, ModelConfig, create_engine, prefill_buckets
 from engines.kv_cache import PrefillKV, window_sizes
 from jetserve.offline import generate_many
 
@@ -18,9 +18,9 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layer
 
 
 def _make():
-    eng = TransformerEngine(CFG, config=EngineConfig(max_concurrent_decodes=4,
-                                                     max_prefill_length=40, max_seq_len=64),
-                            devices=jax.devices()[:1], seed=3)
+    eng = create_engine(CFG, config=EngineConfig(max_concurrent_decodes=4,
+                                                 max_prefill_length=40, max_seq_len=64),
+                        devices=jax.devices()[:1], seed=3)
     return eng, eng.load_params()
 
 
@@ -102,9 +102,9 @@ def test_decode_reads_through_growing_windows():
     # Full attention (no sliding window), so every cached key counts: two live slots cross
     # the 128 and 256 windows while a third slot sits empty (length S, never widening).
     cfg = dataclasses.replace(CFG, sliding_window=None)
-    eng = TransformerEngine(cfg, config=EngineConfig(max_concurrent_decodes=3,
-                                                     max_prefill_length=128, max_seq_len=320),
-                            devices=jax.devices()[:1], seed=5)
+    eng = create_engine(cfg, config=EngineConfig(max_concurrent_decodes=3,
+                                                 max_prefill_length=128, max_seq_len=320),
+                        devices=jax.devices()[:1], seed=5)
     params = eng.load_params()
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 96, size=n).tolist() for n in (110, 7)]
@@ -166,9 +166,9 @@ def test_chunked_prefill_compiles_a_few_shapes_not_one_per_chunk():
     """A 250-token prompt in 16 chunks of 16: a continued prefix grows to powers of two
     (32, 64, 128, 256), so prefill compiles 5 programs, and a second prompt of another
     length none; the chunked prefix gives the whole prompt's tokens."""
-    eng = TransformerEngine(CFG, config=EngineConfig(max_concurrent_decodes=2,
-                                                     max_prefill_length=256, max_seq_len=260),
-                            devices=jax.devices()[:1], seed=3)
+    eng = create_engine(CFG, config=EngineConfig(max_concurrent_decodes=2,
+                                                 max_prefill_length=256, max_seq_len=260),
+                        devices=jax.devices()[:1], seed=3)
     params = eng.load_params()
     rng = np.random.default_rng(1)
 

@@ -12,7 +12,7 @@ import time
 import jax
 import pytest
 
-from engines import EngineConfig, TransformerEngine
+from engines import EngineConfig, create_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, StepDone
 from jetserve.orchestrator.prefix_cache import block_bytes
@@ -25,8 +25,8 @@ PAGED = dict(kv_layout="paged", page_size=4, num_pages=16)
 
 
 def _engine(**config):
-    return TransformerEngine(model_config("llama"), devices=jax.devices()[:1],
-                             config=EngineConfig(**{**SHAPES, **config}))
+    return create_engine(model_config("llama"), devices=jax.devices()[:1],
+                         config=EngineConfig(**{**SHAPES, **config}))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from engines import EngineConfig, TransformerEngine
+from engines import EngineConfig, create_engine
 from engines.page_pool import SlotPages
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
@@ -231,7 +231,7 @@ SHAPES = dict(max_concurrent_decodes=2, max_prefill_length=64, max_seq_len=96)
 def setup(request):
     family, layout = request.param
     cfg = EngineConfig(**SHAPES, kv_layout=layout, page_size=8)
-    eng = TransformerEngine(model_config(family), devices=jax.devices()[:1], config=cfg)
+    eng = create_engine(model_config(family), devices=jax.devices()[:1], config=cfg)
     params = jax.device_put(host_params(eng), eng.param_shardings)
     prompts = [SYSTEM + q for q in QUESTIONS]
     want = [r.token_ids for r in generate_many(eng, params, prompts, max_tokens=8,
@@ -274,7 +274,7 @@ def test_shared_pages_while_requests_are_cancelled_and_preempted():
     uncached ones."""
     cfg = EngineConfig(**{**SHAPES, "max_concurrent_decodes": 4}, kv_layout="paged",
                        page_size=8, num_pages=14)
-    eng = TransformerEngine(model_config("llama"), devices=jax.devices()[:1], config=cfg)
+    eng = create_engine(model_config("llama"), devices=jax.devices()[:1], config=cfg)
     params = jax.device_put(host_params(eng), eng.param_shardings)
     prompts = [SYSTEM + [i + 1] * (1 + i % 4) for i in range(6)]
     want = [r.token_ids for r in generate_many(eng, params, prompts, max_tokens=30,
@@ -309,10 +309,10 @@ def test_disaggregated_prefill_caches_blocks_on_its_own_slice():
     """Prefill on one engine (contiguous), decode on another (paged): the cache keeps
     device arrays on the prefill engine and gives the uncached tokens."""
     devices = jax.devices()
-    prefill = TransformerEngine(model_config("qwen2"), devices=devices[:1],
-                                config=EngineConfig(**SHAPES))
-    gen = TransformerEngine(model_config("qwen2"), devices=devices[1:2],
-                            config=EngineConfig(**SHAPES, kv_layout="paged", page_size=8))
+    prefill = create_engine(model_config("qwen2"), devices=devices[:1],
+                            config=EngineConfig(**SHAPES))
+    gen = create_engine(model_config("qwen2"), devices=devices[1:2],
+                        config=EngineConfig(**SHAPES, kv_layout="paged", page_size=8))
     host = host_params(prefill)
     pp, gp = (jax.device_put(host, e.param_shardings) for e in (prefill, gen))
     prompts = [SYSTEM + q for q in QUESTIONS]

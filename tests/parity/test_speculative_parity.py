@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines import EngineConfig, ModelConfig, TransformerEngine, load_hf_config
+from engines import EngineConfig, ModelConfig, create_engine, load_hf_config
 from jetserve.orchestrator import Orchestrator, Request
 from tests.parity.hf_models import FAMILIES
 
@@ -41,9 +41,9 @@ def _check(hf_dirs, name, speculative="ngram:3", draft=None, **layout):
         draft, draft_weights = load_hf_config(d), d
     else:
         draft_weights = None
-    eng = TransformerEngine(load_hf_config(d), weights=d, config=cfg,
-                            devices=jax.devices()[:1], draft_config=draft,
-                            draft_weights=draft_weights)
+    eng = create_engine(load_hf_config(d), weights=d, config=cfg,
+                        devices=jax.devices()[:1], draft_config=draft,
+                        draft_weights=draft_weights)
     prompts = _prompts()
     with Orchestrator.from_engines(eng) as orch:
         handles = [orch.submit(Request(prompt_ids=p, max_tokens=n, ignore_eos=True))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines import EngineConfig, TransformerEngine, load_hf_config
+from engines import EngineConfig, create_engine, load_hf_config
 from engines.kv_cache import DecodeKV, PrefillKV
 from jetserve import cli
 from jetserve.offline import generate_many
@@ -26,7 +26,7 @@ PROMPT_LENGTHS = (40, 7, 23, 33, 12)  # five prompts, four slots: the last joins
 def _engine(model_dir, slots=4):
     cfg = EngineConfig(max_concurrent_decodes=slots, max_prefill_length=48, max_seq_len=96,
                        top_logprobs=4)
-    return TransformerEngine(load_hf_config(model_dir), weights=model_dir, config=cfg)
+    return create_engine(load_hf_config(model_dir), weights=model_dir, config=cfg)
 
 
 def _prompts(seed=0):
@@ -126,7 +126,7 @@ def test_cpu_kernels_match_transformers(hf_dirs, family):
     family's features (sliding windows, biases, tied heads, experts) through them."""
     d, model = hf_dirs[family]
     cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=48, max_seq_len=96)
-    eng = TransformerEngine(load_hf_config(d), weights=d, config=cfg, devices=jax.devices()[:1])
+    eng = create_engine(load_hf_config(d), weights=d, config=cfg, devices=jax.devices()[:1])
     if not eng.model_config.cpu_matmul_rows:
         pytest.skip("the CPU matmul kernel is not available here")
     params = eng.load_params()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from engines import EngineConfig, ModelConfig, TransformerEngine, from_hf_config
+from engines import EngineConfig, ModelConfig, TransformerEngine, create_engine, from_hf_config
 from sharding import PRESETS, load_preset
 from tests.parity.hf_models import FAMILIES, FAMILY_CONFIGS, TINY
 
@@ -35,8 +35,8 @@ def model_config(family: str) -> ModelConfig:
 
 
 def make_engine(family: str, preset: str, devices) -> TransformerEngine:
-    return TransformerEngine(model_config(family), devices=list(devices),
-                             sharding=load_preset(preset), config=ENGINE_CONFIG)
+    return create_engine(model_config(family), devices=list(devices),
+                         sharding=load_preset(preset), config=ENGINE_CONFIG)
 
 
 def host_params(engine: TransformerEngine, seed: int = 0) -> dict:

@@ -1,0 +1,95 @@
+"""Attention math, below the model and the KV stores that both use it.
+
+`KVStore` is the contract between a model's attention layer and the cache that holds
+its keys and values (engines/kv_cache.py, engines/paged_kv.py implement it);
+`attention` is causal grouped-query attention by positions over [B, S, K, H] keys and
+values, `decode_attention` the same over a decode cache's own layout.
+
+Letters: B batch, T query length, S key length, N query heads, K kv heads, G = N/K,
+H head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+
+
+class KVStore(Protocol):
+    """Where a layer's keys and values go, and what it attends over."""
+
+    def update(
+        self, layer: int, k: jax.Array, v: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Takes new k, v [B, T, K, H]; returns (k_all, v_all [B, S, K, H], k_pos i32[B, S]).
+
+        k_pos holds each key's sequence position, or -1 for an empty entry.
+        """
+        ...
+
+
+def _attention_probs(scores: jax.Array, qp: jax.Array, kp: jax.Array, head_dim: int,
+                     sliding_window: int | None, dtype: Any) -> jax.Array:
+    """Scaled, causally masked softmax of raw q.k scores (last axis: keys); qp / kp are
+    the query / key positions shaped to broadcast against them (key position -1: empty)."""
+    visible = (kp >= 0) & (kp <= qp)
+    if sliding_window is not None:
+        visible &= kp > qp - sliding_window
+    scores = jnp.where(visible, scores / math.sqrt(head_dim), _MASKED)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    q_pos: jax.Array,  # i32[B, T]
+    k_pos: jax.Array,  # i32[B, S], -1 = empty
+    sliding_window: int | None,
+) -> jax.Array:
+    """Causal grouped-query attention by positions; returns [B, T, N, H]."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)  # (B, T, K, G, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
+    kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(B, T, N, H)
+
+
+def decode_attention(
+    q: jax.Array,  # [B, T, N, H], T = 1 but in speculative verification
+    k: jax.Array,  # [B, K, H, S] positions minor
+    v: jax.Array,  # [B, K, S, H]
+    q_pos: jax.Array,  # i32[B, T]
+    k_pos: jax.Array,  # i32[B, S], -1 = empty
+    sliding_window: int | None,
+) -> jax.Array:
+    """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
+    (T > 1 new tokens per row, speculative verification: q [B, T, N, H], q_pos [B, T].)
+
+    Both contractions are batched over (B, K) and run along the cache's memory order, so
+    the cache is read once and never transposed (see engines.kv_cache)."""
+    B, T, N, H = q.shape
+    K = k.shape[1]
+    if T > 1:
+        qg = q.reshape(B, T, K, N // K, H)
+        scores = jnp.einsum("btkgh,bkhs->bkgts", qg, k, preferred_element_type=jnp.float32)
+        qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
+        kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
+        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
+        return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
+    qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
+    scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
+    qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
+    kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
+    out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
+    return out.reshape(B, 1, N, H)

@@ -1,0 +1,109 @@
+"""The transformer engine's pure device functions: prefill (shared by both KV layouts),
+prompt log-probs and the contiguous cache's generate step.
+
+Functions of (model, static sizes, params, inputs, state) only: the engine
+(engines/transformer_engine.py) binds the model and sizes and jits each once with
+explicit shardings. The paged generate steps sit beside their engine
+(engines/paged_engine.py), the speculative ones in engines/speculative.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from engines.engine_api import pack_results
+from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix
+from engines.model import Decoder
+from engines.sampling import sample, token_logprobs
+
+
+def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
+            prompt_mask, existing, draft_params=None, *, draft_model: Decoder | None = None):
+    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length).
+    With a draft model (speculative decoding) the draft's KV of the prompt comes too
+    (whole prompts only: the engine refuses existing prefixes then)."""
+    T = tokens.shape[1]
+    idx = jnp.arange(T)[None, :]
+    positions = start + idx  # (1, T)
+    new_k_pos = jnp.where(idx < true_length, positions, -1)
+    kv = PrefillKV(new_k_pos, existing, start)
+    last = jnp.reshape(true_length - 1, (1,))
+    logits = model.apply({"params": params}, tokens, positions, kv, last=last)[:, 0]  # (1, V)
+    V = logits.shape[-1]
+    seen = jnp.zeros((1, V), jnp.int32).at[0, tokens[0]].max((idx[0] < true_length).astype(jnp.int32))
+    mask = prompt_mask | (seen > 0)
+    counts = jnp.zeros((1, V), jnp.int32)
+    tok, next_key = sample(logits, sampling, mask, counts)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
+    length = start + true_length
+    all_tokens = (tokens if existing is None else  # placed as kv.k_pos places positions
+                  jax.lax.dynamic_update_slice_in_dim(existing.tokens, tokens, start, 1))
+    draft = PrefillKV(new_k_pos, None)
+    if draft_model is not None:
+        draft_model.apply({"params": draft_params}, tokens, positions, draft, last=last)
+    prefix = Prefix(
+        k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos, tokens=all_tokens,
+        length=length.astype(jnp.int32),
+        token=tok[0], sampling=dataclasses.replace(sampling, key=next_key), prompt_mask=mask,
+        draft_k=tuple(draft.k), draft_v=tuple(draft.v),
+    )
+    res = pack_results(tok, jnp.ones((1,), bool), jnp.reshape(length + 1, (1,)), lp, top_ids,
+                       top_lp)
+    return prefix, res
+
+
+def prompt_logprobs(model: Decoder, top_n: int, params, tokens, true_length):
+    """Log-probs of each prompt token given the ones before it (echo / scoring)."""
+    T = tokens.shape[1]
+    idx = jnp.arange(T)[None, :]
+    kv = PrefillKV(jnp.where(idx < true_length, idx, -1), None)
+    logits = model.apply({"params": params}, tokens, idx, kv)[0]  # (T, V)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nxt = jnp.roll(tokens[0], -1)  # token t+1 is scored by the logits at t
+    chosen = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, max(top_n, 1))
+    greedy = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+    # Shift by one so row t describes prompt token t; row 0 has no context.
+    shift = lambda x, fill: jnp.concatenate([jnp.full((1,) + x.shape[1:], fill, x.dtype), x[:-1]])
+    return PromptLogprobs(
+        token_logprobs=shift(chosen, jnp.nan), top_ids=shift(top_ids[:, :top_n].astype(jnp.int32), -1),
+        top_logprobs=shift(top_lp[:, :top_n], jnp.nan), greedy=shift(greedy, -1),
+    )
+
+
+def generate(model: Decoder, top_n: int, params, state: DecodeState):
+    S = state.k[0].shape[-1]
+    valid = state.lengths < S
+    pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
+    cpu_kernels = model.cfg.cpu_matmul_rows > 0  # the engine turned the CPU kernels on
+    kv = DecodeKV(state, pos, cpu_attention=cpu_kernels)
+    logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
+    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
+                            cpu_kernels=cpu_kernels)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
+    B = tok.shape[0]
+    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
+    new_state = DecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
+        lengths=lengths, tokens=tok,
+        sampling=dataclasses.replace(state.sampling, key=next_keys),
+        prompt_mask=state.prompt_mask,
+        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
+        history=state.history,
+    )
+    return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PromptLogprobs:
+    """Per prompt position t: log p(token_t | tokens before t); row 0 is NaN / -1."""
+
+    token_logprobs: Any  # f32[T]
+    top_ids: Any  # i32[T, n]
+    top_logprobs: Any  # f32[T, n]
+    greedy: Any  # i32[T] the argmax token at t given tokens before t

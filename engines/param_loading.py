@@ -1,0 +1,118 @@
+"""A decoder's parameters: their shapes, where they live, and how they are loaded.
+
+One `load_params` for every source: random weights (from the engine's seed), a Hugging
+Face safetensors directory or a jetserve Orbax checkpoint, each placed straight onto the
+engine's parameter shardings. Quantize-on-load is the same path over the float model:
+when the engine's parameters are quantized but the stored ones are float
+(`needs_quantizing`), HF tensors are quantized one by one on the host (the float model
+never sits on the devices), random and Orbax weights by one jitted function whose float
+input is dropped as soon as it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from engines import checkpoint
+from engines.config import ModelConfig
+from engines.model import Decoder
+from engines.quantization import KERNEL_INPUT_AXES, QVALUE, SCALE, quantize, quantize_params
+from sharding import ShardingConfig
+
+
+class ShapeOnlyKV:
+    """KV store for tracing shapes at init: attend over the new tokens only."""
+
+    def __init__(self, k_pos):
+        self.k_pos = k_pos
+
+    def update(self, layer, k, v):
+        return k, v, self.k_pos
+
+
+def _path(p) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in p)
+
+
+def _init(model: Decoder, key) -> dict:
+    """The model's boxed parameters (logical axis names attached) from `key`."""
+    one = jnp.zeros((1, 1), jnp.int32)
+    return model.init(key, one, one, ShapeOnlyKV(one))["params"]
+
+
+def trace_params(model: Decoder) -> tuple[dict, dict]:
+    """(abstract parameters, their logical axis names as PartitionSpecs), without
+    computing any parameter."""
+    boxed = jax.eval_shape(lambda: _init(model, jax.random.key(0)))
+    return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def param_shardings(sharding: ShardingConfig, mesh: Mesh, logical: dict,
+                    abstract: dict) -> dict:
+    """Where each parameter lives on `mesh`, by its logical axis names."""
+
+    def one(path, spec, a):
+        name = _path(path)
+        # Quantization scales are 1/group the size of their kernel: where their groups
+        # do not divide over the channel's mesh axis they stay whole on every device.
+        return sharding.named(mesh, tuple(spec), a.shape, f"parameter {name}",
+                              strict=not name.endswith(f"/{SCALE}"))
+
+    return jax.tree_util.tree_map_with_path(
+        one, logical, abstract, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def needs_quantizing(cfg: ModelConfig, weights: str | None) -> bool:
+    """True when the engine's params are quantized but its weights are stored float."""
+    if cfg.weight_quant == "none":
+        return False
+    if weights is not None and checkpoint.is_orbax_dir(weights):
+        return checkpoint.read_orbax_config(weights).weight_quant == "none"
+    return True
+
+
+def load_params(model: Decoder, weights: str | None, *, seed: int, sharding: ShardingConfig,
+                mesh: Mesh, shardings: dict, abstract: dict) -> dict:
+    """The parameters of `model` from `weights` (None: random from `seed`), placed with
+    `shardings` (the tree of NamedShardings of `abstract`, the model's parameters)."""
+    cfg = model.cfg
+    quantizing = needs_quantizing(cfg, weights)
+    convert: Any = None  # stored (float) params -> the model's (quantized) params
+    if quantizing:
+        scheme, group = cfg.weight_quant, cfg.quant_group_size
+        model = Decoder(dataclasses.replace(cfg, weight_quant="none"), dtype=model.dtype)
+        stored, logical = trace_params(model)
+        stored_sh = param_shardings(sharding, mesh, logical, stored)
+        convert = lambda p: quantize_params(p, scheme, group, jnp)
+    else:
+        stored, stored_sh = abstract, shardings
+    if weights is None:
+        init = jax.jit(
+            lambda key: (convert or (lambda p: p))(nn.meta.unbox(_init(model, key))),
+            out_shardings=shardings,
+        )
+        return init(jax.random.key(seed))
+    if checkpoint.is_orbax_dir(weights):
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              stored, stored_sh)
+        params = checkpoint.read_orbax_params(weights, target)
+        return jax.jit(convert, out_shardings=shardings)(params) if quantizing else params
+    flat_sh: dict[str, NamedSharding] = {
+        _path(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+
+    def place(path: str, arr: np.ndarray):
+        leaf = path.rsplit("/", 1)[-1]
+        if not quantizing or leaf not in KERNEL_INPUT_AXES:
+            return jax.device_put(arr, flat_sh[path])
+        q, s = quantize(arr, KERNEL_INPUT_AXES[leaf], scheme, group, np)
+        return {QVALUE: jax.device_put(q, flat_sh[f"{path}/{QVALUE}"]),
+                SCALE: jax.device_put(s, flat_sh[f"{path}/{SCALE}"])}
+
+    return checkpoint.read_hf_params(weights, model.cfg, stored, place)

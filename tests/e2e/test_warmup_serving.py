@@ -93,6 +93,19 @@ def test_nothing_compiles_after_the_warm_up():
         assert engine.trace_counts() == warm
 
 
+def test_a_paged_warm_up_covers_every_generate_width():
+    engine = build_engine(TINY_MODEL, engine_config=EngineConfig(
+        max_concurrent_decodes=2, max_prefill_length=64, max_seq_len=128, kv_layout="paged",
+        page_size=8))
+    with Orchestrator.from_engines(engine, params=engine.load_params()) as orch:
+        warmup.run(orch, progress=False)
+        warm = engine.trace_counts()
+        assert warm["generate"] == len(engine.generate_widths())  # 1, 2, 4, 8, 16 pages
+        handles = [orch.submit(Request(prompt_ids=[7] * L, max_tokens=4)) for L in (9, 17)]
+        assert all(h.result(300).finish_reason == "length" for h in handles)
+        assert engine.trace_counts() == warm
+
+
 def _serve(cache: str) -> tuple[list[str], subprocess.Popen, dict[str, int]]:
     cmd = [sys.executable, "-m", "jetserve", "serve", "--model", TINY_MODEL, "--host",
            "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--max-seq-len", "128",
@@ -120,7 +133,7 @@ def test_serve_listens_then_warms_up_then_serves_and_a_restart_reads_the_cache(t
         lines, proc, ports = _serve(cache)
         try:
             text = "".join(lines)
-            order = [text.index(s) for s in ("listening on", "warming up (2 prompt buckets)",
+            order = [text.index(s) for s in ("listening on", "warming up (2 steps",
                                               "compiled ", "jetserve serve: ready")]
             assert order == sorted(order), text
             (line,) = [x for x in lines if "compiled " in x]

@@ -13,7 +13,9 @@ miss. Entries are never rewritten once present. jax writes an entry in place (no
 through a rename), so a process reading it while another one writes may see it torn;
 jax catches any error reading an entry, warns, and compiles the program instead (unless
 `jax_raise_persistent_cache_errors` is set), so a torn or foreign entry costs a compile,
-never a crash. In a run over several processes only process 0 writes.
+never a crash. jax never rewrites an entry that exists, so one torn by a process killed
+mid-write stays a miss (a warning each start) until the directory is cleared. In a run
+over several processes (jax.distributed) only process 0 writes.
 
 Concurrency: `CompileCounter` listens to jax's monitoring events, which fire on whichever
 thread compiles; its counts are guarded by a lock.

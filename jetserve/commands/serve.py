@@ -249,8 +249,10 @@ async def _warm_up(orch, servers, halt: threading.Event) -> None:
     done = loop.create_future()
 
     def report(set_outcome, value) -> None:
-        if not loop.is_closed():
+        try:
             loop.call_soon_threadsafe(lambda: done.done() or set_outcome(value))
+        except RuntimeError:  # the loop closed: serve stopped before the warm-up ended
+            pass
 
     def body() -> None:
         try:

@@ -148,3 +148,28 @@ def test_serve_listens_then_warms_up_then_serves_and_a_restart_reads_the_cache(t
     (cold_n, cold_hits), (warm_n, warm_hits) = counts
     assert cold_n > 0 and cold_hits == 0
     assert warm_hits == warm_n == cold_n  # the restart compiled nothing
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_warm_up_stops_cleanly(tmp_path):
+    cmd = [sys.executable, "-m", "jetserve", "serve", "--model", TINY_MODEL, "--host",
+           "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--max-seq-len", "128",
+           "--compile-cache", str(tmp_path / "cache")]  # empty: the warm-up compiles
+    proc = subprocess.Popen(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    hung = threading.Timer(600, proc.kill)  # bounds the reads below
+    hung.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "warming up" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        lines.extend(proc.stdout)
+        assert proc.wait(120) == 0, "".join(lines)
+    finally:
+        hung.cancel()
+    text = "".join(lines)
+    assert "jetserve serve: ready" not in text and "jetserve serve: stopped" in text, text
+    assert "Traceback" not in text, text

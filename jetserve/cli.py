@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "compile_cache"):  # a command that builds an engine
+            from jetserve import compile_cache
+
+            compile_cache.enable(args.compile_cache)  # before its first compile
         return int(args._module.run(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"jetserve {args.command}: error: {e}", file=sys.stderr)

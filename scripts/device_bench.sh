@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The benchmarks of docs/BENCHMARKS.md on an accelerator, in one command (under 8 minutes
 # on one GPU): plan, decode against the floor (device memory probed in the same run),
-# the orchestrator overhead, and a serving sweep against a real server.
+# the orchestrator overhead, a cold and a warm start, and a serving sweep against a real
+# server.
 #
 #   scripts/device_bench.sh [OUT_DIR]          # default OUT_DIR: bench-<date>
 #
@@ -53,6 +54,9 @@ run "$PY" -m jetserve bench decode --model "$MODEL" --dtype "$DTYPE" --batch "$B
 run "$PY" -m jetserve.bench.orchestrator_overhead --model "$MODEL" "${OVERHEAD_ARGS[@]}" --json \
   > "$OUT/overhead.txt"
 
+# Process start to first token with a cold compile cache, then a warm one (the same dir).
+run "$PY" -m jetserve bench startup --model "$MODEL" --json > "$OUT/startup.json"
+
 # A real server on a free port; the sweep's cold-start line includes its start and compile.
 PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 log "serve --model $MODEL on 127.0.0.1:$PORT"
@@ -67,4 +71,4 @@ kill "$SERVER"
 wait "$SERVER" || true
 trap - EXIT
 
-log "done: $OUT (plan.json decode.json overhead.txt serve.json serve.png log.txt)"
+log "done: $OUT (plan.json decode.json overhead.txt startup.json serve.json serve.png log.txt)"

@@ -352,9 +352,9 @@ def main() -> int:
            "--served-model-name", "jetserve", *args.serve_args]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for line in server.stdout:  # until both servers say they listen
+        for line in server.stdout:  # until it takes requests (listening, then warmed up)
             print(line, end="", file=sys.stderr)
-            if "HTTP listening" in line:
+            if "jetserve serve: ready" in line:
                 break
         else:
             raise SystemExit(f"jetserve serve exited with {server.wait()}")

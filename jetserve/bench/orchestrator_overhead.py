@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from engines import EngineConfig
+from jetserve import compile_cache
 from jetserve.model_loading import build_engine
 from jetserve.orchestrator import Orchestrator, Request, StepDone
 
@@ -82,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=1, help="devices of the engine's slice")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--json", action="store_true")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.enable(args.compile_cache)  # before the first compile
     if args.steps + PROMPT_LEN + 8 > args.max_seq_len:
         raise SystemExit(f"--steps {args.steps} does not fit --max-seq-len {args.max_seq_len}")
     engine = build_engine(args.model, devices=jax.devices()[: args.devices],

@@ -1,7 +1,7 @@
 """Benchmarks that print figures: decode against its floor, jetserve against transformers,
 quantized variants against the float model, KV capacity of the paged layout,
 inter-token latency under chunked prefill, TTFT with the prefix cache, speculative
-decoding against plain decoding."""
+decoding against plain decoding, start-up with a cold and a warm compile cache."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import json
 
+from jetserve import compile_cache
 from jetserve.commands.plan import parse_batches
 
 OVERHEAD_MODULE = "jetserve.bench.orchestrator_overhead"
@@ -174,6 +175,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pl.add_argument("results", nargs="+")
     pl.add_argument("--out", required=True)
     pl.set_defaults(_bench=_plot)
+
+    for name in ("decode", "compare-hf", "batch", "quality", "capacity", "chunked", "prefix",
+                 "speculative"):  # the ones that build an engine in this process
+        compile_cache.add_argument(sub.choices[name])
+
+    st = sub.add_parser("startup", help="process start to first token with a cold and then "
+                                        "a warm compile cache")
+    st.add_argument("--model", default=None,
+                    help="HF or Orbax directory, or random:NAME (default: bundled model)")
+    st.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (one bucket)")
+    st.add_argument("--max-seq-len", type=int, default=256)
+    st.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds each `jetserve generate` may take")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(_bench=_startup)
 
     if importlib.util.find_spec(OVERHEAD_MODULE) is not None:
         # Every argument goes to the module's own parser; "+" as the prefix keeps this one
@@ -377,6 +393,23 @@ def _serve(args: argparse.Namespace) -> int:
         serve.plot([out], args.plot)
     if args.json:
         print(json.dumps({k: v for k, v in out.items() if k != "requests"}))
+    return 0
+
+
+def _startup(args: argparse.Namespace) -> int:
+    from jetserve.bench import startup
+
+    cfg = startup.StartupConfig(model=args.model, prompt_len=args.prompt_len,
+                                max_seq_len=args.max_seq_len, timeout_s=args.timeout)
+    out = startup.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for r in (out["cold"], out["warm"]):
+        print(f"{r['cache']:>4}: first token {r['first_token_s']:.2f} s after the process "
+              f"started, compiling {r['compile_s']:.2f} s ({r['compile_share']:.0%}), "
+              f"{r['programs']} programs ({r['from_cache']} from cache)")
+    print(f"warm / cold: {out['warm_over_cold']:.2f}")
     return 0
 
 

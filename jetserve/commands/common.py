@@ -6,6 +6,7 @@ import argparse
 
 from engines import EngineConfig, quantization
 from engines.engine_config import parse_speculative
+from jetserve import compile_cache
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the sequence's own tokens) or draft:PATH:K (K drafts per step from "
                         "a smaller model with the same vocabulary, a directory or "
                         "random:NAME); the drafts are verified in one step")
+    compile_cache.add_argument(p)
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> None:

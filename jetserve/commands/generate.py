@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import sys
 
 import jax
 
@@ -24,6 +25,7 @@ from jetserve.commands.common import (
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
 )
+from jetserve.compile_cache import CompileCounter
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, keyed
@@ -70,6 +72,26 @@ def run(args: argparse.Namespace) -> int:
         seed = int(distributed.broadcast_from_primary([secrets.randbits(31)])[0])
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=seed)
+    with CompileCounter() as compiled:
+        results = _build_and_run(args, devices, sampling)
+    if not distributed.is_primary():  # every process ran the same steps; one prints
+        return 0
+    # What a start costs, and how much of it the persistent compile cache saved.
+    print(f"jetserve generate: {compiled.summary(compiled.compile_s)}; tracing and lowering "
+          f"{compiled.trace_s:.2f} s", file=sys.stderr, flush=True)
+    for prompt, token_ids, text, finish_reason, drafts in results:
+        if args.json:
+            row = {"prompt_ids": prompt, "token_ids": token_ids, "text": text,
+                   "finish_reason": finish_reason}
+            if drafts is not None:  # speculative decoding: (proposed, accepted) drafts
+                row["drafted"], row["accepted"] = drafts
+            print(json.dumps(row), flush=True)
+        else:
+            print(text, flush=True)
+    return 0
+
+
+def _build_and_run(args, devices, sampling) -> list[tuple]:
     engine = build_engine(args.model, sharding=args.sharding, devices=devices,
                           engine_config=engine_config(args))
     tok = engine.tokenizer
@@ -88,19 +110,7 @@ def run(args: argparse.Namespace) -> int:
             prompts.append(tok.encode(value, add_bos=True))
     params = engine.load_params()
     run_all = _orchestrated if jax.process_count() == 1 else _lock_step
-    results = run_all(engine, params, prompts, args, sampling)
-    if not distributed.is_primary():  # every process ran the same steps; one prints
-        return 0
-    for prompt, token_ids, text, finish_reason, drafts in results:
-        if args.json:
-            row = {"prompt_ids": prompt, "token_ids": token_ids, "text": text,
-                   "finish_reason": finish_reason}
-            if drafts is not None:  # speculative decoding: (proposed, accepted) drafts
-                row["drafted"], row["accepted"] = drafts
-            print(json.dumps(row), flush=True)
-        else:
-            print(text, flush=True)
-    return 0
+    return run_all(engine, params, prompts, args, sampling)
 
 
 def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:

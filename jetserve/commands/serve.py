@@ -3,6 +3,10 @@
 Runs the orchestrator on this host's devices, interleaved on one slice or disaggregated
 (prefill on N devices, generate on M others), and each server on its own asyncio loop
 and thread.
+Start-up: the servers listen first, with health NOT_SERVING / 503 while every program a
+request needs compiles (jetserve/warmup.py, on a thread of its own; read back from the
+compile cache when an earlier start wrote it), then "jetserve serve: ready" and health
+SERVING / 200. With --no-warmup they are ready at once and the first requests compile.
 SIGTERM or Ctrl-C: stop accepting, let in-flight streams finish (up to --drain-timeout
 seconds), stop the orchestrator, exit 0.
 
@@ -19,6 +23,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 
 from jetserve import distributed
 from jetserve.commands.common import (
@@ -77,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_limit_arguments(p)
     add_scheduling_arguments(p)
     p.add_argument("--no-warmup", action="store_true",
-                   help="skip compiling before listening (the first requests compile)")
+                   help="take requests at once instead of compiling every prefill bucket, "
+                        "insert and generate first (then the first requests compile)")
     distributed.add_arguments(p)
 
 
@@ -191,10 +197,10 @@ def _lock_step_orchestrator(args: argparse.Namespace, devices, config):
     return LockStepOrchestrator(engine, engine.load_params(), config=config)
 
 
-async def _serve(orch, config: ServerConfig) -> None:
+async def _serve(orch, config: ServerConfig, warm: bool) -> None:
     from jetserve.server.runner import Servers
 
-    servers = Servers(orch, config)
+    servers = Servers(orch, config, warming=warm)
     await servers.start()
     shown = "localhost" if config.host in ("0.0.0.0", "::") else config.host
     if servers.grpc_port is not None:
@@ -209,11 +215,62 @@ async def _serve(orch, config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("jetserve serve: draining in-flight requests", flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)  # a second Ctrl-C kills at once
-    await servers.stop()
+    halt = threading.Event()  # ends a warm-up that SIGTERM interrupts, between its steps
+    try:
+        if warm:
+            await _until_stopped(stop, _warm_up(orch, servers, halt))
+        if not stop.is_set():
+            print("jetserve serve: ready", flush=True)
+        await stop.wait()
+    finally:
+        halt.set()
+        print("jetserve serve: draining in-flight requests", flush=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)  # a second Ctrl-C kills at once
+        await servers.stop()
+
+
+async def _until_stopped(stop: asyncio.Event, work) -> None:
+    """Runs `work` unless `stop` is set first (then it is cancelled); its error is raised."""
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    for t in (task, stopped):
+        t.cancel()
+    if task.done() and not task.cancelled():
+        task.result()
+
+
+async def _warm_up(orch, servers, halt: threading.Event) -> None:
+    """Compiles on a thread of its own while the servers answer health checks, then turns
+    them ready."""
+    from jetserve import warmup
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def report(set_outcome, value) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or set_outcome(value))
+        except RuntimeError:  # the loop closed: serve stopped before the warm-up ended
+            pass
+
+    def body() -> None:
+        try:
+            counted = warmup.run(orch, on_plan=servers.readiness.plan,
+                                 on_step=servers.readiness.step_done, stop=halt)
+        except BaseException as e:  # noqa: BLE001 -- raised again on the serving loop
+            report(done.set_exception, e)
+        else:
+            report(done.set_result, counted)
+
+    steps = len(warmup.plan(orch))
+    print(f"jetserve serve: warming up ({steps} steps: every prefill bucket, insert and "
+          "generate); health NOT_SERVING / 503 until they compile", flush=True)
+    # A daemon thread, not the loop's executor: a SIGTERM need not wait for a compile.
+    threading.Thread(target=body, name="jetserve-warmup", daemon=True).start()
+    counted = await done
+    print(f"jetserve serve: {counted.summary()}", flush=True)
+    await servers.ready()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,9 +289,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     orch.start()
     try:
-        if not args.no_warmup:
-            orch.warmup()
-        asyncio.run(_serve(orch, config))
+        asyncio.run(_serve(orch, config, warm=not args.no_warmup))
     finally:
         orch.stop(drain=True, timeout=config.drain_timeout_s)
     print("jetserve serve: stopped", file=sys.stderr, flush=True)

@@ -416,12 +416,15 @@ class Orchestrator:
             "counters": counters,
         }
 
-    def warmup(self, prompt_lengths: Sequence[int] = (1,), timeout: float | None = None) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] = (1,), timeout: float | None = None, *,
+               prompt_logprobs: bool = False) -> None:
         """Compiles prefill (one bucket per length), insert and generate on every engine by
-        running throwaway requests (needs start())."""
+        running throwaway requests (needs start()); with prompt_logprobs, the scoring
+        program of each bucket too."""
         n = max(len(self.generate_engines), len(self.prefill_engines))
         # One client each: they go in all at once, whatever a client's share is.
         handles = [self.submit(Request(prompt_ids=(0,) * L, max_tokens=2, ignore_eos=True,
+                                       prompt_logprobs=prompt_logprobs,
                                        client=f"warmup-{k}"))
                    for k, L in enumerate(L for L in prompt_lengths for _ in range(n))]
         for h in handles:

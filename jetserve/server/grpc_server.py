@@ -32,6 +32,7 @@ from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
 from jetserve.server.ports import unavailable
+from jetserve.server.readiness import Readiness
 from jetserve.server.streams import CUT_GRACE_S, ShuttingDown, StreamCut, merge, submit_all
 from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
@@ -53,11 +54,13 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
       orch: the running orchestrator (see jetserve.orchestrator).
       limits: what the served model accepts.
       is_live: False once the server is draining.
+      readiness: while it is warming up, Decode is refused with UNAVAILABLE.
     """
 
     def __init__(self, orch: Any, limits: v.ModelLimits, *,
                  is_live: Callable[[], bool] = lambda: True, write_timeout: float = 30.0,
-                 cut: StreamCut | None = None):
+                 cut: StreamCut | None = None, readiness: Readiness | None = None):
+        self.readiness = readiness if readiness is not None else Readiness()
         self.orch = orch
         self.limits = limits
         self.is_live = is_live
@@ -65,7 +68,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         self.cut = cut if cut is not None else StreamCut()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
-        return pb.HealthCheckResponse(is_live=self.is_live())
+        # False while warming up too: JetStream clients wait on it before sending.
+        return pb.HealthCheckResponse(is_live=self.is_live() and self.readiness.is_ready)
 
     async def Decode(self, request: pb.DecodeRequest | Malformed, context) -> None:
         """Runs `_decode`; an unexpected exception in it (a bug) becomes INTERNAL naming a
@@ -86,6 +90,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         # reads nothing) is bounded by the write timeout; a yielded message is not.
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        if not self.readiness.is_ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.readiness.refusal())
         try:
             requests = self.build_requests(request, context.time_remaining(),
                                            client_id.from_grpc(context))
@@ -283,12 +289,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """The grpc.aio server with its services; start/stop on the serving loop."""
 
-    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig):
+    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
+                 readiness: Readiness | None = None):
         self.config = config
         self.live = True
         self.cut = StreamCut()  # fired when a drain runs out of time (stop)
+        self.readiness = readiness if readiness is not None else Readiness()
         self.servicer = OrchestratorServicer(orch, limits, is_live=lambda: self.live,
-                                             write_timeout=config.write_timeout_s, cut=self.cut)
+                                             write_timeout=config.write_timeout_s, cut=self.cut,
+                                             readiness=self.readiness)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -318,10 +327,18 @@ class GrpcServer:
         if not port:
             raise unavailable("gRPC port", c.host, c.grpc_port)
         await server.start()
-        for name in ("", SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server, self.port = server, port
+        await self.set_health()  # NOT_SERVING while warming up
         return port
+
+    async def set_health(self) -> None:
+        """SERVING once ready (see Readiness), NOT_SERVING before; on the serving loop."""
+        if not self.live:  # draining: enter_graceful_shutdown has the last word
+            return
+        H = health_pb2.HealthCheckResponse
+        status = H.SERVING if self.readiness.is_ready else H.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
 
     async def stop(self, grace: float | None) -> None:
         """Refuses new calls at once; in-flight streams get `grace` seconds to finish, then

@@ -37,6 +37,7 @@ from jetserve.server.config import ServerConfig
 from jetserve.server.http_limits import BodyLimits, h11_protocol
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
 from jetserve.server.ports import listening_socket
+from jetserve.server.readiness import Readiness
 from jetserve.server.sse import CarryTransport, EventStream
 from jetserve.server.streams import (
     CUT_GRACE_S,
@@ -88,8 +89,9 @@ class OpenAIApp:
     """The routes over one orchestrator; `app` is the FastAPI application."""
 
     def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
-                 metrics: Any | None = None):
+                 metrics: Any | None = None, readiness: Readiness | None = None):
         self.orch = orch
+        self.readiness = readiness if readiness is not None else Readiness()  # 503 until ready
         self.limits = limits
         self.config = config
         self.metrics = metrics
@@ -175,7 +177,12 @@ class OpenAIApp:
                                                 kind="server_error"))
         return out
 
+    def _check_ready(self) -> None:
+        if not self.readiness.is_ready:  # warming up: 503 rather than minutes in a queue
+            raise _HttpError(error_response(503, self.readiness.refusal(), kind="server_error"))
+
     def _submit(self, prep: fmt.Prepared) -> list[Any]:
+        self._check_ready()
         return submit_all(self.orch, prep.requests)
 
     def _events(self, events: AsyncIterator[str]) -> EventStream:
@@ -184,9 +191,11 @@ class OpenAIApp:
     # ---- routes ------------------------------------------------------------------------
 
     async def health(self) -> Response:
-        if self.live:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.live:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.readiness.is_ready:
+            return JSONResponse(self.readiness.warming_body(), status_code=503)
+        return JSONResponse({"status": "ok"})
 
     async def metrics_route(self) -> Response:
         if self.metrics is None:
@@ -195,6 +204,7 @@ class OpenAIApp:
         return Response(body, media_type=content_type)
 
     async def models(self, request: Request) -> Response:
+        self._check_ready()  # clients poll it to see the model served
         return JSONResponse({"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "created": 0,
             "owned_by": "jetserve", "max_model_len": self.limits.max_seq_len}]})
@@ -319,9 +329,9 @@ class HttpServer:
     """Runs an OpenAIApp under uvicorn on the current asyncio loop."""
 
     def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
-                 metrics: Any | None = None):
+                 metrics: Any | None = None, readiness: Readiness | None = None):
         self.config = config
-        self.api = OpenAIApp(orch, limits, config, metrics)
+        self.api = OpenAIApp(orch, limits, config, metrics, readiness)
         self.port: int | None = None
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task | None = None

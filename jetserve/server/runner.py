@@ -14,6 +14,9 @@ socket closes, health turns NOT_SERVING / 503), in-flight streams run to the end
 by `ServerConfig.drain_timeout_s`; a stream still going then is cut the way its protocol
 ends one: a final SSE chunk and `[DONE]`, a gRPC UNAVAILABLE status), then the caller
 stops the orchestrator.
+
+Warming up (`warming=True`, see jetserve/server/readiness.py): the servers listen but
+refuse requests, health NOT_SERVING / 503, until `ready()`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jetserve.server.config import ServerConfig
 from jetserve.server.grpc_server import GrpcServer
 from jetserve.server.http_server import HttpServer
 from jetserve.server.metrics import ServerMetrics
+from jetserve.server.readiness import Readiness
 from jetserve.server.validation import ModelLimits
 
 
@@ -60,9 +64,11 @@ async def _build(make: Any) -> Any:
 class Servers:
     """The gRPC and HTTP servers of one orchestrator, each on its own loop thread."""
 
-    def __init__(self, orch: Any, config: ServerConfig, *, metrics: ServerMetrics | None = None):
+    def __init__(self, orch: Any, config: ServerConfig, *, metrics: ServerMetrics | None = None,
+                 warming: bool = False):
         self.orch = orch
         self.config = config
+        self.readiness = Readiness(warming=warming)
         self.limits = ModelLimits.from_orchestrator(orch, config)
         self.metrics = metrics if metrics is not None else ServerMetrics(orch)
         self.grpc: GrpcServer | None = None
@@ -71,11 +77,12 @@ class Servers:
         self._closed = False
         if config.grpc_port is not None:
             self._loops["grpc"] = t = _LoopThread("jetserve-grpc")
-            self.grpc = t.call(_build(lambda: GrpcServer(orch, self.limits, config)))
+            self.grpc = t.call(_build(lambda: GrpcServer(orch, self.limits, config,
+                                                         self.readiness)))
         if config.http_port is not None:
             self._loops["http"] = t = _LoopThread("jetserve-http")
             self.http = t.call(_build(lambda: HttpServer(orch, self.limits, config,
-                                                         self.metrics)))
+                                                         self.metrics, self.readiness)))
 
     @property
     def grpc_port(self) -> int | None:
@@ -96,6 +103,12 @@ class Servers:
             # finalizer meets a closed loop and prints a traceback after the error.
             await self.stop()  # closes the loop threads too
             raise
+
+    async def ready(self) -> None:
+        """The warm-up is over: take requests, health SERVING / 200."""
+        self.readiness.set_ready()
+        if self.grpc:
+            await self._loops["grpc"].acall(self.grpc.set_health())
 
     async def stop(self) -> None:
         """Stops accepting; waits for in-flight requests (up to the drain timeout). Once
@@ -138,6 +151,9 @@ class BackgroundServers:
     def start(self) -> BackgroundServers:
         self._call(self.servers.start())
         return self
+
+    def ready(self) -> None:
+        self._call(self.servers.ready())
 
     @property
     def grpc_port(self) -> int | None:

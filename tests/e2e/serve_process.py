@@ -1,23 +1,27 @@
-"""`jetserve serve` as a child process: wait for the lines that say where it listens."""
+"""`jetserve serve` as a child process: wait for the lines that say where it listens, and
+for the one that says it takes requests (after its warm-up)."""
 
 import re
 import subprocess
 import time
 
 _LISTENING = re.compile(r"(gRPC|HTTP) listening on (?:https?://)?127\.0\.0\.1:(\d+)")
+READY = "jetserve serve: ready"
 
 
 def wait_listening(proc: subprocess.Popen, count: int, timeout_s: float = 600,
-                   lines: list[str] | None = None) -> dict[str, int]:
-    """{"gRPC" / "HTTP": port} once `count` servers said they listen; AssertionError with
-    what the process printed if it stopped or `timeout_s` passed first.
+                   lines: list[str] | None = None, ready: bool = True) -> dict[str, int]:
+    """{"gRPC" / "HTTP": port} once `count` servers said they listen (and, with `ready`,
+    the process said it takes requests); AssertionError with what the process printed if
+    it stopped or `timeout_s` passed first.
 
     The lines read so far are appended to `lines` when given.
     """
     lines = [] if lines is None else lines
     ports = {}
     deadline = time.monotonic() + timeout_s
-    while len(ports) < count and time.monotonic() < deadline:
+    is_ready = not ready
+    while (len(ports) < count or not is_ready) and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
@@ -25,7 +29,8 @@ def wait_listening(proc: subprocess.Popen, count: int, timeout_s: float = 600,
         m = _LISTENING.search(line)
         if m:
             ports[m.group(1)] = int(m.group(2))
-    if len(ports) < count:
+        is_ready = is_ready or READY in line
+    if len(ports) < count or not is_ready:
         proc.kill()
         raise AssertionError("jetserve serve did not start:\n" + "".join(lines))
     return ports

@@ -103,7 +103,7 @@ def two_processes(tmp_path_factory, preset):
 
 def _ports(proc, errs) -> dict[str, int]:
     ports, lines = {}, []
-    while len(ports) < 2:
+    while not lines or "jetserve serve: ready" not in lines[-1]:  # listening, then warmed up
         line = proc.stdout.readline()
         if not line:
             errs[0].seek(0)

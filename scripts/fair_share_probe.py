@@ -76,7 +76,7 @@ def main() -> int:
     out: dict = {"sub_requests": subs, "slots": args.slots, "max_tokens": args.max_tokens}
     try:
         for line in server.stdout:
-            if "HTTP listening" in line:
+            if "jetserve serve: ready" in line:  # listening, then warmed up
                 break
         else:
             raise SystemExit(f"jetserve serve exited with {server.wait()}")

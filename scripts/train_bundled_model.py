@@ -46,8 +46,10 @@ SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_
              "__pycache__"}
 HELDOUT_EVERY = 20  # one file in 20 (by path hash) is held out
 SPECIALS = {"unk": 0, "bos": 1, "eos": 2}
-# "\n" and a 4-space indent are atomic pieces, so a prompt ending in "\n    " is split
-# exactly as the same text is inside the training data.
+# "\n" is an atomic piece. The 4-space symbol never matches: sentencepiece looks user
+# symbols up after spaces became "▁", so training learned "▁▁▁▁" (a normal piece) for an
+# indent instead. It stays listed so the piece ids the weights learned do not move, and
+# `retire_unreachable_symbols` marks it unused in the written model.
 USER_SYMBOLS = ["\n", "    "]
 
 # Messages become comments. BOS is written by the template, as Hugging Face templates do
@@ -158,7 +160,28 @@ def train_tokenizer(texts: list[str], vocab_size: int, prefix: str):
         eos_id=SPECIALS["eos"], pad_id=-1, max_sentence_length=16384,
         shuffle_input_sentence=False, num_threads=1, minloglevel=2,
     )
+    retire_unreachable_symbols(prefix + ".model")
     return spm.SentencePieceProcessor(model_file=prefix + ".model")
+
+
+def retire_unreachable_symbols(model_path: str) -> None:
+    """Marks user symbols that contain a space UNUSED, in place.
+
+    sentencepiece never emits them (it matches user symbols in the escaped text, where a
+    space is "▁"), but transformers' converter matches user symbols in the raw text first,
+    so without this it would encode four spaces as the never-trained piece and the model
+    would see other tokens through transformers than the ones it was trained on. Encoding
+    with sentencepiece is unchanged; the piece keeps its id and its text."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    with open(model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    for piece in proto.pieces:
+        if piece.type == pb.ModelProto.SentencePiece.USER_DEFINED and " " in piece.piece:
+            piece.type = pb.ModelProto.SentencePiece.UNUSED
+    with open(model_path, "wb") as f:
+        f.write(proto.SerializeToString())
 
 
 def token_stream(sp, texts: list[str]) -> np.ndarray:

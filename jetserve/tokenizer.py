@@ -6,9 +6,13 @@ vocab_size, bos_id, eos_ids, plus the chat template from `tokenizer_config.json`
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from typing import Any
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # byte-fallback pieces, both libraries
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -88,6 +92,17 @@ class SentencePieceTokenizer(_Base):
     def id_to_piece(self, i: int) -> str:
         return self.sp.IdToPiece(int(i))
 
+    def token_bytes(self, i: int) -> bytes | None:
+        """The bytes piece `i` stands for (one byte for a byte-fallback piece); None for
+        control and unknown pieces, which stand for no text."""
+        i = int(i)
+        if not 0 <= i < self.vocab_size or self.sp.IsControl(i) or self.sp.IsUnknown(i):
+            return None
+        piece = self.sp.IdToPiece(i)
+        if self.sp.IsByte(i):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
 
 class HFTokenizer(_Base):
     def __init__(self, json_path: str, config: dict[str, Any] | None = None,
@@ -118,8 +133,44 @@ class HFTokenizer(_Base):
     def id_to_piece(self, i: int) -> str:
         return self.tok.id_to_token(int(i)) or ""
 
+    def token_bytes(self, i: int) -> bytes | None:
+        """The bytes token `i` stands for, where its piece says exactly: a byte-fallback
+        piece, or any piece of a byte-level BPE; None for special tokens and otherwise."""
+        from tokenizers import decoders
+
+        piece = self.tok.id_to_token(int(i))
+        if piece is None or int(i) in self._special_ids:
+            return None
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if isinstance(self.tok.decoder, decoders.ByteLevel):
+            chars = _byte_level_chars()
+            if all(c in chars for c in piece):
+                return bytes(chars[c] for c in piece)
+        return None
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
 
 Tokenizer = SentencePieceTokenizer | HFTokenizer
+
+
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet: the character that stands for each byte. Printable
+    Latin-1 bytes stand for themselves; the rest take code points from 256 up, in order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer | None:

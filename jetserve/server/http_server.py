@@ -236,10 +236,11 @@ class OpenAIApp:
         totals = [Joined() for _ in range(prep.choices)]
         sent_chars = [0] * prep.choices
         started = [False] * prep.choices
+        texts = [self.tt.texts(prep, i) for i in range(prep.choices)]  # across chunks
 
         def chunk(i: int, part: Joined) -> str:
             choice = fmt.completion_choice(prep, self.tt, i, part, first=not started[i],
-                                           base=sent_chars[i])
+                                           base=sent_chars[i], texts=texts[i])
             started[i] = True
             sent_chars[i] += len(choice["text"])
             return _sse({**head, "choices": [choice]})
@@ -287,6 +288,7 @@ class OpenAIApp:
                            handles: list) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
         totals = [Joined() for _ in handles]
+        texts = [self.tt.texts(prep, i) for i in range(len(handles))]  # across chunks
         for i in range(len(handles)):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
@@ -300,8 +302,9 @@ class OpenAIApp:
                                                   "type": "server_error"}})
                             return
                         totals[i].add(d)
-                        logprobs = (fmt.chat_logprobs(self.tt, d.token_ids, d.logprobs,
-                                                      d.top_logprobs)
+                        logprobs = (fmt.chat_logprobs(texts[i], d.token_ids, d.logprobs,
+                                                      d.top_logprobs,
+                                                      final=d.finish_reason is not None)
                                     if prep.logprobs is not None else None)
                         delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                         yield _sse({**head, "choices": [{"index": i, "delta": delta,

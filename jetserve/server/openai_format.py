@@ -21,6 +21,7 @@ from typing import Any
 from jetserve.request import Request
 from jetserve.server import chat_template
 from jetserve.server import validation as v
+from jetserve.server.logprob_text import Shown, TokenTexts
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, prompt_list
 from jetserve.server.streams import Joined
 
@@ -39,6 +40,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     run: bool  # False: max_tokens 0 without scoring, nothing to compute
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" entries
 
 
 def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: int,
@@ -118,7 +120,8 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
         requests = []
     return Prepared(prompts=prompts, prompt_texts=texts, requests=requests,
                     choices=len(prompts) * n, n=n, echo=echo, logprobs=logprobs,
-                    stream=stream, include_usage=usage, run=run)
+                    stream=stream, include_usage=usage, run=run,
+                    tokens_as_ids=bool(r.return_tokens_as_token_ids))
 
 
 def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
@@ -142,77 +145,70 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
     stream, usage = _stream_flags(r)
     return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
                     echo=False, logprobs=logprobs, stream=stream, include_usage=usage,
-                    run=True)
+                    run=True, tokens_as_ids=bool(r.return_tokens_as_token_ids))
 
 
 class TokenText:
-    """Token ids as the strings logprob entries show (pieces when the tokenizer has them)."""
+    """The served tokenizer, for the text log-prob entries show (logprob_text)."""
 
     def __init__(self, tokenizer: Any):
         self.tok = tokenizer
 
-    def piece(self, i: int) -> str:
-        tok = self.tok
-        if tok is None:
-            return f"<{i}>"
-        if hasattr(tok, "id_to_piece"):
-            return tok.id_to_piece(i)
-        if hasattr(tok, "id_to_bytes"):  # byte-level: keep split UTF-8 bytes distinct
-            return tok.id_to_bytes(i).decode("utf-8", errors="backslashreplace")
-        return tok.decode([i])
-
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids)) if self.tok is not None else ""
 
-    def offsets(self, ids: list[int], base: int) -> list[int]:
-        """Character offset of each token in the decoded text (prefix decodes)."""
-        return [base + len(self.decode(ids[:k])) for k in range(len(ids))]
-
-    def top_dict(self, chosen: int, chosen_lp: float | None,
-                 alts: list[tuple[int, float]] | None) -> dict[str, float]:
-        out = {self.piece(t): float(lp) for t, lp in alts or ()}
-        if chosen_lp is not None:
-            out.setdefault(self.piece(chosen), float(chosen_lp))
-        return out
+    def texts(self, prep: Prepared, index: int) -> TokenTexts:
+        """Choice `index`'s generated tokens, decoded after its prompt."""
+        return TokenTexts(self.tok, prep.prompts[index // prep.n], prep.tokens_as_ids)
 
 
-def completion_logprobs(tt: TokenText, ids: list[int], lps: list[float] | None,
-                        tops: list | None, *, base: int,
-                        prompt: tuple[list[int], list, list | None] | None = None) -> dict:
-    """The `logprobs` object of a completion choice; `prompt` (ids, lps, tops) for echo."""
-    tokens, token_lps, top = [], [], []
-    all_ids: list[int] = []
+def _top_dict(sampled: Shown, lp: float | None, alts: list[tuple[Shown, float]]) -> dict:
+    out = {a.label: lp_a for a, lp_a in alts}
+    if lp is not None:
+        out.setdefault(sampled.label, lp)
+    return out
+
+
+def completion_logprobs(texts: TokenTexts, ids: list[int], lps: list[float] | None,
+                        tops: list | None, *, base: int, final: bool,
+                        prompt: tuple[TokenTexts, list[int], list, list | None] | None = None
+                        ) -> dict:
+    """The `logprobs` object of a completion choice; `prompt` (its texts, ids, lps, tops)
+    for echo. `tokens` join to the choice's text."""
+    tokens, token_lps, top, offsets = [], [], [], []
+    at = base
     if prompt is not None:
-        p_ids, p_lps, p_tops = prompt
-        for k, t in enumerate(p_ids):
+        p_texts, p_ids, p_lps, p_tops = prompt
+        for k, (s, alts) in enumerate(p_texts.feed(p_ids, p_tops, final=True)):
             lp = p_lps[k] if p_lps is not None and k < len(p_lps) else None
-            tokens.append(tt.piece(t))
-            token_lps.append(None if k == 0 or lp is None else float(lp))
-            alts = p_tops[k] if p_tops is not None and k < len(p_tops) else None
-            top.append(None if k == 0 else tt.top_dict(t, token_lps[-1], alts))
-        all_ids.extend(p_ids)
+            lp = None if k == 0 or lp is None else float(lp)  # nothing precedes the first
+            tokens.append(s.text)
+            token_lps.append(lp)
+            top.append(None if k == 0 else _top_dict(s, lp, alts))
+            offsets.append(at)
+            at += len(s.text)
     lps = lps or []
-    for k, t in enumerate(ids):
+    for k, (s, alts) in enumerate(texts.feed(ids, tops, final=final)):
         lp = float(lps[k]) if k < len(lps) else None
-        tokens.append(tt.piece(t))
+        tokens.append(s.text)
         token_lps.append(lp)
-        top.append(tt.top_dict(t, lp, tops[k] if tops is not None and k < len(tops) else None))
-    all_ids.extend(ids)
+        top.append(_top_dict(s, lp, alts))
+        offsets.append(at)
+        at += len(s.text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top,
-            "text_offset": tt.offsets(all_ids, base)}
+            "text_offset": offsets}
 
 
-def chat_logprobs(tt: TokenText, ids: list[int], lps: list[float] | None,
-                  tops: list | None) -> dict:
+def chat_logprobs(texts: TokenTexts, ids: list[int], lps: list[float] | None,
+                  tops: list | None, *, final: bool) -> dict:
+    """Chat `logprobs.content`: tokens join to the message, `bytes` are each token's own."""
     content = []
-    for k, t in enumerate(ids):
-        s = tt.piece(t)
-        alts = tops[k] if tops is not None and k < len(tops) else []
+    for k, (s, alts) in enumerate(texts.feed(ids, tops, final=final)):
         content.append({
-            "token": s, "logprob": float(lps[k]) if lps and k < len(lps) else None,
-            "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [{"token": tt.piece(a), "logprob": float(lp),
-                              "bytes": list(tt.piece(a).encode("utf-8"))} for a, lp in alts],
+            "token": s.text, "logprob": float(lps[k]) if lps and k < len(lps) else None,
+            "bytes": list(s.data),
+            "top_logprobs": [{"token": a.label, "logprob": lp, "bytes": list(a.data)}
+                             for a, lp in alts],
         })
     return {"content": content}
 
@@ -225,9 +221,11 @@ def usage(prep: Prepared, joined: list[Joined] | None) -> dict:
 
 
 def completion_choice(prep: Prepared, tt: TokenText, index: int, j: Joined,
-                      *, first: bool = True, base: int = 0) -> dict:
+                      *, first: bool = True, base: int = 0,
+                      texts: TokenTexts | None = None) -> dict:
     """One choice: the whole of it, or a stream chunk's part (`first`: the chunk that
-    carries the echo; `base`: characters of this choice already sent, for text_offset)."""
+    carries the echo; `base`: characters of this choice already sent, for text_offset;
+    `texts`: the choice's token texts so far, when streaming)."""
     p = index // prep.n
     text = j.text
     echo_prompt = None
@@ -237,17 +235,20 @@ def completion_choice(prep: Prepared, tt: TokenText, index: int, j: Joined,
             prompt_text = tt.decode(prep.prompts[p])
         text = prompt_text + text
         if prep.logprobs is not None:
-            echo_prompt = (prep.prompts[p], j.prompt_logprobs, j.prompt_top_logprobs)
+            echo_prompt = (TokenTexts(tt.tok, (), prep.tokens_as_ids), prep.prompts[p],
+                           j.prompt_logprobs, j.prompt_top_logprobs)
     logprobs = None
     if prep.logprobs is not None:
-        logprobs = completion_logprobs(tt, j.token_ids, j.logprobs, j.top_logprobs,
-                                       base=base, prompt=echo_prompt)
+        logprobs = completion_logprobs(texts or tt.texts(prep, index), j.token_ids,
+                                       j.logprobs, j.top_logprobs, base=base,
+                                       final=j.finish_reason is not None, prompt=echo_prompt)
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": j.finish_reason}
 
 
 def chat_choice(prep: Prepared, tt: TokenText, index: int, j: Joined) -> dict:
-    logprobs = (chat_logprobs(tt, j.token_ids, j.logprobs, j.top_logprobs)
+    logprobs = (chat_logprobs(tt.texts(prep, index), j.token_ids, j.logprobs, j.top_logprobs,
+                              final=True)
                 if prep.logprobs is not None else None)
     return {"index": index, "message": {"role": "assistant", "content": j.text},
             "logprobs": logprobs, "finish_reason": j.finish_reason}

@@ -44,6 +44,7 @@ class _Sampling(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # accepted only when empty
+    return_tokens_as_token_ids: bool | None = None  # extension (vLLM): "token_id:N"
 
 
 class CompletionRequest(_Sampling):

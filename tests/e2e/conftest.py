@@ -13,8 +13,8 @@ TINY_ENGINE = EngineConfig(max_concurrent_decodes=8, max_prefill_length=64, max_
 
 
 def local_config(**kw) -> ServerConfig:
-    return ServerConfig(host="127.0.0.1", grpc_port=0, http_port=0, model_name=TINY_MODEL,
-                        drain_timeout_s=30.0, **kw)
+    return ServerConfig(**{"host": "127.0.0.1", "grpc_port": 0, "http_port": 0,
+                           "model_name": TINY_MODEL, "drain_timeout_s": 30.0, **kw})
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +33,23 @@ def tiny_servers(tiny_orch):
     """Both servers, no API key, over the session orchestrator."""
     with BackgroundServers(tiny_orch, local_config()) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def bundled_servers():
+    """Both servers over the bundled model (real sentencepiece tokenizer, real text),
+    interleaved on one fake device."""
+    import jax
+
+    from jetserve import orchestrator
+
+    orch = orchestrator.build(None, interleaved=True, devices=jax.devices()[:1],
+                              engine_config=EngineConfig(max_concurrent_decodes=4,
+                                                         max_prefill_length=256,
+                                                         max_seq_len=512))
+    orch.start()
+    try:
+        with BackgroundServers(orch, local_config(model_name="bundled")) as s:
+            yield s
+    finally:
+        orch.stop(drain=False, timeout=30)

@@ -102,9 +102,10 @@ def test_stop_string_is_cut_and_reported(client):
     assert cut.text == text[: text.index(stop)]
 
 
-def _byte_of(piece: str) -> int:
-    """The byte tokenizer's logprob pieces: one character, or '\\xNN' for a split byte."""
-    return int(piece[2:], 16) if len(piece) == 4 and piece.startswith("\\x") else ord(piece)
+def _id_of(token: str) -> int:
+    """A token as `return_tokens_as_token_ids` (vLLM's) shows it: 'token_id:N'."""
+    assert token.startswith("token_id:")
+    return int(token.removeprefix("token_id:"))
 
 
 def test_echo_logprobs_scores_the_prompt_like_generation(client):
@@ -112,12 +113,15 @@ def test_echo_logprobs_scores_the_prompt_like_generation(client):
     the continuation is the argmax at each position (how harnesses check is_greedy)."""
     gen = client.completions.create(model=TINY_MODEL, prompt=list(PROMPT.encode()),
                                     max_tokens=6, temperature=0, logprobs=2,
-                                    extra_body={"ignore_eos": True}).choices[0]
+                                    extra_body={"ignore_eos": True,
+                                                "return_tokens_as_token_ids": True}).choices[0]
     gen_lps = gen.logprobs.token_logprobs
-    cont_ids = [_byte_of(piece) for piece in gen.logprobs.tokens]
+    cont_ids = [_id_of(token) for token in gen.logprobs.tokens]
     ids = list(PROMPT.encode()) + cont_ids
     scored = client.completions.create(model=TINY_MODEL, prompt=ids, max_tokens=0, echo=True,
-                                       logprobs=1, temperature=0).choices[0]
+                                       logprobs=1, temperature=0,
+                                       extra_body={"return_tokens_as_token_ids": True}
+                                       ).choices[0]
     lp = scored.logprobs
     assert len(lp.tokens) == len(ids)
     assert lp.token_logprobs[0] is None
@@ -129,6 +133,11 @@ def test_echo_logprobs_scores_the_prompt_like_generation(client):
         assert max(top, key=top.get) == lp.tokens[pos]  # greedy continuation
     assert scored.text == PROMPT + gen.text
     assert scored.finish_reason == "length"
+    # As text (the default), the same scoring's tokens join to its text.
+    as_text = client.completions.create(model=TINY_MODEL, prompt=ids, max_tokens=0, echo=True,
+                                        logprobs=1, temperature=0).choices[0]
+    assert "".join(as_text.logprobs.tokens) == as_text.text == scored.text
+    assert as_text.logprobs.token_logprobs == lp.token_logprobs
 
 
 def test_echo_without_logprobs_and_zero_tokens(client):

@@ -64,10 +64,12 @@ def test_http_text_prompt_gets_bos_token_prompt_verbatim(mock_servers):
     by_text = httpx.post(base, json={**body, "prompt": "ab"}, timeout=60).json()
     by_ids = httpx.post(base, json={**body, "prompt": [97, 98]}, timeout=60).json()
     assert by_text["usage"]["prompt_tokens"] == 3 and by_ids["usage"]["prompt_tokens"] == 2
-    # The first token is the prompt's sum: 196 with BOS, 195 without (split UTF-8 bytes,
-    # which logprob entries show as \xNN).
-    assert by_text["choices"][0]["logprobs"]["tokens"] == [f"\\x{BOS + 97 + 98:x}"]
-    assert by_ids["choices"][0]["logprobs"]["tokens"] == [f"\\x{97 + 98:x}"]
+    # The first token is the prompt's sum: 196 with BOS, 195 without (lone UTF-8 lead
+    # bytes: their text is U+FFFD, and top_logprobs label them by their byte, \xNN).
+    for got, first in ((by_text, BOS + 97 + 98), (by_ids, 97 + 98)):
+        lp = got["choices"][0]["logprobs"]
+        assert lp["tokens"] == [got["choices"][0]["text"]] == ["\ufffd"]
+        assert list(lp["top_logprobs"][0]) == [f"bytes:\\x{first:x}"]
 
 
 def test_grpc_overload_is_resource_exhausted_and_others_are_served(stub):

@@ -40,6 +40,7 @@ class _Base:
     add_bos_default: bool = True
 
     def _setup_specials(self, cfg: dict[str, Any], eos_from_config: tuple[int, ...]):
+        self.config = dict(cfg)  # tokenizer_config.json, for /tokenizer_info
         self.chat_template = cfg.get("chat_template") if isinstance(
             cfg.get("chat_template"), str) else None
         self.bos_token = _token_str(cfg.get("bos_token"))

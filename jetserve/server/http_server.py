@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). With an API key, /v1/* needs `Authorization: Bearer KEY`
-or `x-api-key: KEY`; /health and /metrics stay open for probes and scrapers. With
-`tls_cert`/`tls_key` it serves HTTPS only.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /v1/models/{id}, vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info,
+GET /health, GET /metrics (Prometheus text). With an API key, all but /health and
+/metrics need `Authorization: Bearer KEY` or `x-api-key: KEY`; those two stay open for
+probes and scrapers. With `tls_cert`/`tls_key` it serves HTTPS only. Every error, an
+unknown route or method included, is OpenAI's error object.
 
 Concurrency: one asyncio loop (uvicorn's) serves every request. Handlers validate, submit
 to the orchestrator (never blocking: a full queue raises Overloaded -> 429) and await the
@@ -26,16 +28,24 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from jetserve.request import Overloaded
-from jetserve.server import client_id
+from jetserve.server import client_id, tokenize_api
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
 from jetserve.server.http_limits import BodyLimits, h11_protocol
-from jetserve.server.openai_schema import ChatRequest, CompletionRequest, parse_body, validate
+from jetserve.server.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+    validate,
+)
 from jetserve.server.ports import listening_socket
 from jetserve.server.readiness import Readiness
 from jetserve.server.sse import CarryTransport, EventStream
@@ -54,10 +64,35 @@ RETRY_AFTER_S = "1"
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
+                   kind: str = "invalid_request_error", code: str | None = None
+                   ) -> JSONResponse:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": None}}, status_code=status)
+                                   "code": code}}, status_code=status)
+
+
+async def _routing_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, method not allowed) in OpenAI's shape."""
+    status = getattr(exc, "status_code", 500)
+    where = f"{request.method} {request.url.path}"
+    if status == 404:
+        message, code = f"no route {where}; see GET /v1/models", "not_found"
+    elif status == 405:
+        message, code = f"{where}: method not allowed", "method_not_allowed"
+    else:
+        message, code = f"{where}: {getattr(exc, 'detail', '')}", None
+    out = error_response(status, message, code=code,
+                         kind="server_error" if status >= 500 else "invalid_request_error")
+    for k, val in (getattr(exc, "headers", None) or {}).items():
+        out.headers[k] = val  # 405's Allow
+    return out
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    log.error("HTTP %s %s failed outside a route", request.method, request.url.path,
+              exc_info=exc)
+    return error_response(500, "internal error; the server log has the details",
+                          kind="server_error")
 
 
 class _HttpError(Exception):
@@ -103,6 +138,14 @@ class OpenAIApp:
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
         app.add_api_route("/v1/models", self._endpoint(self.models), methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self._endpoint(self.model),
+                          methods=["GET"])
+        app.add_api_route("/tokenize", self._endpoint(self.tokenize), methods=["POST"])
+        app.add_api_route("/detokenize", self._endpoint(self.detokenize), methods=["POST"])
+        app.add_api_route("/tokenizer_info", self._endpoint(self.tokenizer_info),
+                          methods=["GET"])
+        app.add_exception_handler(StarletteHTTPException, _routing_error)
+        app.add_exception_handler(Exception, _unhandled)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_route, methods=["GET"])
         self.app = app
@@ -203,11 +246,34 @@ class OpenAIApp:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": 0,
+                "owned_by": "jetserve", "max_model_len": self.limits.max_seq_len}
+
     async def models(self, request: Request) -> Response:
         self._check_ready()  # clients poll it to see the model served
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.config.model_name, "object": "model", "created": 0,
-            "owned_by": "jetserve", "max_model_len": self.limits.max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_ready()
+        name = request.path_params["model_id"]
+        if name != self.config.model_name:
+            raise _HttpError(error_response(
+                404, f"the model {v.show(name)} does not exist; this server serves "
+                     f"{self.config.model_name!r}", param="model", code="model_not_found"))
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request, TokenizeRequest)
+        return JSONResponse(tokenize_api.tokenize(self.limits, body, self.config.model_name))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._body(request, DetokenizeRequest)
+        return JSONResponse(tokenize_api.detokenize(self.limits, body,
+                                                    self.config.model_name))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse(tokenize_api.tokenizer_info(self.limits))
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, CompletionRequest)

@@ -66,6 +66,22 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool | None = None  # extension (as vLLM)
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: bool | None = None  # BOS; default: True for prompt, False for chat
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] | None = None
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or InvalidArgument saying what is wrong."""
     try:

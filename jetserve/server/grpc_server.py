@@ -8,7 +8,7 @@ stream loop cancels the requests, which frees their slots within one generate st
 
 Streaming follows JetStream: one DecodeResponse per generate step with one Sample per
 sample; the EOS / stop token id comes alone in `token_ids` with empty text. Also served:
-the standard `grpc.health.v1.Health` service and server reflection.
+the standard `grpc.health.v1.Health` service and server reflection (v1 and v1alpha).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from jetserve.request import Delta, Overloaded, Request
-from jetserve.server import client_id
+from jetserve.server import client_id, reflection
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
@@ -309,8 +308,7 @@ class GrpcServer:
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         add_servicer(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable((SERVICE, health.SERVICE_NAME), server)
         address = f"{c.host}:{c.grpc_port}"
         credentials = None
         if c.tls_cert:

@@ -47,6 +47,44 @@ def test_reflection_lists_the_service(channel):
     assert desc.package == "jetstream_proto"
 
 
+def _reflect_v1(channel, **request) -> list:
+    """One request to grpc.reflection.v1, as a client that speaks only v1 sends it. v1's
+    messages are v1alpha's under another package name, field for field, so v1alpha's
+    classes write and read v1's bytes exactly."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as wire
+
+    call = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=wire.ServerReflectionRequest.SerializeToString,
+        response_deserializer=wire.ServerReflectionResponse.FromString)
+    (resp,) = list(call(iter([wire.ServerReflectionRequest(**request)]), timeout=60))
+    assert resp.WhichOneof("message_response") != "error_response", resp.error_response
+    if resp.HasField("list_services_response"):
+        return [s.name for s in resp.list_services_response.service]
+    files = []
+    for raw in resp.file_descriptor_response.file_descriptor_proto:
+        files.append(descriptor_pb2.FileDescriptorProto.FromString(raw))
+    return files
+
+
+def test_reflection_v1_for_clients_that_speak_only_v1(channel):
+    services = _reflect_v1(channel, list_services="")
+    assert {"jetstream_proto.Orchestrator", "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= set(services)
+    (desc,) = _reflect_v1(channel, file_containing_symbol="jetstream_proto.Orchestrator")
+    assert desc.package == "jetstream_proto"
+    methods = {m.name for s in desc.service for m in s.method}
+    assert {"Decode", "HealthCheck"} <= methods
+    # The v1 service describes itself under its own package, as v1 clients resolve it.
+    (own,) = _reflect_v1(channel, file_containing_symbol="grpc.reflection.v1.ServerReflection")
+    assert own.package == "grpc.reflection.v1"
+    (method,) = [m for s in own.service for m in s.method]
+    assert method.input_type == ".grpc.reflection.v1.ServerReflectionRequest"
+    assert method.client_streaming and method.server_streaming
+
+
 def test_one_message_per_token_like_jetstream(stub):
     msgs = decode(stub, max_tokens=10, token_content=TokenContent(token_ids=PROMPT_IDS),
                   has_bos=True, ignore_eos=True)

@@ -83,9 +83,30 @@ class SentencePieceTokenizer(_Base):
         return i if i != self.sp.unk_id() or token == self.sp.IdToPiece(i) else None
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        ids = list(self.sp.EncodeAsIds(text))
+        ids = self._encode_with_specials(text)
         add = self.add_bos_default if add_bos is None else add_bos
         return ([self.bos_id] if add and self.bos_id is not None else []) + ids
+
+    def _encode_with_specials(self, text: str) -> list[int]:
+        """A special piece written in the text ("<s>", "</s>", "<unk>") is its id, as
+        transformers and vLLM read it, so clients that tokenize on their side agree;
+        the text between is sentencepiece's."""
+        if self._specials is None or not self._specials.search(text):
+            return list(self.sp.EncodeAsIds(text))
+        ids: list[int] = []
+        for k, part in enumerate(self._specials.split(text)):
+            if k % 2:
+                ids.append(self.sp.PieceToId(part))
+            elif part:
+                ids.extend(self.sp.EncodeAsIds(part))
+        return ids
+
+    @functools.cached_property
+    def _specials(self) -> re.Pattern | None:
+        pieces = sorted({self.sp.IdToPiece(i) for i in range(self.vocab_size)
+                         if self.sp.IsControl(i) or self.sp.IsUnknown(i)} - {""},
+                        key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, pieces)) + ")") if pieces else None
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.DecodeIds([int(i) for i in ids if 0 <= i < self.vocab_size])

@@ -5,8 +5,15 @@ reader checks fields exactly as the servers do. Two kinds of rows:
 
 - generation: `{"id", "prompt" | "prompt_ids" | "messages", "max_tokens", sampling
   fields, "stop", "stop_token_ids", "ignore_eos", "logprobs"}` -> `GenerateJob`
-- scoring: `{"id", "context" | "context_ids", "continuation" | "continuation_ids"}`
-  -> `ScoreJob` (the continuation's summed log-likelihood and whether it is greedy)
+- scoring: `{"id", "context" | "context_ids", "continuation" | "continuation_ids",
+  "add_bos"}` -> `ScoreJob` (the continuation's summed log-likelihood and whether it is
+  greedy). Text is tokenized as lm-eval's `loglikelihood` does: whitespace ending the
+  context moves to the continuation, context + continuation are tokenized whole and split
+  where the context's own tokens end (so a token spanning the seam goes to the
+  continuation); an empty context scores the continuation after BOS alone. `add_bos`
+  (text contexts only): whether the context starts with BOS; default the tokenizer's
+  config (`add_bos_token`); lm-eval's API and Hugging Face models add none unless given
+  `add_bos_token=True`, so rows that must match theirs say `"add_bos": false`.
 
 Either kind may carry `"metadata"` (any JSON), copied to its output row untouched; any
 other field is an error (a misspelt "temprature" would otherwise sample greedily).
@@ -29,7 +36,7 @@ GENERATE_FIELDS = frozenset(("id", "prompt", "prompt_ids", "messages", "max_toke
                              "stop_token_ids", "ignore_eos", "logprobs", "metadata",
                              *SAMPLING_FIELDS))
 SCORE_FIELDS = frozenset(("id", "context", "context_ids", "continuation",
-                          "continuation_ids", "metadata"))
+                          "continuation_ids", "add_bos", "metadata"))
 PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
 
 
@@ -183,10 +190,14 @@ def _score_job(obj: dict, limits: v.ModelLimits) -> ScoreJob:
     _unknown(obj, SCORE_FIELDS, "scoring")
     ck = _exactly_one(obj, ("context", "context_ids"), "context")
     nk = _exactly_one(obj, ("continuation", "continuation_ids"), "continuation")
+    add_bos = obj.get("add_bos")
+    if add_bos is not None and (not isinstance(add_bos, bool) or ck != "context"):
+        raise RowError(f"add_bos must be true or false, for a text context; got "
+                       f"{v.show(add_bos)}" + ("" if ck == "context" else " with context_ids"))
     if ck == "context" and nk == "continuation":
-        ctx, cont = _split_text(limits, obj["context"], obj["continuation"])
+        ctx, cont = _split_text(limits, obj["context"], obj["continuation"], add_bos)
     else:
-        ctx = (_context_text(limits, obj["context"]) if ck == "context"
+        ctx = (_context_text(limits, obj["context"], add_bos) if ck == "context"
                else v.check_token_ids(limits, obj["context_ids"], "context_ids"))
         cont = (v.encode_text(limits, obj["continuation"], "continuation", add_bos=False)
                 if nk == "continuation"
@@ -203,11 +214,12 @@ def _score_job(obj: dict, limits: v.ModelLimits) -> ScoreJob:
                     metadata=obj.get("metadata"))
 
 
-def _split_text(limits: v.ModelLimits, context: Any, continuation: Any
-                ) -> tuple[list[int], list[int]]:
-    """Context and continuation tokenized separately, then joined, as evaluation harnesses
-    do: whitespace ending the context moves to the continuation (so " Paris" keeps its
-    space), and an empty context scores the continuation after BOS alone."""
+def _split_text(limits: v.ModelLimits, context: Any, continuation: Any,
+                add_bos: bool | None) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-eval's `loglikelihood` makes them: the
+    context's trailing whitespace moves to the continuation (so " Paris" keeps its space),
+    then the whole text is tokenized and split after as many tokens as the context alone
+    has."""
     for name, val in (("context", context), ("continuation", continuation)):
         if not isinstance(val, str):
             raise RowError(f"{name} must be a string, got {type(val).__name__}")
@@ -215,14 +227,22 @@ def _split_text(limits: v.ModelLimits, context: Any, continuation: Any
     if len(stripped) < len(context):
         continuation = context[len(stripped):] + continuation
         context = stripped
-    return (_context_text(limits, context),
-            v.encode_text(limits, continuation, "continuation", add_bos=False))
+    if context == "":
+        return (_context_text(limits, context, add_bos),
+                v.encode_text(limits, continuation, "continuation", add_bos=False))
+    ctx = _context_text(limits, context, add_bos)
+    whole = v.encode_text(limits, context + continuation, "continuation", add_bos=add_bos)
+    if len(whole) <= len(ctx):
+        raise RowError(f"continuation {v.show(continuation)} adds no token after the "
+                       "context (it merges into the context's last token); give "
+                       "context_ids and continuation_ids")
+    return ctx, whole[len(ctx):]
 
 
-def _context_text(limits: v.ModelLimits, context: Any) -> list[int]:
+def _context_text(limits: v.ModelLimits, context: Any, add_bos: bool | None) -> list[int]:
     if context == "" and limits.bos_id is not None:
         return [limits.bos_id]
-    ids = v.encode_text(limits, context, "context", add_bos=None)
+    ids = v.encode_text(limits, context, "context", add_bos=add_bos)
     if not ids:
         raise RowError("context tokenized to nothing; give a longer context or context_ids")
     return ids

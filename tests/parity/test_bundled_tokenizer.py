@@ -25,6 +25,8 @@ WHITESPACE = ([" " * n + "x" for n in range(1, 18)]
               + ["    ", "        ", "\t    \t", "  \n    \n\n\t", "x    ", "a\u00a0b",
                  "\r\n    return 1\r\n", "    # 東京 🙂 é\n        ", README_PROMPT])
 
+SPECIALS_IN_TEXT = ["<s>", "</s>", "x</s>\n    y", "a <s> b</s>c<unk>", "<s><s>  </s>", "<s"]
+
 
 @pytest.fixture(scope="module")
 def ours():
@@ -57,6 +59,10 @@ def test_transformers_encodes_as_jetserve(ours, heldout_texts, use_fast):
         assert ref.decode(ids, skip_special_tokens=True) == ours.decode(ids) == text
         n_tokens += len(ids)
     assert n_tokens > 100_000  # the whole held-out corpus, not a sample of it
+    # Special pieces written in the text are their ids on both sides (decoding drops them).
+    for text in SPECIALS_IN_TEXT:
+        assert ref(text)["input_ids"] == ours.encode(text), repr(text)
+        assert ref(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_bos=False)
     # A 4-space indent is the piece the model was trained on, "▁▁▁▁", not the user
     # symbol "    " sentencepiece never emits.
     indent = ref.encode("    ", add_special_tokens=False)

@@ -49,6 +49,10 @@ def test_generation_rows_from_text_ids_and_messages():
     ({"id": "a", "context": "x" * 30, "continuation": "y" * 30},
      ["60 tokens", "30 + 30", "at most 32"]),
     ({"id": "a", "context": 5, "continuation": "y"}, ["context must be a string"]),
+    ({"id": "a", "context": "x", "continuation": "y", "add_bos": "yes"},
+     ["add_bos", "true or false", "'yes'"]),
+    ({"id": "a", "context_ids": [1], "continuation": "y", "add_bos": True},
+     ["add_bos", "with context_ids"]),
 ])
 def test_bad_rows_name_the_problem(row, words):
     with pytest.raises(RowError) as e:

@@ -32,7 +32,14 @@ from jetserve.server.auth import HOW_TO_SEND, ApiKey
 from jetserve.server.config import ServerConfig
 from jetserve.server.ports import unavailable
 from jetserve.server.readiness import Readiness
-from jetserve.server.streams import CUT_GRACE_S, ShuttingDown, StreamCut, merge, submit_all
+from jetserve.server.streams import (
+    CUT_GRACE_S,
+    RETRY_AFTER_S,
+    ShuttingDown,
+    StreamCut,
+    merge,
+    submit_all,
+)
 from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
@@ -98,6 +105,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         except v.InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
+            # As HTTP's 429: when to come back, in the trailers a client reads with the code.
+            context.set_trailing_metadata((("retry-after", RETRY_AFTER_S),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"server overloaded, retry later: {e}")
         except ValueError as e:  # the orchestrator's own checks; they name the field too

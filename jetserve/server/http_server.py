@@ -51,6 +51,7 @@ from jetserve.server.readiness import Readiness
 from jetserve.server.sse import CarryTransport, EventStream
 from jetserve.server.streams import (
     CUT_GRACE_S,
+    RETRY_AFTER_S,
     Joined,
     ShuttingDown,
     StreamCut,
@@ -59,8 +60,6 @@ from jetserve.server.streams import (
 )
 
 log = logging.getLogger("jetserve.server")
-# What a 429 tells a client to wait, in seconds: about how long a slot takes to turn over.
-RETRY_AFTER_S = "1"
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -228,6 +227,11 @@ class OpenAIApp:
         self._check_ready()
         return submit_all(self.orch, prep.requests)
 
+    @staticmethod
+    def _running_usage(prep: fmt.Prepared, totals: list[Joined]) -> dict:
+        """vLLM's continuous_usage_stats: the counts so far on every chunk."""
+        return {"usage": fmt.usage(prep, totals)} if prep.continuous_usage else {}
+
     def _events(self, events: AsyncIterator[str]) -> EventStream:
         return EventStream(events, write_timeout=self.config.write_timeout_s)
 
@@ -309,7 +313,7 @@ class OpenAIApp:
                                            base=sent_chars[i], texts=texts[i])
             started[i] = True
             sent_chars[i] += len(choice["text"])
-            return _sse({**head, "choices": [choice]})
+            return _sse({**head, "choices": [choice], **self._running_usage(prep, totals)})
 
         if handles is None:
             for i, j in enumerate(done or ()):
@@ -358,7 +362,8 @@ class OpenAIApp:
         for i in range(len(handles)):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                    "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+                                             "logprobs": None, "finish_reason": None}],
+                        **self._running_usage(prep, totals)})
         try:
             async with contextlib.aclosing(merge(handles, cut=self.cut)) as batches:
                 async for batch in batches:
@@ -375,7 +380,8 @@ class OpenAIApp:
                         delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                         yield _sse({**head, "choices": [{"index": i, "delta": delta,
                                                          "logprobs": logprobs,
-                                                         "finish_reason": d.finish_reason}]})
+                                                         "finish_reason": d.finish_reason}],
+                                    **self._running_usage(prep, totals)})
         except ShuttingDown:
             for i in _unfinished(totals):
                 totals[i].finish_reason = "cancelled"

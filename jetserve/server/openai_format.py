@@ -41,6 +41,7 @@ class Prepared:
     include_usage: bool
     run: bool  # False: max_tokens 0 without scoring, nothing to compute
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" entries
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
 
 
 def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: int,
@@ -70,6 +71,11 @@ def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: in
 def _stream_flags(r: Any) -> tuple[bool, bool]:
     stream = bool(r.stream)
     return stream, bool(stream and r.stream_options and r.stream_options.include_usage)
+
+
+def _continuous_usage(r: Any) -> bool:
+    opts = r.stream_options
+    return bool(r.stream and opts and opts.include_usage and opts.continuous_usage_stats)
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -121,7 +127,8 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
     return Prepared(prompts=prompts, prompt_texts=texts, requests=requests,
                     choices=len(prompts) * n, n=n, echo=echo, logprobs=logprobs,
                     stream=stream, include_usage=usage, run=run,
-                    tokens_as_ids=bool(r.return_tokens_as_token_ids))
+                    tokens_as_ids=bool(r.return_tokens_as_token_ids),
+                    continuous_usage=_continuous_usage(r))
 
 
 def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
@@ -145,7 +152,8 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
     stream, usage = _stream_flags(r)
     return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
                     echo=False, logprobs=logprobs, stream=stream, include_usage=usage,
-                    run=True, tokens_as_ids=bool(r.return_tokens_as_token_ids))
+                    run=True, tokens_as_ids=bool(r.return_tokens_as_token_ids),
+                    continuous_usage=_continuous_usage(r))
 
 
 class TokenText:

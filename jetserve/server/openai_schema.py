@@ -23,6 +23,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): usage on every chunk
 
 
 class _Sampling(_Strict):

@@ -21,6 +21,10 @@ from typing import Any
 
 from jetserve.request import Delta, Overloaded, Request
 
+# What an overloaded server (HTTP 429, gRPC RESOURCE_EXHAUSTED) tells a client to wait,
+# in seconds: about how long a slot takes to turn over.
+RETRY_AFTER_S = "1"
+
 
 def submit_all(orch: Any, requests: Sequence[Request]) -> list[Any]:
     """Submits every request or none: at once where the orchestrator can (submit_many, so

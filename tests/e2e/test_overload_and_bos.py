@@ -79,6 +79,8 @@ def test_grpc_overload_is_resource_exhausted_and_others_are_served(stub):
         try:
             return len(_tokens(stub, n=LONG, token_content=content, has_bos=True))
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # when to come back, as 429
+                assert ("retry-after", "1") in tuple(e.trailing_metadata())
             return e.code()
 
     with ThreadPoolExecutor(12) as pool:

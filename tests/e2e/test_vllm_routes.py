@@ -99,3 +99,24 @@ def test_tokenizer_info_is_the_tokenizer_config(base):
     assert info["bos_token"] == "<s>" and info["eos_token"] == "</s>"
     assert info["chat_template"].startswith("{{ bos_token }}")
     assert info["tokenizer_class"] == "LlamaTokenizer" and info["add_bos_token"] is True
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_count_every_chunk(client, chat):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, stream=True,
+              extra_body={"ignore_eos": True})
+    if chat:
+        make = client.chat.completions.create
+        kw.update(messages=MESSAGES)
+    else:
+        make = client.completions.create
+        kw.update(prompt=PROMPT)
+    chunks = list(make(stream_options=opts, **kw))
+    final = chunks[-1].usage
+    assert not chunks[-1].choices and final.completion_tokens == 12
+    counted = [c.usage.completion_tokens for c in chunks[:-1] if c.choices]
+    assert counted == sorted(counted) and counted[-1] == 12 and len(set(counted)) > 1
+    assert {c.usage.prompt_tokens for c in chunks} == {final.prompt_tokens}
+    plain = list(make(stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in plain if c.choices)  # only when asked for

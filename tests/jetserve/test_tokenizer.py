@@ -28,21 +28,26 @@ def sp_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def bpe_dir(tmp_path_factory):
+def write_byte_level_bpe(d, texts: list[str], vocab_size: int):
+    """A byte-level BPE `tokenizer.json` (GPT-2 / Llama 3 style) trained on `texts`, with
+    <|bos|> and <|eos|>, in directory `d`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    d = tmp_path_factory.mktemp("bpe")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|bos|>", "<|eos|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT], trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": True}))
     return d
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    return write_byte_level_bpe(tmp_path_factory.mktemp("bpe"), [TEXT], 400)
 
 
 def test_sentencepiece_round_trips_with_byte_fallback(sp_dir):

@@ -8,6 +8,7 @@ from jetserve.model_loading import BUNDLED_DIR
 from jetserve.orchestrator.detokenize import completion_text
 from jetserve.server.logprob_text import TokenTexts, token_bytes
 from jetserve.tokenizer import load_tokenizer
+from tests.jetserve.test_tokenizer import write_byte_level_bpe
 
 # Characters the bundled model has no piece for come out as byte-fallback pieces.
 TEXTS = ["def f(x):\n    return x  # 東京 🙂 é\n", "😀😀 ½\t\n        pass", "    # S"]
@@ -20,18 +21,7 @@ def sp():
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    d = tmp_path_factory.mktemp("bpe")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|bos|>", "<|eos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([t * 5 for t in TEXTS], trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text('{"bos_token": "<|bos|>", "eos_token": '
-                                             '"<|eos|>", "add_bos_token": true}')
+    d = write_byte_level_bpe(tmp_path_factory.mktemp("bpe"), [t * 5 for t in TEXTS], 320)
     return load_tokenizer(str(d))
 
 

@@ -89,3 +89,55 @@ def test_generate_until_same_both_ways_and_as_the_openai_client(lms, url):
     want = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
                                      stop=["\n\n"]).choices[0].text
     assert outs[0] == want and want
+
+
+@pytest.fixture(scope="module")
+def bpe_url(tmp_path_factory):
+    """A served random-weight Llama whose tokenizer is byte-level BPE (tokenizer.json)."""
+    import jax
+    import torch
+    import transformers as tf
+
+    from engines import EngineConfig
+    from jetserve import orchestrator
+    from jetserve.server.runner import BackgroundServers
+    from tests.e2e.conftest import local_config
+    from tests.jetserve.test_tokenizer import write_byte_level_bpe
+    from tests.parity.hf_models import TINY
+
+    d = tmp_path_factory.mktemp("bpe_llama")
+    # BOS is not id 0: lm-eval's remote tokenizer takes a BOS id of 0 for none.
+    write_byte_level_bpe(d, [a + b for a, b in PAIRS] * 20 + [TEXT] * 20, 320,
+                         specials=("<|pad|>", "<|bos|>", "<|eos|>"))
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "vocab_size": 320})).save_pretrained(d)
+    orch = orchestrator.build(str(d), interleaved=True, devices=jax.devices()[:1],
+                              engine_config=EngineConfig(max_concurrent_decodes=2,
+                                                         max_prefill_length=128,
+                                                         max_seq_len=256))
+    orch.start()
+    try:
+        with BackgroundServers(orch, local_config(model_name=MODEL)) as s:
+            yield f"http://127.0.0.1:{s.http_port}/v1/completions", str(d)
+    finally:
+        orch.stop(drain=False, timeout=30)
+
+
+def test_byte_level_bpe_model_same_both_ways(bpe_url):
+    url, model_dir = bpe_url
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    hf = LocalCompletionsAPI(base_url=url, model=MODEL, max_retries=1,
+                             tokenizer_backend="huggingface", tokenizer=model_dir)
+    remote = _lm(url, "auto")
+    assert remote.tokenizer_backend == "remote"
+    assert hf.prefix_token_id == remote.prefix_token_id  # "<|bos|>", read as one token
+    reqs = _requests("loglikelihood", PAIRS)
+    a, b = (lm.loglikelihood(reqs, disable_tqdm=True) for lm in (hf, remote))
+    for (lp_a, greedy_a), (lp_b, greedy_b) in zip(a, b, strict=True):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5) and greedy_a == greedy_b
+    gen = _requests("generate_until", [("def add(a, b):\n", {"until": ["\n\n"],
+                                                            "max_gen_toks": 12})])
+    assert hf.generate_until(gen, disable_tqdm=True) == remote.generate_until(
+        gen, disable_tqdm=True)

@@ -28,15 +28,16 @@ def sp_dir(tmp_path_factory):
     return d
 
 
-def write_byte_level_bpe(d, texts: list[str], vocab_size: int):
+def write_byte_level_bpe(d, texts: list[str], vocab_size: int,
+                         specials: tuple[str, ...] = ("<|bos|>", "<|eos|>")):
     """A byte-level BPE `tokenizer.json` (GPT-2 / Llama 3 style) trained on `texts`, with
-    <|bos|> and <|eos|>, in directory `d`."""
+    `specials` first (<|bos|> and <|eos|> among them), in directory `d`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     tok.save(str(d / "tokenizer.json"))

@@ -12,7 +12,9 @@ Alternatives in `top_logprobs` are labelled by their text decoded after the toke
 sampled before them (a sentencepiece piece keeps its leading space). Two distinct ids
 never share a label, as a completion's `top_logprobs` is a dict keyed by it: a fragment
 is labelled `bytes:\\xNN` (OpenAI's form), and a label already taken at that position
-falls back to the vocabulary piece, then to vLLM's `token_id:N`.
+falls back to the vocabulary piece, then to vLLM's `token_id:N`. With vLLM's
+`return_tokens_as_token_ids`, or a model without a tokenizer (no text to join to), every
+token shows as `token_id:N`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""A JetStream client, run as its own process by test_jetstream_client.py: it speaks only
+through the `google-jetstream` package's own generated stubs, the way JetStream's
+`tools/requester.py` does (one blocking `Decode` stream per request, reading
+`stream_content.samples[0]` of each message).
+
+Its own process because JetStream's `jetstream_pb2` and ours both register
+`jetstream_proto.*` in protobuf's default descriptor pool, which refuses a symbol
+defined twice: a real JetStream client never has our stubs loaded either.
+
+    python tests/e2e/jetstream_requester.py HOST:PORT REQUESTS_JSON
+
+REQUESTS_JSON is a list of {"max_tokens": N, "text": S} or {"max_tokens": N,
+"token_ids": [...]}. Prints one JSON object: {"is_live": bool, "streams": [[[text,
+[ids]], ...one pair per message...], ...one per request...]}.
+"""
+
+import json
+import sys
+
+import grpc
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+
+def decode_request(spec: dict) -> jetstream_pb2.DecodeRequest:
+    """JetStream's own request message: text or token content, nothing of ours."""
+    if "text" in spec:
+        content = {"text_content": jetstream_pb2.DecodeRequest.TextContent(text=spec["text"])}
+    else:
+        content = {"token_content": jetstream_pb2.DecodeRequest.TokenContent(
+            token_ids=spec["token_ids"])}
+    return jetstream_pb2.DecodeRequest(max_tokens=spec["max_tokens"], **content)
+
+
+def stream(stub, request) -> list[tuple[str, list[int]]]:
+    """Each streamed message's first sample, as requester.py reads them."""
+    return [(resp.stream_content.samples[0].text, list(resp.stream_content.samples[0].token_ids))
+            for resp in stub.Decode(request, timeout=300)]
+
+
+def main(target: str, requests_json: str) -> None:
+    with grpc.insecure_channel(target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+        is_live = stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=60).is_live
+        streams = [stream(stub, decode_request(s)) for s in json.loads(requests_json)]
+    print(json.dumps({"is_live": is_live, "streams": streams}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -106,3 +106,19 @@ def test_jetstream_stubs_see_eos_as_jetstream_sends_it(tiny_servers, tiny_orch):
     (stream,) = got["streams"]
     assert stream == _pairs(ours)
     assert stream[-1] == ["", [ours[-1].token_ids[0]]]
+
+
+def test_benchmark_serving_style_requests(bundled_servers):
+    """benchmark_serving.py's request: client-side token ids with JetStream 0.2.2's
+    `session_cache` and `priority` set (fields our proto reserves, so the server skips
+    them), several in flight over grpc.aio: each streams the ids ours does without them."""
+    tok = load_tokenizer(BUNDLED_DIR)
+    ids = [tok.encode(p, add_bos=False) for p in PROMPTS]
+    specs = [{"max_tokens": 16, "token_ids": t, "session_cache": "bench", "priority": 1,
+              "aio": True} for t in ids]
+    port = bundled_servers.grpc_port
+    got = _jetstream_client(port, specs)
+    for stream, t in zip(got["streams"], ids, strict=True):
+        ours = _our_stream(port, {"max_tokens": 16, "token_ids": t})
+        assert stream == [["", list(s.token_ids)] for s in ours]
+        assert len(stream) == 16

@@ -60,13 +60,16 @@ def usable_memory(devices: Sequence, sharding: str) -> Memory:
     stats = d.memory_stats() if d.platform != "cpu" else None
     if stats and stats.get("bytes_limit"):
         per_device = stats["bytes_limit"] * DEVICE_FRACTION
-        where = (f"{DEVICE_FRACTION:.0%} of {d.platform} memory ({stats['bytes_limit'] / GIB:.1f}"
-                 f" GiB per device, x{shards} devices sharded)")
+        where = (f"{DEVICE_FRACTION:.0%} of the {stats['bytes_limit'] / GIB:.1f} GiB of a "
+                 f"{d.platform} device")
     else:
         host = host_available_bytes()
         per_device = host * HOST_FRACTION / n  # the fake CPU devices share the host
-        where = (f"{HOST_FRACTION:.0%} of the host's available {host / GIB:.1f} GiB "
-                 f"(over {n} CPU devices, x{shards} sharded)")
+        where = f"{HOST_FRACTION:.0%} of the host's available {host / GIB:.1f} GiB"
+        if n > 1:
+            where += f" shared by {n} CPU devices"
+    if shards > 1:
+        where += f", split over {shards} devices ({sharding!r} sharding)"
     return Memory(bytes=per_device * shards, where=where)
 
 

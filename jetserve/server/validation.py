@@ -215,9 +215,9 @@ def prompt_limit(limits: ModelLimits) -> str:
     """What caps a prompt here and the server flag that raises it."""
     cap = min(limits.max_prefill_length, limits.max_seq_len - 1)
     if cap == limits.max_seq_len - 1:
-        return (f"this server accepts at most {cap} (max_seq_len {limits.max_seq_len}, less "
+        return (f"the longest prompt is {cap} tokens (max_seq_len {limits.max_seq_len} less "
                 f"one token to generate; --max-seq-len raises it)")
-    return (f"this server accepts at most {cap} (max_prefill_length {cap}; "
+    return (f"the longest prompt is {cap} tokens (max_prefill_length {cap}; "
             f"--max-prefill-length raises it)")
 
 

@@ -60,6 +60,8 @@ def engine_config(args: argparse.Namespace,
     seq = args.max_seq_len
     if seq is None:
         seq, why = _default_max_seq_len(args, list(devices or jax.devices()))
+        # Every process must build the same programs: process 0's memory decides.
+        seq = int(distributed.broadcast_from_primary([seq])[0])
         if distributed.is_primary():
             print(f"jetserve: {why}", file=sys.stderr, flush=True)
     prefill = args.max_prefill_length or min(512, seq)

@@ -117,7 +117,8 @@ class Orchestrator:
         longest = min(e.max_prefill_length for e in prefill_engines)
         if config.prefill_chunk is not None and config.prefill_chunk > longest:
             raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
-                             f"engine's max_prefill_length={longest}")
+                             f"engine's max_prefill_length={longest} (--prefill-chunk at "
+                             f"most --max-prefill-length)")
         cached = config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes
         if (config.prefill_chunk is not None or cached) and any(
                 getattr(e, "has_draft_model", False) for e in prefill_engines):

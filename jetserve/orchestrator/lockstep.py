@@ -12,8 +12,8 @@ The loop, one turn at a time, on every process::
                       (seed drawn here when the request gave none)
   all:       exchange ── broadcast_from_primary of the encoded plan (step_plan.py)
   all:       apply ── free_slot; prefill (+ prompt log-probs; in chunks of
-                      `prefill_chunk` or max_prefill_length) and insert per admission; one generate step when
-                      any slot is occupied
+                      `prefill_chunk` or max_prefill_length) and insert per admission;
+                      one generate step when any slot is occupied
   process 0: read ── the previous step's tokens (one step late, as generate_worker.py,
                       so the host reads while the device runs) -> the detokenize thread
 

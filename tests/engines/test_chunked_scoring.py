@@ -11,10 +11,12 @@ from jetserve.model_loading import build_engine
 FIELDS = ("token_logprobs", "top_ids", "top_logprobs", "greedy")
 
 
-def _engine(prefill: int, seq: int = 128, layout: str = "contiguous"):
+def _engine(prefill: int, seq: int = 128, layout: str = "contiguous", devices: int = 1,
+            sharding: str = "replicated"):
     cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=prefill, max_seq_len=seq,
                        kv_layout=layout)
-    e = build_engine("random:tiny", devices=jax.devices()[:1], engine_config=cfg)
+    e = build_engine("random:tiny", devices=jax.devices()[:devices], sharding=sharding,
+                     engine_config=cfg)
     return e, e.load_params()
 
 
@@ -34,8 +36,19 @@ def test_chunked_scores_equal_one_pass(whole, chunked, n):
     last logit) against one pass of 128."""
     chunked, params = chunked
     tokens = np.random.default_rng(n).integers(1, 256, size=n)
-    want = whole[0].prompt_logprobs(whole[1], tokens)
-    got = chunked.prompt_logprobs(params, tokens)
+    _check_equal(chunked.prompt_logprobs(params, tokens), whole[0].prompt_logprobs(whole[1], tokens))
+    assert chunked.trace_counts()["score_chunk"] >= 1  # it did go chunk by chunk
+
+
+def test_chunked_scores_with_kv_heads_sharded(whole):
+    """tp over 2 devices (random:tiny's 2 kv heads, one per device): the chunks' cache is
+    sharded by kv head as a prefix is."""
+    eng, params = _engine(prefill=16, devices=2, sharding="tp")
+    tokens = np.random.default_rng(3).integers(1, 256, size=70)
+    _check_equal(eng.prompt_logprobs(params, tokens), whole[0].prompt_logprobs(whole[1], tokens))
+
+
+def _check_equal(got, want):
     for f in FIELDS:
         a, b = np.asarray(getattr(got, f)), np.asarray(getattr(want, f))
         assert a.shape == b.shape, f
@@ -44,7 +57,6 @@ def test_chunked_scores_equal_one_pass(whole, chunked, n):
         else:
             np.testing.assert_array_equal(a, b, err_msg=f)
     assert np.isnan(got.token_logprobs[0]) and got.greedy[0] == -1
-    assert chunked.trace_counts()["score_chunk"] >= 1  # it did go chunk by chunk
 
 
 def test_scoring_past_max_seq_len_names_the_limit():

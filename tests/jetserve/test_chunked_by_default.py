@@ -38,28 +38,36 @@ def setup():
     return weights, prompts, want, scores
 
 
+@pytest.fixture(scope="module")
+def chunked(setup):
+    """One engine (and its compiled programs) for every path: each builds its own state."""
+    eng = _engine()
+    return eng, jax.device_put(setup[0], eng.param_shardings)
+
+
 def _submit_all(orch, prompts):
     return [orch.submit(Request(prompt_ids=p, max_tokens=6, ignore_eos=True)) for p in prompts]
 
 
-def test_offline_chunks_long_prompts(setup):
-    weights, prompts, want, _ = setup
-    eng = _engine()
-    got = generate_many(eng, jax.device_put(weights, eng.param_shardings), prompts,
-                        max_tokens=6, ignore_eos=True)
+def test_offline_chunks_long_prompts(setup, chunked):
+    _, prompts, want, _ = setup
+    eng, params = chunked
+    got = generate_many(eng, params, prompts, max_tokens=6, ignore_eos=True)
     assert [r.token_ids for r in got] == want
     with pytest.raises(ValueError, match=r"max_seq_len - 1 = 63.*--max-seq-len"):
         generate_many(eng, None, [[1] * 64], max_tokens=1)
 
 
 @pytest.mark.parametrize("mode", ["interleaved", "disaggregated"])
-def test_orchestrator_chunks_and_scores_long_prompts(setup, mode):
+def test_orchestrator_chunks_and_scores_long_prompts(setup, chunked, mode):
     weights, prompts, want, scores = setup
-    gen = _engine()
-    pre = gen if mode == "interleaved" else _engine(device=1)
+    gen, params = chunked
+    pre, pre_params = gen, params
+    if mode == "disaggregated":
+        pre = _engine(device=1)
+        pre_params = jax.device_put(weights, pre.param_shardings)
     orch = Orchestrator(prefill_engines=[pre], generate_engines=[gen],
-                        prefill_params=[jax.device_put(weights, pre.param_shardings)],
-                        generate_params=[jax.device_put(weights, gen.param_shardings)])
+                        prefill_params=[pre_params], generate_params=[params])
     assert orch.max_prompt_length == 63
     with orch:
         handles = _submit_all(orch, prompts)
@@ -75,11 +83,11 @@ def test_orchestrator_chunks_and_scores_long_prompts(setup, mode):
     np.testing.assert_allclose(lps[1:], scores[1:], rtol=1e-5, atol=1e-5)
 
 
-def test_lock_step_chunks_long_prompts(setup):
-    weights, prompts, want, _ = setup
-    eng = _engine()
-    orch = LockStepOrchestrator(eng, jax.device_put(weights, eng.param_shardings),
-                                primary=True, broadcast=lambda x: x, idle_wait_s=0.01)
+def test_lock_step_chunks_long_prompts(setup, chunked):
+    _, prompts, want, _ = setup
+    eng, params = chunked
+    orch = LockStepOrchestrator(eng, params, primary=True, broadcast=lambda x: x,
+                                idle_wait_s=0.01)
     with orch:
         got = [h.result(timeout=300).token_ids for h in _submit_all(orch, prompts)]
     assert got == want

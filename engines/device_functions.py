@@ -90,6 +90,13 @@ def score_chunk(model: Decoder, top_n: int, params, tokens, true_length, start, 
             ScoreCache(k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos))
 
 
+def empty_score_cache(L: int, K: int, H: int, dtype, capacity: int) -> ScoreCache:
+    """A ScoreCache of `capacity` entries holding nothing yet (k_pos -1)."""
+    zeros = jnp.zeros((1, capacity, K, H), dtype)
+    return ScoreCache(k=(zeros,) * L, v=(zeros,) * L,
+                      k_pos=jnp.full((1, capacity), -1, jnp.int32))
+
+
 def _next_token_rows(logits, nxt, top_n: int) -> PromptLogprobs:
     """logits (T, V), nxt i32[T] -> row t: log p(nxt[t]), the top-n and the argmax."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -191,8 +191,7 @@ class TransformerEngine(Engine):
         state_sh = self.decode_state_shardings()
         prefix_sh = self.prefix_destination_sharding()
         r = self._replicated()
-        self.traces = {"prefill": 0, "insert": 0, "generate": 0, "prompt_logprobs": 0,
-                       "score_chunk": 0}
+        self.traces = {"prefill": 0, "insert": 0, "generate": 0, "prompt_logprobs": 0}
         # Each function traces under this engine's layout, for the model's activation
         # constraints (sharding.constrain).
         laid_out = functools.partial(traced_under, self.sharding, self._mesh)
@@ -212,13 +211,17 @@ class TransformerEngine(Engine):
         )
         score_sh = ScoreCache(k=prefix_sh.k, v=prefix_sh.v, k_pos=r)
         self._score_chunk_jit = jax.jit(
-            self._counted("score_chunk", laid_out(functools.partial(
+            # A chunk of a long prompt's scoring: counted with the one-pass programs.
+            self._counted("prompt_logprobs", laid_out(functools.partial(
                 device_functions.score_chunk, self.model, top_n))),
             in_shardings=(self.param_shardings, r, r, r, r, score_sh),
             out_shardings=(r, score_sh), donate_argnums=(5,),
         )
-        self._score_cache_jit = jax.jit(self._empty_score_cache, static_argnums=(0,),
-                                        out_shardings=score_sh)
+        c = self.model_config
+        self._score_cache_jit = jax.jit(
+            functools.partial(device_functions.empty_score_cache, c.num_layers, c.num_kv_heads,
+                              c.head_dim, self.dtype),
+            static_argnums=(0,), out_shardings=score_sh)
         self._insert_jit = jax.jit(
             self._counted("insert", insert_prefix), in_shardings=(prefix_sh, state_sh, r),
             out_shardings=state_sh, donate_argnums=(1,),
@@ -389,13 +392,6 @@ class TransformerEngine(Engine):
             token_logprobs=shift(joined.token_logprobs, np.nan),
             top_ids=shift(joined.top_ids, -1), top_logprobs=shift(joined.top_logprobs, np.nan),
             greedy=shift(joined.greedy, -1))
-
-    def _empty_score_cache(self, capacity: int) -> ScoreCache:
-        c = self.model_config
-        L, K, H = c.num_layers, c.num_kv_heads, c.head_dim
-        zeros = jnp.zeros((1, capacity, K, H), self.dtype)
-        return ScoreCache(k=(zeros,) * L, v=(zeros,) * L,
-                          k_pos=jnp.full((1, capacity), -1, jnp.int32))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))

@@ -2,9 +2,10 @@
 across several processes (which must dispatch identical steps, so no threads).
 
 Prompts wait in order; whenever a slot is free the next prompt is prefilled (in chunks of
-max_prefill_length when longer) and inserted, so prompts join the batch at different steps. On a paged engine a prompt also waits until
-the pages its whole sequence may take (prompt + token budget) are not promised to the
-running ones, so a step never runs out of pages. Every step's results are read back before
+max_prefill_length when longer) and inserted, so prompts join the batch at different
+steps. On a paged engine a prompt also waits until the pages its whole sequence may take
+(prompt + token budget) are not promised to the running ones, so a step never runs out of
+pages. Every step's results are read back before
 the next step (the threaded orchestrator overlaps this; here simplicity wins).
 """
 

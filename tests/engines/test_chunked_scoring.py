@@ -33,11 +33,10 @@ def chunked(request):
 @pytest.mark.parametrize("n", [100, 17])
 def test_chunked_scores_equal_one_pass(whole, chunked, n):
     """Chunks of 16 (n = 17: a last chunk of one token, scored by the previous chunk's
-    last logit) against one pass of 128."""
+    last logit; no bucket of this engine holds a whole prompt) against one pass of 128."""
     chunked, params = chunked
     tokens = np.random.default_rng(n).integers(1, 256, size=n)
     _check_equal(chunked.prompt_logprobs(params, tokens), whole[0].prompt_logprobs(whole[1], tokens))
-    assert chunked.trace_counts()["score_chunk"] >= 1  # it did go chunk by chunk
 
 
 def test_chunked_scores_with_kv_heads_sharded(whole):

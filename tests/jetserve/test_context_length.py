@@ -67,3 +67,14 @@ def test_engine_config_defaults_to_the_model_context(capsys):
     assert "max_seq_len=4096" in capsys.readouterr().err
     given = engine_config(p.parse_args(["--model", "random:tiny", "--max-seq-len", "96"]))
     assert (given.max_seq_len, given.max_prefill_length) == (96, 96)
+
+
+def test_generate_names_the_limit_and_its_flag(capsys):
+    from jetserve import cli
+
+    argv = ["generate", "--model", "random:tiny", "--max-seq-len", "64",
+            "--max-concurrent-decodes", "2", "--devices", "1",
+            "--prompt-ids", ",".join(["7"] * 64)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "64 tokens" in err and "max_seq_len - 1 = 63" in err and "--max-seq-len" in err

@@ -1,5 +1,6 @@
 """The transformer engine's pure device functions: prefill (shared by both KV layouts),
-prompt log-probs and the contiguous cache's generate step.
+prompt log-probs (whole, or chunk by chunk over the cache of the chunks before) and the
+contiguous cache's generate step.
 
 Functions of (model, static sizes, params, inputs, state) only: the engine
 (engines/transformer_engine.py) binds the model and sizes and jits each once with
@@ -62,17 +63,48 @@ def prompt_logprobs(model: Decoder, top_n: int, params, tokens, true_length):
     idx = jnp.arange(T)[None, :]
     kv = PrefillKV(jnp.where(idx < true_length, idx, -1), None)
     logits = model.apply({"params": params}, tokens, idx, kv)[0]  # (T, V)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nxt = jnp.roll(tokens[0], -1)  # token t+1 is scored by the logits at t
-    chosen = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, max(top_n, 1))
-    greedy = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+    rows = _next_token_rows(logits, jnp.roll(tokens[0], -1), top_n)  # t+1 scored at t
     # Shift by one so row t describes prompt token t; row 0 has no context.
     shift = lambda x, fill: jnp.concatenate([jnp.full((1,) + x.shape[1:], fill, x.dtype), x[:-1]])
     return PromptLogprobs(
-        token_logprobs=shift(chosen, jnp.nan), top_ids=shift(top_ids[:, :top_n].astype(jnp.int32), -1),
-        top_logprobs=shift(top_lp[:, :top_n], jnp.nan), greedy=shift(greedy, -1),
+        token_logprobs=shift(rows.token_logprobs, jnp.nan), top_ids=shift(rows.top_ids, -1),
+        top_logprobs=shift(rows.top_logprobs, jnp.nan), greedy=shift(rows.greedy, -1),
     )
+
+
+def score_chunk(model: Decoder, top_n: int, params, tokens, true_length, start, next_token,
+                cache: ScoreCache):
+    """One chunk of a prompt too long to score in one pass: tokens i32[1, T] (padded) at
+    positions start.., attending over `cache` (the KV of the chunks before, padded with
+    k_pos -1; the caller sized it to hold this chunk at `start`). next_token i32[] is the
+    prompt's token after this chunk, scored by its last row (any id for the last chunk).
+    Returns (rows, cache with this chunk added): row t scores the token after position
+    start + t, unshifted (the caller joins the chunks and shifts once)."""
+    T = tokens.shape[1]
+    idx = jnp.arange(T)[None, :]
+    positions = start + idx
+    kv = PrefillKV(jnp.where(idx < true_length, positions, -1), cache, start)
+    logits = model.apply({"params": params}, tokens, positions, kv)[0]  # (T, V)
+    nxt = jnp.roll(tokens[0], -1).at[true_length - 1].set(next_token)
+    return (_next_token_rows(logits, nxt, top_n),
+            ScoreCache(k=tuple(kv.k), v=tuple(kv.v), k_pos=kv.k_pos))
+
+
+def empty_score_cache(L: int, K: int, H: int, dtype, capacity: int) -> ScoreCache:
+    """A ScoreCache of `capacity` entries holding nothing yet (k_pos -1)."""
+    zeros = jnp.zeros((1, capacity, K, H), dtype)
+    return ScoreCache(k=(zeros,) * L, v=(zeros,) * L,
+                      k_pos=jnp.full((1, capacity), -1, jnp.int32))
+
+
+def _next_token_rows(logits, nxt, top_n: int) -> PromptLogprobs:
+    """logits (T, V), nxt i32[T] -> row t: log p(nxt[t]), the top-n and the argmax."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, max(top_n, 1))
+    greedy = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+    return PromptLogprobs(token_logprobs=chosen, top_ids=top_ids[:, :top_n].astype(jnp.int32),
+                          top_logprobs=top_lp[:, :top_n], greedy=greedy)
 
 
 def generate(model: Decoder, top_n: int, params, state: DecodeState):
@@ -107,3 +139,14 @@ class PromptLogprobs:
     top_ids: Any  # i32[T, n]
     top_logprobs: Any  # f32[T, n]
     greedy: Any  # i32[T] the argmax token at t given tokens before t
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ScoreCache:
+    """The KV of the chunks of a prompt scored so far (score_chunk); entry j holds
+    position j, k_pos -1 where nothing is yet."""
+
+    k: tuple[Any, ...]  # L x [1, C, K, H]
+    v: tuple[Any, ...]  # L x [1, C, K, H]
+    k_pos: Any  # i32[1, C]

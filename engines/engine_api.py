@@ -187,6 +187,13 @@ class Engine(abc.ABC):
         del slot
 
     @property
+    def chunked_prefill(self) -> bool:
+        """Whether prefill continues an `existing_prefix`, so a prompt longer than
+        max_prefill_length is prefilled in chunks (up to max_seq_len); False: one prefill
+        per prompt, at most max_prefill_length tokens."""
+        return False
+
+    @property
     def kv_pages(self) -> Any | None:
         """A paged engine's page bookkeeping (engines.page_pool.SlotPages), which the
         scheduler reads to admit by free pages and to preempt; None when contiguous."""

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engines import cpu_kernels, device_functions, param_loading, quantization
 from engines.config import ModelConfig
-from engines.device_functions import PromptLogprobs
+from engines.device_functions import PromptLogprobs, ScoreCache
 from engines.engine_api import Engine, ResultTokens, Tokenizer
 from engines.engine_config import EngineConfig, resolve_dtype
 from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, grow_prefix, insert_prefix
@@ -209,6 +209,19 @@ class TransformerEngine(Engine):
                 device_functions.prompt_logprobs, self.model, top_n))),
             in_shardings=(self.param_shardings, r, r), out_shardings=r,
         )
+        score_sh = ScoreCache(k=prefix_sh.k, v=prefix_sh.v, k_pos=r)
+        self._score_chunk_jit = jax.jit(
+            # A chunk of a long prompt's scoring: counted with the one-pass programs.
+            self._counted("prompt_logprobs", laid_out(functools.partial(
+                device_functions.score_chunk, self.model, top_n))),
+            in_shardings=(self.param_shardings, r, r, r, r, score_sh),
+            out_shardings=(r, score_sh), donate_argnums=(5,),
+        )
+        c = self.model_config
+        self._score_cache_jit = jax.jit(
+            functools.partial(device_functions.empty_score_cache, c.num_layers, c.num_kv_heads,
+                              c.head_dim, self.dtype),
+            static_argnums=(0,), out_shardings=score_sh)
         self._insert_jit = jax.jit(
             self._counted("insert", insert_prefix), in_shardings=(prefix_sh, state_sh, r),
             out_shardings=state_sh, donate_argnums=(1,),
@@ -339,15 +352,46 @@ class TransformerEngine(Engine):
         return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask, ids)
 
     def prompt_logprobs(self, params, tokens, true_length: int | None = None) -> PromptLogprobs:
-        """Scores a prompt: host arrays of length true_length (see PromptLogprobs)."""
+        """Scores a prompt: host arrays of length true_length (see PromptLogprobs). One
+        pass up to max_prefill_length tokens; a longer prompt (up to max_seq_len) in
+        chunks of max_prefill_length, each attending over the KV of the ones before."""
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         n = tokens.shape[0] if true_length is None else int(true_length)
         if not 1 <= n <= tokens.shape[0]:
             raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
+        if n > self.max_prefill_length:
+            return self._score_in_chunks(params, tokens[:n])
         padded = np.zeros((1, self.bucket_for(n)), np.int32)
         padded[0, :n] = tokens[:n]
         out = jax.device_get(self._prompt_logprobs_jit(params, padded, np.int32(n)))
         return jax.tree.map(lambda x: x[:n], out)
+
+    def _score_in_chunks(self, params, tokens: np.ndarray) -> PromptLogprobs:
+        n, P = tokens.shape[0], self.max_prefill_length
+        if n > self.max_seq_len:
+            raise ValueError(f"a prompt of {n} tokens is longer than max_seq_len "
+                             f"{self.max_seq_len} (--max-seq-len raises it)")
+        starts = range(0, n, P)
+        # Room for the last chunk's whole bucket at its start; a power of two, few shapes.
+        cache = self._score_cache_jit(stack_size(starts[-1] + self.bucket_for(n - starts[-1])))
+        parts = []
+        for s in starts:
+            piece = tokens[s:s + P]
+            padded = np.zeros((1, self.bucket_for(len(piece))), np.int32)
+            padded[0, :len(piece)] = piece
+            nxt = tokens[s + P] if s + P < n else 0
+            rows, cache = self._score_chunk_jit(params, padded, np.int32(len(piece)),
+                                                np.int32(s), np.int32(nxt), cache)
+            parts.append((rows, len(piece)))
+        rows = [jax.tree.map(lambda x, m=m: x[:m], r) for r, m in jax.device_get(parts)]
+        joined = jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
+        # Row t scored token t + 1: shift by one so row t describes token t (row 0: none).
+        shift = lambda x, fill: np.concatenate([np.full((1, *x.shape[1:]), fill, x.dtype),
+                                                x[:-1]])
+        return PromptLogprobs(
+            token_logprobs=shift(joined.token_logprobs, np.nan),
+            top_ids=shift(joined.top_ids, -1), top_logprobs=shift(joined.top_logprobs, np.nan),
+            greedy=shift(joined.greedy, -1))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))
@@ -368,6 +412,11 @@ class TransformerEngine(Engine):
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Prefill continues an existing prefix, except with a draft model (whole prompts)."""
+        return self._draft is None
 
     @property
     def has_draft_model(self) -> bool:

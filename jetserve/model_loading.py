@@ -68,10 +68,17 @@ def resolve_model(model: str | None) -> ModelSource:
         cfg = RANDOM_MODELS[name]
         tok = ByteTokenizer(eos_ids=cfg.eos_token_ids) if cfg.vocab_size == 256 else None
         return ModelSource(path=None, config=cfg, tokenizer=tok)
+    return ModelSource(path=model, config=model_config(model), tokenizer=load_tokenizer(model))
+
+
+def model_config(model: str | None) -> ModelConfig:
+    """The ModelConfig of a `--model` argument alone (no tokenizer, no weights)."""
+    model = model or default_model()
+    if model.startswith("random:"):
+        return resolve_model(model).config
     if not os.path.isdir(model):
         raise FileNotFoundError(f"--model {model!r}: no such directory")
-    cfg = read_orbax_config(model) if is_orbax_dir(model) else load_hf_config(model)
-    return ModelSource(path=model, config=cfg, tokenizer=load_tokenizer(model))
+    return read_orbax_config(model) if is_orbax_dir(model) else load_hf_config(model)
 
 
 def build_engine(

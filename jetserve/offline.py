@@ -1,10 +1,11 @@
 """A synchronous continuous-batching loop on one engine: tests, and `jetserve generate`
 across several processes (which must dispatch identical steps, so no threads).
 
-Prompts wait in order; whenever a slot is free the next prompt is prefilled and inserted,
-so prompts join the batch at different steps. On a paged engine a prompt also waits until
-the pages its whole sequence may take (prompt + token budget) are not promised to the
-running ones, so a step never runs out of pages. Every step's results are read back before
+Prompts wait in order; whenever a slot is free the next prompt is prefilled (in chunks of
+max_prefill_length when longer) and inserted, so prompts join the batch at different
+steps. On a paged engine a prompt also waits until the pages its whole sequence may take
+(prompt + token budget) are not promised to the running ones, so a step never runs out of
+pages. Every step's results are read back before
 the next step (the threaded orchestrator overlaps this; here simplicity wins).
 """
 
@@ -44,10 +45,7 @@ def generate_many(
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
-        if len(p) > engine.max_prefill_length:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens; max_prefill_length is {engine.max_prefill_length}"
-            )
+        check_prompt_fits(engine, len(p), f"prompt {i}")
     results: list[OfflineResult | None] = [None] * len(prompts)
     waiting = deque(range(len(prompts)))
     active: dict[int, int] = {}  # slot -> prompt index
@@ -81,8 +79,7 @@ def generate_many(
     while waiting or active:
         while waiting and free and fits(waiting[0]):
             i = waiting.popleft()
-            prefix, first = engine.prefill(params, list(prompts[i]), len(prompts[i]),
-                                           sampling=samplings[i])
+            prefix, first = prefill_chunked(engine, params, prompts[i], samplings[i])
             out[i] = OfflineResult(list(prompts[i]), [], "length", [])
             if accept(i, first.to_host(), 0):
                 results[i] = out.pop(i)
@@ -104,3 +101,27 @@ def generate_many(
                 promised.pop(slot, None)
                 free.append(slot)
     return [r for r in results if r is not None]
+
+
+def check_prompt_fits(engine: Engine, n: int, what: str) -> None:
+    """ValueError unless a prompt of n tokens fits: max_seq_len - 1 when the engine
+    prefills in chunks (room for one token), else max_prefill_length."""
+    if engine.chunked_prefill:
+        if n > engine.max_seq_len - 1:
+            raise ValueError(f"{what} has {n} tokens; the longest prompt is max_seq_len - 1 "
+                             f"= {engine.max_seq_len - 1} (--max-seq-len raises it)")
+    elif n > engine.max_prefill_length:
+        raise ValueError(f"{what} has {n} tokens; the longest prompt is max_prefill_length="
+                         f"{engine.max_prefill_length} (--max-prefill-length raises it)")
+
+
+def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams):
+    """(prefix, first token) of a prompt, in chunks of max_prefill_length, each continuing
+    the last."""
+    prefix = None
+    P = engine.max_prefill_length
+    for start in range(0, len(prompt), P):
+        piece = list(prompt[start:start + P])
+        prefix, first = engine.prefill(params, piece, len(piece), sampling=sampling,
+                                       existing_prefix=prefix)
+    return prefix, first

@@ -225,8 +225,7 @@ def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequen
         raise ValueError("batches is empty")
     kv_tok = model.kv_values_per_token * precision.kv_bits / 8
     param_bytes = model.params * precision.weight_bits / 8
-    free = hw.hbm_bytes * chips - param_bytes
-    max_batch = max(0, math.floor(free / (context * kv_tok))) if free > 0 else 0
+    max_batch = kv_tokens_that_fit(model, precision, hw.hbm_bytes * chips) // context
     flops = hw.matmul_flops(precision.weight_bits, precision.act_bits)
     critical = flops / hw.hbm_bandwidth * precision.weight_bits / 16
     rows = tuple(step_floor(model, hw, chips=chips, batch=b, context=context,
@@ -235,3 +234,12 @@ def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequen
                 param_bytes=param_bytes, kv_bytes_per_token=kv_tok,
                 kv_bytes_per_seq=context * kv_tok, max_batch=max_batch,
                 critical_batch=critical, rows=rows)
+
+
+def kv_tokens_that_fit(model: ModelSpec, precision: Precision, memory_bytes: float) -> int:
+    """How many tokens of KV cache fit in memory_bytes beside the stored weights:
+    floor((memory - P b_w / 8) / (Z b_kv / 8)), 0 when the weights alone do not fit. A
+    batch B at context C fits when B C is at most this."""
+    free = memory_bytes - model.params * precision.weight_bits / 8
+    kv_tok = model.kv_values_per_token * precision.kv_bits / 8
+    return max(0, math.floor(free / kv_tok)) if free > 0 else 0

@@ -29,7 +29,7 @@ from jetserve.compile_cache import CompileCounter
 class Step:
     label: str  # what /health shows while it compiles
     prompt_len: int
-    score: bool  # also score the prompt (prompt log-probs: one pass, up to max_prefill_length)
+    score: bool  # also score the prompt (prompt log-probs; one pass up to max_prefill_length)
 
 
 def plan(orch: Any) -> list[Step]:
@@ -56,7 +56,8 @@ def plan(orch: Any) -> list[Step]:
     for w in widths:
         n = (w // 2) * ps  # one token past w / 2 pages: the step's width is w
         if w not in covered and 1 <= n <= longest:
-            # Past max_prefill_length (chunked prefill) a prompt cannot be scored.
+            # Past max_prefill_length prompts are scored in chunks: a program of its own,
+            # compiled when first asked for rather than at every start.
             steps.append(Step(f"generate width {w} pages", n,
                               scores and n <= orch.max_prefill_length))
             covered.add(width(n))

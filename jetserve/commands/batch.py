@@ -172,7 +172,7 @@ def _orchestrator(args: argparse.Namespace, devices):
     from jetserve.orchestrator.lockstep import LockStepOrchestrator
 
     engine = build_engine(args.model, sharding=args.sharding, devices=devices,
-                          engine_config=engine_config(args))
+                          engine_config=engine_config(args, devices))
     config = orchestrated.config(engine, max_queued=args.max_queued,
                                  prefill_chunk=args.prefill_chunk,
                                  **prefix_cache_budgets(args))

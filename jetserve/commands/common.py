@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
+
+import jax
 
 from engines import EngineConfig, quantization
 from engines.engine_config import parse_speculative
-from jetserve import compile_cache
+from jetserve import compile_cache, context_length, distributed
+from jetserve.model_loading import model_config
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,8 +21,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: float32 on CPU, bfloat16 on TPU/GPU")
     p.add_argument("--max-concurrent-decodes", type=int, default=8)
     p.add_argument("--max-prefill-length", type=int, default=None,
-                   help="default: min(512, max-seq-len)")
-    p.add_argument("--max-seq-len", type=int, default=1024)
+                   help="the prefill bucket: longer prompts are prefilled in chunks of it "
+                        "(default: min(512, max-seq-len))")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest prompt + generated tokens (default: the model's "
+                        "max_position_embeddings, capped by what fits in memory)")
     p.add_argument("--sharding", default="replicated", help="preset name or YAML path")
     p.add_argument("--kv-layout", default="contiguous", choices=["contiguous", "paged"],
                    help="paged: KV in fixed-size pages taken as sequences grow")
@@ -45,24 +53,47 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
                    help="int4: weights per scale along the input dimension")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    prefill = args.max_prefill_length or min(512, args.max_seq_len)
+def engine_config(args: argparse.Namespace,
+                  devices: Sequence[jax.Device] | None = None) -> EngineConfig:
+    """The EngineConfig of the model flags; max_seq_len, when not given, from the model
+    and the memory of `devices` (default: all), with a line on stderr saying why."""
+    seq = args.max_seq_len
+    if seq is None:
+        seq, why = _default_max_seq_len(args, list(devices or jax.devices()))
+        # Every process must build the same programs: process 0's memory decides.
+        seq = int(distributed.broadcast_from_primary([seq])[0])
+        if distributed.is_primary():
+            print(f"jetserve: {why}", file=sys.stderr, flush=True)
+    prefill = args.max_prefill_length or min(512, seq)
     try:
         parse_speculative(args.speculative)
     except ValueError as e:
         raise ValueError(f"--speculative: {e}") from None
     return EngineConfig(max_concurrent_decodes=args.max_concurrent_decodes,
-                        max_prefill_length=prefill, max_seq_len=args.max_seq_len,
+                        max_prefill_length=prefill, max_seq_len=seq,
                         dtype=args.dtype, kv_layout=args.kv_layout,
                         page_size=args.page_size, num_pages=args.num_pages,
                         quantize=args.quantize, quant_group_size=args.quant_group_size,
                         kv_dtype=args.kv_dtype, speculative=args.speculative)
 
 
+def _default_max_seq_len(args: argparse.Namespace, devices: list) -> tuple[int, str]:
+    slots = args.max_concurrent_decodes
+    if not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"--max-concurrent-decodes must be a positive integer, got {slots!r}")
+    platform = devices[0].platform
+    sharding = getattr(args, "generate_sharding", None) or args.sharding
+    return context_length.default_max_seq_len(
+        model_config(args.model), slots=slots,
+        precision=context_length.precision_of(args.dtype, args.quantize, args.kv_dtype, platform),
+        memory=context_length.usable_memory(devices, sharding))
+
+
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     """Chunked prefill and the prefix cache: how the orchestrator schedules prompts."""
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill prompts longer than this in chunks between decode steps")
+                   help="prefill prompts longer than this in chunks between decode steps "
+                        "(default: chunks of --max-prefill-length)")
     p.add_argument("--prefix-cache-hbm-mb", type=float, default=0.0,
                    help="prefix cache: device memory for cached prompt KV, so prompts "
                         "sharing a prefix prefill only the rest (0: none)")

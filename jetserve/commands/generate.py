@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _build_and_run(args, devices, sampling) -> list[tuple]:
     engine = build_engine(args.model, sharding=args.sharding, devices=devices,
-                          engine_config=engine_config(args))
+                          engine_config=engine_config(args, devices))
     tok = engine.tokenizer
     prompts = []
     for kind, value in args.prompts:

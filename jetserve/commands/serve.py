@@ -167,7 +167,7 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
         prefill_devices=args.prefill_devices, generate_devices=args.generate_devices,
         prefill_sharding=args.prefill_sharding or default,
         generate_sharding=args.generate_sharding or default,
-        engine_config=engine_config(args), config=config)
+        engine_config=engine_config(args, devices), config=config)
 
 
 def _per_client(args: argparse.Namespace) -> int:
@@ -193,7 +193,7 @@ def _lock_step_orchestrator(args: argparse.Namespace, devices, config):
     refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     engine = build_engine(args.model, devices=devices,
                           sharding=args.generate_sharding or args.sharding,
-                          engine_config=engine_config(args))
+                          engine_config=engine_config(args, devices))
     return LockStepOrchestrator(engine, engine.load_params(), config=config)
 
 

@@ -92,7 +92,7 @@ def format_text(r: dict, model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     devices = distributed.setup(args)  # before anything touches a device
     engine = build_engine(args.model, sharding=args.sharding, devices=devices,
-                          engine_config=engine_config(args))
+                          engine_config=engine_config(args, devices))
     hw = hardware.get_hardware(_hardware_name(args.hardware, devices[0]))
     params = state = None
     if not args.no_measure:

@@ -24,7 +24,8 @@ class OrchestratorConfig:
         cancellation and deadlines (busy threads check every step).
       prefill_chunk: prefill prompts longer than this in chunks of it, letting running
         requests step between chunks; prompts may then be up to max_seq_len - 1 tokens.
-        None: one prefill per prompt (at most max_prefill_length tokens).
+        None: chunks of max_prefill_length, where the engine continues prefixes
+        (Engine.chunked_prefill), else one prefill per prompt.
       prefix_cache_hbm_bytes / prefix_cache_host_bytes: budgets of the prefix cache's
         device and host tiers, per prefill engine (both 0: no prefix cache).
       prefix_cache_block: tokens per cached block; a hit reuses whole blocks. A paged

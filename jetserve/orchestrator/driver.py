@@ -38,8 +38,9 @@ mode: prefill and generate engines are different objects, normally on disjoint s
 KV pages (a paged generate engine): its generate thread admits from the backlog only what
 fits in the free pages and preempts when a step would run out; preempted requests go back
 to the prefill threads through the resume queue (unbounded, but never longer than the
-number of slots) and are recomputed. With `prefill_chunk`, long prompts are prefilled in
-chunks and, interleaved, the generate thread steps between chunks.
+number of slots) and are recomputed. Prompts longer than max_prefill_length (or than
+`prefill_chunk`, when given) are prefilled in chunks and, interleaved, the generate thread
+steps between chunks.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class Orchestrator:
         longest = min(e.max_prefill_length for e in prefill_engines)
         if config.prefill_chunk is not None and config.prefill_chunk > longest:
             raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
-                             f"engine's max_prefill_length={longest}")
+                             f"engine's max_prefill_length={longest} (--prefill-chunk at "
+                             f"most --max-prefill-length)")
         cached = config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes
         if (config.prefill_chunk is not None or cached) and any(
                 getattr(e, "has_draft_model", False) for e in prefill_engines):
@@ -163,8 +165,7 @@ class Orchestrator:
                 g = by_engine[id(p.engine)]
                 p.route = direct_route(g, self._stopping, self.config.poll_interval_s)
                 g.prefill_pending = pending_for(p, self._admission, self._resume)
-                if self.config.prefill_chunk:
-                    p.between_chunks = step_between(g)
+                p.between_chunks = step_between(g)  # running requests step between chunks
             else:
                 p.route = least_loaded_route(self._generate, transfers)
         return transfers
@@ -344,16 +345,13 @@ class Orchestrator:
         bad = [t for t in r.stop_token_ids if t >= V]
         if bad:
             raise ValueError(f"stop_token_ids: ids {bad[:5]} are outside the vocabulary [0, {V})")
-        longest, why = self.max_prompt_length, "max_prefill_length"
-        if self.config.prefill_chunk:
-            why = f"max_seq_len - 1 (chunked prefill; max_seq_len={self.max_seq_len})"
+        longest = self.max_prompt_length
         if len(r.prompt_ids) > longest:
+            why = (f"max_seq_len - 1 = {longest} (chunked prefill; --max-seq-len raises it)"
+                   if self.chunks_prompts else
+                   f"max_prefill_length={longest} (--max-prefill-length raises it)")
             raise ValueError(f"prompt_ids has {len(r.prompt_ids)} tokens; the longest prompt "
-                             f"is {why}={longest}")
-        if r.prompt_logprobs and len(r.prompt_ids) > self.max_prefill_length:
-            raise ValueError(f"prompt_logprobs: a prompt of {len(r.prompt_ids)} tokens is "
-                             f"scored in one pass; the longest is "
-                             f"max_prefill_length={self.max_prefill_length}")
+                             f"is {why}")
         if r.logprobs is not None and r.logprobs > self.top_logprobs:
             raise ValueError(f"logprobs={r.logprobs} is more than this engine returns "
                              f"(top_logprobs={self.top_logprobs})")
@@ -457,9 +455,17 @@ class Orchestrator:
         return min(e.max_prefill_length for e in self.prefill_engines)
 
     @property
+    def chunks_prompts(self) -> bool:
+        """Whether prompts longer than max_prefill_length are prefilled in chunks: by
+        default where every prefill engine continues prefixes, always with prefill_chunk."""
+        return bool(self.config.prefill_chunk) or all(
+            getattr(e, "chunked_prefill", False) for e in self.prefill_engines)
+
+    @property
     def max_prompt_length(self) -> int:
-        """The longest prompt admitted: one prefill, or max_seq_len - 1 when chunked."""
-        if self.config.prefill_chunk:
+        """The longest prompt admitted: max_seq_len - 1 when chunked (room for one token),
+        else one prefill."""
+        if self.chunks_prompts:
             return self.max_seq_len - 1
         return self.max_prefill_length
 

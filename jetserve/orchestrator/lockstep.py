@@ -11,9 +11,9 @@ The loop, one turn at a time, on every process::
                       string, cancel, deadline), admit waiting requests into free slots
                       (seed drawn here when the request gave none)
   all:       exchange ── broadcast_from_primary of the encoded plan (step_plan.py)
-  all:       apply ── free_slot; prefill (+ prompt log-probs; in chunks with
-                      `prefill_chunk`) and insert per admission; one generate step when
-                      any slot is occupied
+  all:       apply ── free_slot; prefill (+ prompt log-probs; in chunks of
+                      `prefill_chunk` or max_prefill_length) and insert per admission;
+                      one generate step when any slot is occupied
   process 0: read ── the previous step's tokens (one step late, as generate_worker.py,
                       so the host reads while the device runs) -> the detokenize thread
 
@@ -236,7 +236,7 @@ class LockStepOrchestrator(Orchestrator):
                     live.timing.prefill_end = time.monotonic()
                     self._end(live, "length")
                 return
-            chunk = self.config.prefill_chunk or len(tokens)
+            chunk = self.config.prefill_chunk or self.engine.max_prefill_length
             prefix = None
             for start in range(0, len(tokens), chunk):
                 piece = tokens[start:start + chunk]

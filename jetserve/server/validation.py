@@ -208,10 +208,17 @@ def check_prompt_length(limits: ModelLimits, ids: Sequence[int], field: str) -> 
         raise InvalidArgument(field, f"{field} is empty")
     cap = min(limits.max_prefill_length, limits.max_seq_len - 1)
     if len(ids) > cap:
-        raise InvalidArgument(
-            field, f"{field} has {len(ids)} tokens; this server accepts at most {cap} "
-                   f"(max_prefill_length {limits.max_prefill_length}, "
-                   f"max_seq_len {limits.max_seq_len})")
+        raise InvalidArgument(field, f"{field} has {len(ids)} tokens; {prompt_limit(limits)}")
+
+
+def prompt_limit(limits: ModelLimits) -> str:
+    """What caps a prompt here and the server flag that raises it."""
+    cap = min(limits.max_prefill_length, limits.max_seq_len - 1)
+    if cap == limits.max_seq_len - 1:
+        return (f"the longest prompt is {cap} tokens (max_seq_len {limits.max_seq_len} less "
+                f"one token to generate; --max-seq-len raises it)")
+    return (f"the longest prompt is {cap} tokens (max_prefill_length {cap}; "
+            f"--max-prefill-length raises it)")
 
 
 def check_max_tokens(limits: ModelLimits, n: Any, prompt_len: int, field: str = "max_tokens",

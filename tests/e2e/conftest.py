@@ -8,7 +8,8 @@ from jetserve.server.config import ServerConfig
 from jetserve.server.runner import BackgroundServers
 
 TINY_MODEL = "random:tiny"
-# Small shapes: compiles fast; max_prefill_length is what the "prompt too long" cases hit.
+# Small shapes: compiles fast; max_seq_len is what the "prompt too long" cases hit (longer
+# prompts than max_prefill_length are prefilled in chunks).
 TINY_ENGINE = EngineConfig(max_concurrent_decodes=8, max_prefill_length=64, max_seq_len=256)
 
 

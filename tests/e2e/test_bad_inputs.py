@@ -11,7 +11,9 @@ from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 from tests.e2e.conftest import TINY_ENGINE, TINY_MODEL
 
-TOO_LONG = TINY_ENGINE.max_prefill_length + 1
+# Prompts past max_prefill_length are prefilled in chunks; the cap is max_seq_len less the
+# one token to generate.
+TOO_LONG = TINY_ENGINE.max_seq_len
 Tok = pb.DecodeRequest.TokenContent
 Text = pb.DecodeRequest.TextContent
 

@@ -4,6 +4,7 @@ import pytest
 
 from jetserve.cli import build_parser
 from jetserve.commands import serve
+from jetserve.model_loading import RANDOM_MODELS
 from jetserve.server.config import ServerConfig
 
 
@@ -50,7 +51,8 @@ def test_device_layout_goes_to_orchestrator_build(monkeypatch, argv, layout):
     monkeypatch.setattr(orchestrator, "build", lambda model, **kw: seen.update(kw) or "orch")
     assert serve.build_orchestrator(_args("--model", "random:tiny", *argv)) == "orch"
     assert {k: seen[k] for k in layout} == layout
-    assert seen["engine_config"].max_seq_len == 1024
+    # No --max-seq-len: random:tiny's own context (its KV cache fits on this host).
+    assert seen["engine_config"].max_seq_len == RANDOM_MODELS["tiny"].max_position_embeddings
 
 
 def test_half_a_disaggregated_layout_is_an_error():

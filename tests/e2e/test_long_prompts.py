@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import TINY_ENGINE, TINY_MODEL
-from tests.e2e.test_openai_http import _byte_of
+from tests.e2e.test_openai_http import _id_of
 
 S = TINY_ENGINE.max_seq_len
 
@@ -39,11 +39,14 @@ def test_echo_scores_a_chunked_prompt_like_chunked_generation(client):
     continuation (3 scoring chunks) gives the log-probs generation reported, and every
     continuation token is the argmax."""
     ids = _prompt(150)
+    as_ids = {"return_tokens_as_token_ids": True}
     gen = client.completions.create(model=TINY_MODEL, prompt=ids, max_tokens=6, temperature=0,
-                                    logprobs=1, extra_body={"ignore_eos": True}).choices[0]
-    cont = [_byte_of(piece) for piece in gen.logprobs.tokens]
+                                    logprobs=1, extra_body={"ignore_eos": True, **as_ids}
+                                    ).choices[0]
+    cont = [_id_of(token) for token in gen.logprobs.tokens]
     scored = client.completions.create(model=TINY_MODEL, prompt=ids + cont, max_tokens=0,
-                                       echo=True, logprobs=1).choices[0].logprobs
+                                       echo=True, logprobs=1, extra_body=as_ids
+                                       ).choices[0].logprobs
     assert len(scored.token_logprobs) == 156 and scored.token_logprobs[0] is None
     assert all(isinstance(x, float) and x <= 0 for x in scored.token_logprobs[1:])
     for got, want in zip(scored.token_logprobs[150:], gen.logprobs.token_logprobs, strict=True):

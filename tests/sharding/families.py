@@ -78,7 +78,11 @@ def expected_error(family: str, preset: str, n: int) -> str | None:
         "seq_tp": np.gcd(cfg.num_kv_heads, n),
         "ep_tp": n // np.gcd(max(cfg.num_experts, 1), n),
     }[preset]
-    if cfg.num_kv_heads % model:
+    K = cfg.num_kv_heads
+    # tp replicates kv heads over a model axis that is a multiple of them (and divides
+    # the query heads): every device holds one copy of one kv head.
+    replicated = preset == "tp" and model % K == 0 and cfg.num_heads % model == 0
+    if K % model and not replicated:
         return "kv_heads"
     return None
 

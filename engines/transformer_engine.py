@@ -264,6 +264,21 @@ class TransformerEngine(Engine):
         kv head."""
         return kv_heads.select_heads(params, self._logical, self.kv_repeat)
 
+    def params_from_checkpoint(self, stored: dict) -> dict:
+        """The inverse: a tree shaped as `checkpoint_abstract()` (numpy or jax arrays)
+        with each kv head repeated as this engine runs them; place it with
+        `param_shardings`."""
+        xp = np if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(stored)) else jnp
+        return kv_heads.repeat_heads(stored, self._logical, self.kv_repeat, xp)
+
+    def checkpoint_abstract(self) -> dict:
+        """The shapes and dtypes of the parameters as stored (`source_config`)."""
+        if self.kv_repeat == 1:
+            return self.abstract_params
+        model = Decoder(kv_heads.stored_config(self.model_config, self.kv_repeat),
+                        dtype=self.dtype)
+        return param_loading.trace_params(model)[0]
+
     def receive_prefix(self, prefix: Prefix) -> Prefix:
         """A prefix made by another engine of this model (whose kv heads may be repeated
         otherwise: disaggregated slices on other presets or device counts), with this

@@ -271,6 +271,14 @@ class TransformerEngine(Engine):
         xp = np if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(stored)) else jnp
         return kv_heads.repeat_heads(stored, self._logical, self.kv_repeat, xp)
 
+    def kv_head_tensors(self) -> list[str]:
+        """The parameters ('/'-joined paths) that hold one slice per kv head: those a
+        layout with kv_repeat > 1 repeats."""
+        flat = jax.tree_util.tree_flatten_with_path(
+            self._logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+        return ["/".join(str(getattr(k, "key", k)) for k in p) for p, spec in flat
+                if kv_heads.kv_axis(spec) is not None]
+
     def checkpoint_abstract(self) -> dict:
         """The shapes and dtypes of the parameters as stored (`source_config`)."""
         if self.kv_repeat == 1:

@@ -115,7 +115,7 @@ def load_params(model: Decoder, weights: str | None, *, seed: int, sharding: Sha
         params = checkpoint.read_orbax_params(weights, target)
         if stored is abstract:
             return params
-        return jax.jit(convert, out_shardings=shardings, donate_argnums=0)(params)
+        return jax.jit(convert, out_shardings=shardings)(params)
     return _load_hf(weights, source_cfg, stored, logical, shardings,
                     quantizing=quantizing, kv_repeat=kv_repeat, scheme=scheme, group=group)
 

@@ -19,7 +19,7 @@ from engines import EngineConfig, ModelConfig, create_engine, load_hf_config
 from engines.checkpoint import read_orbax_config
 from jetserve import cli
 from jetserve.offline import generate_many
-from jetserve.orchestrator import Orchestrator
+from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
 from sharding import ShardingConfig, load_preset
 from tests.parity.hf_models import make_hf_model
 
@@ -126,6 +126,34 @@ def test_convert_keeps_stored_heads_and_orbax_loads_replicated(qwen2_dir, tmp_pa
     assert scale.shape[0] == 4
     one = _engine(stored, 1, "replicated", weights=out, quantize="int8")
     assert _tokens(tp, params) == _tokens(one)
+
+
+def test_prefix_cache_and_transfer_between_differently_replicated_slices():
+    """Prefill with tp on 4 devices (each kv head on 2) and a prefix cache of its own
+    blocks; decode paged with tp_kv_batch on 4 others (the 2 heads split, no copies): the
+    transfer regroups every prefix, cached or not, and the tokens are one device's."""
+    shapes = dict(max_concurrent_decodes=2, max_prefill_length=32, max_seq_len=48)
+    devices = jax.devices()
+    prefill = create_engine(CFG, devices=devices[:4], sharding=load_preset("tp"),
+                            config=EngineConfig(**shapes))
+    gen = create_engine(CFG, devices=devices[4:8], sharding=load_preset("tp_kv_batch"),
+                        config=EngineConfig(**shapes, kv_layout="paged", page_size=8))
+    assert (prefill.kv_repeat, gen.kv_repeat) == (2, 1)
+    system = list(range(40, 56))  # two cached blocks of 8
+    prompts = [system + [i, 7, 9] for i in (3, 4, 5)]
+    one = create_engine(CFG, devices=devices[:1], config=EngineConfig(**shapes))
+    want = [r.token_ids for r in generate_many(one, one.load_params(), prompts,
+                                               max_tokens=6, ignore_eos=True)]
+    config = OrchestratorConfig(prefix_cache_hbm_bytes=1 << 20, prefix_cache_block=8,
+                                prefix_cache_key="kvrep")
+    with Orchestrator(prefill_engines=[prefill], generate_engines=[gen],
+                      prefill_params=[prefill.load_params()],
+                      generate_params=[gen.load_params()], config=config) as orch:
+        got = [orch.submit(Request(prompt_ids=p, max_tokens=6, ignore_eos=True)).result(
+            timeout=300).token_ids for p in prompts]
+        s = orch.stats()["prefix_cache"][0]
+    assert got == want
+    assert s["hits"] == 2 and s["hit_tokens"] == 2 * 16
 
 
 def test_meshes_that_cannot_work_are_refused():

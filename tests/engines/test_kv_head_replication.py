@@ -43,7 +43,9 @@ def _engine(cfg, n, preset="tp", weights=None, **kw):
 
 @pytest.fixture(scope="module")
 def one_device_tokens():
-    return _tokens(_engine(CFG, 1, "replicated"))
+    tokens = _tokens(_engine(CFG, 1, "replicated"))
+    assert all(len(set(t)) > 2 for t in tokens)  # random weights, yet no fixed point
+    return tokens
 
 
 def test_random_weights_on_8_devices_match_one_device(one_device_tokens):
@@ -201,13 +203,28 @@ def test_slices_of_two_models_are_refused_naming_both():
                      generate_params=[None])
 
 
-def test_generate_cli_on_4_devices_matches_one(capsys):
+def test_generate_cli_on_8_devices_matches_one(capsys, tmp_path):
+    """`jetserve generate` of an HF Llama with 8 heads and 2 kv heads, tp on 8 devices."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    hf = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                        max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    model = tf.LlamaForCausalLM(hf).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+
     def run(*extra):
-        args = ["generate", "--model", "random:tiny", "--prompt-ids", "5,17,33,2",
-                "--max-tokens", "6", "--ignore-eos", "--json", "--max-seq-len", "64",
-                *extra]
+        args = ["generate", "--model", str(tmp_path), "--prompt-ids", "5,17,33,2",
+                "--max-tokens", "8", "--ignore-eos", "--json", "--max-seq-len", "64", *extra]
         assert cli.main(args) == 0
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
 
-    # random:tiny: 4 heads, 2 kv heads; tp on 4 devices repeats each kv head twice.
-    assert run("--sharding", "tp", "--devices", "4") == run("--devices", "1")
+    tokens = run("--sharding", "tp", "--devices", "8")
+    assert tokens == run("--devices", "1")
+    assert len(tokens) == 8 and len(set(tokens)) > 2  # not a degenerate repetition

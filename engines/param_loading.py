@@ -6,13 +6,14 @@ engine's parameter shardings. Quantize-on-load is the same path over the float m
 when the engine's parameters are quantized but the stored ones are float
 (`needs_quantizing`), HF tensors are quantized one by one on the host (the float model
 never sits on the devices), random and Orbax weights by one jitted function whose float
-input is dropped as soon as it returns.
+input is dropped as soon as it returns. Kv-head replication (engines/kv_heads.py) is the
+same path again: the weights are read as stored, with K kv heads, and each kv head is
+repeated `kv_repeat` times on the way to the engine's K' heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint
+from engines import checkpoint, kv_heads
 from engines.config import ModelConfig
 from engines.model import Decoder
 from engines.quantization import KERNEL_INPUT_AXES, QVALUE, SCALE, quantize, quantize_params
@@ -55,11 +56,14 @@ def trace_params(model: Decoder) -> tuple[dict, dict]:
 
 
 def param_shardings(sharding: ShardingConfig, mesh: Mesh, logical: dict,
-                    abstract: dict) -> dict:
-    """Where each parameter lives on `mesh`, by its logical axis names."""
+                    abstract: dict, *, whole_kv: bool = False) -> dict:
+    """Where each parameter lives on `mesh`, by its logical axis names. whole_kv: kv
+    heads unsplit (stored heads that are repeated after loading)."""
 
     def one(path, spec, a):
         name = _path(path)
+        if whole_kv:
+            spec = kv_heads.whole_kv_heads(spec)
         # Quantization scales are 1/group the size of their kernel: where their groups
         # do not divide over the channel's mesh axis they stay whole on every device.
         return sharding.named(mesh, tuple(spec), a.shape, f"parameter {name}",
@@ -79,35 +83,56 @@ def needs_quantizing(cfg: ModelConfig, weights: str | None) -> bool:
 
 
 def load_params(model: Decoder, weights: str | None, *, seed: int, sharding: ShardingConfig,
-                mesh: Mesh, shardings: dict, abstract: dict) -> dict:
+                mesh: Mesh, shardings: dict, abstract: dict, kv_repeat: int = 1) -> dict:
     """The parameters of `model` from `weights` (None: random from `seed`), placed with
-    `shardings` (the tree of NamedShardings of `abstract`, the model's parameters)."""
+    `shardings` (the tree of NamedShardings of `abstract`, the model's parameters).
+    kv_repeat: the model has this many copies of each stored kv head (engines/kv_heads.py);
+    random weights are drawn for the stored heads, so they equal a one-device run's."""
     cfg = model.cfg
     quantizing = needs_quantizing(cfg, weights)
-    convert: Any = None  # stored (float) params -> the model's (quantized) params
+    scheme, group = cfg.weight_quant, cfg.quant_group_size
+    source_cfg = kv_heads.stored_config(cfg, kv_repeat)
     if quantizing:
-        scheme, group = cfg.weight_quant, cfg.quant_group_size
-        model = Decoder(dataclasses.replace(cfg, weight_quant="none"), dtype=model.dtype)
-        stored, logical = trace_params(model)
-        stored_sh = param_shardings(sharding, mesh, logical, stored)
-        convert = lambda p: quantize_params(p, scheme, group, jnp)
+        source_cfg = dataclasses.replace(source_cfg, weight_quant="none")
+    source = Decoder(source_cfg, dtype=model.dtype)
+    if source_cfg == cfg:
+        stored, stored_sh, logical = abstract, shardings, None
     else:
-        stored, stored_sh = abstract, shardings
+        stored, logical = trace_params(source)
+        stored_sh = param_shardings(sharding, mesh, logical, stored, whole_kv=kv_repeat > 1)
+
+    def convert(p):  # stored params -> the model's: heads repeated, then quantized
+        p = kv_heads.repeat_heads(p, logical, kv_repeat, jnp)
+        return quantize_params(p, scheme, group, jnp) if quantizing else p
+
     if weights is None:
-        init = jax.jit(
-            lambda key: (convert or (lambda p: p))(nn.meta.unbox(_init(model, key))),
-            out_shardings=shardings,
-        )
+        init = jax.jit(lambda key: convert(nn.meta.unbox(_init(source, key))),
+                       out_shardings=shardings)
         return init(jax.random.key(seed))
     if checkpoint.is_orbax_dir(weights):
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               stored, stored_sh)
         params = checkpoint.read_orbax_params(weights, target)
-        return jax.jit(convert, out_shardings=shardings)(params) if quantizing else params
+        if stored is abstract:
+            return params
+        return jax.jit(convert, out_shardings=shardings)(params)
+    return _load_hf(weights, source_cfg, stored, logical, shardings,
+                    quantizing=quantizing, kv_repeat=kv_repeat, scheme=scheme, group=group)
+
+
+def _load_hf(weights: str, source_cfg: ModelConfig, stored: dict, logical: dict | None,
+             shardings: dict, *, quantizing: bool, kv_repeat: int, scheme: str,
+             group: int) -> dict:
+    """HF safetensors, one tensor at a time: read as stored, kv heads repeated and
+    quantized on the host, then put on the devices."""
     flat_sh: dict[str, NamedSharding] = {
         _path(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    flat_logical: dict[str, PartitionSpec] = {} if logical is None else {
+        _path(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+            logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]}
 
     def place(path: str, arr: np.ndarray):
+        arr = kv_heads.repeat_leaf(arr, flat_logical.get(path), kv_repeat, np)
         leaf = path.rsplit("/", 1)[-1]
         if not quantizing or leaf not in KERNEL_INPUT_AXES:
             return jax.device_put(arr, flat_sh[path])
@@ -115,4 +140,4 @@ def load_params(model: Decoder, weights: str | None, *, seed: int, sharding: Sha
         return {QVALUE: jax.device_put(q, flat_sh[f"{path}/{QVALUE}"]),
                 SCALE: jax.device_put(s, flat_sh[f"{path}/{SCALE}"])}
 
-    return checkpoint.read_hf_params(weights, model.cfg, stored, place)
+    return checkpoint.read_hf_params(weights, source_cfg, stored, place)

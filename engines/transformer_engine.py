@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import cpu_kernels, device_functions, param_loading, quantization
+from engines import cpu_kernels, device_functions, kv_heads, param_loading, quantization
 from engines.config import ModelConfig
 from engines.device_functions import PromptLogprobs, ScoreCache
 from engines.engine_api import Engine, ResultTokens, Tokenizer
@@ -88,10 +88,18 @@ class TransformerEngine(Engine):
         self._mesh = self.sharding.make_mesh(
             devices, {d: getattr(model_config, d) for d in MODEL_DIMS})
         self.dtype = resolve_dtype(self.config.dtype, devices)
+        # More devices on the kv-head axis than kv heads: the decoder runs with K' kv
+        # heads, each stored head repeated kv_repeat times (engines/kv_heads.py).
+        self.kv_repeat = self.sharding.kv_head_replicas(
+            self._mesh, model_config.num_kv_heads, model_config.num_heads,
+            "parameter layers_0/self_attn/k_proj")
+        # The weights as stored (what a checkpoint holds); model_config is what runs.
+        self.source_config = model_config
         # Whether the model uses the CPU kernels depends on where it runs, known here: the
         # model (linear()) and the decode step (DecodeKV) only read the field.
         self.model_config = model_config = dataclasses.replace(
-            model_config, cpu_matmul_rows=cpu_kernels.max_rows(
+            model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat,
+            cpu_matmul_rows=cpu_kernels.max_rows(
                 self._mesh, self.dtype, model_config.weight_quant))
         self.model = Decoder(model_config, dtype=self.dtype)
         self.abstract_params, self._logical = param_loading.trace_params(self.model)
@@ -261,7 +269,45 @@ class TransformerEngine(Engine):
     def _load_own_params(self) -> dict:
         return param_loading.load_params(
             self.model, self.weights, seed=self.seed, sharding=self.sharding,
-            mesh=self._mesh, shardings=self.param_shardings, abstract=self.abstract_params)
+            mesh=self._mesh, shardings=self.param_shardings, abstract=self.abstract_params,
+            kv_repeat=self.kv_repeat)
+
+    def checkpoint_params(self, params: dict) -> dict:
+        """`params` as a checkpoint stores them (for `source_config`): one copy of each
+        kv head."""
+        return kv_heads.select_heads(params, self._logical, self.kv_repeat)
+
+    def params_from_checkpoint(self, stored: dict) -> dict:
+        """The inverse: a tree shaped as `checkpoint_abstract()` (numpy or jax arrays)
+        with each kv head repeated as this engine runs them; place it with
+        `param_shardings`."""
+        xp = np if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(stored)) else jnp
+        return kv_heads.repeat_heads(stored, self._logical, self.kv_repeat, xp)
+
+    def kv_head_tensors(self) -> list[str]:
+        """The parameters ('/'-joined paths) that hold one slice per kv head: those a
+        layout with kv_repeat > 1 repeats."""
+        flat = jax.tree_util.tree_flatten_with_path(
+            self._logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+        return ["/".join(str(getattr(k, "key", k)) for k in p) for p, spec in flat
+                if kv_heads.kv_axis(spec) is not None]
+
+    def checkpoint_abstract(self) -> dict:
+        """The shapes and dtypes of the parameters as stored (`source_config`)."""
+        if self.kv_repeat == 1:
+            return self.abstract_params
+        model = Decoder(kv_heads.stored_config(self.model_config, self.kv_repeat),
+                        dtype=self.dtype)
+        return param_loading.trace_params(model)[0]
+
+    def receive_prefix(self, prefix: Prefix) -> Prefix:
+        """A prefix made by another engine of this model (whose kv heads may be repeated
+        otherwise: disaggregated slices on other presets or device counts), with this
+        engine's kv heads; it still runs where the prefix is, before the move."""
+        if not prefix.k:
+            return prefix
+        return kv_heads.regroup_prefix(prefix, self.source_config.num_kv_heads,
+                                       self.model_config.num_kv_heads)
 
     def init_decode_state(self) -> DecodeState:
         c, e = self.model_config, self.config

@@ -33,6 +33,11 @@ W = HBM bandwidth, R = matmul FLOP/s (both summed over chips), F the MLP width.
   rate is twice the bf16 rate; f32 weights at the f32 rate give B* = 2 R / W.
 * Capacity: weights are stored whole (P b_w / 8) plus B C Z b_kv / 8 of cache; the largest
   batch that fits is floor((chips x HBM - P b_w / 8) / (C Z b_kv / 8)).
+* Kv heads under tensor parallelism (`tp`): with more chips than kv heads K (a multiple
+  of K), each kv head, its k / v projections and its cache, is held by chips / K chips,
+  so the cache stored and read per token is Z x chips / K values in all (Z / K per chip)
+  and the k / v projections are stored chips / K times; every other weight splits over
+  all chips.
 * Model parallelism for decode: sharding a [D, F] weight over Y chips takes D F b_w / 8 / Y
   / W_chip to read, while the activations it must gather cost ~B D b_a / 8 / ICI regardless
   of Y; communication dominates once Y > F / (B x W_chip / ICI).
@@ -68,6 +73,8 @@ class ModelSpec:
     num_experts: int = 0
     experts_per_tok: int = 0
     sliding_window: int | None = None
+    num_kv_heads: int = 0  # K; 0: not stated (no kv-head replication is counted)
+    kv_proj_params: float = 0.0  # the k / v projections (and biases) of all layers
 
     def __post_init__(self):
         for name in ("params", "matmul_params", "kv_values_per_token", "ffn"):
@@ -99,7 +106,15 @@ class ModelSpec:
             num_experts=E,
             experts_per_tok=k,
             sliding_window=cfg.sliding_window,
+            num_kv_heads=K,
+            kv_proj_params=float(L * 2 * K * H * (D + int(cfg.qkv_bias))),
         )
+
+    def kv_head_copies(self, chips: int) -> int:
+        """Chips holding each kv head when `tp` splits the model over `chips`: chips / K
+        where chips is a multiple of K, else 1."""
+        K = self.num_kv_heads
+        return chips // K if K and chips > K and chips % K == 0 else 1
 
     def read_params(self, batch: int) -> float:
         """P_read: parameters one step of `batch` tokens reads from memory."""
@@ -163,7 +178,9 @@ class Plan:
     precision: Precision
     context: int
     param_bytes: float
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float  # on all chips together, kv-head copies included
+    kv_bytes_per_token_per_chip: float
+    kv_head_copies: int  # chips holding each kv head (ModelSpec.kv_head_copies)
     kv_bytes_per_seq: float
     max_batch: int
     critical_batch: float
@@ -178,6 +195,8 @@ class Plan:
             "context": self.context,
             "param_bytes": self.param_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes_per_token_per_chip": self.kv_bytes_per_token_per_chip,
+            "kv_head_copies": self.kv_head_copies,
             "kv_bytes_per_seq": self.kv_bytes_per_seq,
             "max_batch": self.max_batch,
             "critical_batch": self.critical_batch,
@@ -194,12 +213,14 @@ def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, co
         raise ValueError(f"context must be >= 1, got {context}")
     bw = hw.hbm_bandwidth * chips
     flops = hw.matmul_flops(precision.weight_bits, precision.act_bits) * chips
-    kv_tok = model.kv_values_per_token * precision.kv_bits / 8
+    copies = model.kv_head_copies(chips)
+    kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
     read_ctx = min(context, model.sliding_window) if model.sliding_window else context
     kv_read = batch * read_ctx * kv_tok
     kv_stored = batch * context * kv_tok
-    w_read = model.read_params(batch) * precision.weight_bits / 8
-    param_bytes = model.params * precision.weight_bits / 8
+    kv_proj_copies = model.kv_proj_params * (copies - 1) * precision.weight_bits / 8
+    w_read = model.read_params(batch) * precision.weight_bits / 8 + kv_proj_copies
+    param_bytes = model.params * precision.weight_bits / 8 + kv_proj_copies
     total = param_bytes + kv_stored
     t_w, t_kv = w_read / bw, kv_read / bw
     t_c = 2.0 * batch * model.matmul_params / flops
@@ -223,23 +244,28 @@ def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequen
         raise ValueError(f"chips must be >= 1, got {chips}")
     if not batches:
         raise ValueError("batches is empty")
-    kv_tok = model.kv_values_per_token * precision.kv_bits / 8
-    param_bytes = model.params * precision.weight_bits / 8
-    max_batch = kv_tokens_that_fit(model, precision, hw.hbm_bytes * chips) // context
+    copies = model.kv_head_copies(chips)
+    kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
+    param_bytes = (model.params + model.kv_proj_params * (copies - 1)) * precision.weight_bits / 8
+    max_batch = kv_tokens_that_fit(model, precision, hw.hbm_bytes * chips, copies) // context
     flops = hw.matmul_flops(precision.weight_bits, precision.act_bits)
     critical = flops / hw.hbm_bandwidth * precision.weight_bits / 16
     rows = tuple(step_floor(model, hw, chips=chips, batch=b, context=context,
                             precision=precision) for b in batches)
     return Plan(model=model, hardware=hw, chips=chips, precision=precision, context=context,
                 param_bytes=param_bytes, kv_bytes_per_token=kv_tok,
+                kv_bytes_per_token_per_chip=kv_tok / chips, kv_head_copies=copies,
                 kv_bytes_per_seq=context * kv_tok, max_batch=max_batch,
                 critical_batch=critical, rows=rows)
 
 
-def kv_tokens_that_fit(model: ModelSpec, precision: Precision, memory_bytes: float) -> int:
+def kv_tokens_that_fit(model: ModelSpec, precision: Precision, memory_bytes: float,
+                       copies: int = 1) -> int:
     """How many tokens of KV cache fit in memory_bytes beside the stored weights:
     floor((memory - P b_w / 8) / (Z b_kv / 8)), 0 when the weights alone do not fit. A
-    batch B at context C fits when B C is at most this."""
-    free = memory_bytes - model.params * precision.weight_bits / 8
-    kv_tok = model.kv_values_per_token * precision.kv_bits / 8
+    batch B at context C fits when B C is at most this. `copies`: each kv head held that
+    many times (tp past the kv-head count), its projections and its cache alike."""
+    free = memory_bytes - (model.params + model.kv_proj_params * (copies - 1)) * (
+        precision.weight_bits / 8)
+    kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
     return max(0, math.floor(free / kv_tok)) if free > 0 else 0

@@ -144,8 +144,30 @@ def build_report(engine: TransformerEngine, *, params=None, decode_state=None,
         "per_device": per_device,
         "step_bytes_per_device": busiest,
     }
+    report["kv_head_replication"] = kv_head_replication(engine, p_lay, kv_lay)
     if bandwidth is not None:
         report["bandwidth_bytes_per_s"] = bandwidth
         report["decode_step_floor_s"] = busiest / bandwidth
         report["decode_step_floor_params_only_s"] = max(pred_p.values()) / bandwidth
     return report
+
+
+def kv_head_replication(engine: TransformerEngine, p_lay: list[TensorLayout],
+                        kv_lay: list[TensorLayout]) -> dict[str, Any]:
+    """How many devices hold each kv head (engines/kv_heads.py), the tensors that carry
+    the copies, and their bytes per device: with `copies` devices per head, all but
+    1/copies of those bytes on a device repeat what another device of the axis holds."""
+    r = engine.kv_repeat
+    names = set(engine.kv_head_tensors())
+    params = [t for t in p_lay if t.name in names] if r > 1 else []
+    cache = kv_lay if r > 1 else []
+    per_device = sum(t.bytes_per_device for t in params + cache)
+    return {
+        "copies": r,
+        "stored_kv_heads": engine.source_config.num_kv_heads,
+        "kv_heads": engine.model_config.num_kv_heads,
+        "params": [t.name for t in params],
+        "kv_cache": [t.name for t in cache],
+        "bytes_per_device": per_device,
+        "copy_bytes_per_device": per_device * (r - 1) // r,
+    }

@@ -7,6 +7,10 @@ Mesh sizes are an integer, -1 (all devices left over), or the name of a model di
 (`num_kv_heads`, `num_heads`, `num_experts`): that axis gets as many devices as the model
 has of that thing, limited to a divisor of the devices left. `tp_kv_batch` uses this to put
 the KV cache by kv heads first and give the remaining devices to the batch.
+
+`replicate_kv_heads: true` (as in `tp`) lets the kv_heads axis take more devices than the
+model has kv heads: M devices for K heads, M a multiple of K dividing num_heads, each head
+held by M / K devices (`kv_head_replicas`; the engine repeats the heads, engines/kv_heads.py).
 """
 
 from __future__ import annotations
@@ -52,13 +56,20 @@ class ShardingConfig:
     mesh: ordered (mesh axis, size); size >= 1, -1 (the remaining devices), or a name
       from MODEL_DIMS (as many devices as the model has of it, where they divide).
     rules: (logical axis, mesh axis); a logical axis without a rule is not split.
+    replicate_kv_heads: where the kv_heads mesh axis has more devices than the model has
+      kv heads, hold each kv head (projections and cache) on several devices rather than
+      refuse the mesh (`kv_head_replicas`).
     """
 
     name: str = "replicated"
     mesh: tuple[tuple[str, int | str], ...] = (("data", 1), ("model", -1))
     rules: tuple[tuple[str, str], ...] = ()
+    replicate_kv_heads: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.replicate_kv_heads, bool):
+            raise ValueError(f"sharding {self.name!r}: replicate_kv_heads must be true or "
+                             f"false, got {self.replicate_kv_heads!r}")
         mesh_axes = [a for a, _ in self.mesh]
         if not mesh_axes:
             raise ValueError(f"sharding {self.name!r}: mesh must name at least one axis")
@@ -92,9 +103,10 @@ class ShardingConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], name: str) -> ShardingConfig:
-        unknown = set(d) - {"mesh", "rules"}
+        unknown = set(d) - {"mesh", "rules", "replicate_kv_heads"}
         if unknown:
-            raise ValueError(f"sharding {name!r}: unknown keys {sorted(unknown)}; expected mesh, rules")
+            raise ValueError(f"sharding {name!r}: unknown keys {sorted(unknown)}; expected "
+                             f"mesh, rules, replicate_kv_heads")
         mesh = d.get("mesh") or {"data": 1, "model": -1}
         rules = d.get("rules") or {}
         for key, value in (("mesh", mesh), ("rules", rules)):
@@ -107,10 +119,14 @@ class ShardingConfig:
                     f"got {mesh_axis!r}"
                 )
         return cls(name=name, mesh=tuple((str(k), v) for k, v in mesh.items()),
-                   rules=tuple((str(k), v) for k, v in rules.items()))
+                   rules=tuple((str(k), v) for k, v in rules.items()),
+                   replicate_kv_heads=d.get("replicate_kv_heads", False))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mesh": dict(self.mesh), "rules": dict(self.rules)}
+        d: dict[str, Any] = {"mesh": dict(self.mesh), "rules": dict(self.rules)}
+        if self.replicate_kv_heads:
+            d["replicate_kv_heads"] = True
+        return d
 
     # ---- meshes ------------------------------------------------------------------------
 
@@ -156,6 +172,26 @@ class ShardingConfig:
         shape = self.mesh_shape(len(devices), dims)
         arr = np.asarray(devices, dtype=object).reshape(tuple(shape.values()))
         return Mesh(arr, tuple(shape.keys()))
+
+    def kv_head_replicas(self, mesh: Mesh, num_kv_heads: int, num_heads: int,
+                         tensor: str = "kv heads") -> int:
+        """How many devices hold each kv head on `mesh`: 1, or M / K where the kv_heads
+        mesh axis has M devices for K kv heads (with replicate_kv_heads, M a multiple of K
+        that divides num_heads). A mesh that can do neither is refused, naming `tensor`,
+        the sizes and the preset; without replicate_kv_heads `spec` refuses it later."""
+        axis = dict(self.rules).get(axes.KV_HEADS)
+        K, N = num_kv_heads, num_heads
+        if axis is None or not self.replicate_kv_heads or K % mesh.shape[axis] == 0:
+            return 1
+        M = mesh.shape[axis]
+        if M % K == 0 and N % M == 0:
+            return M // K
+        fits = [m for m in range(1, N + 1) if N % m == 0 and (K % m == 0 or m % K == 0)]
+        raise ValueError(
+            f"{tensor}: dimension 0 (kv_heads) of size {K} does not divide over mesh axis "
+            f"{axis!r} of size {M} in sharding {self.name!r}, nor can each kv head be "
+            f"replicated over it: that needs a size that is a multiple of num_kv_heads ({K}) "
+            f"and divides num_heads ({N}); sizes that work: {fits}")
 
     # ---- specs -------------------------------------------------------------------------
 

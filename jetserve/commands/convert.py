@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args.from_hf, engine_config=EngineConfig(
         quantize=args.quantize, quant_group_size=args.quant_group_size))
     params = engine.load_params()
-    save_orbax(params, engine.model_config, args.to, args.from_hf)
+    # As stored: one copy of each kv head, whatever the engine's layout repeats.
+    save_orbax(engine.checkpoint_params(params), engine.source_config, args.to, args.from_hf)
     print(f"wrote {args.to}")
     return 0

@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="a published model's shapes")
     p.add_argument("--hardware", default="cpu", choices=NAMES,
                    help="accelerator preset; cpu is measured on the spot")
-    p.add_argument("--chips", type=int, default=1)
+    p.add_argument("--chips", type=int, default=1,
+                   help="chips in tensor parallelism (as the tp preset lays them out: past "
+                        "the model's kv heads each kv head is held by several chips)")
     p.add_argument("--batch", default="1,8,16,32,64", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=2048, help="live tokens per sequence")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
@@ -74,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
           + (f" ({hw.note})" if hw.note else ""))
     print(f"KV cache: {plan.kv_bytes_per_token / 1e3:.1f} kB/token, "
           f"{plan.kv_bytes_per_seq / GB:.3f} GB per sequence of {args.context}")
+    if plan.kv_head_copies > 1:
+        print(f"kv heads: {args.chips} chips of tensor parallelism (tp) over "
+              f"{spec.num_kv_heads} kv heads hold each head, its k/v projections and its "
+              f"cache, on {plan.kv_head_copies} chips: "
+              f"{plan.kv_bytes_per_token_per_chip / 1e3:.2f} kB/token per chip")
     print(f"largest batch that fits: {plan.max_batch}; critical batch "
           f"(compute-bound above): {plan.critical_batch:.1f}")
     print(f"{'batch':>6} {'kv GB':>9} {'total GB':>9} {'fits':>5} {'mem ms':>9} "

@@ -79,6 +79,14 @@ def format_text(r: dict, model: str) -> str:
     lines += ["", f"parameters: {_size(r['param_bytes_total'])} in all, "
                   f"{100 * r['sharded_param_fraction']:.1f}% of the bytes sharded; "
                   f"full KV cache {_size(r['kv_cache_bytes_total'])}"]
+    rep = r["kv_head_replication"]
+    if rep["copies"] > 1:
+        lines.append(
+            f"kv heads replicated: the model's {rep['stored_kv_heads']} kv heads each held "
+            f"by {rep['copies']} devices ({rep['kv_heads']} run), in {len(rep['params'])} "
+            f"parameters and {len(rep['kv_cache'])} cache tensors: "
+            f"{_size(rep['bytes_per_device'])} per device, "
+            f"{_size(rep['copy_bytes_per_device'])} of it copies")
     if "decode_step_floor_s" in r:
         hw = r["hardware"]
         lines.append(

@@ -3,7 +3,10 @@
 Moves each prefix from the prefill slice to the generate slice with
 `jax.device_put(prefix, engine.prefix_destination_sharding())` and waits for the copy
 here, so the generate thread only ever inserts prefixes that are already in place. Its
-input queue is bounded; it blocks while the generate backlog is full.
+input queue is bounded; it blocks while the generate backlog is full. A prefix whose kv
+heads the prefill engine repeats otherwise than the generate engine (engines/kv_heads.py:
+tp over more devices than kv heads, on one slice and not the other) is first regrouped to
+the generate engine's heads (`engine.receive_prefix`), where it is.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class TransferWorker:
         self.poll_s = poll_s
         self.queue: queue.Queue[tuple[LiveRequest, Any]] = queue.Queue(queue_size)
         self.destination = target.engine.prefix_destination_sharding()
+        self.receive = getattr(target.engine, "receive_prefix", lambda prefix: prefix)
         self.busy = False
         self.transfers = 0
 
@@ -65,7 +69,7 @@ class TransferWorker:
         why = live.abandoned(time.monotonic())
         if why is None:
             try:
-                moved = jax.device_put(prefix, self.destination)
+                moved = jax.device_put(self.receive(prefix), self.destination)
                 jax.block_until_ready(moved)
             except Exception as e:  # this request only
                 log.exception("transfer of request %s failed", live.request_id)

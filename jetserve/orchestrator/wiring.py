@@ -56,6 +56,29 @@ def check_engines(pe, ge, pp, gp) -> None:
     vocab = {e.vocab_size for e in list(pe) + list(ge)}
     if len(vocab) != 1:
         raise ValueError(f"engines disagree on vocab_size: {sorted(vocab)}")
+    check_kv_heads(pe, ge)
+
+
+def check_kv_heads(pe, ge) -> None:
+    """Prefixes move from every prefill engine to every generate engine. Engines may
+    repeat the model's kv heads differently (the transfer regroups them), but must hold
+    the same model's heads."""
+    def held(kind, i, e):
+        c = getattr(e, "source_config", None)
+        if c is None:
+            return None
+        name = getattr(getattr(e, "sharding", None), "name", "?")
+        return (f"{kind} engine {i} (sharding {name!r}, {len(e.mesh.devices.flat)} devices)",
+                (c.num_kv_heads, c.head_dim, c.num_layers))
+
+    rows = [r for kind, es in (("prefill", pe), ("generate", ge))
+            for i, e in enumerate(es) if (r := held(kind, i, e)) is not None]
+    if len({shape for _, shape in rows}) > 1:
+        (a, sa), (b, sb) = rows[0], next(r for r in rows if r[1] != rows[0][1])
+        raise ValueError(
+            f"{a} holds {sa[0]} kv heads of {sa[1]} dims in {sa[2]} layers, {b} holds "
+            f"{sb[0]} of {sb[1]} in {sb[2]}: a prefix cannot move between them; serve one "
+            f"model on both")
 
 
 def direct_route(g: GenerateWorker, stopping: threading.Event, poll_s: float):

@@ -24,7 +24,8 @@ ENGINE_LAYERS = (
     ("config", "engine_config", "engine_api", "attention", "sampling", "quantization",
      "cpu_kernels", "page_pool"),
     # the model and the KV stores (and checkpoint files, the mock engine)
-    ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine"),
+    ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
+     "kv_heads"),
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)
     ("device_functions", "speculative", "param_loading"),
     # the engines: shardings and jit wiring

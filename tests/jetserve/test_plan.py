@@ -135,3 +135,34 @@ def test_cli_model_path_and_errors(capsys):
     assert cli.main(["plan", "--model-preset", "llama3-8b", "--hardware", "h100",
                      "--batch", "0"]) == 2
     assert "--batch" in capsys.readouterr().err
+
+
+def test_tp_past_the_kv_heads_counts_the_copies():
+    """Llama-3-70B (8 kv heads) on 16 chips: each kv head on 2 chips, so the cache holds
+    twice the model's KV per token (one head's worth per chip) and the k/v projections
+    are stored twice."""
+    spec = ModelSpec.from_config(MODEL_PRESETS["llama3-70b"])
+    assert spec.num_kv_heads == 8 and spec.kv_head_copies(16) == 2
+    assert spec.kv_head_copies(8) == 1 and spec.kv_head_copies(12) == 1
+    per_token = 2 * 80 * 8 * 128 * 2  # Z bytes in bf16
+    p8 = make_plan(spec, V5E, chips=8, batches=[1], context=8192, precision=BF16)
+    p16 = make_plan(spec, V5E, chips=16, batches=[1], context=8192, precision=BF16)
+    assert p8.kv_head_copies == 1 and p8.kv_bytes_per_token == per_token
+    assert p8.kv_bytes_per_token_per_chip == per_token / 8
+    assert p16.kv_head_copies == 2 and p16.kv_bytes_per_token == 2 * per_token
+    assert p16.kv_bytes_per_token_per_chip == per_token / 8  # one kv head per chip
+    kv_proj = 80 * 2 * 8 * 128 * 8192 * 2  # k and v projections, bf16
+    assert p16.param_bytes - p8.param_bytes == kv_proj
+    assert p16.rows[0].kv_gb == pytest.approx(2 * p8.rows[0].kv_gb)
+
+
+def test_cli_shows_kv_bytes_per_chip(capsys):
+    assert cli.main(["plan", "--model-preset", "llama3-70b", "--hardware", "tpu-v5e",
+                     "--chips", "16", "--context", "8192", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("16 chips of tensor parallelism (tp) over 8 kv heads hold each head, its k/v "
+            "projections and its cache, on 2 chips: 40.96 kB/token per chip") in out
+    assert cli.main(["plan", "--model-preset", "llama3-70b", "--hardware", "tpu-v5e",
+                     "--chips", "16", "--batch", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_head_copies"] == 2 and out["kv_bytes_per_token_per_chip"] == 40960

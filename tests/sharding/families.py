@@ -40,7 +40,8 @@ def make_engine(family: str, preset: str, devices) -> TransformerEngine:
 
 
 def host_params(engine: TransformerEngine, seed: int = 0) -> dict:
-    """numpy weights for the engine's shapes; the same for every layout of one family."""
+    """numpy weights as stored (one copy of each kv head); the same for every layout of
+    one family."""
     rng = np.random.default_rng(seed)
     gemma = engine.model_config.norm_plus_one
 
@@ -54,11 +55,12 @@ def host_params(engine: TransformerEngine, seed: int = 0) -> dict:
         std = 0.05 if "embed" in name else 0.2 if len(a.shape) >= 2 else 0.1
         return (std * rng.standard_normal(a.shape)).astype(a.dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, engine.abstract_params)
+    return jax.tree_util.tree_map_with_path(draw, engine.checkpoint_abstract())
 
 
 def place(engine: TransformerEngine, host: dict) -> dict:
-    return jax.device_put(host, engine.param_shardings)
+    """host_params on the engine's devices, kv heads repeated where it replicates them."""
+    return jax.device_put(engine.params_from_checkpoint(host), engine.param_shardings)
 
 
 def greedy_tokens(engine: TransformerEngine, params) -> list[list[int]]:
@@ -78,7 +80,11 @@ def expected_error(family: str, preset: str, n: int) -> str | None:
         "seq_tp": np.gcd(cfg.num_kv_heads, n),
         "ep_tp": n // np.gcd(max(cfg.num_experts, 1), n),
     }[preset]
-    if cfg.num_kv_heads % model:
+    K = cfg.num_kv_heads
+    # tp replicates kv heads over a model axis that is a multiple of them (and divides
+    # the query heads): every device holds one copy of one kv head.
+    replicated = preset == "tp" and model % K == 0 and cfg.num_heads % model == 0
+    if K % model and not replicated:
         return "kv_heads"
     return None
 

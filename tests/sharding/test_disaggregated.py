@@ -3,6 +3,8 @@
 The prefix crosses slices by `jax.device_put(prefix, engine_g.prefix_destination_sharding())`:
 first called here directly (a layout mismatch shows up without threads in the way), then
 through the orchestrator's transfer thread on the same engines (nothing recompiles).
+Where one slice replicates the kv heads and the other does not (`tp` on more devices
+than kv heads), `engine_g.receive_prefix` regroups the heads first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ CASES = {
     "llama3-tp-to-tp_kv_batch": ("llama3", "tp", "tp_kv_batch"),
     # A real reshard: seq 2 x model 2 -> data 2 x model 2 (two kv heads).
     "mistral-seq_tp-to-tp_kv_batch": ("mistral", "seq_tp", "tp_kv_batch"),
+    # Two kv heads each on two devices (4 heads run) -> two heads on model 2, data 2.
+    "mistral-tp-to-tp_kv_batch": ("mistral", "tp", "tp_kv_batch"),
+    # And back: two heads -> each of them on two devices.
+    "mistral-tp_kv_batch-to-tp": ("mistral", "tp_kv_batch", "tp"),
 }
 
 
@@ -33,7 +39,7 @@ def slices(request):
 
 def test_engine_level_transfer(slices, reference_tokens):
     family, pe, ge, pp, gp = slices
-    if family == "mistral":
+    if (pe.sharding.name, ge.sharding.name) == ("seq_tp", "tp_kv_batch"):
         assert dict(pe.mesh.shape) == {"seq": 2, "model": 2}
         assert dict(ge.mesh.shape) == {"data": 2, "model": 2}
     devices = jax.devices()
@@ -43,7 +49,7 @@ def test_engine_level_transfer(slices, reference_tokens):
     for slot, prompt in enumerate(families.PROMPTS):
         prefix, first = pe.prefill(pp, prompt, len(prompt))
         tokens.append([first.to_host().token(0)])
-        moved = jax.device_put(prefix, dest)
+        moved = jax.device_put(ge.receive_prefix(prefix), dest)
         # The prefix now lives on the generate slice only, laid out as it expects.
         assert {d.id for d in moved.k[0].devices()} == {d.id for d in devices[4:8]}
         assert moved.k[0].sharding.is_equivalent_to(dest.k[0], moved.k[0].ndim)

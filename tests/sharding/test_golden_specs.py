@@ -40,12 +40,30 @@ def snapshot(family: str, preset: str, n: int) -> dict:
         engine = families.make_engine(family, preset, jax.devices()[:n])
     except ValueError as e:
         return {"error": str(e)}
-    return {
+    out = {
         "mesh": dict(engine.mesh.shape),
         "params": {t.name: _spec(t.spec) for t in param_layouts(engine)},
         "decode_state": {t.name: _spec(t.spec) for t in decode_state_layouts(engine)},
         "prefix": _prefix_specs(engine),
     }
+    if engine.kv_repeat > 1:
+        out["kv_head_replication"] = _replicated_shapes(engine)
+    return out
+
+
+def _replicated_shapes(engine) -> dict:
+    """Where tp holds each kv head on several devices: how many copies, and the global and
+    per-device shapes of the tensors that carry them."""
+    kv = [t for t in param_layouts(engine) + decode_state_layouts(engine)
+          if t.kind == "kv_cache" or t.name.endswith(("k_proj", "v_proj", "k_bias", "v_bias"))]
+    sh = {**{t.name: s for t, s in zip(param_layouts(engine), jax.tree.leaves(
+        engine.param_shardings), strict=True)},
+          **{t.name: s for t, s in zip(decode_state_layouts(engine), jax.tree.leaves(
+              engine.decode_state_shardings()), strict=True)}}
+    return {"copies_of_each_kv_head": engine.kv_repeat,
+            "stored_kv_heads": engine.source_config.num_kv_heads,
+            "shapes": {t.name: f"{t.shape}, per device {sh[t.name].shard_shape(t.shape)}"
+                       for t in kv}}
 
 
 @pytest.mark.parametrize("preset", families.PRESET_NAMES)

@@ -81,11 +81,45 @@ def test_sharding_from_a_yaml_path(capsys, tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--sharding", "tp", "--devices", "16"], "--devices 16: only 8 cpu devices exist"),
-    (["--sharding", "tp", "--devices", "4"],
+    # (tp on 4 devices replicates random:tiny's 2 kv heads; 3 devices can do neither.)
+    (["--sharding", "tp", "--devices", "3"],
      "parameter layers_0/self_attn/k_proj: dimension 0 (kv_heads) of size 2 does not divide "
-     "over mesh axis 'model' of size 4 in sharding 'tp'"),
+     "over mesh axis 'model' of size 3 in sharding 'tp'"),
     (["--sharding", "no_such_preset"], "unknown sharding 'no_such_preset'"),
 ])
 def test_errors_name_what_is_wrong(capsys, extra, message):
     assert cli.main([*ARGS, *extra, "--no-measure"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tp_past_the_kv_heads_shows_the_copies(capsys):
+    """random:tiny (4 heads, 2 kv heads) under tp on 4 devices: each kv head on 2 of them;
+    every device holds one head's k/v projections and cache, half of it a copy."""
+    r = _report(capsys, "--sharding", "tp", "--devices", "4")
+    rep = r["kv_head_replication"]
+    assert (rep["copies"], rep["stored_kv_heads"], rep["kv_heads"]) == (2, 2, 4)
+    assert rep["params"] == [f"layers_{i}/self_attn/{w}" for i in range(2)
+                             for w in ("k_proj", "v_proj")]
+    assert rep["kv_cache"] == ["k/0", "k/1", "v/0", "v/1"]
+    t = {x["name"]: x for x in r["tensors"]}
+    assert t["layers_0/self_attn/k_proj"]["shape"] == [4, 16, 64]  # [K', H, D]
+    assert t["layers_0/self_attn/k_proj"]["spec"] == ["model", None, None]
+    assert t["k/0"]["shape"] == [8, 4, 16, 64] and t["k/0"]["spec"][1] == "model"
+    one_head = 16 * 64 * 4  # H x D f32: each device's share of one k/v projection
+    cache = 8 * 16 * 64 * 4  # B x H x S f32: one head of one layer's keys
+    assert t["layers_0/self_attn/k_proj"]["bytes_per_device"] == one_head
+    assert rep["bytes_per_device"] == 4 * one_head + 4 * cache
+    assert rep["copy_bytes_per_device"] == rep["bytes_per_device"] // 2
+    # Measured on the devices as predicted: the loader repeated the heads in place.
+    for d in r["per_device"]:
+        assert d["measured_param_bytes"] == d["param_bytes"]
+        assert d["measured_kv_cache_bytes"] == d["kv_cache_bytes"]
+    assert cli.main([*ARGS, "--sharding", "tp", "--devices", "4", "--no-measure"]) == 0
+    assert ("kv heads replicated: the model's 2 kv heads each held by 2 devices (4 run), in "
+            "4 parameters and 4 cache tensors: 144.0 KiB per device, 72.0 KiB of it copies"
+            in capsys.readouterr().out)
+
+
+def test_no_copies_where_the_kv_heads_split(tp_kv_batch_report):
+    rep = tp_kv_batch_report["kv_head_replication"]
+    assert rep["copies"] == 1 and rep["params"] == [] and rep["bytes_per_device"] == 0

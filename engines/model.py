@@ -139,8 +139,13 @@ class Mlp(nn.Module):
 
 
 class MoeMlp(nn.Module):
-    """Top-k of E experts (engines/moe.py): routed, each token through only its k experts,
-    except where running all E on every token is as cheap (see `_routed`)."""
+    """Top-k of E experts (engines/moe.py), routed: each token runs through its k experts
+    only. With k == E every expert runs on every token anyway, and the dense form, which
+    has no rows to sort, does the same work.
+
+    The dense form is kept for no step size: on the CPU, routed is faster at every decode
+    size measured (1 to 32 tokens, 6x to 10x for one layer of 8 experts top-2) as well as
+    at prefill (scripts/moe_prefill_ab.py, docs/BENCHMARKS.md)."""
 
     cfg: ModelConfig
     dtype: Any
@@ -153,20 +158,8 @@ class MoeMlp(nn.Module):
         w1 = _kernel(self, "w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
         w3 = _kernel(self, "w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
         w2 = _kernel(self, "w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED), self.dtype)
-        routed = _routed(math.prod(x.shape[:2]), c)  # tokens: static at trace time
-        return moe.moe(x, router, w1, w3, w2, c.num_experts_per_tok,
-                       functools.partial(_act, c), routed)
-
-
-# Steps of at most this many tokens run every expert densely. scripts/moe_prefill_ab.py
-# (docs/BENCHMARKS.md) times both forms of one MoE layer at 1..32 tokens: TODO figures.
-MOE_DENSE_MAX_TOKENS = 0
-
-
-def _routed(tokens: int, cfg: ModelConfig) -> bool:
-    """Whether a step of `tokens` tokens runs its experts routed. With k == E every expert
-    runs on every token either way, and the dense form has no sorting to do."""
-    return tokens > MOE_DENSE_MAX_TOKENS and cfg.num_experts_per_tok < cfg.num_experts
+        return moe.moe(x, router, w1, w3, w2, c.num_experts_per_tok, functools.partial(_act, c),
+                       routed=c.num_experts_per_tok < E)
 
 
 class Block(nn.Module):

@@ -8,7 +8,7 @@ order and summed with the router weights. The grouped matmul is `jax.lax.ragged_
 wherever XLA has a ragged-dot instruction (TPU, GPU). On the CPU jax lowers ragged_dot
 to a dense product of every group against every row with the others masked out (E times
 the FLOPs, more than running every expert densely), so there a loop over experts runs
-each expert's rows in blocks of `block_rows(R, E)`, only as many blocks as it has rows.
+each expert's rows in a few blocks sized to its row count (`blocked_ffn`).
 
 Expert parallelism: under an engine's layout (`sharding.layout`) the MoE runs in a
 shard_map over the mesh: each device holds E_l = E / (expert axis) experts and a slice of
@@ -21,6 +21,7 @@ Letters: M tokens, k experts per token, R = M*k rows, D model, F ffn, E experts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -32,11 +33,9 @@ from sharding.layout import current as current_layout
 
 Act = Callable[[jax.Array], jax.Array]
 
-# Largest block of rows the CPU path runs through one expert at a time. A block runs whole
-# even where the expert has fewer rows left, so each used expert wastes half a block on
-# average; 64 rows keep that small at prefill sizes while the matmuls stay efficient
-# (measured with scripts/moe_prefill_ab.py, docs/BENCHMARKS.md).
-MAX_BLOCK_ROWS = 64
+# The CPU path's smallest block of rows (`blocked_ffn`): each used expert wastes up to
+# one; measured against other sizes with scripts/moe_prefill_ab.py (docs/BENCHMARKS.md).
+MAX_BLOCK_ROWS = 16
 
 
 def route(x: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -87,39 +86,45 @@ def ragged_ffn(xs, group_sizes, w1, w3, w2, act: Act) -> jax.Array:
 
 
 def block_rows(R: int, E: int) -> int:
-    """Rows per block of the CPU path for R rows over E experts: the power of two that
-    holds an even share of the rows, at most MAX_BLOCK_ROWS (a decode step of a few tokens
-    runs one small block per chosen expert)."""
+    """The smallest block of the CPU path for R rows over E experts: a power of two, at
+    most MAX_BLOCK_ROWS, no larger than an even share of the rows (a decode step of a few
+    tokens runs one block of one or two rows per chosen expert)."""
     share = -(-R // E)
     return min(MAX_BLOCK_ROWS, 1 << (share - 1).bit_length())
 
 
 def blocked_ffn(xs, group_sizes, w1, w3, w2, act: Act, block: int | None = None) -> jax.Array:
-    """`grouped_ffn` as a loop over experts and, inside, over blocks of that expert's rows.
+    """`grouped_ffn` as a loop over experts, each running its n rows in a few blocks.
 
-    A block is read from the expert's first row on, so its tail may hold the next
-    expert's rows; only the expert's own rows are written back, and the next expert
-    writes its own later. Experts with no rows run no block. `block`: rows per block
-    (default `block_rows`).
+    n is rounded up to a multiple of the smallest block b (`block`, default `block_rows`)
+    and run in one block per binary digit of that (n = 138, b = 16: 128 + 16 rows), the
+    largest first, so the matmuls are as large as the rows allow and at most b - 1 rows
+    are wasted. The last block may read the next expert's rows; only the expert's own
+    rows are written back, and the next expert writes its own after.
     """
     R, E = xs.shape[0], group_sizes.shape[0]
     b = block or block_rows(R, E)
-    xs = jnp.pad(xs, ((0, b), (0, 0)))  # a block may run past the last row
+    sizes = [b << i for i in range((-(-R // b)).bit_length())][::-1]  # ..., 2b, b
+    xs = jnp.pad(xs, ((0, b), (0, 0)))  # the last block may run past the last row
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
 
     def expert(e, out):
         w1e, w3e, w2e = w1[e], w3[e], w2[e]
 
-        def block(j, out):
-            s = starts[e] + j * b
-            xb = jax.lax.dynamic_slice_in_dim(xs, s, b)  # (b, D)
+        def run(out, s, n):  # rows [s, s + n) through expert e, those up to ends[e] kept
+            xb = jax.lax.dynamic_slice_in_dim(xs, s, n)  # (n, D)
             y = (act(xb @ w1e) * (xb @ w3e)) @ w2e
-            mine = (s + jnp.arange(b) < ends[e])[:, None]
-            y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, s, b))
-            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), s, 0)
+            mine = (s + jnp.arange(n) < ends[e])[:, None]
+            y = jnp.where(mine, y.astype(out.dtype), jax.lax.dynamic_slice_in_dim(out, s, n))
+            return jax.lax.dynamic_update_slice_in_dim(out, y, s, 0)
 
-        return jax.lax.fori_loop(0, (group_sizes[e] + b - 1) // b, block, out)
+        padded, s = (group_sizes[e] + b - 1) // b * b, starts[e]
+        for n in sizes:
+            take = (padded & n) != 0
+            out = jax.lax.cond(take, functools.partial(run, s=s, n=n), lambda out: out, out)
+            s = s + jnp.where(take, n, 0)
+        return out
 
     return jax.lax.fori_loop(0, E, expert, jnp.zeros_like(xs))[:R]
 

@@ -23,8 +23,9 @@ FAMILY_CONFIGS = {
 FAMILIES = tuple(FAMILY_CONFIGS)
 
 
-def make_hf_model(family: str, out_dir: str, seed: int = 0):
-    """Writes a random-weight model of `family` to out_dir; returns the torch model."""
+def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
+    """Writes a random-weight model of `family` (its config changed by `overrides`) to
+    out_dir; returns the torch model."""
     import torch
     import transformers as tf
 
@@ -36,7 +37,7 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0):
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
     }[kind]
-    cfg = cls_cfg(**TINY, **FAMILY_CONFIGS[family])
+    cfg = cls_cfg(**{**TINY, **FAMILY_CONFIGS[family], **overrides})
     torch.manual_seed(seed)
     model = cls_model(cfg).eval()
     with torch.no_grad():  # larger-than-default weights so logits are not all near zero

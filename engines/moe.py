@@ -34,7 +34,8 @@ from sharding.layout import current as current_layout
 Act = Callable[[jax.Array], jax.Array]
 
 # The CPU path's smallest block of rows (`blocked_ffn`): each used expert wastes up to
-# one; measured against other sizes with scripts/moe_prefill_ab.py (docs/BENCHMARKS.md).
+# one. Sizes from 4 to 64 timed alike, within the noise of a shared machine
+# (scripts/moe_prefill_ab.py --parts blocks, docs/BENCHMARKS.md).
 MAX_BLOCK_ROWS = 16
 
 

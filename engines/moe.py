@@ -13,8 +13,9 @@ each expert's rows in a few blocks sized to its row count (`blocked_ffn`).
 Expert parallelism: under an engine's layout (`sharding.layout`) the MoE runs in a
 shard_map over the mesh: each device holds E_l = E / (expert axis) experts and a slice of
 F, routes its tokens over all E, runs only the rows of its own experts, and the partial
-outputs are summed over the expert and mlp mesh axes. GSPMD cannot partition a data-
-dependent grouping over expert-sharded weights itself (it would gather the weights).
+outputs are summed over the expert and mlp mesh axes. Left to GSPMD, the CPU loop's
+indexing of expert-sharded weights by a traced expert id would gather every expert's
+weights onto every device; the shard_map keeps each expert where it lives.
 
 Letters: M tokens, k experts per token, R = M*k rows, D model, F ffn, E experts.
 """

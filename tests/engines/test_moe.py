@@ -1,11 +1,12 @@
 """Routed mixture of experts (engines/moe.py): the grouped FFN of both paths (the CPU's
 blocked loop and `jax.lax.ragged_dot`) against a per-row reference, routed against dense,
 the expert subsets that devices hold under expert parallelism summing to the whole, the
-model forming no [tokens, E, F] product when routed, and a quantized Mixtral under `ep_tp`
-giving one device's tokens. (Parity with transformers: tests/parity/test_moe_parity.py.)"""
+model forming no [tokens, E, F] product when routed, `ep_tp` gathering no expert weights,
+and a quantized Mixtral under `ep_tp` giving one device's tokens. (Parity with transformers: tests/parity/test_moe_parity.py.)"""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import pytest
 from engines import create_engine, moe
 from engines import quantization as qz
 from engines.kv_cache import PrefillKV
-from sharding import load_preset
+from sharding import load_preset, traced_under
 from tests.sharding import families
 
 silu = jax.nn.silu
@@ -123,6 +124,22 @@ def test_routed_model_forms_no_product_over_every_expert():
     assert not every_expert(_expert_products(cfg, T))
     # With k == E every expert runs on every token anyway, densely.
     assert every_expert(_expert_products(dataclasses.replace(cfg, num_experts_per_tok=E), T))
+
+
+def test_ep_tp_gathers_no_expert_weights():
+    """Under ep_tp each device runs only the experts it holds: the compiled prefill never
+    gathers a whole [E, ...] expert kernel (as GSPMD would around an expert index)."""
+    eng = families.make_engine("mixtral", "ep_tp", jax.devices()[:8])  # {expert: 4, model: 2}
+    tokens = jnp.zeros((1, 16), jnp.int32)
+    pos = jnp.arange(16)[None]
+    fn = traced_under(eng.sharding, eng.mesh, lambda p, t, pos: eng.model.apply(
+        {"params": p}, t, pos, PrefillKV(pos, None)))
+    hlo = jax.jit(fn, in_shardings=(eng.param_shardings, None, None)).lower(
+        eng.abstract_params, tokens, pos).compile().as_text()
+    E = eng.model_config.num_experts
+    gathers = [ln for ln in hlo.splitlines() if "all-gather(" in ln]
+    assert not [ln for ln in gathers if re.search(rf"= f32\[{E},", ln)], gathers
+    assert "all-reduce(" in hlo  # the experts' partial outputs are summed
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

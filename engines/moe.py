@@ -1,0 +1,165 @@
+"""Mixture-of-experts math for `engines.model.MoeMlp`: routing, and the experts' FFN run
+either densely (every expert on every token, weighted by the router) or routed (each
+token's rows grouped by expert and run through only its top-k experts; dropless).
+
+Routed: the M tokens' M*k (token, expert) rows are sorted by expert, so each expert's rows
+are contiguous (`group_sizes` says how many), run as grouped matmuls, put back in token
+order and summed with the router weights. The grouped matmul is `jax.lax.ragged_dot`
+wherever XLA has a ragged-dot instruction (TPU, GPU). On the CPU jax lowers ragged_dot
+to a dense product of every group against every row with the others masked out (E times
+the FLOPs, more than running every expert densely), so there a loop over experts runs
+each expert's rows in a few blocks sized to its row count (`blocked_ffn`).
+
+Expert parallelism: under an engine's layout (`sharding.layout`) the MoE runs in a
+shard_map over the mesh: each device holds E_l = E / (expert axis) experts and a slice of
+F, routes its tokens over all E, runs only the rows of its own experts, and the partial
+outputs are summed over the expert and mlp mesh axes. Left to GSPMD, the CPU loop's
+indexing of expert-sharded weights by a traced expert id would gather every expert's
+weights onto every device; the shard_map keeps each expert where it lives.
+
+Letters: M tokens, k experts per token, R = M*k rows, D model, F ffn, E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from sharding import axes
+from sharding.layout import current as current_layout
+
+Act = Callable[[jax.Array], jax.Array]
+
+# The CPU path's smallest block of rows (`blocked_ffn`): each used expert wastes up to
+# one. Sizes from 4 to 64 timed alike, within the noise of a shared machine
+# (scripts/moe_prefill_ab.py --parts blocks, docs/BENCHMARKS.md).
+MAX_BLOCK_ROWS = 16
+
+
+def route(x: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """x [M, D], router [D, E] -> (weights f32[M, k], experts i32[M, k]), as Mixtral:
+    softmax over all E in f32, the top k, renormalised to sum to one."""
+    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # (M, E)
+    weights, experts = jax.lax.top_k(probs, k)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+
+
+def dense_experts(x, weights, experts, w1, w3, w2, act: Act, first=0) -> jax.Array:
+    """Every one of the E_l experts w*[E_l, ...] (global ids first..first+E_l-1) on every
+    token of x [M, D]; each weighted by its router weight, zero where not chosen."""
+    E = w1.shape[0]
+    gates = jnp.sum(jax.nn.one_hot(experts - first, E) * weights[..., None], axis=-2)  # (M, E)
+    h = act(jnp.einsum("md,edf->mef", x, w1)) * jnp.einsum("md,edf->mef", x, w3)
+    y = jnp.einsum("mef,efd->med", h, w2)  # (M, E, D)
+    return jnp.einsum("med,me->md", y, gates.astype(y.dtype))
+
+
+def routed_experts(x, weights, experts, w1, w3, w2, act: Act, first=0) -> jax.Array:
+    """As `dense_experts`, running each token through only its chosen experts; rows whose
+    expert is not among the E_l held here contribute nothing."""
+    (M, D), k, E = x.shape, experts.shape[1], w1.shape[0]
+    local = experts.reshape(-1) - first  # (R,)
+    key = jnp.where((local >= 0) & (local < E), local, E)  # E: held elsewhere
+    order = jnp.argsort(key, stable=True)  # (R,) sorted row -> its (token, slot) row
+    group_sizes = jnp.bincount(key, length=E + 1)[:E].astype(jnp.int32)
+    ys = grouped_ffn(x[order // k], group_sizes, w1, w3, w2, act)  # (R, D)
+    # Rows past the groups (other devices' experts) are not defined by ragged_dot.
+    ys = jnp.where((jnp.arange(M * k) < jnp.sum(group_sizes))[:, None], ys, 0)
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(M, k, D)
+    return jnp.einsum("mkd,mk->md", y, weights.astype(y.dtype))
+
+
+def grouped_ffn(xs, group_sizes, w1, w3, w2, act: Act) -> jax.Array:
+    """The gated FFN of expert e on rows xs[start_e : start_e + group_sizes[e]] (rows sorted
+    by expert), for every e -> [R, D]; rows past sum(group_sizes) are undefined."""
+    return jax.lax.platform_dependent(xs, group_sizes, w1, w3, w2,
+                                      cpu=lambda *a: blocked_ffn(*a, act),
+                                      default=lambda *a: ragged_ffn(*a, act))
+
+
+def ragged_ffn(xs, group_sizes, w1, w3, w2, act: Act) -> jax.Array:
+    """`grouped_ffn` as three `jax.lax.ragged_dot`s."""
+    h = act(jax.lax.ragged_dot(xs, w1, group_sizes)) * jax.lax.ragged_dot(xs, w3, group_sizes)
+    return jax.lax.ragged_dot(h, w2, group_sizes)
+
+
+def block_rows(R: int, E: int) -> int:
+    """The smallest block of the CPU path for R rows over E experts: a power of two, at
+    most MAX_BLOCK_ROWS, no larger than an even share of the rows (a decode step of a few
+    tokens runs one block of one or two rows per chosen expert)."""
+    share = -(-R // E)
+    return min(MAX_BLOCK_ROWS, 1 << (share - 1).bit_length())
+
+
+def blocked_ffn(xs, group_sizes, w1, w3, w2, act: Act, block: int | None = None) -> jax.Array:
+    """`grouped_ffn` as a loop over experts, each running its n rows in a few blocks.
+
+    n is rounded up to a multiple of the smallest block b (`block`, default `block_rows`)
+    and run in one block per binary digit of that (n = 138, b = 16: 128 + 16 rows), the
+    largest first, so the matmuls are as large as the rows allow and at most b - 1 rows
+    are wasted. The last block may read the next expert's rows; only the expert's own
+    rows are written back, and the next expert writes its own after.
+    """
+    R, E = xs.shape[0], group_sizes.shape[0]
+    b = block or block_rows(R, E)
+    sizes = [b << i for i in range((-(-R // b)).bit_length())][::-1]  # ..., 2b, b
+    xs = jnp.pad(xs, ((0, b), (0, 0)))  # the last block may run past the last row
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+
+    def expert(e, out):
+        w1e, w3e, w2e = w1[e], w3[e], w2[e]
+
+        def run(out, s, n):  # rows [s, s + n) through expert e, those up to ends[e] kept
+            xb = jax.lax.dynamic_slice_in_dim(xs, s, n)  # (n, D)
+            y = (act(xb @ w1e) * (xb @ w3e)) @ w2e
+            mine = (s + jnp.arange(n) < ends[e])[:, None]
+            y = jnp.where(mine, y.astype(out.dtype), jax.lax.dynamic_slice_in_dim(out, s, n))
+            return jax.lax.dynamic_update_slice_in_dim(out, y, s, 0)
+
+        padded, s = (group_sizes[e] + b - 1) // b * b, starts[e]
+        for n in sizes:
+            take = (padded & n) != 0
+            out = jax.lax.cond(take, functools.partial(run, s=s, n=n), lambda out: out, out)
+            s = s + jnp.where(take, n, 0)
+        return out
+
+    return jax.lax.fori_loop(0, E, expert, jnp.zeros_like(xs))[:R]
+
+
+def moe(x, router, w1, w3, w2, k: int, act: Act, routed: bool) -> jax.Array:
+    """x [B, T, D] through the top-k of E experts (router [D, E], w1/w3 [E, D, F],
+    w2 [E, F, D]) -> [B, T, D]; `routed` picks the routed or the dense form (same result)."""
+    experts_fn = routed_experts if routed else dense_experts
+
+    def run(x, router, w1, w3, w2, first=0):
+        B, T, D = x.shape
+        x = x.reshape(B * T, D)
+        weights, experts = route(x, router, k)
+        return experts_fn(x, weights, experts, w1, w3, w2, act, first).reshape(B, T, D)
+
+    cur = current_layout()
+    if cur is None or cur[1].size == 1:
+        return run(x, router, w1, w3, w2)
+    config, mesh = cur
+    w_spec = config.spec((axes.EXPERT, None, axes.MLP), w1.shape, mesh, "moe w1", strict=False)
+    e_axis, f_axis = w_spec[0], w_spec[2]
+    sums = tuple(a for a in (e_axis, f_axis) if a is not None)
+    # Tokens split as the residual stream is, except over an axis that splits the weights
+    # (each device must see every token its experts and F slice serve).
+    x_spec = config.spec((axes.BATCH, axes.SEQ, None), x.shape, mesh, "moe input", strict=False)
+    x_spec = PartitionSpec(*(None if a in sums else a for a in x_spec))
+
+    def local(x, router, w1, w3, w2):
+        first = 0 if e_axis is None else jax.lax.axis_index(e_axis) * w1.shape[0]
+        y = run(x, router, w1, w3, w2, first)
+        return jax.lax.psum(y, sums) if sums else y
+
+    w2_spec = PartitionSpec(e_axis, f_axis, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, PartitionSpec(), w_spec, w_spec,
+                                                     w2_spec),
+                         out_specs=x_spec, check_vma=False)(x, router, w1, w3, w2)

@@ -41,7 +41,7 @@ import jax
 from engines.engine_api import Engine, ResultTokens
 from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
-from jetserve.orchestrator.slots import SlotTable
+from jetserve.scheduling.slots import SlotTable
 from jetserve.orchestrator.timing import Listeners, StepDone
 
 log = logging.getLogger(__name__)

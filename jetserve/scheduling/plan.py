@@ -28,11 +28,12 @@ class StepPlan:
     admissions: tuple[Admission, ...] = ()
 
 
-def chunks(length: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) of each prefill chunk of a `length`-token prompt (chunk 0: one piece)."""
+def chunks(length: int, chunk: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each prefill chunk of a `length`-token prompt (chunk 0 or None: one
+    piece)."""
     if length < 1:
         raise ValueError(f"a prompt to prefill needs at least one token, got {length}")
-    if chunk < 0:
+    if chunk is not None and chunk < 0:
         raise ValueError(f"prefill chunk must be >= 0, got {chunk}")
     step = chunk or length
     return [(s, min(s + step, length)) for s in range(0, length, step)]

@@ -184,7 +184,7 @@ def test_whole_sequence_reservations_admit_only_what_can_finish():
 def test_chunks_of_a_long_prompt():
     assert chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert chunks(8, 4) == [(0, 4), (4, 8)]
-    assert chunks(3, 0) == [(0, 3)]  # no chunking: one piece
+    assert chunks(3, 0) == chunks(3, None) == [(0, 3)]  # no chunking: one piece
     with pytest.raises(ValueError, match="prefill chunk"):
         chunks(3, -1)
 

@@ -9,7 +9,8 @@ The loop, one turn at a time, on every process::
 
   process 0: plan  ── free the slots of requests that ended (stop id, length, stop
                       string, cancel, deadline), admit waiting requests into free slots
-                      (seed drawn here when the request gave none)
+                      (seed drawn here when the request gave none): the scheduler's
+                      TurnPlanner (jetserve/scheduling/turn_planner.py) decides
   all:       exchange ── broadcast_from_primary of the encoded plan (step_plan.py)
   all:       apply ── free_slot; prefill (+ prompt log-probs; in chunks with
                       `prefill_chunk`) and insert per admission; one generate step when
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import secrets
 import time
 from typing import Any
 
@@ -60,6 +60,7 @@ from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.step_plan import Broadcast, PlanCodec, exchange
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Admission, StepPlan, chunks
+from jetserve.scheduling.turn_planner import TurnPlanner
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class LockStepOrchestrator(Orchestrator):
         self._rows: dict[int, LiveRequest | None] = {}
         # Pages each running sequence may take, promised by process 0 at admission.
         self._kv = KVCacheManager(engine.kv_pages)
+        self._planner = TurnPlanner(engine.max_concurrent_decodes, self._kv)
         self._held: LiveRequest | None = None  # next in line, waiting for pages (process 0)
         self._readback = ReadBack(0, self._outbox, self._listeners)
         self.steps = self.prefills = 0
@@ -143,38 +145,11 @@ class LockStepOrchestrator(Orchestrator):
     def _plan(self) -> tuple[StepPlan, list[LiveRequest]]:
         if self._stopping.is_set():
             return StepPlan(stop=True), []
-        now = time.monotonic()
-        releases = []
-        for slot, live in sorted(self._rows.items()):
-            why = None if live.done else live.abandoned(now)
-            if live.done or why is not None or live.last_step_dispatched():
-                releases.append(slot)  # nothing more to compute for it
-                if why is not None:
-                    self._readback.end(live, why)
-        for slot in releases:
-            self._kv.unreserve(slot)
-        free = sorted(set(range(self._codec.slots)) - self._rows.keys() | set(releases))
-        admissions, lives = [], []
-        while free and len(admissions) < self._codec.slots:
-            idle = len(self._rows) == len(releases) and not admissions
-            live = self._next_request(idle)
-            if live is None:
-                break
-            scoring = live.request.max_tokens == 0
-            slot = None if scoring else free[0]
-            tokens = len(live.request.prompt_ids) + live.budget
-            if slot is not None and not self._kv.reserve(slot, tokens):
-                break  # it waits, first in line, until running requests give pages back
-            self._held = None
-            if slot is not None:
-                free.pop(0)
-            sp = live.request.sampling
-            admissions.append(Admission(
-                slot=slot, prompt_ids=live.request.prompt_ids, sampling=sp,
-                seed=sp.seed if sp.seed is not None else secrets.randbits(31),
-                prompt_logprobs=live.request.prompt_logprobs))
-            lives.append(live)
-        return StepPlan(releases=tuple(releases), admissions=tuple(admissions)), lives
+        return self._planner.plan(self._rows, time.monotonic(), next_request=self._next_request,
+                                  admitted=self._admitted, ended=self._readback.end)
+
+    def _admitted(self, live: LiveRequest) -> None:
+        self._held = None  # in the plan: the next request comes from the queue
 
     def _next_request(self, idle: bool) -> LiveRequest | None:
         """The next request still wanted (held, or from the admission queue: it stays held

@@ -30,8 +30,8 @@ def build_prefix_cache(engine: Engine, config: OrchestratorConfig,
         raise ValueError(f"a prefix cache needs an engine that continues prefixes; "
                          f"{type(engine).__name__} does not")
     if own is not None and own.pages is not None:
-        own.cache = PrefixCache(store=PageStore(engine, own.read_pages), hbm_bytes=hbm,
-                                host_bytes=host)
+        own.cache = PrefixCache(store=PageStore(engine, own.read_pages, own.sched.kv),
+                                hbm_bytes=hbm, host_bytes=host)
         return own.cache
     return PrefixCache(store=ArrayStore(engine, config.prefix_cache_block), hbm_bytes=hbm,
                        host_bytes=host)

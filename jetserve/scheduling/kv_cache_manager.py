@@ -10,19 +10,21 @@ whether work fits:
     admission with preemption: the threaded orchestrator);
   - `step_fits`: the next generate step of the running slots (else someone is preempted);
   - `reserve` / `unreserve`: the most pages a whole sequence may take, promised so that no
-    step ever runs short (admission without preemption: lock-step and offline).
+    step ever runs short (admission without preemption: lock-step and offline);
+  - `share` / `unshare` / `sole_holder`: a prefix cache's blocks as extra holders of the
+    pages a slot wrote (prefix_cache.PageStore), so a later request links them.
 
 With a contiguous KV cache (`pages` None) everything fits: slots are the only limit.
 
 The page bookkeeping is passed in, not imported (importing engines would load jax); it
-needs `free_count`, `pool.num_pages`, `pages_to_start`, `pages_for_step` and
-`pages_for_sequence`. The prefix cache needs `make_room(n)`. Concurrency: owned by the
+needs `free_count`, `page_size`, `pool` (num_pages, incref, decref, refcount),
+`pages_to_start`, `pages_for_step` and `pages_for_sequence`. The prefix cache needs `make_room(n)`. Concurrency: owned by the
 thread that owns the engine's slots (the generate thread), as the pages are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 
@@ -75,6 +77,24 @@ class KVCacheManager:
     def reserved(self) -> int:
         """Pages promised to running sequences."""
         return sum(self._reserved.values())
+
+    # ---- prefix sharing: pages a prefix cache holds beside the slots ---------------------
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
+
+    def share(self, pages: Iterable[int]) -> None:
+        """One more holder (a prefix-cache block) of each of `pages`, which are held."""
+        self.pages.pool.incref(pages)
+
+    def unshare(self, pages: Iterable[int]) -> None:
+        """One holder fewer; pages nobody holds any more are free again."""
+        self.pages.pool.decref(pages)
+
+    def sole_holder(self, page: int) -> bool:
+        """Whether one owner alone holds `page` (a cache block no slot links)."""
+        return self.pages.pool.refcount(page) == 1
 
     def stats(self) -> dict:
         """kv_pages / kv_pages_free for the stats and the metrics ({} when contiguous)."""

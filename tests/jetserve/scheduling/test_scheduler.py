@@ -31,8 +31,8 @@ def slot_pages(num_pages=8, slots=4, max_seq_len=16):
                                max_seq_len=max_seq_len)
 
 
-def scheduler(pages, slots=4, cache=None):
-    return Scheduler(slots, KVCacheManager(pages, cache), client=lambda r: r[0])
+def scheduler(pages, slots=4):
+    return Scheduler(slots, KVCacheManager(pages), client=lambda r: r[0])
 
 
 def admit(sched, pages, request, tokens, shared=()):
@@ -49,20 +49,22 @@ def drop(sched, pages, slot):
 
 
 class CacheOfPages:
-    """A prefix cache's part in the pool: it holds pages and gives back, on make_room,
-    those only it holds (as prefix_cache.PageStore does)."""
+    """A prefix cache's part in the pool, through the KV-cache manager as
+    prefix_cache.PageStore goes: it holds pages and gives back, on make_room, those only
+    it holds."""
 
-    def __init__(self, pool):
-        self.pool, self.held, self.asked = pool, [], []
+    def __init__(self, sched):
+        self.kv, self.held, self.asked = sched.kv, [], []
+        sched.kv.cache = self
 
     def adopt(self, pages):
-        self.pool.incref(pages)
+        self.kv.share(pages)
         self.held += pages
 
     def make_room(self, n):
         self.asked.append(n)
-        sole = [p for p in self.held if self.pool.refcount(p) == 1][:n]
-        self.pool.decref(sole)
+        sole = [p for p in self.held if self.kv.sole_holder(p)][:n]
+        self.kv.unshare(sole)
         self.held = [p for p in self.held if p not in sole]
 
 
@@ -139,8 +141,8 @@ def test_preemption_takes_the_newest_insert_first_until_the_step_fits():
 
 def test_shared_prefix_pages_are_counted_once_and_the_cache_gives_back_its_own():
     pages = slot_pages(num_pages=8)
-    cache = CacheOfPages(pages.pool)
-    sched = scheduler(pages, cache=cache)
+    sched = scheduler(pages)
+    cache = CacheOfPages(sched)
     admit(sched, pages, ("a", 0), 9)  # 3 pages
     cache.adopt(pages.pages_of(0)[:2])  # the prompt's 2 whole pages
     shared = pages.pages_of(0)[:2]
@@ -158,11 +160,11 @@ def test_shared_prefix_pages_are_counted_once_and_the_cache_gives_back_its_own()
     # A 25-token prefix needs 7 pages: the cache is asked for the one missing and gives
     # back one of the pages only it holds, no more.
     big = slot_pages(num_pages=8, max_seq_len=32)
-    big_cache = CacheOfPages(big.pool)
-    admit(scheduler(big), big, ("x", 0), 8)
+    sched = scheduler(big)
+    big_cache = CacheOfPages(sched)
+    admit(sched, big, ("x", 0), 8)
     big_cache.adopt(big.pages_of(0))
-    big.free(0)
-    sched = scheduler(big, cache=big_cache)
+    drop(sched, big, 0)
     assert big.free_count == 6 and sched.can_admit(25)
     assert big_cache.asked == [1] and big.free_count == 7 and len(big_cache.held) == 1
     big.check({"cache": big_cache.held})

@@ -75,16 +75,16 @@ def generate_many(
                 f"prompt {i} has {len(p)} tokens; max_prefill_length is {engine.max_prefill_length}"
             )
     stops = stop_ids(engine.eos_ids, (), ignore_eos)
-    lives = [LiveRequest(Request(prompt_ids=p, sampling=s, max_tokens=max_tokens,
-                                 ignore_eos=ignore_eos),
+    lives = [LiveRequest(Request(prompt_ids=[int(t) for t in p], sampling=s,
+                                 max_tokens=max_tokens, ignore_eos=ignore_eos),
                          handle=None, timing=RequestTiming(arrival=time.monotonic()),
                          budget=token_budget(len(p), max_tokens, engine.max_seq_len),
                          stop_ids=stops)
              for p, s in zip(prompts, samplings, strict=True)]
     sink = _Collect()
     _run(engine, params, lives, ReadBack(0, sink, Listeners()))
-    return [OfflineResult(list(live.request.prompt_ids), live.tokens,
-                          sink.finish[id(live)], sink.logprobs[id(live)]) for live in lives]
+    return [OfflineResult(list(p), live.tokens, sink.finish[id(live)], sink.logprobs[id(live)])
+            for p, live in zip(prompts, lives, strict=True)]
 
 
 def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -> None:

@@ -1,11 +1,13 @@
 """The generate thread of one generate engine: insert, step, read back one step later.
 
-It alone owns the engine's decode state, its `SlotTable` and the `LiveRequest`s in its
-slots. Each turn of the loop:
+It alone owns the engine's decode state, its scheduler (slots, page admission,
+preemption: jetserve/scheduling) and the `LiveRequest`s in its slots. Each turn of the
+loop:
 
   1. reap: free slots whose request is done (stop string, error), cancelled or past its
      deadline, so a cancelled request leaves its slot before the next step;
-  2. fill: insert waiting prefixes from the backlog into free slots;
+  2. fill: insert waiting prefixes from the backlog into free slots, the one the
+     scheduler ranks first each time (fair per client), while its pages fit;
   3. step: dispatch `engine.generate` (asynchronous), start its host copy, then read the
      *previous* step's results, which had a whole step to land on the host, so the device
      always has the next step queued while the host looks at tokens. A request whose

@@ -139,6 +139,21 @@ def test_preemption_takes_the_newest_insert_first_until_the_step_fits():
     pages.check()
 
 
+def test_cache_only_pages_come_back_before_anyone_is_preempted():
+    pages = slot_pages(num_pages=4, max_seq_len=16)
+    sched = scheduler(pages)
+    cache = CacheOfPages(sched)
+    admit(sched, pages, ("a", 0), 4)
+    cache.adopt(pages.pages_of(0))
+    drop(sched, pages, 0)  # its page is the cache's alone now
+    for i in range(1, 4):
+        admit(sched, pages, ("a", i), 4)  # slots 0-2; each step starts a page
+    assert pages.free_count == 0 and pages.pages_for_step() == 3
+    assert sched.next_victim() == 2 and not cache.asked  # victims never ask the cache
+    assert not sched.step_fits() and cache.asked == [3]  # the step does, first
+    assert pages.free_count == 1 and not cache.held
+
+
 def test_shared_prefix_pages_are_counted_once_and_the_cache_gives_back_its_own():
     pages = slot_pages(num_pages=8)
     sched = scheduler(pages)

@@ -2,21 +2,29 @@
 across several processes (which must dispatch identical steps, so no threads).
 
 Prompts wait in order; whenever a slot is free the next prompt is prefilled (in chunks of
-max_prefill_length when longer) and inserted, so prompts join the batch at different
-steps. On a paged engine a prompt also waits until the pages its whole sequence may take
-(prompt + token budget) are not promised to the running ones, so a step never runs out of
-pages. Every step's results are read back before
-the next step (the threaded orchestrator overlaps this; here simplicity wins).
+max_prefill_length when longer) and inserted, so prompts join the batch at different steps. On a paged engine a prompt also waits until
+the pages its whole sequence may take (prompt + token budget) are not promised to the
+running ones (`KVCacheManager.reserve`), so a step never runs out of pages. Tokens are
+taken and requests finished by the read-back path the orchestrators use (readback.py);
+here every step is read before the next one is dispatched (simplicity over overlap).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Sequence
 
 from engines import Engine, HostResults, SamplingParams
-from jetserve.orchestrator.stopping import stop_ids, token_budget, token_finish
+from jetserve.orchestrator.live import LiveRequest, Message, StepOutput
+from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.stopping import stop_ids, token_budget
+from jetserve.orchestrator.timing import Listeners, RequestTiming
+from jetserve.request import Request
+from jetserve.scheduling.kv_cache_manager import KVCacheManager
+from jetserve.scheduling.plan import chunks
+from jetserve.scheduling.scheduler import Scheduler
 
 GREEDY = SamplingParams()  # frozen: one shared default
 
@@ -27,6 +35,25 @@ class OfflineResult:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
     logprobs: list[float]
+
+
+class _Collect:
+    """Stands where the detokenize thread's queue stands: keeps each request's token
+    log-probs and finish reason."""
+
+    def __init__(self):
+        self.logprobs: dict[int, list[float]] = {}
+        self.finish: dict[int, str] = {}
+
+    def put(self, message: Message) -> None:
+        if not isinstance(message, StepOutput):
+            raise RuntimeError(f"offline generation ended a request early: {message}")
+        host = HostResults(message.data)
+        for live, row, n, finish in message.rows:
+            self.logprobs.setdefault(id(live), []).extend(host.logprob(row, j)
+                                                          for j in range(n))
+            if finish is not None:
+                self.finish[id(live)] = finish[0]
 
 
 def generate_many(
@@ -41,66 +68,53 @@ def generate_many(
     """Runs every prompt to completion; results in prompt order."""
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
-    stops = stop_ids(engine.eos_ids, (), ignore_eos)
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
         check_prompt_fits(engine, len(p), f"prompt {i}")
-    results: list[OfflineResult | None] = [None] * len(prompts)
-    waiting = deque(range(len(prompts)))
-    active: dict[int, int] = {}  # slot -> prompt index
-    out: dict[int, OfflineResult] = {}
+    stops = stop_ids(engine.eos_ids, (), ignore_eos)
+    lives = [LiveRequest(Request(prompt_ids=[int(t) for t in p], sampling=s,
+                                 max_tokens=max_tokens, ignore_eos=ignore_eos),
+                         handle=None, timing=RequestTiming(arrival=time.monotonic()),
+                         budget=token_budget(len(p), max_tokens, engine.max_seq_len),
+                         stop_ids=stops)
+             for p, s in zip(prompts, samplings, strict=True)]
+    sink = _Collect()
+    _run(engine, params, lives, ReadBack(0, sink, Listeners()))
+    return [OfflineResult(list(p), live.tokens, sink.finish[id(live)], sink.logprobs[id(live)])
+            for p, live in zip(prompts, lives, strict=True)]
+
+
+def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -> None:
+    """Prefills, inserts and steps until every request has finished."""
+    sched: Scheduler[LiveRequest] = Scheduler(engine.max_concurrent_decodes,
+                                              KVCacheManager(engine.kv_pages))
+    waiting = deque(lives)
     state = engine.init_decode_state()
-    free = list(range(engine.max_concurrent_decodes))
-
-    budgets = [token_budget(len(p), max_tokens, engine.max_seq_len) for p in prompts]
-    pages = engine.kv_pages
-    promised: dict[int, int] = {}  # slot -> pages its sequence may take at most
-
-    def fits(i: int) -> bool:
-        if pages is None:
-            return True
-        need = pages.pages_for_sequence(len(prompts[i]) + budgets[i])
-        return need + sum(promised.values()) <= pages.pool.num_pages
-
-    def accept(i: int, h: HostResults, row: int) -> bool:
-        """Records the row's tokens up to the first that ends request i; returns True
-        when it is finished."""
-        r = out[i]
-        for j, token in enumerate(h.tokens(row)):
-            r.token_ids.append(token)
-            r.logprobs.append(h.logprob(row, j))
-            finish = token_finish(token, len(r.token_ids), budgets[i], stops)
-            if finish is not None:
-                r.finish_reason = finish[0]
-                return True
-        return False
-
-    while waiting or active:
-        while waiting and free and fits(waiting[0]):
-            i = waiting.popleft()
-            prefix, first = prefill_chunked(engine, params, prompts[i], samplings[i])
-            out[i] = OfflineResult(list(prompts[i]), [], "length", [])
-            if accept(i, first.to_host(), 0):
-                results[i] = out.pop(i)
+    while waiting or sched.slots.in_use:
+        while (waiting and sched.slots.has_free
+               and sched.kv.reserve(waiting[0], len(waiting[0].request.prompt_ids)
+                                    + waiting[0].budget)):
+            live = waiting.popleft()
+            prompt = list(live.request.prompt_ids)
+            t0 = time.monotonic()
+            prefix, first = prefill_chunked(engine, params, prompt, live.request.sampling)
+            if readback.first_token(live, first, t0, len(prompt)):
+                sched.kv.unreserve(live)
                 continue
-            slot = free.pop(0)
-            state = engine.insert(prefix, state, slot)
-            active[slot] = i
-            if pages is not None:
-                promised[slot] = pages.pages_for_sequence(len(prompts[i]) + budgets[i])
-        if not active:
+            state = engine.insert(prefix, state, sched.assign(live))
+        if not sched.slots.in_use:
             continue
+        rows = sched.slots.rows()
+        t = time.monotonic()
         state, res = engine.generate(params, state)
-        h = res.to_host()
-        for slot, i in list(active.items()):
-            if accept(i, h, slot):
-                results[i] = out.pop(i)
-                del active[slot]
+        readback.dispatched(res, rows, t)
+        readback.read()
+        for slot, live in rows:
+            if live.done:
+                sched.release(slot)
                 engine.free_slot(slot)
-                promised.pop(slot, None)
-                free.append(slot)
-    return [r for r in results if r is not None]
+                sched.kv.unreserve(live)
 
 
 def check_prompt_fits(engine: Engine, n: int, what: str) -> None:
@@ -119,9 +133,8 @@ def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: Sam
     """(prefix, first token) of a prompt, in chunks of max_prefill_length, each continuing
     the last."""
     prefix = None
-    P = engine.max_prefill_length
-    for start in range(0, len(prompt), P):
-        piece = list(prompt[start:start + P])
+    for start, end in chunks(len(prompt), engine.max_prefill_length):
+        piece = list(prompt[start:end])
         prefix, first = engine.prefill(params, piece, len(piece), sampling=sampling,
                                        existing_prefix=prefix)
     return prefix, first

@@ -29,6 +29,7 @@ from jetserve.bench import bandwidth
 from jetserve.hardware import Hardware
 from jetserve.model_loading import build_engine
 from jetserve.plan import ModelSpec, Precision, step_floor
+from jetserve.scheduling.plan import chunks
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,9 +71,8 @@ def fill_slots(engine: TransformerEngine, params, context: int, seed: int = 0):
     """A decode state with every slot holding the same `context`-token prompt."""
     prompt = np.random.RandomState(seed).randint(3, engine.vocab_size, context).astype(np.int32)
     prefix = None
-    chunk = engine.max_prefill_length
-    for start in range(0, context, chunk):  # long contexts prefill in chunks
-        piece = prompt[start:start + chunk]
+    for start, end in chunks(context, engine.max_prefill_length):  # long contexts: chunks
+        piece = prompt[start:end]
         prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
     state = engine.init_decode_state()
     for slot in range(engine.max_concurrent_decodes):

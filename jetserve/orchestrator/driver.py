@@ -405,8 +405,7 @@ class Orchestrator:
                           "transfers": t.transfers} for t in self._transfer],
             "generate": [{"engine": g.index, "slots": g.slots.size,
                           "slots_in_use": g.slots.in_use, "backlog": len(g.backlog),
-                          "steps": g.steps, "tokens": g.tokens, "drafted": g.drafted,
-                          "accepted": g.accepted, **page_stats(g)}
+                          "steps": g.steps, **g.readback.counts(), **page_stats(g)}
                          for g in self._generate],
             "resume_queue": self._resume.qsize(),
             "prefix_cache": [{"engine": w.index, **w.cache.stats()} for w in self._prefill

@@ -1,25 +1,30 @@
 """The generate thread of one generate engine: insert, step, read back one step later.
 
-It alone owns the engine's decode state, its `SlotTable` and the `LiveRequest`s in its
-slots. Each turn of the loop:
+It alone owns the engine's decode state, its scheduler (slots, page admission,
+preemption: jetserve/scheduling) and the `LiveRequest`s in its slots. Each turn of the
+loop:
 
   1. reap: free slots whose request is done (stop string, error), cancelled or past its
      deadline, so a cancelled request leaves its slot before the next step;
-  2. fill: insert waiting prefixes from the backlog into free slots;
+  2. fill: insert waiting prefixes from the backlog into free slots, the one the
+     scheduler ranks first each time (fair per client), while its pages fit;
   3. step: dispatch `engine.generate` (asynchronous), start its host copy, then read the
      *previous* step's results, which had a whole step to land on the host, so the device
      always has the next step queued while the host looks at tokens. A request whose
      token budget ends with the step just dispatched leaves its slot at once; one that
      hit a stop id leaves it when that step is read, one step later.
 
-On a paged engine (`engine.kv_pages`) a prefix is inserted only when the pool has its
-pages plus what the next step needs; otherwise it waits in the backlog. When a step needs
-more pages than are free, the most recently inserted request is preempted: its slot and
-pages are freed and it goes back to a prefill thread (`resume`) to be recomputed. A
-prefix cache over this engine's pages (`cache`) counts as using its pages: admission and
-steps first take back pages only the cache holds (moving those blocks to the host tier),
-and an insert links the pages of the request's cache hit, then lets the cache adopt the
-prompt's whole pages (prefix_cache.py).
+Which waiting prefix gets a free slot, whether it fits and whom to preempt is the
+scheduler's call (jetserve/scheduling): on a paged engine (`engine.kv_pages`) a prefix is
+inserted only when the pool has its pages plus what the next step needs; otherwise it
+waits in the backlog. When a step needs more pages than are free, the scheduler's victim
+(the most recently inserted request) is preempted: its slot and pages are freed and it
+goes back to a prefill thread (`resume`) to be recomputed. A prefix cache over this
+engine's pages (`cache`) counts as using its pages: admission and steps first take back
+pages only the cache holds (moving those blocks to the host tier), and an insert links
+the pages of the request's cache hit, then lets the cache adopt the prompt's whole pages
+(prefix_cache.py). Results are read one step late by the shared read-back path
+(readback.py).
 
 Token ids are checked here (stop ids, length); text is left to the detokenize thread.
 In interleaved mode (the engine also prefills) the loop waits rather than steps while it
@@ -38,11 +43,14 @@ from typing import Any
 
 import jax
 
-from engines.engine_api import Engine, ResultTokens
-from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from engines.engine_api import Engine
+from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
-from jetserve.orchestrator.slots import SlotTable
-from jetserve.orchestrator.timing import Listeners, StepDone
+from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.timing import Listeners
+from jetserve.scheduling.kv_cache_manager import KVCacheManager
+from jetserve.scheduling.scheduler import Scheduler
+from jetserve.scheduling.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -122,34 +130,45 @@ class GenerateWorker:
         self.index = index
         self.engine = engine
         self.params = params
-        self.outbox = outbox
-        self.listeners = listeners
         self.stopping = stopping
         self.poll_s = poll_s
-        self.slots: SlotTable[LiveRequest] = SlotTable(engine.max_concurrent_decodes)
+        self.pages = engine.kv_pages  # None: a contiguous cache, slots are the only limit
+        # Decides admission, preemption and prefill priority; the prefix cache, when the
+        # driver sets one over this engine's pages (`cache`), counts in its page answers.
+        self.sched: Scheduler[LiveRequest] = Scheduler(
+            engine.max_concurrent_decodes, KVCacheManager(self.pages),
+            client=lambda live: live.request.client)
+        self.readback = ReadBack(index, outbox, listeners, finished=self._finished,
+                                 read_failed=lambda e, lives: self._fail_all(e, extra=lives))
         self.backlog = Backlog(backlog_size)
         self.state = engine.init_decode_state()
         # Held while the decode state is replaced (insert, step) or read from another
         # thread (read_pages): a donated state must not be read after it is gone.
         self.state_lock = threading.Lock()
-        self.pages = engine.kv_pages  # None: a contiguous cache, slots are the only limit
-        # Set by the driver when a prefix cache keeps its blocks in this engine's pages.
-        self.cache: PrefixCache | None = None
-        self._inserted: dict[int, int] = {}  # slot -> insert order (the newest is preempted)
-        self._inserts = 0
         # Set by the driver: hands a preempted request back to a prefill thread.
         self.resume: Callable[[LiveRequest], None] = lambda live: None
-        self.preemptions = 0
         self._step_cond = threading.Condition()
-        # Set by the driver in interleaved mode: is prefill work on its way to this engine?
-        self.prefill_pending: Callable[[], bool] = lambda: False
+        # Set by the driver in interleaved mode: is prefill work on its way to this engine,
+        # and is it paused between chunks (waiting for this engine to step)?
+        self.prefill_pending: Callable[[], tuple[bool, bool]] = lambda: (False, False)
         self.transfer_pending: Callable[[], int] = lambda: 0
         self.steps = 0
-        self.tokens = 0
-        self.drafted = 0  # speculative decoding: draft tokens proposed, and accepted
-        self.accepted = 0
-        self._pending: tuple[ResultTokens, list[tuple[int, LiveRequest]], float] | None = None
-        self._last_read = 0.0
+
+    @property
+    def slots(self) -> SlotTable[LiveRequest]:
+        return self.sched.slots
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        return self.sched.kv.cache
+
+    @cache.setter
+    def cache(self, cache: PrefixCache | None) -> None:
+        self.sched.kv.cache = cache
+
+    @property
+    def preemptions(self) -> int:
+        return self.sched.preemptions
 
     def load(self) -> int:
         """Requests here or on their way: the router sends new ones to the least loaded."""
@@ -166,19 +185,17 @@ class GenerateWorker:
                     log.exception("generate loop of engine %d failed", self.index)
                     self._fail_all(e)
         finally:
-            self._read_pending()
+            self.readback.read()
 
     def _turn(self) -> None:
         self._reap()
         self._fill()
-        if self.slots.in_use == 0 or self._yield_to_prefill():
-            self._read_pending()
+        if self.slots.in_use == 0 or self.sched.yield_to_prefill(
+                len(self.backlog), *self.prefill_pending()):
+            self.readback.read()
             self.backlog.wait(self.poll_s)
             return
         self._step()
-
-    def _yield_to_prefill(self) -> bool:
-        return self.slots.has_free and len(self.backlog) == 0 and self.prefill_pending()
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -189,7 +206,7 @@ class GenerateWorker:
             why = live.abandoned(now)
             if why is not None:
                 self._release(slot)
-                self._end(live, why)
+                self.readback.end(live, why)
         if len(self.backlog):
             # A request that ended at its first token waits only to have its pages cached.
             ended = lambda r: (r.done and r.cache_hit is None) or (  # noqa: E731
@@ -197,19 +214,16 @@ class GenerateWorker:
             for live in self.backlog.take_if(ended):
                 live.release_cache_hit()
                 if not live.done:
-                    self._end(live, live.abandoned(now) or "cancelled")
+                    self.readback.end(live, live.abandoned(now) or "cancelled")
 
     def _fill(self) -> None:
-        # A free slot goes to the waiting request whose client holds the fewest slots (the
-        # oldest among those): a client whose many requests filled the backlog does not
-        # keep another client's request out of the slots they free.
-        held = collections.Counter(live.request.client for _, live in self.slots.rows())
+        share = self.sched.fair_share()
         while self.slots.has_free:
-            item = self.backlog.peek(lambda live: held[live.request.client])
-            if item is None or not self._pages_for(*item):
+            item = self.backlog.peek(share.rank)
+            if item is None or not self._fits(*item):
                 return
             self.backlog.pop(item)
-            held[item[0].request.client] += 1
+            share.took(item[0])
             live, prefix = item
             hit, live.cache_hit = live.cache_hit, None
             try:
@@ -221,19 +235,25 @@ class GenerateWorker:
                     continue
                 why = live.abandoned(time.monotonic())
                 if why is not None:
-                    self._end(live, why)
+                    self.readback.end(live, why)
                     continue
                 self._insert(live, prefix, hit)
             finally:
                 if hit is not None:
                     hit.release()
 
+    def _fits(self, live: LiveRequest, prefix: Any) -> bool:
+        """Pages for this prefix and its next token beside the running requests' next
+        step (pages only the prefix cache holds are given back to make room)."""
+        if self.pages is None:
+            return True
+        shared = len(live.cache_hit.pages) if live.cache_hit is not None else 0
+        return self.sched.can_admit(int(prefix.length), shared)
+
     def _insert(self, live: LiveRequest, prefix: Any, hit: Hit | None) -> int | None:
         """Into a free slot (returned; None when the insert failed), linking the pages of a
         prefix-cache hit; then the cache adopts the prompt's whole pages."""
-        slot = self.slots.acquire(live)
-        self._inserts += 1
-        self._inserted[slot] = self._inserts
+        slot = self.sched.assign(live)
         try:
             shared = {"shared_pages": hit.pages} if hit is not None and hit.pages else {}
             with self.state_lock:
@@ -245,7 +265,7 @@ class GenerateWorker:
             log.exception("insert of request %s failed", live.request_id)
             self._release(slot)
             if not live.done:
-                self._end(live, "error", e)
+                self.readback.end(live, "error", e)
             self._recover_state(e)
             return None
 
@@ -254,34 +274,15 @@ class GenerateWorker:
         with self.state_lock:
             return self.engine.page_blocks(self.state, pages)
 
-    def _pages_for(self, live: LiveRequest, prefix: Any) -> bool:
-        """Whether the pool has room for this prefix and its next token, besides what the
-        next step takes for the running requests; pages only the prefix cache holds are
-        given back to make that room."""
-        if self.pages is None:
-            return True
-        shared = len(live.cache_hit.pages) if live.cache_hit is not None else 0
-        need = (self.pages.pages_to_start(int(prefix.length)) - shared
-                + self.pages.pages_for_step())
-        if need > self.pages.free_count and self.cache is not None:
-            self.cache.make_room(need - self.pages.free_count)
-        return need <= self.pages.free_count
-
     def _make_room(self) -> None:
-        """Frees pages only the prefix cache holds, then preempts the newest requests,
-        until the next step's pages are free."""
-        if self.pages is None or self.pages.pages_for_step() <= self.pages.free_count:
+        """Until the next step's pages are free: pages only the prefix cache holds come
+        back first, then the scheduler's victims are preempted for recompute."""
+        if self.sched.step_fits():
             return
-        if self.cache is not None:
-            self.cache.make_room(self.pages.pages_for_step() - self.pages.free_count)
-            if self.pages.pages_for_step() <= self.pages.free_count:
-                return
-        self._read_pending()  # every token of a victim must be known before it leaves
-        while self.slots.in_use and self.pages.pages_for_step() > self.pages.free_count:
-            slot = max(self.slots.rows(), key=lambda r: self._inserted[r[0]])[0]
-            live = self.slots.owner(slot)
-            self._release(slot)
-            self.preemptions += 1
+        self.readback.read()  # every token of a victim must be known before it leaves
+        while (slot := self.sched.next_victim()) is not None:
+            live = self.sched.preempt(slot)
+            self.engine.free_slot(slot)
             if not live.done:
                 live.preempted()
                 self.resume(live)
@@ -315,68 +316,25 @@ class GenerateWorker:
             live.steps += 1
             if live.last_step_dispatched():
                 self._release(slot)  # its last token is in flight; the slot is free now
-        self._read_pending()
-        self._pending = (res, rows, t)
-
-    def _read_pending(self) -> None:
-        if self._pending is None:
-            return
-        res, rows, t_dispatch = self._pending
-        self._pending = None
-        try:
-            host = res.to_host()
-        except Exception as e:
-            log.exception("reading step results failed on engine %d", self.index)
-            self._fail_all(e, extra=[live for _, live in rows])
-            return
-        now = time.monotonic()
-        out = []
-        for slot, live in rows:
-            if live.done:
-                continue  # ended meanwhile (cancel, stop string): drop the tokens
-            n, finish = live.take_step(host, slot)
-            if finish is not None:
-                live.done = True
-                if self.slots.owner(slot) is live:
-                    self._release(slot)
-            out.append((live, slot, n, finish))
-        self.tokens += sum(n for _, _, n, _ in out)
-        for slot, _ in rows:
-            drafted, accepted = host.drafts(slot)
-            self.drafted += drafted
-            self.accepted += accepted
-        if out:
-            self.outbox.put(StepOutput(host.data, out, now))
-        step_time = now - max(self._last_read, t_dispatch)
-        self._last_read = now
-        if self.listeners:
-            self.listeners.emit(StepDone(self.index, len(rows), step_time))
+        self.readback.dispatched(res, rows, t)
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _release(self, slot: int) -> None:
-        self.slots.release(slot)
-        self._inserted.pop(slot, None)
-        self.engine.free_slot(slot)
+    def _finished(self, slot: int, live: LiveRequest) -> None:
+        if self.slots.owner(slot) is live:
+            self._release(slot)
 
-    def _end(self, live: LiveRequest, reason: str, exc: BaseException | None = None) -> None:
-        live.done = True
-        err = None if exc is None else f"{type(exc).__name__}: {exc}"
-        self.outbox.put(EndRequest(live, reason, err))
+    def _release(self, slot: int) -> None:
+        self.sched.release(slot)
+        self.engine.free_slot(slot)
 
     def _fail_all(self, exc: BaseException, extra: list[LiveRequest] = ()) -> None:
         """A failed step takes every request in this engine with it; the engine goes on
         with a fresh decode state."""
-        victims = {id(live): live for live in extra}
-        if self._pending is not None:
-            victims.update({id(live): live for _, live in self._pending[1]})
-            self._pending = None
-        for slot, live in self.slots.rows():
+        lives = [*extra, *(live for _, live in self.slots.rows())]
+        for slot, _ in self.slots.rows():
             self._release(slot)
-            victims[id(live)] = live
-        for live in victims.values():
-            if not live.done:
-                self._end(live, "error", exc)
+        self.readback.fail(exc, lives)
         if self.cache is not None:  # its pages are about to be zeroed
             self.cache.clear()
         with self.state_lock:

@@ -9,7 +9,8 @@ The loop, one turn at a time, on every process::
 
   process 0: plan  ── free the slots of requests that ended (stop id, length, stop
                       string, cancel, deadline), admit waiting requests into free slots
-                      (seed drawn here when the request gave none)
+                      (seed drawn here when the request gave none): the scheduler's
+                      TurnPlanner (jetserve/scheduling/turn_planner.py) decides
   all:       exchange ── broadcast_from_primary of the encoded plan (step_plan.py)
   all:       apply ── free_slot; prefill (+ prompt log-probs; in chunks of
                       `prefill_chunk` or max_prefill_length) and insert per admission;
@@ -24,9 +25,11 @@ handles, listeners, stats, drain on stop. So the servers run on it unchanged. It
 look at tokens: the plan alone tells them which slots are in use.
 
 On a paged engine (`engine.kv_pages`) a request is admitted only when the pages its whole
-sequence may take (prompt + token budget) are not promised to the running ones, as in
-jetserve.offline, so no step runs out of pages and nothing is preempted. Every process
-inserts and frees in the same order, so their page tables agree.
+sequence may take (prompt + token budget) are not promised to the running ones
+(`KVCacheManager.reserve`, as in jetserve.offline), so no step runs out of pages and
+nothing is preempted. Every process inserts and frees in the same order, so their page
+tables agree. Tokens are read back, and requests ended, by the path the threaded
+orchestrator uses (readback.py).
 
 Idle: process 0 waits up to `idle_wait_s` for a request before it broadcasts an empty
 plan (a request arriving wakes it at once); the others block in the broadcast.
@@ -41,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import secrets
 import time
 from typing import Any
 
@@ -52,10 +54,13 @@ from engines.engine_api import Engine, ResultTokens
 from jetserve import distributed
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
-from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
-from jetserve.orchestrator.step_plan import Admission, Broadcast, PlanCodec, StepPlan, exchange
-from jetserve.orchestrator.timing import PrefillDone, StepDone
+from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_plan import Broadcast, PlanCodec, exchange
+from jetserve.scheduling.kv_cache_manager import KVCacheManager
+from jetserve.scheduling.plan import Admission, StepPlan, chunks
+from jetserve.scheduling.turn_planner import TurnPlanner
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +92,12 @@ class LockStepOrchestrator(Orchestrator):
         self._state = engine.init_decode_state()
         # slot -> its request (process 0) or None (the others only know it is in use).
         self._rows: dict[int, LiveRequest | None] = {}
-        self._pending: tuple[ResultTokens, list[tuple[int, LiveRequest]], float] | None = None
-        self._pages = engine.kv_pages  # None: a contiguous cache, slots are the only limit
-        self._promised: dict[int, int] = {}  # slot -> pages its sequence may take (process 0)
+        # Pages each running sequence may take, promised by process 0 at admission.
+        self._kv = KVCacheManager(engine.kv_pages)
+        self._planner = TurnPlanner(engine.max_concurrent_decodes, self._kv)
         self._held: LiveRequest | None = None  # next in line, waiting for pages (process 0)
-        self._last_read = 0.0
-        self.steps = self.tokens = self.prefills = 0
-        self.drafted = self.accepted = 0  # speculative decoding
+        self._readback = ReadBack(0, self._outbox, self._listeners)
+        self.steps = self.prefills = 0
 
     def _thread_bodies(self):
         return [("lockstep", self.run), ("detokenize", self._detok.run)]
@@ -108,11 +112,9 @@ class LockStepOrchestrator(Orchestrator):
         s["prefill"] = [{"engine": 0, "busy": False, "prefills": self.prefills}]
         s["generate"] = [{"engine": 0, "slots": self._codec.slots,
                           "slots_in_use": len(self._rows), "backlog": 0,
-                          "steps": self.steps, "tokens": self.tokens,
-                          "drafted": self.drafted, "accepted": self.accepted}]
-        if self._pages is not None:
-            s["generate"][0].update(kv_pages=self._pages.pool.num_pages,
-                                    kv_pages_free=self._pages.free_count, preemptions=0)
+                          "steps": self.steps, **self._readback.counts()}]
+        if self._kv.paged:
+            s["generate"][0].update(**self._kv.stats(), preemptions=0)
         return s
 
     # ---- the loop ------------------------------------------------------------------------
@@ -130,66 +132,30 @@ class LockStepOrchestrator(Orchestrator):
         except Exception as e:  # a broadcast or a plan failed: no way to stay in step
             log.exception("lock-step loop failed; this process stops serving")
             self._accepting = False
-            self._pending = None
+            self._readback.pending = None
             with self._live_cond:
                 lives = [lv for lv in self._live.values() if not lv.done]
             for live in lives:
-                self._end(live, "error", e)
+                self._readback.end(live, "error", e)
             raise
-        self._read_pending()
+        self._readback.read()
 
     # ---- process 0: what to do this turn ---------------------------------------------------
 
     def _plan(self) -> tuple[StepPlan, list[LiveRequest]]:
         if self._stopping.is_set():
             return StepPlan(stop=True), []
-        now = time.monotonic()
-        releases = []
-        for slot, live in sorted(self._rows.items()):
-            why = None if live.done else live.abandoned(now)
-            if live.done or why is not None or live.last_step_dispatched():
-                releases.append(slot)  # nothing more to compute for it
-                if why is not None:
-                    self._end(live, why)
-        for slot in releases:
-            self._promised.pop(slot, None)
-        free = sorted(set(range(self._codec.slots)) - self._rows.keys() | set(releases))
-        admissions, lives = [], []
-        while free and len(admissions) < self._codec.slots:
-            idle = len(self._rows) == len(releases) and not admissions
-            live = self._next_request(idle)
-            if live is None:
-                break
-            scoring = live.request.max_tokens == 0
-            slot = None if scoring else free[0]
-            if slot is not None and not self._promise_pages(slot, live):
-                break  # it waits, first in line, until running requests give pages back
-            self._held = None
-            if slot is not None:
-                free.pop(0)
-            sp = live.request.sampling
-            admissions.append(Admission(
-                slot=slot, prompt_ids=live.request.prompt_ids, sampling=sp,
-                seed=sp.seed if sp.seed is not None else secrets.randbits(31),
-                prompt_logprobs=live.request.prompt_logprobs))
-            lives.append(live)
-        return StepPlan(releases=tuple(releases), admissions=tuple(admissions)), lives
+        return self._planner.plan(self._rows, time.monotonic(), next_request=self._next_request,
+                                  admitted=self._admitted, ended=self._readback.end)
 
-    def _promise_pages(self, slot: int, live: LiveRequest) -> bool:
-        """Paged engine: reserves the pages `live`'s whole sequence may take, if free."""
-        if self._pages is None:
-            return True
-        need = self._pages.pages_for_sequence(len(live.request.prompt_ids) + live.budget)
-        if need + sum(self._promised.values()) > self._pages.pool.num_pages:
-            return False
-        self._promised[slot] = need
-        return True
+    def _admitted(self, live: LiveRequest) -> None:
+        self._held = None  # in the plan: the next request comes from the queue
 
     def _next_request(self, idle: bool) -> LiveRequest | None:
         """The next request still wanted (held, or from the admission queue: it stays held
         until admitted); when idle, waits a little for one."""
         if idle:
-            self._read_pending()  # nothing will be dispatched: deliver the last tokens now
+            self._readback.read()  # nothing will be dispatched: deliver the last tokens now
         wait = self.idle_wait_s if idle else 0.0
         while True:
             if self._held is None:
@@ -205,7 +171,7 @@ class LockStepOrchestrator(Orchestrator):
                 return live
             self._held = None
             if why is not None:
-                self._end(live, why)
+                self._readback.end(live, why)
             wait = 0.0
 
     # ---- every process: doing it ---------------------------------------------------------
@@ -234,21 +200,21 @@ class LockStepOrchestrator(Orchestrator):
             if a.slot is None:  # scoring only
                 if live is not None:
                     live.timing.prefill_end = time.monotonic()
-                    self._end(live, "length")
+                    self._readback.end(live, "length")
                 return
-            chunk = self.config.prefill_chunk or self.engine.max_prefill_length
             prefix = None
-            for start in range(0, len(tokens), chunk):
-                piece = tokens[start:start + chunk]
+            for start, end in chunks(len(tokens), self.config.prefill_chunk
+                                      or self.engine.max_prefill_length):
+                piece = tokens[start:end]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                     sampling=a.sampling, seed=a.seed,
                                                     existing_prefix=prefix)
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")
-            self._promised.pop(a.slot, None)
+            self._kv.unreserve(a.slot)
             if live is not None:
-                self._end(live, "error", e)
+                self._readback.end(live, "error", e)
             if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
                 self._fail_all(e)
             return
@@ -261,19 +227,10 @@ class LockStepOrchestrator(Orchestrator):
         """Process 0: the prefill's token streams now. A request it ends keeps its slot
         until the next plan frees it (every process inserted it)."""
         try:
-            host = first.to_host()
+            self._readback.first_token(live, first, t0, len(live.request.prompt_ids))
         except Exception as e:
             log.exception("reading the first token failed")
-            self._end(live, "error", e)
-            return
-        t1 = time.monotonic()
-        live.timing.prefill_end = t1
-        _, finish = live.take(host.tokens(0))
-        if finish is not None:
-            live.done = True
-        self._outbox.put(StepOutput(host.data, [(live, 0, 1, finish)], t1))
-        if self._listeners:
-            self._listeners.emit(PrefillDone(0, len(live.request.prompt_ids), t1 - t0))
+            self._readback.end(live, "error", e)
 
     def _step(self) -> None:
         rows = sorted(self._rows.items())
@@ -290,59 +247,14 @@ class LockStepOrchestrator(Orchestrator):
         res.copy_to_host_async()
         for _, live in rows:
             live.steps += 1
-        self._read_pending()
-        self._pending = (res, rows, t)
-
-    def _read_pending(self) -> None:
-        """Process 0: the last dispatched step's tokens -> stop ids, length -> detokenize."""
-        if self._pending is None:
-            return
-        res, rows, t_dispatch = self._pending
-        self._pending = None
-        try:
-            host = res.to_host()
-        except Exception as e:
-            log.exception("reading step results failed")
-            for _, live in rows:
-                self._end(live, "error", e)
-            return
-        now = time.monotonic()
-        out = []
-        for slot, live in rows:
-            if live.done:
-                continue  # ended meanwhile (cancel, stop string): drop the tokens
-            n, finish = live.take_step(host, slot)
-            if finish is not None:
-                live.done = True  # the next plan frees its slot
-            out.append((live, slot, n, finish))
-        self.tokens += sum(n for _, _, n, _ in out)
-        for slot, _ in rows:
-            drafted, accepted = host.drafts(slot)
-            self.drafted += drafted
-            self.accepted += accepted
-        if out:
-            self._outbox.put(StepOutput(host.data, out, now))
-        step_time = now - max(self._last_read, t_dispatch)
-        self._last_read = now
-        if self._listeners:
-            self._listeners.emit(StepDone(0, len(rows), step_time))
+        self._readback.dispatched(res, rows, t)
 
     def _fail_all(self, exc: BaseException) -> None:
         """A failed step ends every request in a slot; a fresh decode state follows."""
         victims = list(self._rows.values())
-        if self._pending is not None:
-            victims += [live for _, live in self._pending[1]]
-            self._pending = None
         for slot in list(self._rows):
             del self._rows[slot]
             self.engine.free_slot(slot)
-        self._promised.clear()
-        for live in victims:
-            if live is not None and not live.done:
-                self._end(live, "error", exc)
+        self._kv.clear_reservations()
+        self._readback.fail(exc, victims)
         self._state = self.engine.init_decode_state()
-
-    def _end(self, live: LiveRequest, reason: str, exc: BaseException | None = None) -> None:
-        live.done = True
-        err = None if exc is None else f"{type(exc).__name__}: {exc}"
-        self._outbox.put(EndRequest(live, reason, err))

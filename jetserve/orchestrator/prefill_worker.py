@@ -36,9 +36,10 @@ import numpy as np
 
 from engines.engine_api import Engine
 from jetserve.orchestrator.fair_queue import FairQueue
-from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
+from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
-from jetserve.orchestrator.timing import Listeners, PrefillDone
+from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.timing import Listeners
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ class PrefillWorker:
         self.engine = engine
         self.params = params
         self.admission = admission
-        self.outbox = outbox
-        self.listeners = listeners
+        self.readback = ReadBack(index, outbox, listeners)  # first tokens, ends
         self.stopping = stopping
         self.poll_s = poll_s
         self.route: Route | None = None  # set by the driver
@@ -82,7 +82,7 @@ class PrefillWorker:
                 self._serve(live)
             except Exception as e:  # this request only
                 log.exception("prefill of request %s failed", live.request_id)
-                self._end(live, "error", f"{type(e).__name__}: {e}")
+                self.readback.end(live, "error", e)
             finally:
                 self.busy = False
                 if admitted:
@@ -104,7 +104,7 @@ class PrefillWorker:
             return
         why = live.abandoned(time.monotonic())
         if why is not None:
-            self._end(live, why)
+            self.readback.end(live, why)
             return
         req = live.request
         t0 = time.monotonic()
@@ -117,7 +117,7 @@ class PrefillWorker:
                                                      req.logprobs or 0)
             if req.max_tokens == 0:  # scoring only
                 live.timing.prefill_end = time.monotonic()
-                self._end(live, "length")
+                self.readback.end(live, "length")
                 return
         cache = self.cache
         hit = None
@@ -130,29 +130,20 @@ class PrefillWorker:
             prefix, first = out
             if hit is not None and not cache.pages:
                 cache.insert(hit, prefix)
-            host = first.to_host()
-            t1 = time.monotonic()
-            if not resumed:
-                live.timing.prefill_end = t1
+            ended = self.readback.first_token(live, first, t0, len(tokens))  # streams now
             self.prefills += 1
-            _, finish = live.take(host.tokens(0))
-            if finish is not None:
-                live.done = True
-            self.outbox.put(StepOutput(host.data, [(live, 0, 1, finish)], t1))  # first token now
-            if self.listeners:
-                self.listeners.emit(PrefillDone(self.index, len(tokens), t1 - t0))
             if hit is not None and cache.pages:  # the generate thread adopts and releases it
-                if finish is not None and len(tokens) // cache.block <= len(hit.pages):
+                if ended and len(tokens) // cache.block <= len(hit.pages):
                     return  # ended, and nothing new to cache
                 cache.hand_on(hit)
                 live.cache_hit, hit = hit, None
-            elif finish is not None:
+            elif ended:
                 return
             # An ended request goes on only for its pages to be cached (done and cache_hit).
             if not self.route(live, prefix):
                 live.release_cache_hit()
-                if finish is None:
-                    self._end(live, "cancelled")
+                if not ended:
+                    self.readback.end(live, "cancelled")
         finally:
             if hit is not None:
                 hit.release()
@@ -173,17 +164,13 @@ class PrefillWorker:
                 why = "cancelled" if live.done else live.abandoned(time.monotonic())
                 if why is not None:
                     if not live.done:
-                        self._end(live, why)
+                        self.readback.end(live, why)
                     return None
             piece = tokens[start:start + self.chunk]
             prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                 sampling=live.request.sampling,
                                                 existing_prefix=prefix)
         return prefix, first
-
-    def _end(self, live: LiveRequest, reason: str, error: str | None = None) -> None:
-        live.done = True
-        self.outbox.put(EndRequest(live, reason, error))
 
 
 def prompt_logprobs(engine: Engine, params: Any, tokens: np.ndarray, n: int):

@@ -8,9 +8,9 @@ there: a system prompt shared by many prompts is stored once.
 Tiers: a node's KV is on the device ("hbm") or on the host ("host": numpy [L, 2, b, K, H]).
 The device tier is one of two stores:
   - `PageStore`: pages of the engine's own KV pool, when one paged engine prefills and
-    generates (interleaved). A node holds one reference to its page (engines/page_pool.py
-    counts them); a request that hits links the same pages into its slot, so nothing is
-    copied. The block is the page size, and only whole pages are cached: the partial last
+    generates (interleaved). A node holds one reference to its page, taken through the
+    generate worker's KV-cache manager (jetserve/scheduling); a request that hits links
+    the same pages into its slot, so nothing is copied. The block is the page size, and only whole pages are cached: the partial last
     page of a prompt stays the slot's own, so a shared page is never written.
   - `ArrayStore`: one device array per node on the prefill engine (contiguous engines,
     or prefill on another slice than generate).
@@ -51,6 +51,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jetserve.scheduling.kv_cache_manager import KVCacheManager
 
 TIERS = ("hbm", "host")
 
@@ -140,24 +142,27 @@ class PageStore:
     in_pages = True
     moves_up_on_lookup = False  # host blocks come back in the slot's pages, at adopt
 
-    def __init__(self, engine: Any, read_pages: Callable[[list[int]], Any]):
+    def __init__(self, engine: Any, read_pages: Callable[[list[int]], Any],
+                 kv: KVCacheManager | None = None):
         self.engine, self.read_pages = engine, read_pages
-        self.pool = engine.kv_pages.pool
-        self.block = engine.kv_pages.page_size
+        # Holding a page is the KV-cache manager's business: the generate worker's own,
+        # so its admission counts the cache's pages.
+        self.kv = kv if kv is not None else KVCacheManager(engine.kv_pages)
+        self.block = self.kv.page_size
         self.block_bytes = block_bytes(engine, self.block)
 
     def hold(self, page: int) -> None:
-        self.pool.incref([page])
+        self.kv.share([page])
 
     def sole_holder(self, node: _Node) -> bool:
-        return self.pool.refcount(node.page) == 1
+        return self.kv.sole_holder(node.page)
 
     def to_host(self, nodes: list[_Node]) -> list[np.ndarray]:
         stack = np.asarray(jax.device_get(self.read_pages([n.page for n in nodes])))
         return [stack[i].copy() for i in range(len(nodes))]
 
     def free(self, nodes: list[_Node]) -> None:
-        self.pool.decref([n.page for n in nodes])
+        self.kv.unshare([n.page for n in nodes])
         for n in nodes:
             n.page = None
 

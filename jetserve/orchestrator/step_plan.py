@@ -1,9 +1,10 @@
-"""One lock-step turn as integers: what process 0 decided, for every process to apply.
+"""A step plan as integers: the wire form of what process 0 decided, for every process.
 
 Several processes serving one model (lockstep.py) must call prefill / insert / generate in
 the same order with the same inputs. Process 0 alone sees requests, so each turn it writes
-a `StepPlan` (slots to free, prompts to admit, or stop) and every process, process 0
-included, applies the plan it gets back from the broadcast, so all apply the same bits.
+a `StepPlan` (jetserve/scheduling/plan.py: slots to free, prompts to admit, or stop) and
+every process, process 0 included, applies the plan it gets back from the broadcast, so
+all apply the same bits.
 
 Wire form (uint32, so float bits and 32-bit seeds pass through a broadcast unchanged):
   header, fixed size for a given slot count B (every process passes the same shape):
@@ -17,12 +18,12 @@ Wire form (uint32, so float bits and 32-bit seeds pass through a broadcast uncha
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
 from engines import SamplingParams
+from jetserve.scheduling.plan import Admission, StepPlan
 
 RUN, STOP = 0, 1
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
@@ -31,25 +32,9 @@ _RECORD = 5 + len(_FLOATS)  # slot + 1, length, flags, seed, top_k, floats
 _PROMPT_LOGPROBS = 1  # flags bit
 _MIN_PAYLOAD = 16
 
+__all__ = ["Admission", "Broadcast", "PlanCodec", "StepPlan", "exchange"]
+
 Broadcast = Callable[[np.ndarray], np.ndarray]  # process 0's array, on every process
-
-
-@dataclasses.dataclass(frozen=True)
-class Admission:
-    """A prompt to run this turn. slot None: score only (prompt log-probs, no decoding)."""
-
-    slot: int | None
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    seed: int  # drawn by process 0 when the request gave none
-    prompt_logprobs: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    stop: bool = False
-    releases: tuple[int, ...] = ()  # slots to free before admitting
-    admissions: tuple[Admission, ...] = ()
 
 
 class PlanCodec:

@@ -30,8 +30,8 @@ def build_prefix_cache(engine: Engine, config: OrchestratorConfig,
         raise ValueError(f"a prefix cache needs an engine that continues prefixes; "
                          f"{type(engine).__name__} does not")
     if own is not None and own.pages is not None:
-        own.cache = PrefixCache(store=PageStore(engine, own.read_pages), hbm_bytes=hbm,
-                                host_bytes=host)
+        own.cache = PrefixCache(store=PageStore(engine, own.read_pages, own.sched.kv),
+                                hbm_bytes=hbm, host_bytes=host)
         return own.cache
     return PrefixCache(store=ArrayStore(engine, config.prefix_cache_block), hbm_bytes=hbm,
                        host_bytes=host)
@@ -40,8 +40,7 @@ def build_prefix_cache(engine: Engine, config: OrchestratorConfig,
 def page_stats(g: GenerateWorker) -> dict:
     if g.pages is None:
         return {}
-    return {"kv_pages": g.pages.pool.num_pages, "kv_pages_free": g.pages.free_count,
-            "preemptions": g.preemptions}
+    return {**g.sched.kv.stats(), "preemptions": g.preemptions}
 
 
 def check_engines(pe, ge, pp, gp) -> None:
@@ -97,13 +96,14 @@ def least_loaded_route(generate: list[GenerateWorker], transfers: list[TransferW
 
 
 def pending_for(p: PrefillWorker, admission: FairQueue,
-                 resume: queue.Queue) -> Callable[[], bool]:
+                 resume: queue.Queue) -> Callable[[], tuple[bool, bool]]:
+    """(prefill work on its way, that prefill paused between its chunks): what the
+    scheduler weighs to step or to wait for the prefill (Scheduler.yield_to_prefill)."""
     # unfinished_tasks counts admitted requests until a prefill thread has handed them on
     # (task_done), so there is no gap between taking one off the queue and prefilling it.
-    # A prefill waiting between its chunks is waiting for this very engine to step.
-    def pending() -> bool:
+    def pending() -> tuple[bool, bool]:
         work = admission.unfinished_tasks > 0 or resume.qsize() > 0 or p.busy
-        return work and not p.waiting_between_chunks
+        return work, p.waiting_between_chunks
 
     return pending
 

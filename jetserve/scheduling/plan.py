@@ -1,0 +1,39 @@
+"""One turn's decisions, as the scheduler hands them to an executor.
+
+A `StepPlan` says which slots to free and which prompts to prefill into which slots before
+the turn's generate step. The lock-step executor sends it to every process
+(orchestrator/step_plan.py is its wire form); the others run it where it is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """A prompt to run this turn. slot None: score only (prompt log-probs, no decoding)."""
+
+    slot: int | None
+    prompt_ids: tuple[int, ...]
+    sampling: object  # engines.SamplingParams (not imported: this package never loads jax)
+    seed: int  # drawn by the scheduler when the request gave none
+    prompt_logprobs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    stop: bool = False
+    releases: tuple[int, ...] = ()  # slots to free before admitting
+    admissions: tuple[Admission, ...] = ()
+
+
+def chunks(length: int, chunk: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each prefill chunk of a `length`-token prompt (chunk 0 or None: one
+    piece)."""
+    if length < 1:
+        raise ValueError(f"a prompt to prefill needs at least one token, got {length}")
+    if chunk is not None and chunk < 0:
+        raise ValueError(f"prefill chunk must be >= 0, got {chunk}")
+    step = chunk or length
+    return [(s, min(s + step, length)) for s in range(0, length, step)]

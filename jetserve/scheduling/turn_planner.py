@@ -1,0 +1,78 @@
+"""The lock-step executor's turns, decided: which slots to free, whom to admit (plain
+Python, no jax).
+
+Several processes serving one model run the same plan each turn (orchestrator/lockstep.py);
+process 0 makes it here. A turn frees the slots of requests with nothing more to compute
+(ended, abandoned, or their last budgeted token already dispatched), then admits waiting
+requests into the lowest free slots, each only when the pages its whole sequence may take
+are not promised to the running ones (`KVCacheManager.reserve`): nothing is ever preempted,
+so no process has to agree on a victim. A request that does not fit stays first in line.
+Scoring-only requests (max_tokens 0) take no slot. A request without a seed gets one drawn
+here, so every process samples alike.
+
+Requests are duck-typed (a LiveRequest): `done`, `abandoned(now)`,
+`last_step_dispatched()`, `budget` and `request` (prompt_ids, max_tokens, sampling with
+its seed, prompt_logprobs).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jetserve.scheduling.kv_cache_manager import KVCacheManager
+from jetserve.scheduling.plan import Admission, StepPlan
+
+
+class TurnPlanner:
+    """Plans the turns of one engine with `slots` decode slots over `kv`'s pages."""
+
+    def __init__(self, slots: int, kv: KVCacheManager):
+        self.slots = slots
+        self.kv = kv
+
+    def plan(self, rows: Mapping[int, Any], now: float, *,
+             next_request: Callable[[bool], Any | None],
+             admitted: Callable[[Any], None],
+             ended: Callable[[Any, str], None]) -> tuple[StepPlan, list[Any]]:
+        """One turn: (the plan, the request of each admission).
+
+        Args:
+          rows: slot -> its request, for every slot in use.
+          next_request: the first waiting request (idle: nothing else to do this turn, so
+            it may wait a little for one), or None.
+          admitted: told when that request got into the plan (the next is asked for).
+          ended: told (request, "cancelled" | "deadline") for an abandoned one it frees.
+        """
+        releases = []
+        for slot, live in sorted(rows.items()):
+            why = None if live.done else live.abandoned(now)
+            if live.done or why is not None or live.last_step_dispatched():
+                releases.append(slot)  # nothing more to compute for it
+                self.kv.unreserve(slot)
+                if why is not None:
+                    ended(live, why)
+        free = sorted(set(range(self.slots)) - rows.keys() | set(releases))
+        admissions, lives = [], []
+        while free and len(admissions) < self.slots:
+            live = next_request(len(rows) == len(releases) and not admissions)
+            if live is None:
+                break
+            slot = None if live.request.max_tokens == 0 else free[0]  # scoring: no slot
+            tokens = len(live.request.prompt_ids) + live.budget
+            if slot is not None and not self.kv.reserve(slot, tokens):
+                break  # it waits, first in line, until running requests give pages back
+            admitted(live)
+            if slot is not None:
+                free.pop(0)
+            admissions.append(_admission(slot, live.request))
+            lives.append(live)
+        return StepPlan(releases=tuple(releases), admissions=tuple(admissions)), lives
+
+
+def _admission(slot: int | None, request: Any) -> Admission:
+    sp = request.sampling
+    return Admission(slot=slot, prompt_ids=tuple(request.prompt_ids), sampling=sp,
+                     seed=sp.seed if sp.seed is not None else secrets.randbits(31),
+                     prompt_logprobs=request.prompt_logprobs)

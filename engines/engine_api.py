@@ -4,8 +4,13 @@ An engine owns one slice of devices and one copy of the weights. Device math hap
 three pure functions, each jitted once per shape bucket by the implementation:
 
     prefill(params, tokens, true_length, sampling)  -> (Prefix, ResultTokens)
-    insert(prefix, decode_state, slot)              -> DecodeState
-    generate(params, decode_state)                  -> (DecodeState, ResultTokens)
+    insert(prefix, decode_state, slot[, pages])     -> DecodeState
+    generate(params, decode_state[, page_table])    -> (DecodeState, ResultTokens)
+
+The engine object holds compiled functions, shardings and params, never per-slot host
+state: a paged KV cache's page table is an input (`pages`, `page_table`), planned on the
+host before each call (jetserve/scheduling/page_planner.py) from the engine's
+`page_geometry`.
 
 `ResultTokens` packs every per-slot output of one step (one token per slot, or several
 with speculative decoding) into a single int32 array so the host copies one buffer
@@ -135,6 +140,45 @@ class HostResults:
         return [(int(i), float(lp)) for i, lp in zip(ids, lps, strict=True)]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PageGeometry:
+    """The shape of a paged KV cache: what the host needs to plan its page table.
+
+    `num_pages` None: enough for every slot at max_seq_len. The device keeps one page
+    past the pool (`trash`) as scratch: table entries a slot does not hold point there.
+    `lookahead`: positions past a slot's length one step writes (speculative drafts K).
+    """
+
+    slots: int
+    page_size: int
+    max_seq_len: int
+    num_pages: int | None = None
+    lookahead: int = 0
+
+    def __post_init__(self):
+        for name in ("slots", "page_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+        if self.num_pages is None:
+            object.__setattr__(self, "num_pages", self.slots * self.max_pages)
+        if self.num_pages < self.max_pages:
+            raise ValueError(
+                f"num_pages={self.num_pages} cannot hold one sequence of max_seq_len="
+                f"{self.max_seq_len} ({self.max_pages} pages of {self.page_size}); give at "
+                f"least {self.max_pages}")
+
+    @property
+    def max_pages(self) -> int:
+        """Pages of one sequence of max_seq_len tokens (a page-table row)."""
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def trash(self) -> int:
+        return self.num_pages
+
+
 class Tokenizer(Protocol):
     """What an engine's tokenizer offers the host runtime (see jetserve.tokenizer)."""
 
@@ -176,15 +220,25 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def insert(self, prefix: Any, decode_state: Any, slot: int) -> Any:
-        """Writes `prefix` into `slot`; every other slot is left bit-identical."""
+        """Writes `prefix` into `slot`; every other slot is left bit-identical. A paged
+        engine also takes `pages=` (the slot's pages, in position order) and `shared=`
+        (how many of them already hold the prefix's head and are not written)."""
 
     @abc.abstractmethod
     def generate(self, params: Any, decode_state: Any) -> tuple[Any, ResultTokens]:
-        """One decode step for every slot."""
+        """One decode step for every slot; never waits on the host. A paged engine also
+        takes the step's page table (i32[B, W], the pages it writes included)."""
 
     def free_slot(self, slot: int) -> None:
-        """Returns the slot's resources (pages); a contiguous cache needs nothing."""
+        """Returns the slot's host resources (its pages, in the page planner); the engine
+        itself holds none."""
         del slot
+
+    @property
+    def page_geometry(self) -> PageGeometry | None:
+        """A paged engine's pool shape, which the host plans pages by; None when the KV
+        cache is contiguous."""
+        return None
 
     @property
     def chunked_prefill(self) -> bool:
@@ -195,8 +249,9 @@ class Engine(abc.ABC):
 
     @property
     def kv_pages(self) -> Any | None:
-        """A paged engine's page bookkeeping (engines.page_pool.SlotPages), which the
-        scheduler reads to admit by free pages and to preempt; None when contiguous."""
+        """The page bookkeeping (jetserve.scheduling.page_pool.SlotPages) the scheduler
+        reads to admit by free pages and to preempt: a PagePlanner's, over a paged engine;
+        None when contiguous."""
         return None
 
     @abc.abstractmethod

@@ -1,24 +1,25 @@
 """The transformer engine with a paged KV cache (`EngineConfig(kv_layout="paged")`).
 
 Same Engine contract and prefill as the contiguous engine; the decode state keeps each
-layer's KV in a page pool (engines/paged_kv.py) and the host decides which pages each
-slot holds (engines/page_pool.py): insert takes pages for the prefix, each generate step
-first takes a page for every slot that starts a new one, free_slot gives them back.
+layer's KV in a page pool (engines/paged_kv.py). The engine holds the pool's geometry
+only (`page_geometry`); which pages each slot holds is decided on the host
+(jetserve/scheduling/page_pool.py, planned per call by jetserve/scheduling/page_planner.py)
+and passed in: insert takes the slot's pages, generate the page table of the step.
 
 Programs: prefill as the contiguous engine (one per bucket); insert one per prefix bucket;
-generate one per gather width W in width_buckets(max_pages) (powers of two up to
+generate one per page-table width W (the planner uses powers of two up to
 ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
 
 With speculative decoding (`EngineConfig.speculative`) generate is the verify step of
 engines/speculative.py over the gathered pages (never the TPU kernel, which takes one
-query per slot). A slot may keep fewer of the K + 1 positions it wrote than the host
-planned for, so each step first reads the previous step's lengths back (waiting for it)
-and `SlotPages.sync` returns pages only rejected positions used. A draft model
+query per slot). The page table of a step covers positions up to length + K of each
+slot; how many a slot kept is the host's to read back (the planner does, before it plans
+the next step), never the engine's. A draft model
 ("draft:PATH:K") keeps its own cache contiguous in the decode state (draft_k / draft_v,
 as the contiguous engine's), carried by prefill and insert.
 
-Concurrency: the page bookkeeping is changed only by insert / generate / free_slot,
-which the orchestrator calls from one thread (the engine's generate thread).
+Concurrency: the engine keeps no per-slot host state; its functions may run from any
+thread (the decode state is donated: one caller at a time per state).
 `engines.create_engine(..., config=EngineConfig(kv_layout="paged"))` builds this class.
 """
 
@@ -32,10 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engines.engine_api import ResultTokens, pack_results
+from engines.engine_api import PageGeometry, ResultTokens, pack_results
 from engines.kv_cache import Prefix, empty_slot_fields
 from engines.model import Decoder
-from engines.page_pool import SlotPages, pages_for, width_buckets
 from engines.paged_kv import (
     PagedDecodeKV,
     PagedDecodeState,
@@ -109,10 +109,9 @@ class PagedTransformerEngine(TransformerEngine):
         if config is None or config.kv_layout != "paged":
             raise ValueError("PagedTransformerEngine needs config=EngineConfig(kv_layout='paged')")
         B, S, ps = config.max_concurrent_decodes, config.max_seq_len, config.page_size
-        num_pages = config.num_pages or B * pages_for(S, ps)
         spec = config.spec
-        self.pages = SlotPages(slots=B, page_size=ps, num_pages=num_pages, max_seq_len=S,
-                               lookahead=spec.k)
+        self._geometry = PageGeometry(slots=B, page_size=ps, max_seq_len=S,
+                                      num_pages=config.num_pages, lookahead=spec.k)
         devices = list(kwargs.get("devices") or jax.devices())
         # The TPU kernel attends one query per slot: verify steps take the gather path.
         self.attention_impl = "xla" if spec.enabled else resolve_attention(
@@ -124,7 +123,8 @@ class PagedTransformerEngine(TransformerEngine):
 
     def _pool_shape(self) -> tuple[int, int, int, int]:
         c = self.model_config
-        return (c.num_kv_heads, self.pages.pool.num_pages + 1, self.pages.page_size, c.head_dim)
+        g = self.page_geometry
+        return (c.num_kv_heads, g.num_pages + 1, g.page_size, c.head_dim)
 
     def decode_state_shardings(self) -> PagedDecodeState:
         base = super().decode_state_shardings()
@@ -166,9 +166,7 @@ class PagedTransformerEngine(TransformerEngine):
     # ---- Engine API --------------------------------------------------------------------
 
     def init_decode_state(self) -> PagedDecodeState:
-        """An empty state; every slot's pages go back to the pool (nothing is inserted)."""
-        for s in self.pages.live_slots():
-            self.pages.free(s)
+        """An empty state (the host's page table starts empty with it)."""
         c, e = self.model_config, self.config
         B, S = e.max_concurrent_decodes, e.max_seq_len
         shape = self._pool_shape()
@@ -184,45 +182,36 @@ class PagedTransformerEngine(TransformerEngine):
         return jax.jit(make, out_shardings=self.decode_state_shardings())()
 
     def insert(self, prefix: Prefix, decode_state: PagedDecodeState, slot: int, *,
-               shared_pages: Sequence[int] = ()) -> PagedDecodeState:
-        """Writes a prefix into fresh pages of `slot`. shared_pages: pages that already
-        hold its first len(shared_pages) * page_size positions (a prefix cache hit); the
-        slot links them (shared, never written) and the prefix's entries there are dropped.
+               pages: Sequence[int], shared: int = 0) -> PagedDecodeState:
+        """Writes a prefix into `pages` (the slot's pages in position order, as the host
+        gave them). shared: how many of the first pages already hold the prefix's first
+        shared * page_size positions (a prefix cache hit); they are linked, never written.
         """
-        n = int(prefix.length)  # the prefix is ready: its first token was read already
-        pages = self.pages.insert(slot, n, shared=shared_pages)
+        trash = self.page_geometry.trash
         T = prefix.k[0].shape[1]
-        arr = np.full((pages_for(T, self.pages.page_size),), self.pages.trash, np.int32)
+        arr = np.full((-(-T // self.page_geometry.page_size),), trash, np.int32)
         arr[: len(pages)] = pages
-        arr[: len(shared_pages)] = self.pages.trash + 1  # past the pool: the write is dropped
+        arr[:shared] = trash + 1  # past the pool: the write is dropped
         return self._insert_jit(prefix, decode_state, np.int32(slot), arr)
 
     def page_blocks(self, decode_state: PagedDecodeState, pages: Sequence[int]) -> jax.Array:
         """The KV of `pages` as prefix-cache blocks: a stack [stack_size(n), L, 2, ps, K, H]
         (padding reads the trash page)."""
-        idx = np.full((stack_size(len(pages)),), self.pages.trash, np.int32)
+        idx = np.full((stack_size(len(pages)),), self.page_geometry.trash, np.int32)
         idx[: len(pages)] = pages
         return self._blocks_of_pages_jit(decode_state.k, decode_state.v, idx)
 
-    def generate(self, params, decode_state: PagedDecodeState
+    def generate(self, params, decode_state: PagedDecodeState, page_table: np.ndarray
                  ) -> tuple[PagedDecodeState, ResultTokens]:
-        if self.pages.lookahead:
-            # How far the last step really got is known on the device only: wait for it
-            # (the host then plans this step's pages from exact lengths).
-            self.pages.sync(np.asarray(decode_state.lengths))
-        width = self.pages.before_step()  # raises OutOfPages before touching the device
-        table = self.pages.table[:, :width].copy()  # the device may read it later
-        out = self._generate_jit(params, decode_state, table, *self._draft_args())
-        self.pages.after_step()
-        return out
-
-    def free_slot(self, slot: int) -> None:
-        self.pages.free(slot)
+        """One step; page_table i32[B, W]: each slot's first W pages, the pages this step
+        writes included (entries a slot does not hold point at the trash page)."""
+        return self._generate_jit(params, decode_state, page_table, *self._draft_args())
 
     @property
-    def kv_pages(self) -> SlotPages:
-        return self.pages
+    def page_geometry(self) -> PageGeometry:
+        return self._geometry
 
-    def generate_widths(self) -> tuple[int, ...]:
-        """The gather widths (pages) generate compiles for: one program each."""
-        return width_buckets(self.pages.max_pages)
+    @property
+    def kv_pages(self):
+        raise TypeError("a paged engine holds no page table: wrap it in "
+                        "jetserve.scheduling.PagePlanner (with_pages), which does")

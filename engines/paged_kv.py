@@ -4,7 +4,7 @@ Each layer keeps its keys and values in a pool of pages, [K, P + 1, page_size, H
 (kv head, page, offset, head dim): kv heads lead because that is the layout the TPU
 paged-attention kernel reads, so one pool serves both attention paths. Page P is
 scratch ("trash"): writes of empty slots land there and reads of it are masked. Which
-pages a slot holds is host bookkeeping (`engines.page_pool.SlotPages`); the device gets
+pages a slot holds is host bookkeeping (`jetserve.scheduling.page_pool.SlotPages`); the device gets
 the page table with every step, cut to the batch's widest live sequence W (a power of
 two), so a batch of short sequences gathers little and the step compiles once per W.
 

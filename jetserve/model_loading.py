@@ -16,6 +16,7 @@ import jax
 from engines import EngineConfig, ModelConfig, TransformerEngine, create_engine, load_hf_config
 from engines.checkpoint import is_orbax_dir, read_orbax_config
 from engines.mock_engine import ByteTokenizer
+from jetserve.scheduling.page_planner import with_pages
 from jetserve.tokenizer import load_tokenizer
 from sharding import ShardingConfig, load_preset
 
@@ -89,14 +90,16 @@ def build_engine(
     engine_config: EngineConfig | None = None,
     seed: int = 0,
 ) -> TransformerEngine:
-    """The engine of `model`; with speculative "draft:PATH:K" the draft model PATH (a
+    """The engine of `model` (a paged one wrapped in its PagePlanner, which plans the
+    page table of every call); with speculative "draft:PATH:K" the draft model PATH (a
     directory or random:NAME) is resolved here too."""
     src = resolve_model(model)
     if isinstance(sharding, str):
         sharding = load_preset(sharding)
     spec = engine_config.spec if engine_config is not None else None
     draft = resolve_model(spec.path) if spec is not None and spec.kind == "draft" else None
-    return create_engine(src.config, weights=src.path, devices=devices, sharding=sharding,
-                         config=engine_config, tokenizer=src.tokenizer, seed=seed,
-                         draft_config=draft.config if draft else None,
-                         draft_weights=draft.path if draft else None)
+    engine = create_engine(src.config, weights=src.path, devices=devices, sharding=sharding,
+                           config=engine_config, tokenizer=src.tokenizer, seed=seed,
+                           draft_config=draft.config if draft else None,
+                           draft_weights=draft.path if draft else None)
+    return with_pages(engine)

@@ -23,6 +23,7 @@ from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Listeners, RequestTiming
 from jetserve.request import Request
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
+from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.plan import chunks
 from jetserve.scheduling.scheduler import Scheduler
 
@@ -87,6 +88,7 @@ def generate_many(
 
 def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -> None:
     """Prefills, inserts and steps until every request has finished."""
+    engine = with_pages(engine)  # a paged engine is called through its page planner
     sched: Scheduler[LiveRequest] = Scheduler(engine.max_concurrent_decodes,
                                               KVCacheManager(engine.kv_pages))
     waiting = deque(lives)

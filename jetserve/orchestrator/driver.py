@@ -73,6 +73,7 @@ from jetserve.orchestrator.wiring import (
     step_between,
 )
 from jetserve.request import Delta, Overloaded, Request
+from jetserve.scheduling.page_planner import with_pages
 
 
 class Orchestrator:
@@ -90,6 +91,7 @@ class Orchestrator:
                  config: OrchestratorConfig | None = None):
         check_engines(prefill_engines, generate_engines, prefill_params, generate_params)
         config = self._init_intake(prefill_engines, generate_engines, config)
+        prefill_engines, generate_engines = self.prefill_engines, self.generate_engines
         poll = config.poll_interval_s
         self._generate = [
             GenerateWorker(i, e, p, self._outbox, self._listeners, self._stopping,
@@ -128,8 +130,11 @@ class Orchestrator:
                 for e in (*prefill_engines, *generate_engines)}) > 1:
             raise ValueError("speculative 'draft:PATH:K': the prefill and generate engines "
                              "must all have the draft model (prefixes carry its KV) or none")
-        self.prefill_engines = list(prefill_engines)
-        self.generate_engines = list(generate_engines)
+        # A paged engine is called through its page planner: one per engine, shared by
+        # the prefill and generate lists (an interleaved engine is in both).
+        planned = {id(e): with_pages(e) for e in (*prefill_engines, *generate_engines)}
+        self.prefill_engines = [planned[id(e)] for e in prefill_engines]
+        self.generate_engines = [planned[id(e)] for e in generate_engines]
         self._stopping = threading.Event()
         self._listeners = Listeners()
         self._admission: FairQueue[LiveRequest] = FairQueue(config.max_queued_requests,

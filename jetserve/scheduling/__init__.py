@@ -10,9 +10,10 @@ Three layers, in the vLLM v1 shape:
   kv_cache_manager.py  the page questions: does a prefix fit with the next step, does a
                        whole sequence fit beside the ones promised; pages shared with the
                        prefix cache
-  (block pool)         the physical pages, reference counts and the per-slot page table:
-                       engines/page_pool.py, held by a paged engine until the engine takes
-                       the page table per call (issue 19)
+  page_pool.py         the block pool: physical pages, reference counts, each slot's
+                       pages and the page table the device reads
+  page_planner.py      the host side of a paged engine's calls: plans the pages of each
+                       insert and generate step and passes the table to the stateless engine
   slots.py             which request holds which decode slot
   plan.py              one turn's decisions (`StepPlan`) and prefill chunk bounds;
                        orchestrator/step_plan.py is the plan's wire form for several

@@ -1,6 +1,6 @@
 """The page questions of one generate engine, answered in one place.
 
-A paged engine's pages (engines/page_pool.py: the block pool with its reference counts,
+A paged engine's pages (page_pool.py: the block pool with its reference counts,
 each slot's pages and the page table) are shared by the decode slots and, when the
 prefix cache lives in the same pool, by cached prefix blocks. Every executor asks here
 whether work fits:
@@ -16,10 +16,10 @@ whether work fits:
 
 With a contiguous KV cache (`pages` None) everything fits: slots are the only limit.
 
-The page bookkeeping is passed in, not imported (importing engines would load jax); it
+The page bookkeeping (page_pool.SlotPages, a PagePlanner's `kv_pages`) is passed in; it
 needs `free_count`, `page_size`, `pool` (num_pages, incref, decref, refcount),
-`pages_to_start`, `pages_for_step` and `pages_for_sequence`. The prefix cache needs `make_room(n)`. Concurrency: owned by the
-thread that owns the engine's slots (the generate thread), as the pages are.
+`pages_to_start`, `pages_for_step` and `pages_for_sequence`. The prefix cache needs
+`make_room(n)`. Concurrency: owned by the thread that owns the engine's slots (the generate thread), as the pages are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 
 class KVCacheManager:
-    """Page admission for one engine. `pages`: the engine's `kv_pages` (None: contiguous);
+    """Page admission for one engine. `pages`: the engine's `kv_pages` (its PagePlanner's; None: contiguous);
     `cache`: a prefix cache whose blocks live in those pages (may be set later)."""
 
     def __init__(self, pages: Any | None, cache: Any | None = None):

@@ -15,6 +15,7 @@ import pytest
 from engines import EngineConfig, ModelConfig, cpu_kernels, create_engine
 from engines.kv_cache import PrefillKV
 from jetserve.offline import generate_many
+from jetserve.scheduling.page_planner import with_pages
 
 CFG = ModelConfig(vocab_size=99, hidden_size=36, intermediate_size=70, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=10)
@@ -274,10 +275,10 @@ def test_only_steps_up_to_max_rows_use_the_kernels(engines):
                    cpu_kernels.LOG_PROBS_TARGET):
         assert target in on._generate_jit.lower(params, state).as_text()
         assert target not in off._generate_jit.lower(params, state).as_text()
-    paged = create_engine(CFG, config=EngineConfig(
+    paged = with_pages(create_engine(CFG, config=EngineConfig(
         max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48, kv_layout="paged",
-        page_size=8), devices=jax.devices()[:1], seed=3)
-    table = paged.pages.table[:, :paged.generate_widths()[0]]
+        page_size=8), devices=jax.devices()[:1], seed=3))
+    table = paged.kv_pages.table[:, :paged.generate_widths()[0]]
     lowered = paged._generate_jit.lower(params, paged.init_decode_state(), table)
     for target in (cpu_kernels.TARGET, cpu_kernels.ARGMAX_TARGET, cpu_kernels.LOG_PROBS_TARGET):
         assert target in lowered.as_text()  # the paged cache keeps XLA's attention

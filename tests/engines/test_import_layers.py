@@ -20,9 +20,9 @@ MAX_LINES = 500
 
 # engines/ from the bottom up; a module imports only from its own layer or those below.
 ENGINE_LAYERS = (
-    # configs, the Engine API, attention / sampling / quantization / expert math, pages
+    # configs, the Engine API, attention / sampling / quantization / expert math
     ("config", "engine_config", "engine_api", "attention", "sampling", "quantization",
-     "cpu_kernels", "moe", "page_pool"),
+     "cpu_kernels", "moe"),
     # the model and the KV stores (and checkpoint files, the mock engine)
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
      "kv_heads"),

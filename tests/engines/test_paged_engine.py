@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from engines import EngineConfig, TransformerEngine, create_engine
-from engines.page_pool import OutOfPages, width_buckets
 from engines.paged_engine import PagedTransformerEngine
 from engines.paged_kv import pallas_decode_attention, resolve_attention, xla_decode_attention
 from jetserve.offline import generate_many
+from jetserve.scheduling.page_planner import PagePlanner
+from jetserve.scheduling.page_pool import OutOfPages, width_buckets
 from tests.sharding.families import FAMILIES, host_params, model_config
 
 # Prompts and lengths that cross several 4-token pages, and a sliding window (mistral: 16).
@@ -27,13 +28,13 @@ def _engines(family, **paged):
     contiguous = create_engine(cfg, devices=dev, config=EngineConfig(**SHAPES))
     p = create_engine(cfg, devices=dev, config=EngineConfig(
         **SHAPES, kv_layout="paged", page_size=4, **paged))
-    return contiguous, p
+    return contiguous, PagePlanner(p)  # the paged engine with its page table
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_paged_and_contiguous_give_identical_greedy_tokens(family):
     contiguous, paged = _engines(family)
-    assert isinstance(paged, PagedTransformerEngine)
+    assert isinstance(paged.engine, PagedTransformerEngine)
     host = host_params(contiguous)
     outs = []
     for eng in (contiguous, paged):

@@ -14,6 +14,7 @@ from engines import quantization as qz
 from engines.checkpoint import read_orbax_config
 from jetserve import cli
 from jetserve.offline import generate_many
+from jetserve.scheduling.page_planner import with_pages
 from sharding import load_preset
 from tests.parity.hf_models import make_hf_model
 
@@ -184,9 +185,9 @@ def test_paged_engine_with_quantized_weights(hf_dir):
     cfg = load_hf_config(hf_dir)
     want = create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
                          config=EngineConfig(quantize="int8", **ECFG))
-    paged = create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
-                          config=EngineConfig(quantize="int8", kv_layout="paged",
-                                              page_size=8, **ECFG))
+    paged = with_pages(create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
+                                     config=EngineConfig(quantize="int8", kv_layout="paged",
+                                                         page_size=8, **ECFG)))
     assert paged.kv_pages is not None  # the paged engine, not the contiguous one
     params = paged.load_params()
     assert params["layers_1"]["mlp"]["up_proj"][qz.QVALUE].dtype == np.int8

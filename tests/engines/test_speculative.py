@@ -15,6 +15,7 @@ from engines.engine_config import parse_speculative
 from engines.sampling import SlotSampling
 from engines.speculative import ngram_drafts, running_counts, target_probs, verify
 from jetserve.offline import generate_many
+from jetserve.scheduling.page_planner import with_pages
 from tests.engines.speculative_sampling import check_first_tokens_follow, prefilled_slots
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -25,7 +26,8 @@ K = 4
 def _engine(speculative, **kw):
     config = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
                           speculative=speculative, **kw)
-    eng = create_engine(CFG, config=config, devices=jax.devices()[:1], seed=3)
+    # A paged engine is called through its page planner (which holds the page table).
+    eng = with_pages(create_engine(CFG, config=config, devices=jax.devices()[:1], seed=3))
     return eng, eng.load_params()
 
 
@@ -244,13 +246,13 @@ def test_paged_greedy_output_equals_plain(plain, paged_spec):
     for w, g in zip(want, got, strict=True):
         assert g.token_ids == w.token_ids
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
-    eng.pages.check()
-    assert eng.pages.free_count == eng.pages.pool.num_pages  # every page came back
+    eng.kv_pages.check()
+    assert eng.kv_pages.free_count == eng.kv_pages.pool.num_pages  # every page came back
 
 
 def test_paged_rollback_returns_the_pages_of_rejected_positions(plain, paged_spec):
     eng, params = paged_spec
-    pages = eng.pages
+    pages = eng.kv_pages
     rng = np.random.default_rng(9)
     prompts = [rng.integers(3, 96, n).tolist() for n in (6, 13, 10)]
     state = eng.init_decode_state()

@@ -18,6 +18,7 @@ from jetserve.commands.common import add_model_arguments, engine_config
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
+from jetserve.scheduling.page_planner import with_pages
 from sharding import load_preset
 from tests.engines.speculative_sampling import check_first_tokens_follow, prefilled_slots
 
@@ -32,8 +33,9 @@ K = 4
 def _engine(speculative, draft=None, **kw):
     config = EngineConfig(max_concurrent_decodes=3, max_prefill_length=48, max_seq_len=96,
                           speculative=speculative, **kw)
-    eng = create_engine(CFG, config=config, devices=jax.devices()[:1], seed=3,
-                        draft_config=draft)
+    # A paged engine is called through its page planner (which holds the page table).
+    eng = with_pages(create_engine(CFG, config=config, devices=jax.devices()[:1], seed=3,
+                                   draft_config=draft))
     return eng, eng.load_params()
 
 
@@ -254,8 +256,8 @@ def test_paged_greedy_output_equals_plain_with_a_tight_page_pool(plain, draft):
         assert st["accepted"] < 0.5 * st["drafted"]  # mostly rejected: pages rolled back
     else:  # the target's own drafts: all kept (the paged draft KV and rollback are right)
         assert st["accepted"] >= 0.97 * st["drafted"] > 0
-    eng.pages.check()
-    assert eng.pages.free_count == eng.pages.pool.num_pages  # every page came back
+    eng.kv_pages.check()
+    assert eng.kv_pages.free_count == eng.kv_pages.pool.num_pages  # every page came back
 
 
 # ---- the int8 KV cache ----------------------------------------------------------------------

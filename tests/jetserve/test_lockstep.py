@@ -214,13 +214,14 @@ def test_lock_step_on_paged_engine_with_chunked_prefill():
     prompts prefilled in chunks of 8 give a contiguous engine's greedy tokens."""
     from engines import EngineConfig, create_engine
     from jetserve.offline import generate_many
+    from jetserve.scheduling.page_planner import with_pages
     from tests.sharding.families import host_params, model_config
 
     shapes = dict(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
 
     def engine(**kw):
-        return create_engine(model_config("llama"), devices=jax.devices()[:1],
-                             config=EngineConfig(**shapes, **kw))
+        return with_pages(create_engine(model_config("llama"), devices=jax.devices()[:1],
+                                        config=EngineConfig(**shapes, **kw)))
 
     contiguous = engine()
     weights = host_params(contiguous)

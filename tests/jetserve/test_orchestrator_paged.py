@@ -16,6 +16,7 @@ from engines import EngineConfig, create_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, StepDone
 from jetserve.orchestrator.prefix_cache import block_bytes
+from jetserve.scheduling.page_planner import with_pages
 from tests.sharding.families import host_params, model_config
 
 MAX_TOKENS = 30
@@ -25,8 +26,9 @@ PAGED = dict(kv_layout="paged", page_size=4, num_pages=16)
 
 
 def _engine(**config):
-    return create_engine(model_config("llama"), devices=jax.devices()[:1],
-                         config=EngineConfig(**{**SHAPES, **config}))
+    # A paged engine with its page planner: the tests read its pages after serving.
+    return with_pages(create_engine(model_config("llama"), devices=jax.devices()[:1],
+                                    config=EngineConfig(**{**SHAPES, **config})))
 
 
 @pytest.fixture(scope="module")

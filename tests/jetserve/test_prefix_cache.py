@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from engines import EngineConfig, create_engine
-from engines.page_pool import SlotPages
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
 from jetserve.orchestrator.prefix_cache import (
@@ -21,6 +20,8 @@ from jetserve.orchestrator.prefix_cache import (
     cache_key,
     model_cache_key,
 )
+from jetserve.scheduling.page_planner import with_pages
+from jetserve.scheduling.page_pool import SlotPages
 from jetserve.server.metrics import ServerMetrics
 from tests.jetserve.test_orchestrator_paged import PageChecker
 from tests.sharding.families import host_params, model_config
@@ -231,7 +232,8 @@ SHAPES = dict(max_concurrent_decodes=2, max_prefill_length=64, max_seq_len=96)
 def setup(request):
     family, layout = request.param
     cfg = EngineConfig(**SHAPES, kv_layout=layout, page_size=8)
-    eng = create_engine(model_config(family), devices=jax.devices()[:1], config=cfg)
+    # A paged engine with its page planner: the test reads its pages after serving.
+    eng = with_pages(create_engine(model_config(family), devices=jax.devices()[:1], config=cfg))
     params = jax.device_put(host_params(eng), eng.param_shardings)
     prompts = [SYSTEM + q for q in QUESTIONS]
     want = [r.token_ids for r in generate_many(eng, params, prompts, max_tokens=8,
@@ -274,7 +276,7 @@ def test_shared_pages_while_requests_are_cancelled_and_preempted():
     uncached ones."""
     cfg = EngineConfig(**{**SHAPES, "max_concurrent_decodes": 4}, kv_layout="paged",
                        page_size=8, num_pages=14)
-    eng = create_engine(model_config("llama"), devices=jax.devices()[:1], config=cfg)
+    eng = with_pages(create_engine(model_config("llama"), devices=jax.devices()[:1], config=cfg))
     params = jax.device_put(host_params(eng), eng.param_shardings)
     prompts = [SYSTEM + [i + 1] * (1 + i % 4) for i in range(6)]
     want = [r.token_ids for r in generate_many(eng, params, prompts, max_tokens=30,

@@ -11,6 +11,7 @@ import torch
 
 from engines import EngineConfig, ModelConfig, create_engine, load_hf_config
 from jetserve.orchestrator import Orchestrator, Request
+from jetserve.scheduling.page_planner import with_pages
 from tests.parity.hf_models import FAMILIES
 
 MAX_TOKENS = (28, 9, 20, 33, 14, 24)
@@ -41,9 +42,9 @@ def _check(hf_dirs, name, speculative="ngram:3", draft=None, **layout):
         draft, draft_weights = load_hf_config(d), d
     else:
         draft_weights = None
-    eng = create_engine(load_hf_config(d), weights=d, config=cfg,
-                        devices=jax.devices()[:1], draft_config=draft,
-                        draft_weights=draft_weights)
+    eng = with_pages(create_engine(load_hf_config(d), weights=d, config=cfg,
+                                   devices=jax.devices()[:1], draft_config=draft,
+                                   draft_weights=draft_weights))
     prompts = _prompts()
     with Orchestrator.from_engines(eng) as orch:
         handles = [orch.submit(Request(prompt_ids=p, max_tokens=n, ignore_eos=True))
@@ -70,8 +71,8 @@ def test_speculative_greedy_equals_transformers_contiguous(hf_dirs, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_speculative_greedy_equals_transformers_paged(hf_dirs, name):
     eng = _check(hf_dirs, name, kv_layout="paged", page_size=8, num_pages=24)
-    eng.pages.check()
-    assert eng.pages.free_count == 24
+    eng.kv_pages.check()
+    assert eng.kv_pages.free_count == 24
 
 
 # A small random draft model with the families' vocabulary of 128.

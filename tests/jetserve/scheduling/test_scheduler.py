@@ -1,27 +1,23 @@
 """The scheduler, its page questions and its plan on plain Python: no jax anywhere.
 
-The page bookkeeping is the engine's own (engines/page_pool.py, plain Python and numpy),
-loaded from its file: importing it as `engines.page_pool` would run engines/__init__,
-which loads jax.
+The page bookkeeping is the package's own (jetserve/scheduling/page_pool.py, plain Python
+and numpy).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from jetserve.scheduling import page_pool
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import chunks
 from jetserve.scheduling.scheduler import FairShare, Scheduler
 
 ROOT = Path(__file__).resolve().parents[3]
-_spec = importlib.util.spec_from_file_location("page_pool", ROOT / "engines" / "page_pool.py")
-page_pool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(page_pool)
 
 PS = 4  # tokens per page
 
@@ -72,7 +68,8 @@ def test_the_package_never_imports_jax():
     code = ("import sys\n"
             "import jetserve.scheduling, jetserve.scheduling.scheduler, "
             "jetserve.scheduling.kv_cache_manager, jetserve.scheduling.plan, "
-            "jetserve.scheduling.slots\n"
+            "jetserve.scheduling.slots, jetserve.scheduling.page_pool, "
+            "jetserve.scheduling.page_planner\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'engines')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True, env={"PYTHONPATH": str(ROOT)})

@@ -7,10 +7,11 @@ A paged KV cache keeps each layer's keys and values in a pool of fixed-size page
     is either free (count 0, on the free list) or held by one or more owners (a slot, a
     prefix-cache entry). Counting references lets a cached prefix's pages be shared.
   - `SlotPages`: the pages of each decode slot of one engine, the page table the device
-    reads, and each slot's length as the host knows it. An engine asks it for pages on
-    insert and before every generate step, and returns them on free_slot.
+    reads, and each slot's length as the host knows it. The engine's PagePlanner
+    (page_planner.py) asks it for pages on insert and before every generate step, and
+    returns them on free_slot; the engine itself only gets the table.
 
-Concurrency: an engine's SlotPages is touched only by the thread that calls that engine's
+Concurrency: an engine's SlotPages is touched only by the thread that calls its planner's
 insert / generate / free_slot (the orchestrator's generate thread). Other threads may read
 the plain-int counters (`free_count`) for stats.
 """

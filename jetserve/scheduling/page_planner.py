@@ -1,0 +1,92 @@
+"""The host side of a paged engine's calls: plan the pages, then call the stateless engine.
+
+A paged engine (engines/paged_engine.py) takes the page table as an input and holds none.
+`PagePlanner` wraps one and keeps the old call shape for everyone who runs it (the
+generate worker, the lock-step driver, offline generation, warm-up, benches, tests):
+
+  insert(prefix, state, slot, shared_pages=)  gives the slot pages for the prefix
+                                              (SlotPages.insert), then engine.insert
+  generate(params, state)                     takes the pages this step writes
+                                              (SlotPages.before_step; OutOfPages before
+                                              anything runs), then engine.generate with
+                                              the table
+  free_slot(slot) / init_decode_state()       give the pages back
+
+Everything else is the engine's (attribute access passes through). With speculative
+decoding a slot may keep fewer of the positions a step wrote than planned: `generate`
+first reads the previous step's lengths back (waiting for that step, here on the host,
+never inside the engine) so the pages only rejected positions used return to the pool.
+
+Plain Python: jax arrays are only passed through (and read back by numpy).
+Concurrency: a planner is used by the one thread that owns the engine's decode state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jetserve.scheduling.page_pool import SlotPages, width_buckets
+
+
+class PagePlanner:
+    """A paged engine with its page table (see module doc). `kv_pages`: the SlotPages."""
+
+    def __init__(self, engine: Any):
+        g = engine.page_geometry
+        if g is None:
+            raise ValueError(f"{type(engine).__name__} has a contiguous KV cache: no pages "
+                             "to plan (use the engine itself)")
+        self.engine = engine
+        self.kv_pages = SlotPages(slots=g.slots, page_size=g.page_size,
+                                  num_pages=g.num_pages, max_seq_len=g.max_seq_len,
+                                  lookahead=g.lookahead)
+
+    def __getattr__(self, name: str) -> Any:  # the engine's everything else
+        return getattr(self.engine, name)
+
+    def init_decode_state(self) -> Any:
+        """An empty state; every slot's pages go back to the pool."""
+        for s in self.kv_pages.live_slots():
+            self.kv_pages.free(s)
+        return self.engine.init_decode_state()
+
+    def insert(self, prefix: Any, decode_state: Any, slot: int, *,
+               shared_pages: tuple[int, ...] | list[int] = ()) -> Any:
+        """engine.insert into fresh pages of `slot`. shared_pages: held pages that already
+        hold the prefix's first len(shared_pages) * page_size positions (a prefix cache
+        hit); the slot links them."""
+        n = int(prefix.length)  # the prefix is ready: its first token was read already
+        pages = self.kv_pages.insert(slot, n, shared=shared_pages)
+        return self.engine.insert(prefix, decode_state, slot, pages=pages,
+                                  shared=len(shared_pages))
+
+    def generate(self, params: Any, decode_state: Any) -> tuple[Any, Any]:
+        """engine.generate over the pages this step writes (raises OutOfPages, taking
+        none and running nothing, when the pool cannot cover the step)."""
+        pages = self.kv_pages
+        if pages.lookahead:
+            # How far the last step really got is known on the device only: wait for it
+            # (this step's pages are then planned from exact lengths).
+            pages.sync(np.asarray(decode_state.lengths))
+        width = pages.before_step()
+        table = pages.table[:, :width].copy()  # the device may read it later
+        out = self.engine.generate(params, decode_state, table)
+        pages.after_step()
+        return out
+
+    def free_slot(self, slot: int) -> None:
+        self.kv_pages.free(slot)
+
+    def generate_widths(self) -> tuple[int, ...]:
+        """The page-table widths generate is called with: one compiled program each."""
+        return width_buckets(self.kv_pages.max_pages)
+
+
+def with_pages(engine: Any) -> Any:
+    """The engine to call: a PagePlanner over a paged engine (the planner itself when
+    given one), a contiguous engine unchanged."""
+    if isinstance(engine, PagePlanner) or getattr(engine, "page_geometry", None) is None:
+        return engine
+    return PagePlanner(engine)

@@ -2,7 +2,7 @@
 machine: one worker process per checkout, taking turns every few steps.
 
     git worktree add /tmp/base <commit>       # or: git archive <commit> | tar -x -C /tmp/base
-    python scripts/decode_ab.py /tmp/base . --batch 1,8,32 --rounds 8
+    python scripts/decode_ab.py /tmp/base . --batch 1,8,32 --rounds 8 [--kv-layout paged]
 
 Each worker imports jetserve from its own checkout, builds an engine for
 `random:llama-156m` with B slots, fills every slot with a 192-token prompt (as `jetserve
@@ -22,7 +22,7 @@ import sys
 import time
 
 
-def worker(batch: int, steps: int, model: str, context: int) -> None:
+def worker(batch: int, steps: int, model: str, context: int, kv_layout: str) -> None:
     import jax
 
     from engines import EngineConfig
@@ -30,7 +30,8 @@ def worker(batch: int, steps: int, model: str, context: int) -> None:
     from jetserve.model_loading import build_engine
 
     engine = build_engine(model, engine_config=EngineConfig(
-        max_concurrent_decodes=batch, max_seq_len=1024, max_prefill_length=context))
+        max_concurrent_decodes=batch, max_seq_len=1024, max_prefill_length=context,
+        kv_layout=kv_layout))
     params = engine.load_params()
     state = fill_slots(engine, params, context)
     for _ in range(3):
@@ -56,10 +57,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per turn")
     ap.add_argument("--model", default="random:llama-156m")
     ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--kv-layout", default="contiguous", choices=("contiguous", "paged"))
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # internal: batch
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.steps, args.model, args.context)
+        return worker(args.worker, args.steps, args.model, args.context, args.kv_layout)
     sides = {"A": os.path.abspath(args.a), "B": os.path.abspath(args.b)}
     for b in (int(x) for x in args.batch.split(",")):
         procs = {}
@@ -67,7 +69,7 @@ def main() -> None:
             procs[side] = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), args.a, args.b, "--worker", str(b),
                  "--steps", str(args.steps), "--model", args.model, "--context",
-                 str(args.context)],
+                 str(args.context), "--kv-layout", args.kv_layout],
                 cwd=root, env=dict(os.environ, PYTHONPATH=root), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, text=True)
             if procs[side].stdout.readline().strip() != "ready":

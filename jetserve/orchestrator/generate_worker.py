@@ -15,9 +15,10 @@ loop:
      hit a stop id leaves it when that step is read, one step later.
 
 Which waiting prefix gets a free slot, whether it fits and whom to preempt is the
-scheduler's call (jetserve/scheduling): on a paged engine (`engine.kv_pages`) a prefix is
-inserted only when the pool has its pages plus what the next step needs; otherwise it
-waits in the backlog. When a step needs more pages than are free, the scheduler's victim
+scheduler's call (jetserve/scheduling): on a paged engine (`engine.kv_pages`, kept by its
+page planner; the engine itself takes the page table per call) a prefix is inserted only
+when the pool has its pages plus what the next step needs; otherwise it waits in the
+backlog. When a step needs more pages than are free, the scheduler's victim
 (the most recently inserted request) is preempted: its slot and pages are freed and it
 goes back to a prefill thread (`resume`) to be recomputed. A prefix cache over this
 engine's pages (`cache`) counts as using its pages: admission and steps first take back

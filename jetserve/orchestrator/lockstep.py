@@ -24,7 +24,7 @@ handles, listeners, stats, drain on stop. So the servers run on it unchanged. It
 (`start`); the other processes run the same loop in their main thread (`run`) and never
 look at tokens: the plan alone tells them which slots are in use.
 
-On a paged engine (`engine.kv_pages`) a request is admitted only when the pages its whole
+On a paged engine (`engine.kv_pages`, kept by its page planner) a request is admitted only when the pages its whole
 sequence may take (prompt + token budget) are not promised to the running ones
 (`KVCacheManager.reserve`, as in jetserve.offline), so no step runs out of pages and
 nothing is preempted. Every process inserts and frees in the same order, so their page

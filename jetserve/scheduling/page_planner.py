@@ -44,6 +44,8 @@ class PagePlanner:
                                   lookahead=g.lookahead)
 
     def __getattr__(self, name: str) -> Any:  # the engine's everything else
+        if name == "engine":  # not set yet (a half-built planner): no recursion
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
     def init_decode_state(self) -> Any:

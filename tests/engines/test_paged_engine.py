@@ -154,6 +154,30 @@ def test_step_without_pages_raises_and_takes_nothing(small):
     assert pages.free_count == 12
 
 
+def test_the_engine_holds_no_page_table(small):
+    # Two planners over one engine, each with its own decode state and page table: the
+    # engine keeps nothing between calls, so interleaving them changes no token.
+    raw, params = small[0].engine, small[1]
+    with pytest.raises(TypeError, match="PagePlanner"):
+        raw.kv_pages
+    a, b = PagePlanner(raw), PagePlanner(raw)
+    prefix, first = raw.prefill(params, [3, 1, 4, 1, 5, 9, 2], 7)
+    sa = a.insert(prefix, a.init_decode_state(), 0)
+    prefix, _ = raw.prefill(params, [3, 1, 4, 1, 5, 9, 2], 7)
+    sb = b.insert(prefix, b.init_decode_state(), 1)
+    got_a, got_b = [], []
+    for _ in range(6):
+        sa, ra = a.generate(params, sa)
+        sb, rb = b.generate(params, sb)
+        got_a.append(ra.to_host().token(0))
+        got_b.append(rb.to_host().token(1))
+    assert got_a == got_b
+    assert a.kv_pages.pages_of(0) == b.kv_pages.pages_of(1) == [0, 1, 2, 3]
+    a.free_slot(0)
+    b.free_slot(1)
+    assert a.kv_pages.free_count == b.kv_pages.free_count == 12
+
+
 def test_generate_compiles_once_per_width(small):
     eng, params = small
     assert eng.generate_widths() == width_buckets(10) == (1, 2, 4, 8, 10)

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from engines import cpu_kernels, quantization
-from engines.attention import KVStore, attention
+from engines.attention import KVStore
+from engines.backend import Backend
 from engines.config import ModelConfig, llama3_inv_freq
 from sharding import axes
 from sharding.layout import constrain
@@ -83,6 +84,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any
     layer: int
+    backend: Backend  # the engine's choice of attention implementation
 
     @nn.compact
     def __call__(self, x, positions, inv_freq, kv: KVStore):
@@ -113,7 +115,7 @@ class Attention(nn.Module):
         if attend is not None:
             out = attend(self.layer, q, positions, c.sliding_window)
         else:
-            out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
+            out = self.backend.attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
         out = constrain(out, _HEADS_ACT, "attention output")
         return linear(out.reshape(B, T, N * H), wo.reshape(D, N * H), c)
 
@@ -166,6 +168,7 @@ class Block(nn.Module):
     cfg: ModelConfig
     dtype: Any
     layer: int
+    backend: Backend
 
     @nn.compact
     def __call__(self, x, positions, inv_freq, kv: KVStore):
@@ -176,7 +179,8 @@ class Block(nn.Module):
             self, "post_attention_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones
         )
         h = rms_norm(x, w_in, c.rms_norm_eps, c.norm_plus_one)
-        x = x + Attention(c, self.dtype, self.layer, name="self_attn")(h, positions, inv_freq, kv)
+        attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")
+        x = x + attn(h, positions, inv_freq, kv)
         h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
         mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, name="mlp")
         return x + mlp(h)
@@ -187,6 +191,7 @@ class Decoder(nn.Module):
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
+    backend: Backend = Backend()  # the engine picks it for its devices (engines.backend)
 
     @nn.compact
     def __call__(self, tokens, positions, kv: KVStore, last: jax.Array | None = None):
@@ -200,7 +205,7 @@ class Decoder(nn.Module):
         x = constrain(x, _RESIDUAL_ACT, "embeddings")
         inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
         for i in range(c.num_layers):
-            x = Block(c, self.dtype, i, name=f"layers_{i}")(x, positions, inv_freq, kv)
+            x = Block(c, self.dtype, i, self.backend, name=f"layers_{i}")(x, positions, inv_freq, kv)
             x = constrain(x, _RESIDUAL_ACT, f"layer {i} output")
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         w_norm = _param(self, "norm", (D,), (axes.EMBED,), self.dtype, ones)

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engines import cpu_kernels, device_functions, param_loading, quantization
+from engines.backend import Backend, backend_for
 from engines.config import ModelConfig
 from engines.device_functions import PromptLogprobs
 from engines.engine_api import Engine, ResultTokens, Tokenizer
@@ -52,6 +53,8 @@ class TransformerEngine(Engine):
       seed: RNG seed for random weights (a random draft model's too).
       draft_config, draft_weights: the draft model of speculative "draft:PATH:K" (its
         config, and its weights as `weights`), replicated on the same devices.
+      backend: the hot ops' implementations (engines/backend.py); by default the one
+        `backend_for` picks for the devices and dtype.
 
     Build engines with `engines.create_engine`, which picks this class or the paged one
     (engines/paged_engine.py) for `config.kv_layout`.
@@ -71,6 +74,7 @@ class TransformerEngine(Engine):
         seed: int = 0,
         draft_config: ModelConfig | None = None,
         draft_weights: str | None = None,
+        backend: Backend | None = None,
     ):
         self.config = config or EngineConfig()
         if self.config.kv_layout != self.KV_LAYOUT:
@@ -93,7 +97,8 @@ class TransformerEngine(Engine):
         self.model_config = model_config = dataclasses.replace(
             model_config, cpu_matmul_rows=cpu_kernels.max_rows(
                 self._mesh, self.dtype, model_config.weight_quant))
-        self.model = Decoder(model_config, dtype=self.dtype)
+        self.backend = backend or backend_for(devices, self.dtype)
+        self.model = Decoder(model_config, dtype=self.dtype, backend=self.backend)
         self.abstract_params, self._logical = param_loading.trace_params(self.model)
         self.param_shardings = param_loading.param_shardings(
             self.sharding, self._mesh, self._logical, self.abstract_params)
@@ -126,7 +131,7 @@ class TransformerEngine(Engine):
                               max_prefill_length=e.max_prefill_length,
                               max_seq_len=e.max_seq_len, dtype=e.dtype)
         return TransformerEngine(draft_config, weights=draft_weights, devices=devices,
-                                 config=config, seed=self.seed)
+                                 config=config, seed=self.seed, backend=self.backend)
 
     # ---- shardings ---------------------------------------------------------------------
 
@@ -277,6 +282,18 @@ class TransformerEngine(Engine):
     def prefill(self, params, tokens, true_length, *, sampling: SamplingParams | None = None,
                 existing_prefix: Prefix | None = None, seed: int | None = None):
         """tokens: the prompt padded to a bucket (or unpadded: it is padded here)."""
+        args = self._prefill_args(params, tokens, true_length, sampling, existing_prefix, seed)
+        return self._prefill_jit(*args)
+
+    def lower_prefill(self, params, tokens, true_length, *,
+                      existing_prefix: Prefix | None = None) -> jax.stages.Lowered:
+        """The prefill program these arguments run, lowered (for its compiled memory and
+        cost analyses; nothing runs)."""
+        args = self._prefill_args(params, tokens, true_length, None, existing_prefix, 0)
+        return self._prefill_jit.lower(*args)
+
+    def _prefill_args(self, params, tokens, true_length, sampling, existing_prefix, seed):
+        """prefill's checks, then the arguments of the jitted prefill."""
         sampling = sampling or SamplingParams()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         true_length = int(true_length)
@@ -301,8 +318,8 @@ class TransformerEngine(Engine):
         if existing_prefix is not None and existing_prefix.k_pos.shape[1] < start + bucket:
             # Room for this bucket at `start`, rounded up to a power of two (few shapes).
             existing_prefix = self._grow_prefix_jit(existing_prefix, stack_size(start + bucket))
-        return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
-                                 prior_mask, existing_prefix, *self._draft_args())
+        return (params, padded, np.int32(true_length), np.int32(start), row, prior_mask,
+                existing_prefix, *self._draft_args())
 
     # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
 

@@ -172,14 +172,14 @@ def measure_length(cfg: PrefillBenchConfig, length: int) -> dict:
     rss = _peak_rss()
     return {"length": length, "chunk": min(cfg.chunk, length),
             "attention": engine.backend.prefill_attention, "passes": passes,
-            "seconds": round(run_s, 3), "tokens_per_s": round(length / run_s, 1),
+            "seconds": round(run_s, 4), "tokens_per_s": round(length / run_s, 1),
             "compile_s": round(compile_s, 2), "programs": len(temps),
             "temp_bytes": max(temps.values()), "peak_rss_bytes": rss,
             "load_peak_rss_bytes": load_peak,
             "weights_bytes": weights, "kv_bytes": kv,
             "rss_over_weights_kv_gb": round((rss - weights - kv) / 1e9, 3),
-            "matmul_gflops": round(flops_per_s / 1e9, 1), "floor_s": round(floor_s, 3),
-            "fraction_of_floor": round(floor_s / run_s, 3), "device": jax.devices()[0].platform}
+            "matmul_gflops": round(flops_per_s / 1e9, 1), "floor_s": round(floor_s, 6),
+            "fraction_of_floor": round(floor_s / run_s, 4), "device": jax.devices()[0].platform}
 
 
 def run(cfg: PrefillBenchConfig, log: Callable[..., None] = print) -> dict:

@@ -11,10 +11,12 @@ tokens (each chunk continuing the previous chunk's prefix, as the orchestrator's
     temp directory), and the compile is not timed; the call then reads the cache. When a
     pass takes under `rerun_below_s`, a second, warm pass is timed instead.
   - temp_bytes: the largest `memory_analysis().temp_size_in_bytes` of those programs.
-  - peak_rss_bytes: the process's peak resident memory from the end of loading the
-    weights on (Linux VmHWM, reset after the load, whose own peak is load_peak_rss_bytes:
-    random weights are initialised on the side), next to the bytes of the weights and
-    of the prompt's KV.
+  - peak_rss_bytes: the process's peak resident memory while it prefills (Linux VmHWM,
+    restarted around each phase), next to the bytes of the weights and of the prompt's
+    KV. Loading (random weights are initialised on the side) and XLA's compiles peak
+    on their own, reported as load_peak_rss_bytes and compile_peak_rss_bytes; after each
+    compile the C heap is trimmed (malloc_trim) so what the compiler freed does not
+    count against the prefill.
   - floor_s: matmul FLOPs (every projection, per prompt token, plus the LM head once per
     chunk) plus attention FLOPs (q.k and p.v over the key positions each query sees,
     causal and windowed) over the f32 matmul FLOP/s measured in the same process
@@ -27,6 +29,7 @@ one-shot [T, S] score path every prefill took before the blockwise one.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -104,9 +107,11 @@ def _engine(cfg: PrefillBenchConfig, length: int):
                          backend=backend)
 
 
-def _one_pass(engine, params, tokens, chunk: int, temps: dict) -> tuple[float, float]:
+def _one_pass(engine, params, tokens, chunk: int, temps: dict,
+              peaks: dict) -> tuple[float, float]:
     """Prefills `tokens` chunk by chunk; (seconds in prefill calls, seconds compiling).
-    Each new program shape is compiled first and its temp bytes kept in `temps`."""
+    Each new program shape is compiled first and its temp bytes kept in `temps`; the
+    peak RSS of runs and of compiles go to peaks["run"] and peaks["compile"]."""
     import jax
 
     from engines.prefix_blocks import stack_size
@@ -120,16 +125,29 @@ def _one_pass(engine, params, tokens, chunk: int, temps: dict) -> tuple[float, f
             cap = stack_size(start + bucket)
         key = (bucket, cap)  # the program's shape
         if key not in temps:
+            peaks["run"] = max(peaks["run"], _peak_rss(reset=True))
             t0 = time.perf_counter()
             compiled = engine.lower_prefill(params, piece, len(piece),
                                             existing_prefix=prefix).compile()
             temps[key] = int(compiled.memory_analysis().temp_size_in_bytes)
             compile_s += time.perf_counter() - t0
+            del compiled
+            peaks["compile"] = max(peaks["compile"], _peak_rss())
+            _trim_heap()
+            _peak_rss(reset=True)
         t0 = time.perf_counter()
         prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
         jax.block_until_ready(prefix)
         run_s += time.perf_counter() - t0
     return run_s, compile_s
+
+
+def _trim_heap() -> None:
+    """Hands the C heap's free pages back to the OS (glibc), where it can."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _peak_rss(reset: bool = False) -> int:
@@ -157,25 +175,28 @@ def measure_length(cfg: PrefillBenchConfig, length: int) -> dict:
         engine = _engine(cfg, length)
         params = engine.load_params()
         jax.block_until_ready(params)
-        load_peak = _peak_rss(reset=True)  # loading random weights peaks on its own
+        load_peak = _peak_rss()  # loading random weights peaks on its own
+        _trim_heap()
+        _peak_rss(reset=True)
         tokens = np.random.default_rng(0).integers(1, engine.vocab_size, length).astype(np.int32)
         temps: dict = {}
-        run_s, compile_s = _one_pass(engine, params, tokens, cfg.chunk, temps)
+        peaks = {"run": 0, "compile": 0}
+        run_s, compile_s = _one_pass(engine, params, tokens, cfg.chunk, temps, peaks)
         passes = 1
         if run_s < cfg.rerun_below_s:
-            run_s, _ = _one_pass(engine, params, tokens, cfg.chunk, temps)
+            run_s, _ = _one_pass(engine, params, tokens, cfg.chunk, temps, peaks)
             passes = 2
     c = engine.model_config
     floor_s = prefill_flops(c, length, cfg.chunk) / flops_per_s
     weights = c.param_count() * 4
     kv = c.kv_bytes_per_token(4) * length
-    rss = _peak_rss()
+    rss = max(peaks["run"], _peak_rss())
     return {"length": length, "chunk": min(cfg.chunk, length),
             "attention": engine.backend.prefill_attention, "passes": passes,
             "seconds": round(run_s, 4), "tokens_per_s": round(length / run_s, 1),
             "compile_s": round(compile_s, 2), "programs": len(temps),
             "temp_bytes": max(temps.values()), "peak_rss_bytes": rss,
-            "load_peak_rss_bytes": load_peak,
+            "load_peak_rss_bytes": load_peak, "compile_peak_rss_bytes": peaks["compile"],
             "weights_bytes": weights, "kv_bytes": kv,
             "rss_over_weights_kv_gb": round((rss - weights - kv) / 1e9, 3),
             "matmul_gflops": round(flops_per_s / 1e9, 1), "floor_s": round(floor_s, 6),

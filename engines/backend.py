@@ -81,11 +81,13 @@ class Backend:
 
 def backend_for(devices: Sequence[jax.Device], dtype: Any) -> Backend:
     """The backend an engine on `devices` computing in `dtype` uses: a platform's kernel
-    where the installed jax ships it (and the dtype suits it), else XLA."""
+    where the installed jax ships it (and the dtype and slice suit it), else XLA."""
     platform = devices[0].platform
     if (platform == "gpu" and attention_kernels.cudnn_available()
             and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
         return Backend(prefill_attention="cudnn")
-    if platform == "tpu" and attention_kernels.splash_available():
+    # The splash kernel is called per device here (no shard_map around it yet), so a
+    # slice of several TPU devices keeps the XLA path, which GSPMD partitions.
+    if platform == "tpu" and len(devices) == 1 and attention_kernels.splash_available():
         return Backend(prefill_attention="pallas_tpu")
     return Backend()

@@ -5,7 +5,8 @@ axis names (`sharding.axes`), which the engine maps to mesh axes. The KV cache i
 owned here: each attention layer hands its new keys and values to a `KVStore` supplied by
 the caller, which returns what the layer should attend over (prefill concatenates,
 generate scatters into per-slot buffers, a paged store would write pages); the attention
-math itself is engines/attention.py.
+math itself is engines/attention.py, run by the `Backend` the engine hands in
+(engines/backend.py: blockwise or a platform kernel for whole prompts).
 
 Letters: B batch, T query length, S key length, D model, N query heads, K kv heads,
 G = N/K, H head dim, F ffn, V vocab, E experts.

@@ -80,3 +80,19 @@ def test_mistral_prompt_five_times_the_sliding_window(tmp_path):
     assert load_hf_config(str(tmp_path)).sliding_window == window
     _check(str(tmp_path), model, 5 * window)
 
+
+
+def test_prompt_scoring_of_2000_tokens(tmp_path):
+    """Echo scoring (log p of each prompt token given those before it) over one
+    2,048-token bucket: the blockwise path against transformers' log-softmax."""
+    model = _hf_model("llama", str(tmp_path))
+    prompt = np.random.default_rng(2).integers(3, TINY["vocab_size"], 2000).tolist()
+    cfg = EngineConfig(max_concurrent_decodes=1, max_prefill_length=2048, max_seq_len=2048,
+                       top_logprobs=2)
+    engine = create_engine(load_hf_config(str(tmp_path)), weights=str(tmp_path), config=cfg)
+    scored = engine.prompt_logprobs(engine.load_params(), prompt)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1).numpy()
+    want = [logp[t - 1, prompt[t]] for t in range(1, len(prompt))]
+    np.testing.assert_allclose(scored.token_logprobs[1:], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(scored.greedy[1:], logp.argmax(-1)[:-1])

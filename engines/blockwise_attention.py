@@ -90,18 +90,11 @@ def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window):
     return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(v.dtype)
 
 
-def blockwise_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, S, K, H]
-    v: jax.Array,  # [B, S, K, H]
-    q_pos: jax.Array,  # i32[B, T]
-    k_pos: jax.Array,  # i32[B, S], -1 = empty
-    sliding_window: int | None,
-    *,
-    block_q: int,
-    block_k: int,
-) -> jax.Array:
-    """`engines.attention.attention`, computed block by block; returns [B, T, N, H].
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                        k_pos: jax.Array, sliding_window: int | None, *, block_q: int,
+                        block_k: int) -> jax.Array:
+    """`engines.attention.attention`, computed block by block: q [B, T, N, H], k, v
+    [B, S, K, H], q_pos i32[B, T], k_pos i32[B, S] (-1: empty); returns [B, T, N, H].
 
     T and S need not divide by the block sizes: queries are padded (their rows dropped)
     and keys padded with empty entries."""

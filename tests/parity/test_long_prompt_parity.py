@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 from engines import EngineConfig, create_engine, load_hf_config
 from engines.kv_cache import PrefillKV
 from tests.parity.hf_models import TINY
-
-# Minutes on 2 shared cores: compiles for each chunk shape, transformers over 4k tokens.
-pytestmark = pytest.mark.slow
 
 STEPS = 8
 CHUNK = 1024

@@ -68,6 +68,14 @@ def select_heads(params: dict, logical: dict, r: int) -> dict:
     return jax.tree.map(one, logical, params, is_leaf=_is_spec)
 
 
+def kv_head_paths(logical: dict) -> list[str]:
+    """The parameters ('/'-joined paths) whose logical names hold one slice per kv head:
+    those a layout with kv_repeat > 1 repeats."""
+    flat = jax.tree_util.tree_flatten_with_path(logical, is_leaf=_is_spec)[0]
+    return ["/".join(str(getattr(k, "key", k)) for k in p) for p, spec in flat
+            if kv_axis(spec) is not None]
+
+
 def whole_kv_heads(spec: PartitionSpec) -> PartitionSpec:
     """A logical spec with its kv-head dimension unsplit: where a tensor of the stored K
     heads lives before it is repeated (K does not divide over the axis)."""

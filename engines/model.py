@@ -5,7 +5,8 @@ axis names (`sharding.axes`), which the engine maps to mesh axes. The KV cache i
 owned here: each attention layer hands its new keys and values to a `KVStore` supplied by
 the caller, which returns what the layer should attend over (prefill concatenates,
 generate scatters into per-slot buffers, a paged store would write pages); the attention
-math itself is engines/attention.py.
+math itself is engines/attention.py, run by the `Backend` the engine hands in
+(engines/backend.py: blockwise or a platform kernel for whole prompts).
 
 Letters: B batch, T query length, S key length, D model, N query heads, K kv heads,
 G = N/K, H head dim, F ffn, V vocab, E experts.
@@ -22,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from engines import cpu_kernels, moe, quantization
-from engines.attention import KVStore, attention
+from engines.attention import KVStore
+from engines.backend import Backend
 from engines.config import ModelConfig, llama3_inv_freq
 from sharding import axes
 from sharding.layout import constrain
@@ -84,6 +86,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any
     layer: int
+    backend: Backend  # the engine's choice of attention implementation
 
     @nn.compact
     def __call__(self, x, positions, inv_freq, kv: KVStore):
@@ -114,7 +117,7 @@ class Attention(nn.Module):
         if attend is not None:
             out = attend(self.layer, q, positions, c.sliding_window)
         else:
-            out = attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
+            out = self.backend.attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
         out = constrain(out, _HEADS_ACT, "attention output")
         return linear(out.reshape(B, T, N * H), wo.reshape(D, N * H), c)
 
@@ -167,6 +170,7 @@ class Block(nn.Module):
     cfg: ModelConfig
     dtype: Any
     layer: int
+    backend: Backend
 
     @nn.compact
     def __call__(self, x, positions, inv_freq, kv: KVStore):
@@ -177,7 +181,8 @@ class Block(nn.Module):
             self, "post_attention_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones
         )
         h = rms_norm(x, w_in, c.rms_norm_eps, c.norm_plus_one)
-        x = x + Attention(c, self.dtype, self.layer, name="self_attn")(h, positions, inv_freq, kv)
+        attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")
+        x = x + attn(h, positions, inv_freq, kv)
         h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
         mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, name="mlp")
         return x + mlp(h)
@@ -188,6 +193,7 @@ class Decoder(nn.Module):
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
+    backend: Backend = Backend()  # the engine picks it for its devices (engines.backend)
 
     @nn.compact
     def __call__(self, tokens, positions, kv: KVStore, last: jax.Array | None = None):
@@ -201,7 +207,7 @@ class Decoder(nn.Module):
         x = constrain(x, _RESIDUAL_ACT, "embeddings")
         inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
         for i in range(c.num_layers):
-            x = Block(c, self.dtype, i, name=f"layers_{i}")(x, positions, inv_freq, kv)
+            x = Block(c, self.dtype, i, self.backend, name=f"layers_{i}")(x, positions, inv_freq, kv)
             x = constrain(x, _RESIDUAL_ACT, f"layer {i} output")
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         w_norm = _param(self, "norm", (D,), (axes.EMBED,), self.dtype, ones)

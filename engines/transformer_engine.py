@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engines import cpu_kernels, device_functions, kv_heads, param_loading, quantization
+from engines.backend import Backend, backend_for
 from engines.config import ModelConfig
 from engines.device_functions import PromptLogprobs, ScoreCache
 from engines.engine_api import Engine, ResultTokens, Tokenizer
@@ -27,6 +28,7 @@ from engines.engine_config import EngineConfig, resolve_dtype
 from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, grow_prefix, insert_prefix
 from engines.model import Decoder
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
+from engines.prompt_scoring import score_in_chunks
 from engines.sampling import SamplingParams, SlotSampling
 from engines.speculative import generate_speculative
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
@@ -52,6 +54,8 @@ class TransformerEngine(Engine):
       seed: RNG seed for random weights (a random draft model's too).
       draft_config, draft_weights: the draft model of speculative "draft:PATH:K" (its
         config, and its weights as `weights`), replicated on the same devices.
+      backend: the hot ops' implementations (engines/backend.py); by default the one
+        `backend_for` picks for the devices and dtype.
 
     Build engines with `engines.create_engine`, which picks this class or the paged one
     (engines/paged_engine.py) for `config.kv_layout`.
@@ -71,6 +75,7 @@ class TransformerEngine(Engine):
         seed: int = 0,
         draft_config: ModelConfig | None = None,
         draft_weights: str | None = None,
+        backend: Backend | None = None,
     ):
         self.config = config or EngineConfig()
         if self.config.kv_layout != self.KV_LAYOUT:
@@ -101,7 +106,8 @@ class TransformerEngine(Engine):
             model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat,
             cpu_matmul_rows=cpu_kernels.max_rows(
                 self._mesh, self.dtype, model_config.weight_quant))
-        self.model = Decoder(model_config, dtype=self.dtype)
+        self.backend = backend or backend_for(devices, self.dtype)
+        self.model = Decoder(model_config, dtype=self.dtype, backend=self.backend)
         self.abstract_params, self._logical = param_loading.trace_params(self.model)
         self.param_shardings = param_loading.param_shardings(
             self.sharding, self._mesh, self._logical, self.abstract_params)
@@ -134,7 +140,7 @@ class TransformerEngine(Engine):
                               max_prefill_length=e.max_prefill_length,
                               max_seq_len=e.max_seq_len, dtype=e.dtype)
         return TransformerEngine(draft_config, weights=draft_weights, devices=devices,
-                                 config=config, seed=self.seed)
+                                 config=config, seed=self.seed, backend=self.backend)
 
     # ---- shardings ---------------------------------------------------------------------
 
@@ -285,12 +291,8 @@ class TransformerEngine(Engine):
         return kv_heads.repeat_heads(stored, self._logical, self.kv_repeat, xp)
 
     def kv_head_tensors(self) -> list[str]:
-        """The parameters ('/'-joined paths) that hold one slice per kv head: those a
-        layout with kv_repeat > 1 repeats."""
-        flat = jax.tree_util.tree_flatten_with_path(
-            self._logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
-        return ["/".join(str(getattr(k, "key", k)) for k in p) for p, spec in flat
-                if kv_heads.kv_axis(spec) is not None]
+        """The parameters that hold one slice per kv head (engines/kv_heads.py)."""
+        return kv_heads.kv_head_paths(self._logical)
 
     def checkpoint_abstract(self) -> dict:
         """The shapes and dtypes of the parameters as stored (`source_config`)."""
@@ -336,6 +338,18 @@ class TransformerEngine(Engine):
     def prefill(self, params, tokens, true_length, *, sampling: SamplingParams | None = None,
                 existing_prefix: Prefix | None = None, seed: int | None = None):
         """tokens: the prompt padded to a bucket (or unpadded: it is padded here)."""
+        args = self._prefill_args(params, tokens, true_length, sampling, existing_prefix, seed)
+        return self._prefill_jit(*args)
+
+    def lower_prefill(self, params, tokens, true_length, *,
+                      existing_prefix: Prefix | None = None) -> jax.stages.Lowered:
+        """The prefill program these arguments run, lowered (for its compiled memory and
+        cost analyses; nothing runs)."""
+        args = self._prefill_args(params, tokens, true_length, None, existing_prefix, 0)
+        return self._prefill_jit.lower(*args)
+
+    def _prefill_args(self, params, tokens, true_length, sampling, existing_prefix, seed):
+        """prefill's checks, then the arguments of the jitted prefill."""
         sampling = sampling or SamplingParams()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         true_length = int(true_length)
@@ -360,8 +374,8 @@ class TransformerEngine(Engine):
         if existing_prefix is not None and existing_prefix.k_pos.shape[1] < start + bucket:
             # Room for this bucket at `start`, rounded up to a power of two (few shapes).
             existing_prefix = self._grow_prefix_jit(existing_prefix, stack_size(start + bucket))
-        return self._prefill_jit(params, padded, np.int32(true_length), np.int32(start), row,
-                                 prior_mask, existing_prefix, *self._draft_args())
+        return (params, padded, np.int32(true_length), np.int32(start), row, prior_mask,
+                existing_prefix, *self._draft_args())
 
     # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
 
@@ -413,31 +427,10 @@ class TransformerEngine(Engine):
         return jax.tree.map(lambda x: x[:n], out)
 
     def _score_in_chunks(self, params, tokens: np.ndarray) -> PromptLogprobs:
-        n, P = tokens.shape[0], self.max_prefill_length
-        if n > self.max_seq_len:
-            raise ValueError(f"a prompt of {n} tokens is longer than max_seq_len "
-                             f"{self.max_seq_len} (--max-seq-len raises it)")
-        starts = range(0, n, P)
-        # Room for the last chunk's whole bucket at its start; a power of two, few shapes.
-        cache = self._score_cache_jit(stack_size(starts[-1] + self.bucket_for(n - starts[-1])))
-        parts = []
-        for s in starts:
-            piece = tokens[s:s + P]
-            padded = np.zeros((1, self.bucket_for(len(piece))), np.int32)
-            padded[0, :len(piece)] = piece
-            nxt = tokens[s + P] if s + P < n else 0
-            rows, cache = self._score_chunk_jit(params, padded, np.int32(len(piece)),
-                                                np.int32(s), np.int32(nxt), cache)
-            parts.append((rows, len(piece)))
-        rows = [jax.tree.map(lambda x, m=m: x[:m], r) for r, m in jax.device_get(parts)]
-        joined = jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
-        # Row t scored token t + 1: shift by one so row t describes token t (row 0: none).
-        shift = lambda x, fill: np.concatenate([np.full((1, *x.shape[1:]), fill, x.dtype),
-                                                x[:-1]])
-        return PromptLogprobs(
-            token_logprobs=shift(joined.token_logprobs, np.nan),
-            top_ids=shift(joined.top_ids, -1), top_logprobs=shift(joined.top_logprobs, np.nan),
-            greedy=shift(joined.greedy, -1))
+        return score_in_chunks(
+            tokens, chunk=self.max_prefill_length, max_seq_len=self.max_seq_len,
+            bucket_for=self.bucket_for, empty_cache=self._score_cache_jit,
+            score_chunk=functools.partial(self._score_chunk_jit, params))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))

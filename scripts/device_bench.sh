@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The benchmarks of docs/BENCHMARKS.md on an accelerator, in one command (under 8 minutes
 # on one GPU): plan, decode against the floor (device memory probed in the same run),
-# the orchestrator overhead, a cold and a warm start, and a serving sweep against a real
-# server.
+# the orchestrator overhead, a cold and a warm start, long-prompt prefill, and a serving
+# sweep against a real server.
 #
 #   scripts/device_bench.sh [OUT_DIR]          # default OUT_DIR: bench-<date>
 #
@@ -28,11 +28,13 @@ if [[ "${SMALL:-0}" == 1 ]]; then
   OVERHEAD_ARGS=(--batch 4 --steps 60 --repeats 2 --max-seq-len 128)
   SERVE_ARGS=(--max-concurrent-decodes 4 --max-seq-len 128)
   RATES=4,inf NREQ=6 PLEN=16 OLEN=8 MAXTOTAL=128
+  PREFILL_LENGTHS=64,256
 else
   BATCHES=1,8,32,128 CONTEXT=192 STEPS=50 READ_GB=2 MATMUL=4096
   OVERHEAD_ARGS=(--batch 8 --steps 100 --repeats 5)
   SERVE_ARGS=(--max-concurrent-decodes 64 --max-seq-len 1024)
   RATES=4,16,64,inf NREQ=128 PLEN=128 OLEN=128 MAXTOTAL=1024
+  PREFILL_LENGTHS=1024,4096,16384
 fi
 
 log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/log.txt" >&2; }
@@ -57,6 +59,13 @@ run "$PY" -m jetserve.bench.orchestrator_overhead --model "$MODEL" "${OVERHEAD_A
 # Process start to first token with a cold compile cache, then a warm one (the same dir).
 run "$PY" -m jetserve bench startup --model "$MODEL" --json > "$OUT/startup.json"
 
+# Long-prompt prefill with the attention the engine picks here (cuDNN on a GPU, splash on
+# a TPU) and with the XLA blockwise path.
+run "$PY" -m jetserve bench prefill --model "$MODEL" --lengths "$PREFILL_LENGTHS" --json \
+  > "$OUT/prefill.json"
+run "$PY" -m jetserve bench prefill --model "$MODEL" --lengths "$PREFILL_LENGTHS" \
+  --attention xla --json > "$OUT/prefill_xla.json"
+
 # A real server on a free port; the sweep's cold-start line includes its start and compile.
 PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 log "serve --model $MODEL on 127.0.0.1:$PORT"
@@ -71,4 +80,4 @@ kill "$SERVER"
 wait "$SERVER" || true
 trap - EXIT
 
-log "done: $OUT (plan.json decode.json overhead.txt startup.json serve.json serve.png log.txt)"
+log "done: $OUT (plan.json decode.json overhead.txt startup.json prefill.json prefill_xla.json serve.json serve.png log.txt)"

@@ -106,6 +106,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--json", action="store_true")
     h.set_defaults(_bench=_chunked)
 
+    pf = sub.add_parser("prefill", help="long-prompt prefill: tokens/s, temp bytes and peak "
+                                        "RSS per length, against the compute floor")
+    pf.add_argument("--model", default="random:llama-156m",
+                    help="HF or Orbax directory, or random:NAME")
+    pf.add_argument("--lengths", default="1024,4096,16384,32768", help="prompt lengths")
+    pf.add_argument("--chunk", type=int, default=2048,
+                    help="prefill chunk: longer prompts go in chunks of it")
+    pf.add_argument("--attention", default="auto",
+                    help="prefill attention: auto, xla, plain (one-shot scores), cudnn, pallas_tpu")
+    pf.add_argument("--json", action="store_true")
+    pf.set_defaults(_bench=_prefill)
+
     x = sub.add_parser("prefix", help="TTFT with a shared system prompt: prefix cache off, "
                                       "on, host tier only")
     x.add_argument("--model", default="random:small", help="HF or Orbax directory, or random:NAME")
@@ -344,6 +356,24 @@ def _chunked(args: argparse.Namespace) -> int:
         print(f"{name:>8} {r['gaps']:>5} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
               f"{r['max_ms']:>8.2f}")
     print(f"p99 inter-token latency, whole / chunked: {out['p99_ratio']:.2f}x")
+    return 0
+
+
+def _prefill(args: argparse.Namespace) -> int:
+    from jetserve.bench import prefill
+
+    cfg = prefill.PrefillBenchConfig(model=args.model, chunk=args.chunk, attention=args.attention,
+                                     lengths=prefill.parse_lengths(args.lengths))
+    out = prefill.run(cfg, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'tokens':>7} {'tokens/s':>9} {'floor':>6} {'temp MB':>9} {'RSS MB':>8} "
+          f"{'weights+KV MB':>13}")
+    for r in out["rows"]:
+        print(f"{r['length']:>7} {r['tokens_per_s']:>9.1f} {r['fraction_of_floor']:>6.3f} "
+              f"{r['temp_bytes'] / 1e6:>9.1f} {r['peak_rss_bytes'] / 1e6:>8.0f} "
+              f"{(r['weights_bytes'] + r['kv_bytes']) / 1e6:>13.0f}")
     return 0
 
 

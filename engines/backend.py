@@ -1,0 +1,93 @@
+"""The backend seam: which implementation of a hot op a model runs, chosen for devices.
+
+The engine picks a `Backend` for its devices (`backend_for`) and hands it to the model as
+a static field; model files call its methods and never name a kernel or read a
+deployment flag. Today it holds prefill attention (whole prompts, chunks after a prefix,
+prompt scoring):
+
+  - "xla": engines/blockwise_attention.py, everywhere.
+  - "plain": engines/attention.py's one-shot [T, S] scores for every shape: quadratic
+    memory; a reference and the baseline `jetserve bench prefill --attention plain` runs.
+  - "cudnn": jax.nn.dot_product_attention's cuDNN kernel (GPU, 16-bit dtypes).
+  - "pallas_tpu": the Pallas splash attention kernel jax ships (TPU).
+
+The two kernels take aligned prompts only and fall back to "xla" on the device for the
+rest (engines/attention_kernels.py), and to "xla" statically for shapes they do not take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from engines import attention_kernels
+from engines.attention import attention
+from engines.blockwise_attention import blockwise_attention
+
+PREFILL_ATTENTION = ("xla", "plain", "cudnn", "pallas_tpu")
+SPLASH_BLOCK = 128  # splash's tile; prompts must be whole tiles (buckets are)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Backend:
+    """Implementations of the hot ops for one engine's devices (hashable: a static field).
+
+    block_q, block_k: the query / key tile of the XLA blockwise attention. Inputs whose
+    whole score matrix is no bigger than one tile (T * S <= block_q * block_k: decode
+    steps, short prompts, small tests) take the plain one-shot path instead: it holds no
+    more memory than one tile would, and skips the loop's per-tile overhead.
+    interpret: run Pallas kernels in interpret mode (tests on the CPU).
+    """
+
+    prefill_attention: str = "xla"
+    block_q: int = 512
+    block_k: int = 512
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, "
+                             f"got {self.prefill_attention!r}")
+        for name in ("block_q", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                  k_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+        """`engines.attention.attention` (same arguments and result) by this backend."""
+        T, S, H = q.shape[1], k.shape[1], q.shape[3]
+        if self.prefill_attention == "plain" or T * S <= self.block_q * self.block_k:
+            return attention(q, k, v, q_pos, k_pos, sliding_window)
+        if (self.prefill_attention == "cudnn" and T == S and H % 8 == 0 and H <= 128
+                and q.dtype in (jnp.bfloat16, jnp.float16)):
+            return attention_kernels.cudnn_attention(
+                q, k, v, q_pos, k_pos, sliding_window, fallback=self._blockwise)
+        if (self.prefill_attention == "pallas_tpu"
+                and attention_kernels.splash_shapes_ok(T, S, SPLASH_BLOCK)):
+            return attention_kernels.splash_attention(
+                q, k, v, q_pos, k_pos, sliding_window, fallback=self._blockwise,
+                block=SPLASH_BLOCK, interpret=self.interpret)
+        return self._blockwise(q, k, v, q_pos, k_pos, sliding_window)
+
+    def _blockwise(self, q, k, v, q_pos, k_pos, sliding_window):
+        return blockwise_attention(q, k, v, q_pos, k_pos, sliding_window,
+                                   block_q=self.block_q, block_k=self.block_k)
+
+
+def backend_for(devices: Sequence[jax.Device], dtype: Any) -> Backend:
+    """The backend an engine on `devices` computing in `dtype` uses: a platform's kernel
+    where the installed jax ships it (and the dtype and slice suit it), else XLA."""
+    platform = devices[0].platform
+    if (platform == "gpu" and attention_kernels.cudnn_available()
+            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
+        return Backend(prefill_attention="cudnn")
+    # The splash kernel is called per device here (no shard_map around it yet), so a
+    # slice of several TPU devices keeps the XLA path, which GSPMD partitions.
+    if platform == "tpu" and len(devices) == 1 and attention_kernels.splash_available():
+        return Backend(prefill_attention="pallas_tpu")
+    return Backend()

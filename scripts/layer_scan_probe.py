@@ -18,12 +18,18 @@ analysis of the step (temporaries beyond the donated, aliased cache: a scanned o
 that holds a second copy of the cache shows here). Parameters are random; no engine, no
 mesh, no persistent compile cache. A probe of the design, not the engine's numbers:
 scripts/layer_compile_bench.py measures the engine.
+
+    python scripts/layer_scan_probe.py --step-time --model llama-156m --layers 8
+
+times the compiled generate step instead, loop against scan-carry, taking turns (10
+rounds of 10 steps), with the memory analysis of each at that model's width.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 
 import flax.linen as nn
@@ -101,7 +107,7 @@ class _ScanDecoder(nn.Module):
         return M.linear(x[:, -1:], embed, c), caches
 
 
-def _compile(fn, *args, donate=()) -> dict:
+def _compile_args(fn, *args, donate=()) -> dict:
     t0 = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
     t1 = time.perf_counter()
@@ -119,19 +125,26 @@ def probe_prefill(cfg, how: str) -> dict:
     if how == "loop":
         m = M.Decoder(cfg)
         params = m.init(jax.random.key(0), tokens, pos, PrefillKV(pos, None))
-        return _compile(lambda p, t: m.apply(p, t, pos, PrefillKV(pos, None)), params, tokens)
+        return _compile_args(lambda p, t: m.apply(p, t, pos, PrefillKV(pos, None)), params,
+                             tokens)
     m = _ScanDecoder(cfg, "prefill")
     params = m.init(jax.random.key(0), tokens, pos, None, None)
-    return _compile(lambda p, t: m.apply(p, t, pos, None, None), params, tokens)
+    return _compile_args(lambda p, t: m.apply(p, t, pos, None, None), params, tokens)
 
 
 def probe_decode(cfg, how: str) -> dict:
+    """Compiles one generate step; its figures (see _compile)."""
+    return _compile(*_decode_step(cfg, how))
+
+
+def _decode_step(cfg, how: str):
+    """(step, params, caches, state?) of one generate step; positions are 100."""
     L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    state = DecodeState(k=(), v=(), k_scale=(), v_scale=(), lengths=jnp.zeros((B,), jnp.int32),
+    state = DecodeState(k=(), v=(), k_scale=(), v_scale=(), lengths=jnp.full((B,), 100, jnp.int32),
                         tokens=jnp.zeros((B,), jnp.int32), sampling=None, prompt_mask=None,
                         counts=None, history=None)
     kc, vc = jnp.zeros((L, B, K, H, S)), jnp.zeros((L, B, K, S, H))
-    tokens, pos = jnp.ones((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.int32)
+    tokens, pos = jnp.ones((B, 1), jnp.int32), jnp.full((B, 1), 100, jnp.int32)
     if how == "loop":
         m = M.Decoder(cfg)
         full = dataclasses.replace(state, k=tuple(kc), v=tuple(vc))
@@ -139,21 +152,54 @@ def probe_decode(cfg, how: str) -> dict:
 
         def step(p, st):
             kv = DecodeKV(st, st.lengths)
-            return m.apply(p, tokens, pos, kv), kv.k, kv.v
+            return m.apply(p, tokens, pos, kv), dataclasses.replace(st, k=tuple(kv.k),
+                                                                    v=tuple(kv.v))
 
-        return _compile(step, params, full, donate=(1,))
+        return step, params, full
     m = _ScanDecoder(cfg, how)
     params = m.init(jax.random.key(0), tokens, pos, (kc, vc), state)
-    return _compile(lambda p, caches, st: m.apply(p, tokens, pos, caches, st),
-                    params, (kc, vc), state, donate=(1,))
+    return (lambda p, caches: m.apply(p, tokens, pos, caches, state)), params, (kc, vc)
+
+
+def _compile(fn, params, cache) -> dict:
+    return _compile_args(fn, params, cache, donate=(1,))
+
+
+def step_times(cfg, rounds: int = 10, steps: int = 10) -> None:
+    """Median and best ms per generate step, loop and scan-carry taking turns."""
+    runs = {}
+    for how in ("loop", "scan-carry"):
+        fn, params, cache = _decode_step(cfg, how)
+        step = jax.jit(fn, donate_argnums=(1,))
+        runs[how] = [step, params, step(params, cache)[1], []]
+        fig = _compile(fn, params, cache)  # seconds not shown: jit has it compiled already
+        print(f"{how:>10} L={cfg.num_layers}",
+              {k: fig[k] for k in ("hlo_ops", "temp_mib", "aliased_mib")}, flush=True)
+    for _ in range(rounds):
+        for run in runs.values():
+            step, params, cache, times = run
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out, cache = step(params, cache)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / steps * 1e3)
+            run[2] = cache
+    for how, (*_, times) in runs.items():
+        print(f"{how:>10} step median {statistics.median(times):.2f} ms, best {min(times):.2f} ms")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="4,32", help="layer counts, comma-separated")
     ap.add_argument("--model", default="small", choices=sorted(RANDOM_MODELS))
+    ap.add_argument("--step-time", action="store_true",
+                    help="time the generate step (loop vs scan-carry) at the first --layers")
     args = ap.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
+    if args.step_time:
+        n = int(args.layers.split(",")[0])
+        step_times(dataclasses.replace(RANDOM_MODELS[args.model], num_layers=n))
+        return
     for step, hows, probe in (("prefill", ("loop", "scan"), probe_prefill),
                               ("generate", ("loop", "scan-xs", "scan-carry"), probe_decode)):
         for how in hows:

@@ -13,13 +13,17 @@ from engines.engine_config import parse_speculative
 from jetserve import compile_cache, context_length, distributed
 from jetserve.model_loading import model_config
 
+DEFAULT_SLOTS = 8  # --max-concurrent-decodes when not given
+
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF or Orbax model directory, or random:NAME (default: bundled model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 on CPU, bfloat16 on TPU/GPU")
-    p.add_argument("--max-concurrent-decodes", type=int, default=8)
+    p.add_argument("--max-concurrent-decodes", type=int, default=DEFAULT_SLOTS,
+                   help=f"decode slots (default {DEFAULT_SLOTS}; generate: one per prompt, "
+                        f"at most {DEFAULT_SLOTS})")
     p.add_argument("--max-prefill-length", type=int, default=None,
                    help="the prefill bucket: longer prompts are prefilled in chunks of it "
                         "(default: min(512, max-seq-len))")

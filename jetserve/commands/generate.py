@@ -18,6 +18,7 @@ import jax
 from engines import SamplingParams
 from jetserve import distributed
 from jetserve.commands.common import (
+    DEFAULT_SLOTS,
     add_model_arguments,
     add_scheduling_arguments,
     engine_config,
@@ -44,6 +45,10 @@ class _PromptAction(argparse.Action):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    # Unless given, one slot per prompt (at most DEFAULT_SLOTS): generate never runs more
+    # sequences than it has prompts, and each slot holds max_seq_len positions of KV (at a
+    # long context, most of the memory; see slots_for).
+    p.set_defaults(max_concurrent_decodes=None)
     p.add_argument("--prompt", action=_PromptAction, dest="prompts", help="prompt text")
     p.add_argument("--prompt-ids", action=_PromptAction, dest="prompts",
                    help="comma-separated token ids, used verbatim (no BOS added)")
@@ -66,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give at least one --prompt or --prompt-ids")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    args.max_concurrent_decodes = slots_for(args)
     seed = args.seed
     if seed is None and args.temperature > 0 and jax.process_count() > 1:
         # Every process must feed the same inputs to each step: process 0 draws the seed.
@@ -89,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(text, flush=True)
     return 0
+
+
+def slots_for(args: argparse.Namespace) -> int:
+    """--max-concurrent-decodes as given, else one per prompt, at most DEFAULT_SLOTS."""
+    if args.max_concurrent_decodes is not None:
+        return args.max_concurrent_decodes
+    return min(DEFAULT_SLOTS, len(args.prompts))
 
 
 def _build_and_run(args, devices, sampling) -> list[tuple]:

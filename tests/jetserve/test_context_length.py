@@ -78,3 +78,21 @@ def test_generate_names_the_limit_and_its_flag(capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "64 tokens" in err and "max_seq_len - 1 = 63" in err and "--max-seq-len" in err
+
+
+def test_generate_takes_one_slot_per_prompt_unless_given():
+    """A long default context costs slots x max_seq_len of KV: generate's default is one
+    slot per prompt, at most DEFAULT_SLOTS; a given --max-concurrent-decodes stands."""
+    from jetserve import cli
+    from jetserve.commands.common import DEFAULT_SLOTS
+    from jetserve.commands.generate import slots_for
+
+    parser = cli.build_parser()
+    two = parser.parse_args(["generate", "--prompt", "a", "--prompt-ids", "1,2"])
+    assert slots_for(two) == 2
+    many = parser.parse_args(["generate", *["--prompt-ids", "3"] * (DEFAULT_SLOTS + 3)])
+    assert slots_for(many) == DEFAULT_SLOTS
+    given = parser.parse_args(["generate", "--prompt", "a", "--max-concurrent-decodes", "5"])
+    assert slots_for(given) == 5
+    served = parser.parse_args(["serve"])
+    assert served.max_concurrent_decodes == DEFAULT_SLOTS

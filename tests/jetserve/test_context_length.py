@@ -51,10 +51,15 @@ def test_precision_follows_dtype_quantization_and_kv_dtype():
     assert (p.weight_bits, p.kv_bits) == (4, 8)
 
 
-def test_cpu_memory_is_the_hosts_share():
+def test_cpu_memory_is_the_hosts_share(monkeypatch):
+    assert cl.host_available_bytes() > 0
+    # A fixed reading: the host's available memory moves between two reads of it.
+    host = 16 * cl.GIB
+    monkeypatch.setattr(cl, "host_available_bytes", lambda: host)
     devices = jax.devices()[:2]
     m = cl.usable_memory(devices, "replicated")
-    assert 0 < m.bytes <= cl.host_available_bytes() * cl.HOST_FRACTION / 2 + 1
+    assert m.bytes == pytest.approx(host * cl.HOST_FRACTION / 2)
+    assert "shared by 2 CPU devices" in m.where
     assert cl.usable_memory(devices, "tp").bytes == pytest.approx(2 * m.bytes)
 
 

@@ -13,6 +13,7 @@ import math
 import uuid
 
 from engines import SamplingParams
+from jetserve.structured import Constraint
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
 MAX_CLIENT_LENGTH = 256  # a client id names a key hash or an address, never more
@@ -59,6 +60,7 @@ class Request:
       client: who asked (the servers set an API key's hash or the peer's address); the
         admission queue serves clients in turn and bounds each one's share. Never seen by
         the engine. "" for a caller that does not say (batch jobs, `generate`).
+      constraint: None, or what the generated text must match (structured output).
     """
 
     prompt_ids: tuple[int, ...]
@@ -72,6 +74,7 @@ class Request:
     deadline: float | None = None
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     client: str = ""
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples.
@@ -111,6 +114,9 @@ class Request:
         if len(self.client) > MAX_CLIENT_LENGTH:
             raise ValueError(f"client is {len(self.client)} characters long; at most "
                              f"{MAX_CLIENT_LENGTH}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError("constraint must be a jetserve.structured.Constraint, got "
+                             f"{type(self.constraint).__name__}")
 
 
 @dataclasses.dataclass

@@ -349,7 +349,8 @@ class TransformerEngine(Engine):
         return self._prefill_jit.lower(*args)
 
     def _prefill_args(self, params, tokens, true_length, sampling, existing_prefix, seed):
-        """prefill's checks, then the arguments of the jitted prefill."""
+        """The arguments of the jitted prefill. The prompt's length against max_seq_len
+        was checked where the request came in (jetserve.request_limits)."""
         sampling = sampling or SamplingParams()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         true_length = int(true_length)
@@ -359,10 +360,6 @@ class TransformerEngine(Engine):
         start = 0 if existing_prefix is None else int(existing_prefix.length)
         if not 1 <= true_length <= tokens.shape[0]:
             raise ValueError(f"true_length {true_length} must be in [1, {tokens.shape[0]}]")
-        if start + true_length > self.max_seq_len:
-            raise ValueError(
-                f"prompt of {start + true_length} tokens exceeds max_seq_len {self.max_seq_len}"
-            )
         bucket = self.bucket_for(tokens.shape[0])
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : tokens.shape[0]] = tokens

@@ -22,6 +22,7 @@ from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Listeners, RequestTiming
 from jetserve.request import Request
+from jetserve.request_limits import check_prompt_fits
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.plan import chunks
@@ -69,10 +70,12 @@ def generate_many(
     """Runs every prompt to completion; results in prompt order."""
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
+    # The longest prompt: max_seq_len - 1 when the engine prefills in chunks.
+    longest = engine.max_seq_len - 1 if engine.chunked_prefill else engine.max_prefill_length
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
-        check_prompt_fits(engine, len(p), f"prompt {i}")
+        check_prompt_fits(len(p), longest, engine.max_seq_len, f"prompt {i}")
     stops = stop_ids(engine.eos_ids, (), ignore_eos)
     lives = [LiveRequest(Request(prompt_ids=[int(t) for t in p], sampling=s,
                                  max_tokens=max_tokens, ignore_eos=ignore_eos),
@@ -117,18 +120,6 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
                 sched.release(slot)
                 engine.free_slot(slot)
                 sched.kv.unreserve(live)
-
-
-def check_prompt_fits(engine: Engine, n: int, what: str) -> None:
-    """ValueError unless a prompt of n tokens fits: max_seq_len - 1 when the engine
-    prefills in chunks (room for one token), else max_prefill_length."""
-    if engine.chunked_prefill:
-        if n > engine.max_seq_len - 1:
-            raise ValueError(f"{what} has {n} tokens; the longest prompt is max_seq_len - 1 "
-                             f"= {engine.max_seq_len - 1} (--max-seq-len raises it)")
-    elif n > engine.max_prefill_length:
-        raise ValueError(f"{what} has {n} tokens; the longest prompt is max_prefill_length="
-                         f"{engine.max_prefill_length} (--max-prefill-length raises it)")
 
 
 def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams):

@@ -206,7 +206,8 @@ def _score_job(obj: dict, limits: v.ModelLimits) -> ScoreJob:
     cap = min(limits.max_prefill_length, limits.max_seq_len)
     if len(ids) > cap:
         raise RowError(f"context + continuation have {len(ids)} tokens ({len(ctx)} + "
-                       f"{len(cont)}); {v.prompt_limit(limits)}")
+                       f"{len(cont)}); "
+                       f"{v.prompt_limit(limits.max_prefill_length, limits.max_seq_len)}")
     # logprobs=1: the top alternative at each position tells whether the token is greedy.
     req = Request(prompt_ids=tuple(ids), max_tokens=0, prompt_logprobs=True,
                   logprobs=min(1, limits.top_logprobs))

@@ -46,6 +46,7 @@ steps between chunks.
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
 import time
@@ -73,6 +74,7 @@ from jetserve.orchestrator.wiring import (
     step_between,
 )
 from jetserve.request import Delta, Overloaded, Request
+from jetserve.request_limits import ModelLimits, check_request
 from jetserve.scheduling.page_planner import with_pages
 
 
@@ -288,7 +290,7 @@ class Orchestrator:
             if not isinstance(r, Request):
                 raise ValueError(f"submit() takes a jetserve.request.Request, got "
                                  f"{type(r).__name__}")
-            self._validate(r)
+            check_request(self.limits, r)
         if not requests:
             return []
         clients = {r.client for r in requests}
@@ -341,31 +343,6 @@ class Orchestrator:
                     raise ValueError(f"request_id {live.request_id!r} is already in flight")
                 fresh[live.request_id] = live
             self._live.update(fresh)
-
-    def _validate(self, r: Request) -> None:
-        V = self.vocab_size
-        bad = [t for t in r.prompt_ids if t >= V]
-        if bad:
-            raise ValueError(f"prompt_ids: ids {bad[:5]} are outside the vocabulary [0, {V})")
-        bad = [t for t in r.stop_token_ids if t >= V]
-        if bad:
-            raise ValueError(f"stop_token_ids: ids {bad[:5]} are outside the vocabulary [0, {V})")
-        longest = self.max_prompt_length
-        if len(r.prompt_ids) > longest:
-            why = (f"max_seq_len - 1 = {longest} (chunked prefill; --max-seq-len raises it)"
-                   if self.chunks_prompts else
-                   f"max_prefill_length={longest} (--max-prefill-length raises it)")
-            raise ValueError(f"prompt_ids has {len(r.prompt_ids)} tokens; the longest prompt "
-                             f"is {why}")
-        if r.logprobs is not None and r.logprobs > self.top_logprobs:
-            raise ValueError(f"logprobs={r.logprobs} is more than this engine returns "
-                             f"(top_logprobs={self.top_logprobs})")
-        if r.prompt_logprobs and not all(hasattr(e, "prompt_logprobs")
-                                         for e in self.prefill_engines):
-            raise ValueError("prompt_logprobs: this engine cannot score prompts")
-        if r.stop_strings and self.tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer; this model has none "
-                             "(use stop_token_ids)")
 
     def _cancel(self, live: LiveRequest) -> None:
         live.cancel_requested = True
@@ -433,6 +410,11 @@ class Orchestrator:
             h.result(timeout)
 
     # ---- what the served model is --------------------------------------------------------
+
+    @functools.cached_property
+    def limits(self) -> ModelLimits:
+        """What the served model accepts (fixed once the engines are built)."""
+        return ModelLimits.from_orchestrator(self)
 
     @property
     def tokenizer(self):

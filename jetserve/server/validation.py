@@ -2,7 +2,9 @@
 
 Every check raises `InvalidArgument` naming the wire field, the value and what was
 expected, so both servers turn it into INVALID_ARGUMENT / HTTP 400 the same way. Plain
-functions of a `ModelLimits` snapshot; no state, safe from any thread.
+functions of a `ModelLimits` snapshot; no state, safe from any thread. The checks that
+depend on the served model live in `jetserve.request_limits` (re-exported here), where
+`Orchestrator.submit` runs them too; this module adds what only the wire form needs.
 """
 
 from __future__ import annotations
@@ -10,13 +12,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import reprlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from engines import SamplingParams
+from jetserve.request_limits import (  # noqa: F401  the model checks, named for the wire
+    SHOW_LIMIT,
+    InvalidArgument,
+    ModelLimits,
+    check_logprobs,
+    check_max_tokens,
+    check_prompt_length,
+    check_stop_token_ids,
+    check_token_ids,
+    prompt_limit,
+    show,
+)
 
 # jax.random.key folds a seed into 32 bits; larger seeds would silently collide.
 MAX_SEED = 2**32 - 1
@@ -29,50 +41,6 @@ MAX_TOP_K = 2**31 - 1
 # JSON nesting a request may use; real requests need 4 or 5 levels. Python's json
 # parser recurses per level, so a deep body would end in a RecursionError.
 MAX_JSON_DEPTH = 64
-# Longest rendering of a client's value in an error message.
-SHOW_LIMIT = 200
-
-
-class InvalidArgument(ValueError):
-    """A request field the client must fix. `field` is the name on the wire."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-        self.message = message
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelLimits:
-    """What the served model accepts; read once from the orchestrator."""
-
-    vocab_size: int
-    max_prefill_length: int  # the longest prompt admitted (longer with chunked prefill)
-    max_seq_len: int
-    bos_id: int | None
-    eos_ids: tuple[int, ...]
-    top_logprobs: int
-    tokenizer: Any | None
-    # Server policy (ServerConfig): how much one request may ask for.
-    max_prompts_per_request: int = 64
-    max_sub_requests: int = 64  # prompts x n
-
-    @classmethod
-    def from_orchestrator(cls, orch: Any, config: Any | None = None) -> ModelLimits:
-        """`config` (a ServerConfig) adds the server's per-request caps."""
-        caps = {} if config is None else dict(
-            max_prompts_per_request=config.max_prompts_per_request,
-            max_sub_requests=config.max_sub_requests)
-        return cls(
-            vocab_size=int(orch.vocab_size),
-            max_prefill_length=int(getattr(orch, "max_prompt_length", orch.max_prefill_length)),
-            max_seq_len=int(orch.max_seq_len),
-            bos_id=orch.bos_id,
-            eos_ids=tuple(orch.eos_ids),
-            top_logprobs=int(getattr(orch, "top_logprobs", 0) or 0),
-            tokenizer=orch.tokenizer,
-            **caps,
-        )
 
 
 def _is_int(v: Any) -> bool:
@@ -80,30 +48,6 @@ def _is_int(v: Any) -> bool:
 
 
 # ---- edge checks: plain functions of (value, field name), shared with jetserve.batch ----
-
-_SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict = 3, 8, 8, 8
-_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = SHOW_LIMIT
-
-
-def show(value: Any, limit: int = SHOW_LIMIT) -> str:
-    """`value` for an error message: a repr of at most about `limit` characters, so a
-    5 MB bad value does not come back as a 5 MB error. Lone surrogates come out escaped
-    (repr escapes what is not printable), so the message itself always encodes."""
-    try:
-        text = _SHOW.repr(value)
-    except ValueError:  # an integer with more digits than str() converts
-        return f"<an integer of {value.bit_length():,} bits>"
-    except RecursionError:
-        return f"<a {type(value).__name__} nested too deeply to show>"
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if isinstance(value, str) and len(value) > _SHOW.maxstring:
-        text += f" ({len(value):,} characters)"
-    elif isinstance(value, (list, tuple, dict)) and len(value) > _SHOW.maxlist:
-        text += f" ({len(value):,} items)"
-    return text
-
 
 def text_problem(s: str) -> str | None:
     """Why `s` cannot be tokenized or written as UTF-8, or None when it can. JSON can carry
@@ -187,56 +131,6 @@ def encode_text(limits: ModelLimits, text: Any, field: str, *,
     return ids
 
 
-def check_token_ids(limits: ModelLimits, ids: Any, field: str) -> list[int]:
-    """A non-empty list of ids inside the vocabulary."""
-    if not isinstance(ids, (list, tuple)):
-        raise InvalidArgument(field, f"{field} must be a list of token ids")
-    if not ids:
-        raise InvalidArgument(field, f"{field} is empty; give at least one token id")
-    for i, t in enumerate(ids):
-        if not _is_int(t):
-            raise InvalidArgument(field, f"{field}[{i}] must be an integer token id, got {show(t)}")
-        if not 0 <= t < limits.vocab_size:
-            raise InvalidArgument(
-                field, f"{field}[{i}] = {show(t)} is outside the vocabulary "
-                       f"[0, {limits.vocab_size})")
-    return [int(t) for t in ids]
-
-
-def check_prompt_length(limits: ModelLimits, ids: Sequence[int], field: str) -> None:
-    if not ids:
-        raise InvalidArgument(field, f"{field} is empty")
-    cap = min(limits.max_prefill_length, limits.max_seq_len - 1)
-    if len(ids) > cap:
-        raise InvalidArgument(field, f"{field} has {len(ids)} tokens; {prompt_limit(limits)}")
-
-
-def prompt_limit(limits: ModelLimits) -> str:
-    """What caps a prompt here and the server flag that raises it."""
-    cap = min(limits.max_prefill_length, limits.max_seq_len - 1)
-    if cap == limits.max_seq_len - 1:
-        return (f"the longest prompt is {cap} tokens (max_seq_len {limits.max_seq_len} less "
-                f"one token to generate; --max-seq-len raises it)")
-    return (f"the longest prompt is {cap} tokens (max_prefill_length {cap}; "
-            f"--max-prefill-length raises it)")
-
-
-def check_max_tokens(limits: ModelLimits, n: Any, prompt_len: int, field: str = "max_tokens",
-                     *, allow_zero: bool = False) -> int:
-    """1 <= n (0 when allowed) and prompt + n within max_seq_len."""
-    if not _is_int(n):
-        raise InvalidArgument(field, f"{field} must be an integer, got {show(n)}")
-    lo = 0 if allow_zero else 1
-    if n < lo:
-        raise InvalidArgument(field, f"{field} must be >= {lo}, got {show(n)}")
-    room = limits.max_seq_len - prompt_len
-    if n > room:
-        raise InvalidArgument(
-            field, f"{field} = {show(n)} is too large: the prompt has {prompt_len} tokens and "
-                   f"max_seq_len is {limits.max_seq_len}, so at most {room} can be generated")
-    return int(n)
-
-
 def _number(v: Any, field: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidArgument(field, f"{field} must be a number, got {show(v)}")
@@ -277,16 +171,6 @@ def sample_seed(sampling: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or sampling.seed is None:
         return sampling
     return dataclasses.replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))
-
-
-def check_logprobs(limits: ModelLimits, n: Any, field: str = "logprobs") -> int:
-    if not _is_int(n) or n < 0:
-        raise InvalidArgument(field, f"{field} must be an integer >= 0, got {show(n)}")
-    if n > limits.top_logprobs:
-        raise InvalidArgument(
-            field, f"{field} = {show(n)} is more than this server returns "
-                   f"({limits.top_logprobs})")
-    return int(n)
 
 
 def check_stop(stop: Any, field: str = "stop") -> tuple[str, ...]:
@@ -331,10 +215,3 @@ def check_sub_requests(limits: ModelLimits, prompts: int, n: int, *,
         made = f"{prompts} prompts x {n_field} {n}" if prompts > 1 else f"{n_field} {n}"
         raise InvalidArgument(n_field, f"{made} make {prompts * n} sub-requests; this server "
                               f"runs at most {limits.max_sub_requests} per request")
-
-
-def check_stop_token_ids(limits: ModelLimits, ids: Any,
-                         field: str = "stop_token_ids") -> tuple[int, ...]:
-    if ids is None or (isinstance(ids, (list, tuple)) and not ids):
-        return ()
-    return tuple(check_token_ids(limits, ids, field))

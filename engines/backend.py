@@ -2,8 +2,10 @@
 
 The engine picks a `Backend` for its devices (`backend_for`) and hands it to the model as
 a static field; model files call its methods and never name a kernel or read a
-deployment flag. Today it holds prefill attention (whole prompts, chunks after a prefix,
-prompt scoring):
+deployment flag. It holds the dense layers' matmul (`linear`: our CPU kernel at decode
+sizes on one CPU device, engines/cpu_kernels.py; XLA's dot elsewhere), whether the decode
+step's attention, greedy token and log-probs take the CPU kernels (`cpu_kernels`), and
+prefill attention (whole prompts, chunks after a prefix, prompt scoring):
 
   - "xla": engines/blockwise_attention.py, everywhere.
   - "plain": engines/attention.py's one-shot [T, S] scores for every shape: quadratic
@@ -18,13 +20,14 @@ rest (engines/attention_kernels.py), and to "xla" statically for shapes they do 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from engines import attention_kernels
+from engines import attention_kernels, cpu_kernels
 from engines.attention import attention
 from engines.blockwise_attention import blockwise_attention
 
@@ -41,12 +44,17 @@ class Backend:
     steps, short prompts, small tests) take the plain one-shot path instead: it holds no
     more memory than one tile would, and skips the loop's per-tile overhead.
     interpret: run Pallas kernels in interpret mode (tests on the CPU).
+    cpu_matmul_rows: dense layers of a step with 2 to this many tokens run on the CPU
+      matmul kernel, and the decode step's attention, greedy token and log-probs on the
+      CPU kernels; 0: XLA's ops everywhere. The engine sets it for its devices
+      (`cpu_kernels.max_rows`): where the model runs, not what it is.
     """
 
     prefill_attention: str = "xla"
     block_q: int = 512
     block_k: int = 512
     interpret: bool = False
+    cpu_matmul_rows: int = 0
 
     def __post_init__(self):
         if self.prefill_attention not in PREFILL_ATTENTION:
@@ -56,6 +64,27 @@ class Backend:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        r = self.cpu_matmul_rows
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"cpu_matmul_rows must be an integer >= 0, got {r!r}")
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether the decode step uses the CPU kernels (attention, argmax, log-probs)."""
+        return self.cpu_matmul_rows > 0
+
+    def linear(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+        """x [..., in] times a kernel stored [out, in] (as HF stores linear weights).
+
+        Kernels are kept output-major because XLA's CPU matmul (YNNPACK) runs this form
+        faster than [in, out] at the few rows of a decode step (1-32; the whole step
+        1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md. Steps of 2 to
+        cpu_matmul_rows tokens use our kernel for this form instead, faster still there.
+        At one row both stream the weights at the same speed, and XLA's dot stays."""
+        rows = math.prod(x.shape[:-1])  # static at trace time
+        if 1 < rows <= self.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
+            return cpu_kernels.matmul_nt(x, w)
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                   k_pos: jax.Array, sliding_window: int | None) -> jax.Array:

@@ -52,11 +52,6 @@ class ModelConfig:
     # output channel) or "int4" (groups of quant_group_size along the input axis).
     weight_quant: str = "none"
     quant_group_size: int = 32
-    # Dense layers of a step with 2 to this many tokens run on the CPU matmul kernel
-    # (engines/cpu_kernels.py), and decode attention on its attention kernel; 0: XLA's ops
-    # everywhere. The engine sets it for its devices, so it is never written to a
-    # checkpoint's config.
-    cpu_matmul_rows: int = 0
 
     def __post_init__(self):
         if self.weight_quant not in ("none", "int8", "int4"):
@@ -67,9 +62,6 @@ class ModelConfig:
             raise ValueError(f"quant_group_size must be an even integer >= 2, got {g!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        r = self.cpu_matmul_rows
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise ValueError(f"cpu_matmul_rows must be an integer >= 0, got {r!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
@@ -109,7 +101,6 @@ class ModelConfig:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        del d["cpu_matmul_rows"]
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 

@@ -111,7 +111,7 @@ def generate(model: Decoder, top_n: int, params, state: DecodeState):
     S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
-    cpu_kernels = model.cfg.cpu_matmul_rows > 0  # the engine turned the CPU kernels on
+    cpu_kernels = model.backend.cpu_kernels  # the engine turned the CPU kernels on
     kv = DecodeKV(state, pos, cpu_attention=cpu_kernels)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,

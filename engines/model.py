@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from engines import cpu_kernels, moe, quantization
+from engines import moe, quantization
 from engines.attention import KVStore
 from engines.backend import Backend
 from engines.config import ModelConfig, llama3_inv_freq
@@ -50,21 +50,6 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def linear(x: jax.Array, w: jax.Array, cfg: ModelConfig, **kw) -> jax.Array:
-    """x [..., in] times a kernel stored [out, in] (as HF stores linear weights) -> [..., out].
-
-    Kernels are kept output-major because XLA's CPU matmul (YNNPACK) runs this form
-    faster than [in, out] at the few rows of a decode step (1-32; the whole step
-    1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md. Steps of 2 to
-    cfg.cpu_matmul_rows tokens (the engine sets it on one CPU device) use our kernel for
-    this form instead, faster still there (engines/cpu_kernels.py). At one row both
-    stream the weights at the same speed, and XLA's dot stays."""
-    rows = math.prod(x.shape[:-1])  # static at trace time
-    if 1 < rows <= cfg.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
-        return cpu_kernels.matmul_nt(x, w)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 
 def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
@@ -97,9 +82,9 @@ class Attention(nn.Module):
         wv = _kernel(self, "v_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
         wo = _kernel(self, "o_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), self.dtype)
         B, T = x.shape[:2]
-        q = linear(x, wq.reshape(N * H, D), c).reshape(B, T, N, H)
-        k = linear(x, wk.reshape(K * H, D), c).reshape(B, T, K, H)
-        v = linear(x, wv.reshape(K * H, D), c).reshape(B, T, K, H)
+        q = self.backend.linear(x, wq.reshape(N * H, D)).reshape(B, T, N, H)
+        k = self.backend.linear(x, wk.reshape(K * H, D)).reshape(B, T, K, H)
+        v = self.backend.linear(x, wv.reshape(K * H, D)).reshape(B, T, K, H)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + _param(self, "q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM), self.dtype, zeros)
@@ -119,7 +104,7 @@ class Attention(nn.Module):
         else:
             out = self.backend.attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
         out = constrain(out, _HEADS_ACT, "attention output")
-        return linear(out.reshape(B, T, N * H), wo.reshape(D, N * H), c)
+        return self.backend.linear(out.reshape(B, T, N * H), wo.reshape(D, N * H))
 
 
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -129,6 +114,7 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 class Mlp(nn.Module):
     cfg: ModelConfig
     dtype: Any
+    backend: Backend  # the dense layers' matmul
 
     @nn.compact
     def __call__(self, x):
@@ -136,9 +122,9 @@ class Mlp(nn.Module):
         wg = _kernel(self, "gate_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         wu = _kernel(self, "up_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         wd = _kernel(self, "down_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
-        h = _act(self.cfg, linear(x, wg, self.cfg)) * linear(x, wu, self.cfg)  # (B, T, F)
+        h = _act(self.cfg, self.backend.linear(x, wg)) * self.backend.linear(x, wu)  # (B, T, F)
         h = constrain(h, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
-        return linear(h, wd, self.cfg)
+        return self.backend.linear(h, wd)
 
 
 class MoeMlp(nn.Module):
@@ -184,7 +170,7 @@ class Block(nn.Module):
         attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")
         x = x + attn(h, positions, inv_freq, kv)
         h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
-        mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, name="mlp")
+        mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, self.backend, name="mlp")
         return x + mlp(h)
 
 
@@ -216,5 +202,5 @@ class Decoder(nn.Module):
         x = rms_norm(x, w_norm, c.rms_norm_eps, c.norm_plus_one)
         head = embed if c.tie_word_embeddings else _kernel(
             self, "lm_head", (V, D), (axes.VOCAB, axes.EMBED), self.dtype)
-        logits = linear(x, head, c, preferred_element_type=jnp.float32)
+        logits = self.backend.linear(x, head, preferred_element_type=jnp.float32)
         return constrain(logits, (axes.BATCH, axes.SEQ, axes.VOCAB), "logits")

@@ -59,7 +59,7 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
     pos = jnp.minimum(state.lengths, S - 1)  # (B,)
     kv = PagedDecodeKV(state, table, pos, valid, impl)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
-    cpu_kernels = model.cfg.cpu_matmul_rows > 0  # the engine turned the CPU kernels on
+    cpu_kernels = model.backend.cpu_kernels  # the engine turned the CPU kernels on
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
                             cpu_kernels=cpu_kernels)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)

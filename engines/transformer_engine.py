@@ -100,13 +100,12 @@ class TransformerEngine(Engine):
             "parameter layers_0/self_attn/k_proj")
         # The weights as stored (what a checkpoint holds); model_config is what runs.
         self.source_config = model_config
-        # Whether the model uses the CPU kernels depends on where it runs, known here: the
-        # model (linear()) and the decode step (DecodeKV) only read the field.
         self.model_config = model_config = dataclasses.replace(
-            model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat,
-            cpu_matmul_rows=cpu_kernels.max_rows(
-                self._mesh, self.dtype, model_config.weight_quant))
-        self.backend = backend or backend_for(devices, self.dtype)
+            model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat)
+        # Whether the model uses the CPU kernels depends on where it runs, known here.
+        self.backend = dataclasses.replace(
+            backend or backend_for(devices, self.dtype),
+            cpu_matmul_rows=cpu_kernels.max_rows(self._mesh, self.dtype, model_config.weight_quant))
         self.model = Decoder(model_config, dtype=self.dtype, backend=self.backend)
         self.abstract_params, self._logical = param_loading.trace_params(self.model)
         self.param_shardings = param_loading.param_shardings(

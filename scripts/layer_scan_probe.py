@@ -104,7 +104,7 @@ class _ScanDecoder(nn.Module):
             xs, carry = caches, x
         carry, ys = scan(c, self.how, name="layers")(carry, xs, positions, inv_freq, state)
         x, caches = (carry[0], carry[1:]) if self.how == "scan-carry" else (carry, ys)
-        return M.linear(x[:, -1:], embed, c), caches
+        return M.Backend().linear(x[:, -1:], embed), caches
 
 
 def _compile_args(fn, *args, donate=()) -> dict:

@@ -20,7 +20,7 @@ PROMPTS = ["def add(a, b):", "import os", "class Foo:", "for i in range(", "retu
 def _texts(switch: str, monkeypatch) -> tuple[list[str], int]:
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, switch)
     orch = orchestrator.build(TINY_MODEL, devices=jax.devices()[:1], engine_config=TINY_ENGINE)
-    rows = orch.generate_engines[0].model_config.cpu_matmul_rows
+    rows = orch.generate_engines[0].backend.cpu_matmul_rows
     orch.start()
     try:
         with BackgroundServers(orch, local_config()) as s:

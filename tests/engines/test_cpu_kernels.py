@@ -262,8 +262,8 @@ def engines(kernel):
 
 def test_only_steps_up_to_max_rows_use_the_kernels(engines):
     on, off, params = engines
-    assert on.model_config.cpu_matmul_rows == cpu_kernels.MAX_ROWS
-    assert off.model_config.cpu_matmul_rows == 0
+    assert on.backend.cpu_matmul_rows == cpu_kernels.MAX_ROWS
+    assert off.backend.cpu_matmul_rows == 0
     assert "cpu_matmul_rows" not in on.model_config.to_json()
     rows = cpu_kernels.MAX_ROWS
     assert _uses_kernel(on.model, params, rows) and _uses_kernel(on.model, params, 2)
@@ -302,7 +302,7 @@ def test_greedy_tokens_and_logits_equal_xla(engines):
 
 def test_a_sharded_mesh_never_uses_the_kernel(kernel):
     eng = create_engine(CFG, config=ENGINE, devices=jax.devices()[:2], seed=3)
-    assert eng.model_config.cpu_matmul_rows == 0
+    assert eng.backend.cpu_matmul_rows == 0
     params = jax.eval_shape(eng.load_params)
     assert cpu_kernels.TARGET not in eng._generate_jit.lower(
         params, eng.init_decode_state()).as_text()

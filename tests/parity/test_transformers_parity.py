@@ -127,7 +127,7 @@ def test_cpu_kernels_match_transformers(hf_dirs, family):
     d, model = hf_dirs[family]
     cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=48, max_seq_len=96)
     eng = create_engine(load_hf_config(d), weights=d, config=cfg, devices=jax.devices()[:1])
-    if not eng.model_config.cpu_matmul_rows:
+    if not eng.backend.cpu_matmul_rows:
         pytest.skip("the CPU matmul kernel is not available here")
     params = eng.load_params()
     prompts = _prompts()

@@ -349,7 +349,7 @@ class TransformerEngine(Engine):
 
     def _prefill_args(self, params, tokens, true_length, sampling, existing_prefix, seed):
         """The arguments of the jitted prefill. The prompt's length against max_seq_len
-        was checked where the request came in (jetserve.request_limits)."""
+        was checked where the request came in (jetserve.request.check_request)."""
         sampling = sampling or SamplingParams()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         true_length = int(true_length)

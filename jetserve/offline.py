@@ -21,8 +21,7 @@ from jetserve.orchestrator.live import LiveRequest, Message, StepOutput
 from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Listeners, RequestTiming
-from jetserve.request import Request
-from jetserve.request_limits import check_prompt_fits
+from jetserve.request import Request, check_prompt_fits
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.plan import chunks

@@ -1,16 +1,24 @@
-"""What a caller asks the orchestrator for, and the chunks of its answer.
+"""What a caller asks the orchestrator for, what the served model accepts, and the
+chunks of the answer.
 
-`Request` is immutable and validated on construction (a `ValueError` names the field).
-Checks that depend on the served model (vocabulary, prompt length, log-prob count) happen
-in `Orchestrator.submit`. `Delta` is one chunk of a request's stream; the last one carries
-`finish_reason`.
+`Request` is immutable and validated on construction (a `ValueError` names the field):
+types, signs, request-only rules. What depends on the served model (the vocabulary, the
+longest prompt, how many log-probs it returns, whether it scores prompts, whether it has
+a tokenizer) is `check_request` against a `ModelLimits` snapshot, which
+`Orchestrator.submit` runs on every request; the servers and the batch reader call the
+same checks while parsing, with the names their wire form uses, so an error names the
+field the client sent. Workers and engines trust the request. `Delta` is one chunk of a
+request's stream; the last one carries `finish_reason`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from engines import SamplingParams
 from jetserve.structured import Constraint
@@ -133,3 +141,174 @@ class Delta:
     error: str | None = None
     prompt_logprobs: list[float | None] | None = None  # first delta only, when asked
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+# ---- what the served model accepts -------------------------------------------------
+
+# Longest rendering of a client's value in an error message.
+SHOW_LIMIT = 200
+
+
+class InvalidArgument(ValueError):
+    """A request field the client must fix. `field` is the name on the wire."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelLimits:
+    """What the served model accepts; read once from the orchestrator."""
+
+    vocab_size: int
+    max_prefill_length: int  # the longest prompt admitted (longer with chunked prefill)
+    max_seq_len: int
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    top_logprobs: int
+    tokenizer: Any | None
+    scores_prompts: bool = True  # every prefill engine returns prompt log-probs
+    # Server policy (ServerConfig): how much one request may ask for.
+    max_prompts_per_request: int = 64
+    max_sub_requests: int = 64  # prompts x n
+
+    @classmethod
+    def from_orchestrator(cls, orch: Any, config: Any | None = None) -> ModelLimits:
+        """`config` (a ServerConfig) adds the server's per-request caps."""
+        caps = {} if config is None else dict(
+            max_prompts_per_request=config.max_prompts_per_request,
+            max_sub_requests=config.max_sub_requests)
+        return cls(
+            vocab_size=int(orch.vocab_size),
+            max_prefill_length=int(getattr(orch, "max_prompt_length", orch.max_prefill_length)),
+            max_seq_len=int(orch.max_seq_len),
+            bos_id=orch.bos_id,
+            eos_ids=tuple(orch.eos_ids),
+            top_logprobs=int(getattr(orch, "top_logprobs", 0) or 0),
+            tokenizer=orch.tokenizer,
+            scores_prompts=all(hasattr(e, "prompt_logprobs")
+                               for e in getattr(orch, "prefill_engines", ())),
+            **caps,
+        )
+
+
+def check_request(limits: ModelLimits, r: Request,
+                  names: Mapping[str, str] | None = None) -> None:
+    """InvalidArgument unless `r` fits the served model; `names` maps a Request field to
+    the name the caller knows it by."""
+    name = lambda f: (names or {}).get(f, f)
+    check_token_ids(limits, r.prompt_ids, name("prompt_ids"))
+    # A score-only request (max_tokens 0) needs no room for a generated token.
+    check_prompt_fits(len(r.prompt_ids), limits.max_prefill_length, limits.max_seq_len,
+                      name("prompt_ids"), room=int(r.max_tokens > 0))
+    check_stop_token_ids(limits, r.stop_token_ids, name("stop_token_ids"))
+    if r.logprobs is not None:
+        check_logprobs(limits, r.logprobs, name("logprobs"))
+    if r.prompt_logprobs and not limits.scores_prompts:
+        raise InvalidArgument(name("prompt_logprobs"), f"{name('prompt_logprobs')}: this "
+                              "engine cannot score prompts")
+    if r.stop_strings and limits.tokenizer is None:
+        raise InvalidArgument(name("stop_strings"), f"{name('stop_strings')}: this model has "
+                              "no tokenizer, so stop strings cannot be matched; use "
+                              "stop_token_ids")
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict = 3, 8, 8, 8
+_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = SHOW_LIMIT
+
+
+def show(value: Any, limit: int = SHOW_LIMIT) -> str:
+    """`value` for an error message: a repr of at most about `limit` characters, so a
+    5 MB bad value does not come back as a 5 MB error. Lone surrogates come out escaped
+    (repr escapes what is not printable), so the message itself always encodes."""
+    try:
+        text = _SHOW.repr(value)
+    except ValueError:  # an integer with more digits than str() converts
+        return f"<an integer of {value.bit_length():,} bits>"
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deeply to show>"
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if isinstance(value, str) and len(value) > _SHOW.maxstring:
+        text += f" ({len(value):,} characters)"
+    elif isinstance(value, (list, tuple, dict)) and len(value) > _SHOW.maxlist:
+        text += f" ({len(value):,} items)"
+    return text
+
+
+def check_token_ids(limits: ModelLimits, ids: Any, field: str) -> list[int]:
+    """A non-empty list of ids inside the vocabulary."""
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidArgument(field, f"{field} must be a list of token ids")
+    if not ids:
+        raise InvalidArgument(field, f"{field} is empty; give at least one token id")
+    for i, t in enumerate(ids):
+        if not _is_int(t):
+            raise InvalidArgument(field, f"{field}[{i}] must be an integer token id, got {show(t)}")
+        if not 0 <= t < limits.vocab_size:
+            raise InvalidArgument(
+                field, f"{field}[{i}] = {show(t)} is outside the vocabulary "
+                       f"[0, {limits.vocab_size})")
+    return [int(t) for t in ids]
+
+
+def check_prompt_length(limits: ModelLimits, ids: Sequence[int], field: str) -> None:
+    if not ids:
+        raise InvalidArgument(field, f"{field} is empty")
+    check_prompt_fits(len(ids), limits.max_prefill_length, limits.max_seq_len, field)
+
+
+def check_prompt_fits(n: int, longest: int, max_seq_len: int, field: str, *,
+                      room: int = 1) -> None:
+    """InvalidArgument unless a prompt of n tokens fits: at most `longest` (one prefill,
+    or max_seq_len - 1 with chunked prefill) and `room` tokens to generate."""
+    cap = min(longest, max_seq_len - room)
+    if n > cap:
+        raise InvalidArgument(field, f"{field} has {n} tokens; "
+                                     f"{prompt_limit(longest, max_seq_len)}")
+
+
+def prompt_limit(longest: int, max_seq_len: int) -> str:
+    """What caps a prompt here and the server flag that raises it."""
+    cap = min(longest, max_seq_len - 1)
+    if cap == max_seq_len - 1:
+        return (f"the longest prompt is {cap} tokens (max_seq_len - 1 = {cap}, room for one "
+                "token to generate; --max-seq-len raises it)")
+    return (f"the longest prompt is {cap} tokens (max_prefill_length={cap}; "
+            f"--max-prefill-length raises it)")
+
+
+def check_max_tokens(limits: ModelLimits, n: Any, prompt_len: int, field: str = "max_tokens",
+                     *, allow_zero: bool = False) -> int:
+    """1 <= n (0 when allowed) and prompt + n within max_seq_len."""
+    if not _is_int(n):
+        raise InvalidArgument(field, f"{field} must be an integer, got {show(n)}")
+    lo = 0 if allow_zero else 1
+    if n < lo:
+        raise InvalidArgument(field, f"{field} must be >= {lo}, got {show(n)}")
+    room = limits.max_seq_len - prompt_len
+    if n > room:
+        raise InvalidArgument(
+            field, f"{field} = {show(n)} is too large: the prompt has {prompt_len} tokens and "
+                   f"max_seq_len is {limits.max_seq_len}, so at most {room} can be generated")
+    return int(n)
+
+
+def check_logprobs(limits: ModelLimits, n: Any, field: str = "logprobs") -> int:
+    if not _is_int(n) or n < 0:
+        raise InvalidArgument(field, f"{field} must be an integer >= 0, got {show(n)}")
+    if n > limits.top_logprobs:
+        raise InvalidArgument(
+            field, f"{field} = {show(n)} is more than this server returns "
+                   f"({field}={n} asked, top_logprobs={limits.top_logprobs})")
+    return int(n)
+
+
+def check_stop_token_ids(limits: ModelLimits, ids: Any,
+                         field: str = "stop_token_ids") -> tuple[int, ...]:
+    if ids is None or (isinstance(ids, (list, tuple)) and not ids):
+        return ()
+    return tuple(check_token_ids(limits, ids, field))

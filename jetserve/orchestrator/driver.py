@@ -73,8 +73,7 @@ from jetserve.orchestrator.wiring import (
     pending_for,
     step_between,
 )
-from jetserve.request import Delta, Overloaded, Request
-from jetserve.request_limits import ModelLimits, check_request
+from jetserve.request import Delta, ModelLimits, Overloaded, Request, check_request
 from jetserve.scheduling.page_planner import with_pages
 
 

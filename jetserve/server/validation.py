@@ -3,7 +3,7 @@
 Every check raises `InvalidArgument` naming the wire field, the value and what was
 expected, so both servers turn it into INVALID_ARGUMENT / HTTP 400 the same way. Plain
 functions of a `ModelLimits` snapshot; no state, safe from any thread. The checks that
-depend on the served model live in `jetserve.request_limits` (re-exported here), where
+depend on the served model live in `jetserve.request` (re-exported here), where
 `Orchestrator.submit` runs them too; this module adds what only the wire form needs.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from engines import SamplingParams
-from jetserve.request_limits import (  # noqa: F401  the model checks, named for the wire
+from jetserve.request import (  # noqa: F401  the model checks, named for the wire
     SHOW_LIMIT,
     InvalidArgument,
     ModelLimits,

@@ -1,13 +1,13 @@
 """The generate thread of one generate engine: insert, step, read back one step later.
 
 It alone owns the engine's decode state, its scheduler (slots, page admission,
-preemption: jetserve/scheduling) and the `LiveRequest`s in its slots. Each turn of the
-loop:
+preemption: jetserve/scheduling) and the `LiveRequest`s in its slots. Each turn the
+scheduler plans (`Scheduler.plan` -> a `Turn`) and the loop runs the plan:
 
-  1. reap: free slots whose request is done (stop string, error), cancelled or past its
+  1. free the slots whose request is done (stop string, error), cancelled or past its
      deadline, so a cancelled request leaves its slot before the next step;
-  2. fill: insert waiting prefixes from the backlog into free slots, the one the
-     scheduler ranks first each time (fair per client), while its pages fit;
+  2. insert waiting prefixes from the backlog into the slots the plan gave them (fair
+     per client, while their pages fit);
   3. step: dispatch `engine.generate` (asynchronous), start its host copy, then read the
      *previous* step's results, which had a whole step to land on the host, so the device
      always has the next step queued while the host looks at tokens. A request whose
@@ -50,6 +50,7 @@ from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.timing import Listeners
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
+from jetserve.scheduling.plan import Turn, Waiting
 from jetserve.scheduling.scheduler import Scheduler
 from jetserve.scheduling.slots import SlotTable
 
@@ -79,15 +80,10 @@ class Backlog:
             self._cond.notify_all()
             return True
 
-    def peek(self, rank: Callable[[LiveRequest], int] | None = None
-             ) -> tuple[LiveRequest, Any] | None:
-        """The next to insert: the first with the lowest rank (arrival order without one)."""
+    def items(self) -> list[tuple[LiveRequest, Any]]:
+        """What waits, in arrival order (a snapshot)."""
         with self._cond:
-            if not self._items:
-                return None
-            if rank is None:
-                return self._items[0]
-            return min(self._items, key=lambda item: rank(item[0]))  # first of the lowest
+            return list(self._items)
 
     def pop(self, item: tuple[LiveRequest, Any] | None = None
             ) -> tuple[LiveRequest, Any] | None:
@@ -154,6 +150,7 @@ class GenerateWorker:
         self.prefill_pending: Callable[[], tuple[bool, bool]] = lambda: (False, False)
         self.transfer_pending: Callable[[], int] = lambda: 0
         self.steps = 0
+        self._lengths: dict[int, tuple[Any, int]] = {}  # id(prefix) -> (prefix, its length)
 
     @property
     def slots(self) -> SlotTable[LiveRequest]:
@@ -189,86 +186,88 @@ class GenerateWorker:
             self.readback.read()
 
     def _turn(self) -> None:
-        self._reap()
-        self._fill()
-        if self.slots.in_use == 0 or self.sched.yield_to_prefill(
-                len(self.backlog), *self.prefill_pending()):
+        now = time.monotonic()
+        self._drop_ended(now)
+        busy, between = self.prefill_pending()
+        self._run(self.sched.plan(now, self._waiting(), prefill_work=busy,
+                                  between_chunks=between))
+
+    def _run(self, turn: Turn) -> None:
+        """The scheduler's turn: free, insert, then one step (or wait for work)."""
+        for r in turn.releases:
+            self.engine.free_slot(r.slot)
+            if r.why is not None:
+                self.readback.end(r.request, r.why)
+        for slot, w in turn.inserts:
+            self.backlog.pop(w.item)
+            self._admit(slot, *w.item)
+        if turn.step:
+            self._step()
+        else:
             self.readback.read()
             self.backlog.wait(self.poll_s)
+
+    def _drop_ended(self, now: float) -> None:
+        """Waiting requests that ended leave the backlog (one that ended at its first
+        token waits only to have its pages cached)."""
+        if not len(self.backlog):
             return
-        self._step()
+        ended = lambda r: (r.done and r.cache_hit is None) or (  # noqa: E731
+            not r.done and r.abandoned(now) is not None)
+        for live in self.backlog.take_if(ended):
+            live.release_cache_hit()
+            if not live.done:
+                self.readback.end(live, live.abandoned(now) or "cancelled")
 
-    def _reap(self) -> None:
-        now = time.monotonic()
-        for slot, live in self.slots.rows():
-            if live.done:
-                self._release(slot)
-                continue
-            why = live.abandoned(now)
-            if why is not None:
-                self._release(slot)
-                self.readback.end(live, why)
-        if len(self.backlog):
-            # A request that ended at its first token waits only to have its pages cached.
-            ended = lambda r: (r.done and r.cache_hit is None) or (  # noqa: E731
-                not r.done and r.abandoned(now) is not None)
-            for live in self.backlog.take_if(ended):
-                live.release_cache_hit()
-                if not live.done:
-                    self.readback.end(live, live.abandoned(now) or "cancelled")
-
-    def _fill(self) -> None:
-        share = self.sched.fair_share()
-        while self.slots.has_free:
-            item = self.backlog.peek(share.rank)
-            if item is None or not self._fits(*item):
-                return
-            self.backlog.pop(item)
-            share.took(item[0])
+    def _waiting(self) -> list[Waiting]:
+        """The backlog as the scheduler weighs it: each prefix's length and the pages of
+        it a prefix-cache hit links (lengths read once; a contiguous cache needs none)."""
+        out, known, self._lengths = [], self._lengths, {}
+        for item in self.backlog.items():
             live, prefix = item
-            hit, live.cache_hit = live.cache_hit, None
-            try:
-                if live.done:
-                    if hit is not None:  # ended: only its pages are wanted, by the cache
-                        slot = self._insert(live, prefix, hit)
-                        if slot is not None:
-                            self._release(slot)
-                    continue
-                why = live.abandoned(time.monotonic())
+            if self.pages is None:
+                out.append(Waiting(live, 0, 0, item))
+                continue
+            _, n = known.get(id(prefix)) or (prefix, int(prefix.length))
+            self._lengths[id(prefix)] = (prefix, n)  # holding prefix keeps its id unique
+            shared = len(live.cache_hit.pages) if live.cache_hit is not None else 0
+            out.append(Waiting(live, n, shared, item))
+        return out
+
+    def _admit(self, slot: int, live: LiveRequest, prefix: Any) -> None:
+        """Runs one insert of the plan (a request that ended meanwhile gives its slot
+        back, after its pages are cached when it has a cache hit)."""
+        hit, live.cache_hit = live.cache_hit, None
+        try:
+            why = None if live.done else live.abandoned(time.monotonic())
+            if (live.done and hit is None) or why is not None:
+                self._release(slot)
                 if why is not None:
                     self.readback.end(live, why)
-                    continue
-                self._insert(live, prefix, hit)
-            finally:
-                if hit is not None:
-                    hit.release()
+                return
+            if self._insert(slot, live, prefix, hit) and live.done:
+                self._release(slot)  # ended: only its pages were wanted, by the cache
+        finally:
+            if hit is not None:
+                hit.release()
 
-    def _fits(self, live: LiveRequest, prefix: Any) -> bool:
-        """Pages for this prefix and its next token beside the running requests' next
-        step (pages only the prefix cache holds are given back to make room)."""
-        if self.pages is None:
-            return True
-        shared = len(live.cache_hit.pages) if live.cache_hit is not None else 0
-        return self.sched.can_admit(int(prefix.length), shared)
-
-    def _insert(self, live: LiveRequest, prefix: Any, hit: Hit | None) -> int | None:
-        """Into a free slot (returned; None when the insert failed), linking the pages of a
+    def _insert(self, slot: int, live: LiveRequest, prefix: Any, hit: Hit | None) -> bool:
+        """Into its planned slot (False when the insert failed), linking the pages of a
         prefix-cache hit; then the cache adopts the prompt's whole pages."""
-        slot = self.sched.assign(live)
         try:
             shared = {"shared_pages": hit.pages} if hit is not None and hit.pages else {}
             with self.state_lock:
                 self.state = self.engine.insert(prefix, self.state, slot, **shared)
             if hit is not None:
                 self.cache.adopt(hit, self.pages.pages_of(slot))
-            return slot
+            return True
         except Exception as e:
             log.exception("insert of request %s failed", live.request_id)
             self._release(slot)
             if not live.done:
                 self.readback.end(live, "error", e)
             self._recover_state(e)
-            return None
+            return False
 
     def read_pages(self, pages: list[int]) -> Any:
         """The KV of `pages` as prefix-cache blocks (engine.page_blocks), from any thread."""

@@ -41,12 +41,27 @@ class KVCacheManager:
     def paged(self) -> bool:
         return self.pages is not None
 
-    def can_start(self, tokens: int, shared: int = 0) -> bool:
+    def can_start(self, tokens: int, shared: int = 0, *, planned: int = 0) -> bool:
         """Whether a `tokens`-token prefix, `shared` of whose pages are linked from the
-        prefix cache, fits with its first step beside the next step of the running slots."""
+        prefix cache, fits with its first step beside the next step of the running slots
+        (and `planned` pages promised to prefixes admitted before it this turn)."""
         if self.pages is None:
             return True
-        return self._room(self.pages.pages_to_start(tokens) - shared + self.pages.pages_for_step())
+        return self._room(self.pages_to_start(tokens, shared) + self.pages.pages_for_step()
+                          + planned)
+
+    def pages_to_start(self, tokens: int, shared: int = 0) -> int:
+        """New pages a prefix takes once inserted and through its first step (0 when
+        contiguous)."""
+        if self.pages is None:
+            return 0
+        return self.pages.pages_to_start(tokens) - shared
+
+    def free(self, slot: int) -> None:
+        """A slot's pages go back to the pool (the page planner's free_slot, which the
+        executor calls too, finds nothing left to free)."""
+        if self.pages is not None:
+            self.pages.free(slot)
 
     def step_fits(self, *, reclaim: bool = True) -> bool:
         """Whether the next generate step's pages are free (taking back cache-only pages

@@ -2,7 +2,10 @@
 
 A `StepPlan` says which slots to free and which prompts to prefill into which slots before
 the turn's generate step. The lock-step executor sends it to every process
-(orchestrator/step_plan.py is its wire form); the others run it where it is made.
+(orchestrator/step_plan.py is its wire form); offline generation runs it where it is made.
+The threaded executor's prompts arrive prefilled (a prefill thread made their KV), so its
+`Turn` says which slots to free, which waiting prefixes to insert into which slots, and
+whether to step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,38 @@ class StepPlan:
     stop: bool = False
     releases: tuple[int, ...] = ()  # slots to free before admitting
     admissions: tuple[Admission, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """A prefilled request waiting for a slot (the threaded executor's backlog).
+
+    tokens: its prefix's length; shared: pages of it linked from the prefix cache;
+    item: the executor's own (its prefix), handed back in the plan."""
+
+    request: object
+    tokens: int
+    shared: int = 0
+    item: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """A slot to free: its request finished (why None) or was abandoned (why: "cancelled"
+    or "deadline", to end it with)."""
+
+    slot: int
+    request: object
+    why: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """The threaded executor's turn: free, insert, then step (or wait for prefill work)."""
+
+    releases: tuple[Release, ...] = ()
+    inserts: tuple[tuple[int, Waiting], ...] = ()  # (slot, what goes into it)
+    step: bool = False
 
 
 def chunks(length: int, chunk: int | None) -> list[tuple[int, int]]:

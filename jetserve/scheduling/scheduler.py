@@ -13,20 +13,35 @@ The executors ask; the scheduler decides:
     between two of its chunks, waiting for this very step (`yield_to_prefill`): chunks of
     a long prompt interleave with decode steps.
 
+`plan` makes these calls into one `Turn` for the threaded executor, which only runs it.
 Whole-sequence page promises (lock-step, offline) are `KVCacheManager.reserve`.
 Concurrency: owned by the executor's loop thread; other threads read only plain ints.
+
+Requests are duck-typed (a LiveRequest): `done` and `abandoned(now)` (turn_planner.py
+asks the same, and `ended_rows` answers both).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Hashable, Iterable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
 
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
+from jetserve.scheduling.plan import Release, Turn, Waiting
 from jetserve.scheduling.slots import SlotTable
 
 R = TypeVar("R")
+
+
+def ended_rows(rows: Iterable[tuple[int, Any]], now: float) -> list[Release]:
+    """The rows with nothing more to compute: finished, or abandoned (cancel, deadline)."""
+    out = []
+    for slot, request in rows:
+        why = None if request.done else request.abandoned(now)
+        if request.done or why is not None:
+            out.append(Release(slot, request, why))
+    return out
 
 
 class FairShare(Generic[R]):
@@ -65,6 +80,33 @@ class Scheduler(Generic[R]):
         self._order: dict[int, int] = {}  # slot -> insert order (the newest is preempted)
         self._inserts = 0
         self.preemptions = 0
+
+    # ---- the threaded executor's turn ----------------------------------------------------
+
+    def plan(self, now: float, waiting: Sequence[Waiting], *, prefill_work: bool = False,
+             between_chunks: bool = False) -> Turn:
+        """One turn: free the slots of requests with nothing more to compute (their pages
+        go back now), give free slots to waiting prefixes in fair order while their pages
+        fit, then step unless prefill work should go first (`yield_to_prefill`). The
+        executor runs it: free_slot and end for each release, insert each into its slot."""
+        releases = ended_rows(self.slots.rows(), now)
+        for r in releases:
+            self.release(r.slot)
+            self.kv.free(r.slot)
+        share, left = self.fair_share(), list(waiting)
+        inserts, planned = [], 0
+        while self.slots.has_free and left:
+            w = min(left, key=lambda w: share.rank(w.request))  # first of the lowest rank
+            need = self.kv.pages_to_start(w.tokens, w.shared)
+            if not self.kv.can_start(w.tokens, w.shared, planned=planned):
+                break
+            left.remove(w)
+            share.took(w.request)
+            planned += need
+            inserts.append((self.assign(w.request), w))
+        step = self.slots.in_use > 0 and not self.yield_to_prefill(
+            len(left), prefill_work, between_chunks)
+        return Turn(releases=tuple(releases), inserts=tuple(inserts), step=step)
 
     # ---- admission -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from jetserve.orchestrator import (
 )
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.lockstep import LockStepOrchestrator
+from jetserve.scheduling.scheduler import FairShare
 from jetserve.server.streams import submit_all
 from tests.jetserve.test_orchestrator_mock import expected, wait_until
 
@@ -191,9 +192,8 @@ def a_inserts_ahead_of_b(mode, backlog_fifo: bool, monkeypatch) -> tuple[int, in
         return ok
 
     monkeypatch.setattr(generate_worker.Backlog, "put", recording_put)
-    if backlog_fifo:  # slots handed out in arrival order, as before
-        monkeypatch.setattr(generate_worker.Backlog, "peek",
-                            lambda self, rank=None: self._items[0] if self._items else None)
+    if backlog_fifo:  # slots handed out in arrival order, as before: every rank equal
+        monkeypatch.setattr(FairShare, "rank", lambda self, request: 0)
     devs = jax.devices()
     kw = dict(max_concurrent_decodes=SLOTS, max_seq_len=512, step_delay_s=0.005)
     config = OrchestratorConfig(backlog_size=6)

@@ -14,7 +14,7 @@ import pytest
 
 from jetserve.scheduling import page_pool
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
-from jetserve.scheduling.plan import chunks
+from jetserve.scheduling.plan import Waiting, chunks
 from jetserve.scheduling.scheduler import FairShare, Scheduler
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -215,3 +215,52 @@ def test_prefill_goes_first_but_chunks_interleave_with_decode_steps():
     assert not sched.yield_to_prefill(waiting=0, prefill_work=False, between_chunks=False)
     sched.assign(("a", 1))  # no free slot: a prefill could not join anyway
     assert not sched.yield_to_prefill(waiting=0, prefill_work=True, between_chunks=False)
+
+
+class Req:
+    """A request as the scheduler sees one: its client, whether it is done, and why it
+    was abandoned at a time (None: it was not)."""
+
+    def __init__(self, client, *, done=False, why=None):
+        self.client, self.done, self.why = client, done, why
+
+    def abandoned(self, now):
+        return self.why
+
+
+def planner(pages, slots=4):
+    return Scheduler(slots, KVCacheManager(pages), client=lambda r: r.client)
+
+
+def test_a_turn_frees_ended_rows_then_admits_fairly_while_pages_fit():
+    pages = slot_pages(num_pages=8)
+    sched = planner(pages)
+    done, gone, running = Req("a", done=True), Req("a", why="cancelled"), Req("a")
+    for r in (done, gone, running):
+        admit(sched, pages, r, 4)  # slots 0-2, one page each
+    waiting = [Waiting(Req("a"), 4), Waiting(Req("b"), 8), Waiting(Req("c"), 12)]
+    turn = sched.plan(0.0, waiting)
+    assert [(r.slot, r.why) for r in turn.releases] == [(0, None), (1, "cancelled")]
+    assert pages.free_count == 7  # the freed slots' pages are back before admission
+    # b and c hold no slot: they go first, b (3 pages) then c (4 pages): with slot 2's
+    # step (1 page) that is 8 > 7 free, so c waits, and a (ranked after c) waits too.
+    assert [(slot, w.request.client) for slot, w in turn.inserts] == [(0, "b")]
+    assert turn.step and sched.slots.owner(0) is waiting[1].request
+
+
+def test_a_turn_admits_by_slots_alone_on_a_contiguous_cache():
+    sched = planner(None, slots=2)
+    waiting = [Waiting(Req("a"), 10**6), Waiting(Req("a"), 1), Waiting(Req("b"), 1)]
+    turn = sched.plan(0.0, waiting)
+    assert [(slot, w.request.client) for slot, w in turn.inserts] == [(0, "a"), (1, "b")]
+    assert turn.step and not sched.slots.has_free
+
+
+def test_a_turn_waits_for_prefill_with_a_free_slot_and_nothing_waiting():
+    sched = planner(None, slots=2)
+    sched.assign(Req("a"))
+    assert not sched.plan(0.0, [], prefill_work=True).step  # prefill first
+    assert sched.plan(0.0, [], prefill_work=True, between_chunks=True).step
+    assert sched.plan(0.0, []).step
+    idle = planner(None, slots=2)
+    assert not idle.plan(0.0, []).step  # nothing to step

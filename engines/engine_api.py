@@ -215,8 +215,12 @@ class Engine(abc.ABC):
         *,
         sampling: Any,
         existing_prefix: Any | None = None,
+        donate: bool = False,
     ) -> tuple[Any, ResultTokens]:
-        """Runs a prompt (padded to a bucket); returns its Prefix and the first token."""
+        """Runs a prompt (padded to a bucket); returns its Prefix and the first token.
+        `donate=True`: the caller never reads `existing_prefix` again (a chunk loop), so
+        the engine may update its KV in place rather than copy it; a prefix other
+        requests share (the prefix cache's) is never donated."""
 
     @abc.abstractmethod
     def insert(self, prefix: Any, decode_state: Any, slot: int) -> Any:

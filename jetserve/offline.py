@@ -138,5 +138,5 @@ def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: Sam
     for start, end in chunks(len(prompt), engine.max_prefill_length):
         piece = list(prompt[start:end])
         prefix, first = engine.prefill(params, piece, len(piece), sampling=sampling,
-                                       existing_prefix=prefix)
+                                       existing_prefix=prefix, donate=True)
     return prefix, first

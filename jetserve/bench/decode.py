@@ -73,7 +73,8 @@ def fill_slots(engine: TransformerEngine, params, context: int, seed: int = 0):
     prefix = None
     for start, end in chunks(context, engine.max_prefill_length):  # long contexts: chunks
         piece = prompt[start:end]
-        prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
+        prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix,
+                                   donate=True)
     state = engine.init_decode_state()
     for slot in range(engine.max_concurrent_decodes):
         state = engine.insert(prefix, state, slot)

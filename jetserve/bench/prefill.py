@@ -3,8 +3,9 @@
 Each length runs in a process of its own (`python -m jetserve.bench.prefill CONFIG`,
 which prints one JSON line), so each peak RSS is that length's alone. The process builds
 the engine on one device, prefills a random prompt of that length in chunks of `chunk`
-tokens (each chunk continuing the previous chunk's prefix, as the orchestrator's
-`--prefill-chunk` does; a prompt no longer than a chunk goes whole), and reports:
+tokens (each chunk continuing the previous chunk's prefix and donating it, as the
+orchestrator's `--prefill-chunk` does; a prompt no longer than a chunk goes whole), and
+reports:
 
   - tokens/s over the timed pass. Each new program shape is compiled ahead of its first
     call (`engine.lower_prefill(...).compile()`, through a persistent compile cache in a
@@ -127,8 +128,8 @@ def _one_pass(engine, params, tokens, chunk: int, temps: dict,
         if key not in temps:
             peaks["run"] = max(peaks["run"], _peak_rss(reset=True))
             t0 = time.perf_counter()
-            compiled = engine.lower_prefill(params, piece, len(piece),
-                                            existing_prefix=prefix).compile()
+            compiled = engine.lower_prefill(params, piece, len(piece), existing_prefix=prefix,
+                                            donate=True).compile()
             temps[key] = int(compiled.memory_analysis().temp_size_in_bytes)
             compile_s += time.perf_counter() - t0
             del compiled
@@ -136,7 +137,8 @@ def _one_pass(engine, params, tokens, chunk: int, temps: dict,
             _trim_heap()
             _peak_rss(reset=True)
         t0 = time.perf_counter()
-        prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
+        prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix,
+                                   donate=True)
         jax.block_until_ready(prefix)
         run_s += time.perf_counter() - t0
     return run_s, compile_s

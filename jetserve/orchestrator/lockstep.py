@@ -208,7 +208,7 @@ class LockStepOrchestrator(Orchestrator):
                 piece = tokens[start:end]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                     sampling=a.sampling, seed=a.seed,
-                                                    existing_prefix=prefix)
+                                                    existing_prefix=prefix, donate=True)
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")

@@ -167,9 +167,10 @@ class PrefillWorker:
                         self.readback.end(live, why)
                     return None
             piece = tokens[start:start + self.chunk]
+            # The cache's prefix is shared (copied); each later chunk's is ours alone.
             prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                 sampling=live.request.sampling,
-                                                existing_prefix=prefix)
+                                                existing_prefix=prefix, donate=start > done)
         return prefix, first
 
 

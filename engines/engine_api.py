@@ -222,6 +222,15 @@ class Engine(abc.ABC):
         the engine may update its KV in place rather than copy it; a prefix other
         requests share (the prefix cache's) is never donated."""
 
+    def empty_prefix(self, length: int) -> Any | None:
+        """A prefix holding nothing, with room for a `length`-token prompt, for a chunk
+        loop to start from: its first chunk continues it (`existing_prefix`) and every
+        chunk donates, so the prompt's KV is allocated once at its final size rather than
+        grown (copied) as chunks arrive. None where the engine has none: start from no
+        prefix."""
+        del length
+        return None
+
     @abc.abstractmethod
     def insert(self, prefix: Any, decode_state: Any, slot: int) -> Any:
         """Writes `prefix` into `slot`; every other slot is left bit-identical. A paged

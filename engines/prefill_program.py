@@ -12,19 +12,21 @@ program updates the arrays in place; the prefix cache, whose blocks other reques
 share, keeps the copying program.
 
 Growing a prefix to hold the next chunk (`grow_prefix`, to a power of two so chunked
-prefill compiles few shapes) makes new, larger arrays, which only this call holds: the
-prefill then always takes them over. With `donate` the old arrays are deleted as soon as
-the grown ones exist, rather than when the caller lets go of them.
+prefill compiles few shapes) makes new, larger arrays; with `donate` the old ones are
+deleted as soon as the grown ones exist, rather than when the caller lets go of them.
 """
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from engines.config import ModelConfig
 from engines.kv_cache import Prefix, grow_prefix
 from engines.prefix_blocks import stack_size
 from engines.sampling import SamplingParams, SlotSampling
@@ -43,20 +45,33 @@ class PrefillProgram:
       in_shardings, out_shardings: as for jax.jit.
       bucket_for: the prefill bucket (padded length) for a chunk of n tokens.
       max_seq_len: the longest prefix a prefill may make.
-      vocab_size: the prompt mask's width.
+      config, dtype: the model that runs (kv heads as it runs them) and its dtype, for
+        `empty` prefixes.
     """
 
     def __init__(self, fn: Callable, *, in_shardings, out_shardings,
-                 bucket_for: Callable[[int], int], max_seq_len: int, vocab_size: int):
+                 bucket_for: Callable[[int], int], max_seq_len: int, config: ModelConfig,
+                 dtype):
         self._copying = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
         # Only the leaves the program reads are taken over (k, v, k_pos, tokens): jit
         # leaves unread leaves of a donated argument alone.
         self._donating = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                                  donate_argnums=(EXISTING_ARG,))
         self._grow = jax.jit(grow_prefix, static_argnums=(1,))
+        self._empty = jax.jit(functools.partial(
+            empty_prefix, config.num_layers, config.num_kv_heads, config.head_dim, dtype,
+            config.vocab_size), static_argnums=(0,), out_shardings=out_shardings[0])
         self._bucket_for = bucket_for
         self._max_seq_len = max_seq_len
-        self._vocab_size = vocab_size
+        self._vocab_size = config.vocab_size
+
+    def empty(self, length: int) -> Prefix:
+        """A prefix holding nothing, with room for a `length`-token prompt (the next power
+        of two): see Engine.empty_prefix."""
+        if not 1 <= length <= self._max_seq_len:
+            raise ValueError(f"a prefix for a prompt of {length} tokens: length must be in "
+                             f"[1, max_seq_len {self._max_seq_len}]")
+        return self._empty(stack_size(length))
 
     def __call__(self, params, tokens, true_length, *, sampling: SamplingParams | None,
                  existing_prefix: Prefix | None, seed: int | None, donate: bool,
@@ -73,7 +88,7 @@ class PrefillProgram:
                     if isinstance(old, jax.Array) and not old.is_deleted():
                         old.delete()
             args = (*args[:EXISTING_ARG], grown)
-        return self._program(donate, existing_prefix, capacity)(*args, *extra)
+        return self._program(donate, existing_prefix)(*args, *extra)
 
     def lower(self, params, tokens, true_length, *, existing_prefix: Prefix | None,
               donate: bool, extra: tuple = ()) -> jax.stages.Lowered:
@@ -83,14 +98,12 @@ class PrefillProgram:
         if capacity is not None:
             args = (*args[:EXISTING_ARG], jax.eval_shape(
                 lambda p: grow_prefix(p, capacity), existing_prefix))
-        return self._program(donate, existing_prefix, capacity).lower(*args, *extra)
+        return self._program(donate, existing_prefix).lower(*args, *extra)
 
-    def _program(self, donate: bool, existing_prefix: Prefix | None, capacity: int | None):
-        """The donating program when the caller gives the prefix up, or when it grew
-        first: the grown arrays are this call's own, nobody else's."""
-        if existing_prefix is None:
-            return self._copying
-        return self._donating if donate or capacity is not None else self._copying
+    def _program(self, donate: bool, existing_prefix: Prefix | None):
+        """Donating only when asked: a caller that copies keeps one program per shape
+        (a grown prefix, though this call's own, goes through the same one)."""
+        return self._donating if donate and existing_prefix is not None else self._copying
 
     def arguments(self, params, tokens, true_length, sampling, existing_prefix,
                   seed) -> tuple[tuple, int | None]:
@@ -119,3 +132,15 @@ class PrefillProgram:
             capacity = stack_size(start + bucket)
         return (params, padded, np.int32(true_length), np.int32(start), row, prior_mask,
                 existing_prefix), capacity
+
+
+def empty_prefix(L: int, K: int, H: int, dtype, vocab_size: int, capacity: int) -> Prefix:
+    """A Prefix of `capacity` entries holding nothing yet (length 0, k_pos -1): a chunk
+    loop's first chunk continues it, so the prompt's KV is allocated once at its final
+    size. Only the fields a continuing prefill reads are meaningful."""
+    zeros = lambda: jnp.zeros((1, capacity, K, H), dtype)  # noqa: E731 (one per layer)
+    return Prefix(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)),
+                  k_pos=jnp.full((1, capacity), -1, jnp.int32),
+                  tokens=jnp.zeros((1, capacity), jnp.int32), length=jnp.zeros((), jnp.int32),
+                  token=jnp.zeros((), jnp.int32), sampling=SlotSampling.empty(1),
+                  prompt_mask=jnp.zeros((1, vocab_size), bool))

@@ -217,7 +217,7 @@ class TransformerEngine(Engine):
                 device_functions.prefill, self.model, top_n, draft_model=draft_model))),
             in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
             out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
-            max_seq_len=self.max_seq_len, vocab_size=self.model_config.vocab_size)
+            max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype)
         self._prompt_logprobs_jit = jax.jit(
             self._counted("prompt_logprobs", laid_out(functools.partial(
                 device_functions.prompt_logprobs, self.model, top_n))),
@@ -353,6 +353,10 @@ class TransformerEngine(Engine):
         self._check_existing(existing_prefix)
         return self._prefill.lower(params, tokens, true_length, existing_prefix=existing_prefix,
                                    donate=donate, extra=self._draft_args())
+
+    def empty_prefix(self, length: int) -> Prefix | None:
+        """See Engine.empty_prefix; None with a draft model (whole prompts only)."""
+        return None if self._draft is not None else self._prefill.empty(length)
 
     def _check_existing(self, existing_prefix: Prefix | None) -> None:
         if existing_prefix is not None and self._draft is not None:

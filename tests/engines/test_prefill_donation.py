@@ -82,3 +82,28 @@ def test_a_donated_prefix_is_refused_afterwards(engine):
     eng.prefill(params, prompt[2 * CHUNK:], CHUNK, existing_prefix=second, donate=True)
     with pytest.raises(RuntimeError, match="deleted"):
         jax.device_get(second.k[0])
+
+
+def test_chunks_into_an_empty_prefix_equal_growing_chunks(engine):
+    """A chunk loop that starts from `empty_prefix(n)` writes every chunk into the one
+    array of the final size: one compiled program for all its chunks, and the same KV,
+    positions, tokens and first token as the loop that grows its prefix."""
+    eng, params = engine
+    n = 100  # 7 chunks; a prefix of 128 entries (no other test of this module makes one)
+    prompt = np.random.default_rng(7).integers(3, 128, n).astype(np.int32)
+    empty = eng.empty_prefix(n)
+    assert empty.k_pos.shape == (1, 128) and int(empty.length) == 0
+    before = eng.trace_counts()["prefill"]
+    prefix = empty
+    for s in range(0, n, CHUNK):
+        piece = prompt[s:s + CHUNK]
+        prefix, first = eng.prefill(params, piece, len(piece), existing_prefix=prefix,
+                                    seed=3, donate=True)
+    assert eng.trace_counts()["prefill"] - before == 1  # (16, 128): every chunk's
+    assert empty.k[0].is_deleted()
+    want, want_first, _ = _chunked(eng, params, prompt, donate=True)  # grows 16 .. 128
+    for a, b in zip(jax.tree.leaves(_host(prefix)), jax.tree.leaves(_host(want)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(first.data), np.asarray(want_first.data))
+    with pytest.raises(ValueError, match=r"129 tokens: length must be in \[1, max_seq_len 128\]"):
+        eng.empty_prefix(129)

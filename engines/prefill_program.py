@@ -47,20 +47,21 @@ class PrefillProgram:
       max_seq_len: the longest prefix a prefill may make.
       config, dtype: the model that runs (kv heads as it runs them) and its dtype, for
         `empty` prefixes.
+      draft_config: a draft model's (speculative "draft:PATH:K"), whose KV of the prompt
+        the prefix carries too; None without one.
     """
 
     def __init__(self, fn: Callable, *, in_shardings, out_shardings,
                  bucket_for: Callable[[int], int], max_seq_len: int, config: ModelConfig,
-                 dtype):
+                 dtype, draft_config: ModelConfig | None = None):
         self._copying = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
-        # Only the leaves the program reads are taken over (k, v, k_pos, tokens): jit
-        # leaves unread leaves of a donated argument alone.
+        # Only the leaves the program reads are taken over (k, v, k_pos, tokens and a
+        # draft model's k, v): jit leaves unread leaves of a donated argument alone.
         self._donating = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                                  donate_argnums=(EXISTING_ARG,))
         self._grow = jax.jit(grow_prefix, static_argnums=(1,))
-        self._empty = jax.jit(functools.partial(
-            empty_prefix, config.num_layers, config.num_kv_heads, config.head_dim, dtype,
-            config.vocab_size), static_argnums=(0,), out_shardings=out_shardings[0])
+        self._empty = jax.jit(functools.partial(empty_prefix, config, draft_config, dtype),
+                              static_argnums=(0,), out_shardings=out_shardings[0])
         self._bucket_for = bucket_for
         self._max_seq_len = max_seq_len
         self._vocab_size = config.vocab_size
@@ -83,8 +84,8 @@ class PrefillProgram:
         if capacity is not None:
             grown = self._grow(existing_prefix, capacity)
             if donate:  # the caller gave the old arrays up: free them before the prefill
-                for old in (*existing_prefix.k, *existing_prefix.v, existing_prefix.k_pos,
-                            existing_prefix.tokens):
+                p = existing_prefix
+                for old in (*p.k, *p.v, *p.draft_k, *p.draft_v, p.k_pos, p.tokens):
                     if isinstance(old, jax.Array) and not old.is_deleted():
                         old.delete()
             args = (*args[:EXISTING_ARG], grown)
@@ -134,13 +135,21 @@ class PrefillProgram:
                 existing_prefix), capacity
 
 
-def empty_prefix(L: int, K: int, H: int, dtype, vocab_size: int, capacity: int) -> Prefix:
-    """A Prefix of `capacity` entries holding nothing yet (length 0, k_pos -1): a chunk
-    loop's first chunk continues it, so the prompt's KV is allocated once at its final
-    size. Only the fields a continuing prefill reads are meaningful."""
-    zeros = lambda: jnp.zeros((1, capacity, K, H), dtype)  # noqa: E731 (one per layer)
-    return Prefix(k=tuple(zeros() for _ in range(L)), v=tuple(zeros() for _ in range(L)),
-                  k_pos=jnp.full((1, capacity), -1, jnp.int32),
+def empty_prefix(config: ModelConfig, draft_config: ModelConfig | None, dtype,
+                 capacity: int) -> Prefix:
+    """A Prefix of `capacity` entries holding nothing yet (length 0, k_pos -1), with room
+    for a draft model's KV too: a chunk loop's first chunk continues it, so the prompt's
+    KV is allocated once at its final size. Only the fields a continuing prefill reads
+    are meaningful."""
+
+    def zeros(c: ModelConfig | None) -> tuple:  # one array per layer, none shared
+        if c is None:
+            return ()
+        return tuple(jnp.zeros((1, capacity, c.num_kv_heads, c.head_dim), dtype)
+                     for _ in range(c.num_layers))
+
+    return Prefix(k=zeros(config), v=zeros(config), draft_k=zeros(draft_config),
+                  draft_v=zeros(draft_config), k_pos=jnp.full((1, capacity), -1, jnp.int32),
                   tokens=jnp.zeros((1, capacity), jnp.int32), length=jnp.zeros((), jnp.int32),
                   token=jnp.zeros((), jnp.int32), sampling=SlotSampling.empty(1),
-                  prompt_mask=jnp.zeros((1, vocab_size), bool))
+                  prompt_mask=jnp.zeros((1, config.vocab_size), bool))

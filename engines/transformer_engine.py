@@ -217,7 +217,8 @@ class TransformerEngine(Engine):
                 device_functions.prefill, self.model, top_n, draft_model=draft_model))),
             in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
             out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
-            max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype)
+            max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
+            draft_config=self._draft.model_config if self._draft else None)
         self._prompt_logprobs_jit = jax.jit(
             self._counted("prompt_logprobs", laid_out(functools.partial(
                 device_functions.prompt_logprobs, self.model, top_n))),
@@ -340,7 +341,6 @@ class TransformerEngine(Engine):
         """tokens: the prompt padded to a bucket (or unpadded: it is padded here).
         `donate`: the caller never reads `existing_prefix` again, so its KV is updated in
         place (engines/prefill_program.py)."""
-        self._check_existing(existing_prefix)
         return self._prefill(params, tokens, true_length, sampling=sampling,
                              existing_prefix=existing_prefix, seed=seed, donate=donate,
                              extra=self._draft_args())
@@ -350,18 +350,12 @@ class TransformerEngine(Engine):
                       donate: bool = False) -> jax.stages.Lowered:
         """The prefill program these arguments run, lowered (for its compiled memory and
         cost analyses; nothing runs)."""
-        self._check_existing(existing_prefix)
         return self._prefill.lower(params, tokens, true_length, existing_prefix=existing_prefix,
                                    donate=donate, extra=self._draft_args())
 
-    def empty_prefix(self, length: int) -> Prefix | None:
-        """See Engine.empty_prefix; None with a draft model (whole prompts only)."""
-        return None if self._draft is not None else self._prefill.empty(length)
-
-    def _check_existing(self, existing_prefix: Prefix | None) -> None:
-        if existing_prefix is not None and self._draft is not None:
-            raise ValueError("speculative 'draft:PATH:K' (a draft model) prefills whole "
-                             "prompts only: no chunked prefill or prefix cache")
+    def empty_prefix(self, length: int) -> Prefix:
+        """See Engine.empty_prefix (with room for a draft model's KV too)."""
+        return self._prefill.empty(length)
 
     # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
 
@@ -440,12 +434,13 @@ class TransformerEngine(Engine):
 
     @property
     def chunked_prefill(self) -> bool:
-        """Prefill continues an existing prefix, except with a draft model (whole prompts)."""
-        return self._draft is None
+        """Prefill continues an existing prefix (a draft model's KV continues with it)."""
+        return True
 
     @property
     def has_draft_model(self) -> bool:
-        """Speculative "draft:PATH:K": prompts are prefilled whole (no chunks, no cache)."""
+        """Speculative "draft:PATH:K": the prefix carries the draft's KV too (so there is
+        no prefix cache, whose blocks hold the target's only)."""
         return self._draft is not None
 
     @property

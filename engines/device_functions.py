@@ -25,8 +25,8 @@ from engines.sampling import sample, token_logprobs
 def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
             prompt_mask, existing, draft_params=None, *, draft_model: Decoder | None = None):
     """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length).
-    With a draft model (speculative decoding) the draft's KV of the prompt comes too
-    (whole prompts only: the engine refuses existing prefixes then)."""
+    With a draft model (speculative decoding) the draft's KV of the prompt comes too,
+    continuing the existing prefix's draft KV."""
     T = tokens.shape[1]
     idx = jnp.arange(T)[None, :]
     positions = start + idx  # (1, T)
@@ -43,7 +43,9 @@ def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, samp
     length = start + true_length
     all_tokens = (tokens if existing is None else  # placed as kv.k_pos places positions
                   jax.lax.dynamic_update_slice_in_dim(existing.tokens, tokens, start, 1))
-    draft = PrefillKV(new_k_pos, None)
+    draft = PrefillKV(new_k_pos, None if existing is None or draft_model is None else
+                      dataclasses.replace(existing, k=existing.draft_k, v=existing.draft_v),
+                      start)
     if draft_model is not None:
         draft_model.apply({"params": draft_params}, tokens, positions, draft, last=last)
     prefix = Prefix(

@@ -215,8 +215,21 @@ class Engine(abc.ABC):
         *,
         sampling: Any,
         existing_prefix: Any | None = None,
+        donate: bool = False,
     ) -> tuple[Any, ResultTokens]:
-        """Runs a prompt (padded to a bucket); returns its Prefix and the first token."""
+        """Runs a prompt (padded to a bucket); returns its Prefix and the first token.
+        `donate=True`: the caller never reads `existing_prefix` again (a chunk loop), so
+        the engine may update its KV in place rather than copy it; a prefix other
+        requests share (the prefix cache's) is never donated."""
+
+    def empty_prefix(self, length: int) -> Any | None:
+        """A prefix holding nothing, with room for a `length`-token prompt, for a chunk
+        loop to start from: its first chunk continues it (`existing_prefix`) and every
+        chunk donates, so the prompt's KV is allocated once at its final size rather than
+        grown (copied) as chunks arrive. None where the engine has none: start from no
+        prefix."""
+        del length
+        return None
 
     @abc.abstractmethod
     def insert(self, prefix: Any, decode_state: Any, slot: int) -> Any:

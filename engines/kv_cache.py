@@ -157,7 +157,9 @@ def grow_prefix(prefix: Prefix, capacity: int) -> Prefix:
         return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
     return dataclasses.replace(prefix, k=tuple(map(pad, prefix.k)), v=tuple(map(pad, prefix.v)),
-                               k_pos=pad(prefix.k_pos, -1), tokens=pad(prefix.tokens))
+                               k_pos=pad(prefix.k_pos, -1), tokens=pad(prefix.tokens),
+                               draft_k=tuple(map(pad, prefix.draft_k)),
+                               draft_v=tuple(map(pad, prefix.draft_v)))
 
 
 def window_sizes(S: int) -> tuple[int, ...]:

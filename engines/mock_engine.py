@@ -119,8 +119,8 @@ class MockEngine(Engine):
                                tokens=jnp.zeros((B,), jnp.int32))
 
     def prefill(self, params, tokens, true_length, *, sampling=None, existing_prefix=None,
-                seed=None):
-        del params, sampling, seed
+                seed=None, donate=False):
+        del params, sampling, seed, donate
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         true_length = int(true_length)
         if existing_prefix is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,8 +24,9 @@ from engines.config import ModelConfig
 from engines.device_functions import PromptLogprobs, ScoreCache
 from engines.engine_api import Engine, ResultTokens, Tokenizer
 from engines.engine_config import EngineConfig, resolve_dtype
-from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, grow_prefix, insert_prefix
+from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, insert_prefix
 from engines.model import Decoder
+from engines.prefill_program import PrefillProgram
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
 from engines.prompt_scoring import score_in_chunks
 from engines.sampling import SamplingParams, SlotSampling
@@ -211,12 +211,13 @@ class TransformerEngine(Engine):
         draft_model = self._draft.model if self._draft else None
         # With a draft model its parameters come last (self._draft_args()).
         draft_sh = (self._draft.param_shardings,) if self._draft else ()
-        self._prefill_jit = jax.jit(
+        self._prefill = PrefillProgram(
             self._counted("prefill", laid_out(functools.partial(
                 device_functions.prefill, self.model, top_n, draft_model=draft_model))),
             in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
-            out_shardings=(prefix_sh, r),
-        )
+            out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
+            max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
+            draft_config=self._draft.model_config if self._draft else None)
         self._prompt_logprobs_jit = jax.jit(
             self._counted("prompt_logprobs", laid_out(functools.partial(
                 device_functions.prompt_logprobs, self.model, top_n))),
@@ -252,7 +253,6 @@ class TransformerEngine(Engine):
         self._blocks_of_prefix_jit = jax.jit(blocks_of_prefix, static_argnums=(2, 3))
         self._stack_blocks_jit = jax.jit(stack_blocks)
         self._prefix_of_blocks_jit = jax.jit(prefix_of_blocks, out_shardings=prefix_sh)
-        self._grow_prefix_jit = jax.jit(grow_prefix, static_argnums=(1,))
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -335,43 +335,26 @@ class TransformerEngine(Engine):
         return dict(draft_k=draft.k, draft_v=draft.v)
 
     def prefill(self, params, tokens, true_length, *, sampling: SamplingParams | None = None,
-                existing_prefix: Prefix | None = None, seed: int | None = None):
-        """tokens: the prompt padded to a bucket (or unpadded: it is padded here)."""
-        args = self._prefill_args(params, tokens, true_length, sampling, existing_prefix, seed)
-        return self._prefill_jit(*args)
+                existing_prefix: Prefix | None = None, seed: int | None = None,
+                donate: bool = False):
+        """tokens: the prompt padded to a bucket (or unpadded: it is padded here).
+        `donate`: the caller never reads `existing_prefix` again, so its KV is updated in
+        place (engines/prefill_program.py)."""
+        return self._prefill(params, tokens, true_length, sampling=sampling,
+                             existing_prefix=existing_prefix, seed=seed, donate=donate,
+                             extra=self._draft_args())
 
     def lower_prefill(self, params, tokens, true_length, *,
-                      existing_prefix: Prefix | None = None) -> jax.stages.Lowered:
+                      existing_prefix: Prefix | None = None,
+                      donate: bool = False) -> jax.stages.Lowered:
         """The prefill program these arguments run, lowered (for its compiled memory and
         cost analyses; nothing runs)."""
-        args = self._prefill_args(params, tokens, true_length, None, existing_prefix, 0)
-        return self._prefill_jit.lower(*args)
+        return self._prefill.lower(params, tokens, true_length, existing_prefix=existing_prefix,
+                                   donate=donate, extra=self._draft_args())
 
-    def _prefill_args(self, params, tokens, true_length, sampling, existing_prefix, seed):
-        """The arguments of the jitted prefill. The prompt's length against max_seq_len
-        was checked where the request came in (jetserve.request.check_request)."""
-        sampling = sampling or SamplingParams()
-        tokens = np.asarray(tokens, np.int32).reshape(-1)
-        true_length = int(true_length)
-        if existing_prefix is not None and self._draft is not None:
-            raise ValueError("speculative 'draft:PATH:K' (a draft model) prefills whole "
-                             "prompts only: no chunked prefill or prefix cache")
-        start = 0 if existing_prefix is None else int(existing_prefix.length)
-        if not 1 <= true_length <= tokens.shape[0]:
-            raise ValueError(f"true_length {true_length} must be in [1, {tokens.shape[0]}]")
-        bucket = self.bucket_for(tokens.shape[0])
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, : tokens.shape[0]] = tokens
-        if seed is None:
-            seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
-        row = SlotSampling.from_params(sampling, seed)
-        prior_mask = (existing_prefix.prompt_mask if existing_prefix is not None
-                      else np.zeros((1, self.model_config.vocab_size), bool))
-        if existing_prefix is not None and existing_prefix.k_pos.shape[1] < start + bucket:
-            # Room for this bucket at `start`, rounded up to a power of two (few shapes).
-            existing_prefix = self._grow_prefix_jit(existing_prefix, stack_size(start + bucket))
-        return (params, padded, np.int32(true_length), np.int32(start), row, prior_mask,
-                existing_prefix, *self._draft_args())
+    def empty_prefix(self, length: int) -> Prefix:
+        """See Engine.empty_prefix (with room for a draft model's KV too)."""
+        return self._prefill.empty(length)
 
     # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
 
@@ -450,12 +433,13 @@ class TransformerEngine(Engine):
 
     @property
     def chunked_prefill(self) -> bool:
-        """Prefill continues an existing prefix, except with a draft model (whole prompts)."""
-        return self._draft is None
+        """Prefill continues an existing prefix (a draft model's KV continues with it)."""
+        return True
 
     @property
     def has_draft_model(self) -> bool:
-        """Speculative "draft:PATH:K": prompts are prefilled whole (no chunks, no cache)."""
+        """Speculative "draft:PATH:K": the prefix carries the draft's KV too (so there is
+        no prefix cache, whose blocks hold the target's only)."""
         return self._draft is not None
 
     @property

@@ -124,9 +124,11 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
 def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams):
     """(prefix, first token) of a prompt, in chunks of max_prefill_length, each continuing
     the last."""
-    prefix = None
-    for start, end in chunks(len(prompt), engine.max_prefill_length):
+    pieces = chunks(len(prompt), engine.max_prefill_length)
+    # Several chunks: the KV at its final size, filled in place.
+    prefix = engine.empty_prefix(len(prompt)) if len(pieces) > 1 else None
+    for start, end in pieces:
         piece = list(prompt[start:end])
         prefix, first = engine.prefill(params, piece, len(piece), sampling=sampling,
-                                       existing_prefix=prefix)
+                                       existing_prefix=prefix, donate=True)
     return prefix, first

@@ -70,10 +70,12 @@ class DecodeBenchConfig:
 def fill_slots(engine: TransformerEngine, params, context: int, seed: int = 0):
     """A decode state with every slot holding the same `context`-token prompt."""
     prompt = np.random.RandomState(seed).randint(3, engine.vocab_size, context).astype(np.int32)
-    prefix = None
-    for start, end in chunks(context, engine.max_prefill_length):  # long contexts: chunks
+    pieces = chunks(context, engine.max_prefill_length)  # long contexts: chunks
+    prefix = engine.empty_prefix(context) if len(pieces) > 1 else None
+    for start, end in pieces:
         piece = prompt[start:end]
-        prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
+        prefix, _ = engine.prefill(params, piece, len(piece), existing_prefix=prefix,
+                                   donate=True)
     state = engine.init_decode_state()
     for slot in range(engine.max_concurrent_decodes):
         state = engine.insert(prefix, state, slot)

@@ -202,13 +202,15 @@ class LockStepOrchestrator(Orchestrator):
                     live.timing.prefill_end = time.monotonic()
                     self._readback.end(live, "length")
                 return
-            prefix = None
-            for start, end in chunks(len(tokens), self.config.prefill_chunk
-                                      or self.engine.max_prefill_length):
+            pieces = chunks(len(tokens), self.config.prefill_chunk
+                            or self.engine.max_prefill_length)
+            # Several chunks: the KV at its final size, filled in place.
+            prefix = self.engine.empty_prefix(len(tokens)) if len(pieces) > 1 else None
+            for start, end in pieces:
                 piece = tokens[start:end]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                     sampling=a.sampling, seed=a.seed,
-                                                    existing_prefix=prefix)
+                                                    existing_prefix=prefix, donate=True)
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")

@@ -154,6 +154,8 @@ class PrefillWorker:
         (it is ended here)."""
         done = 0 if hit is None else hit.tokens
         prefix = self.cache.existing_prefix(hit, tokens) if done else None
+        if not done and len(tokens) > self.chunk:  # the KV at its final size, filled in place
+            prefix = self.engine.empty_prefix(len(tokens))
         for start in range(done, len(tokens), self.chunk):
             if start > done:
                 self.waiting_between_chunks = True
@@ -167,9 +169,11 @@ class PrefillWorker:
                         self.readback.end(live, why)
                     return None
             piece = tokens[start:start + self.chunk]
+            # The cache's prefix is shared (copied); any other is this loop's alone.
             prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                 sampling=live.request.sampling,
-                                                existing_prefix=prefix)
+                                                existing_prefix=prefix,
+                                                donate=not done or start > done)
         return prefix, first
 
 

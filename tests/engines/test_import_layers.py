@@ -27,7 +27,7 @@ ENGINE_LAYERS = (
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
      "kv_heads"),
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)
-    ("device_functions", "speculative", "param_loading", "prompt_scoring"),
+    ("device_functions", "speculative", "param_loading", "prompt_scoring", "prefill_program"),
     # the engines: shardings and jit wiring
     ("transformer_engine", "paged_engine"),
     # the choice between them, and the package's public names

@@ -7,6 +7,7 @@ Random weights, HF safetensors (float, int8, int4), Orbax checkpoints written by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -228,3 +229,19 @@ def test_generate_cli_on_8_devices_matches_one(capsys, tmp_path):
     tokens = run("--sharding", "tp", "--devices", "8")
     assert tokens == run("--devices", "1")
     assert len(tokens) == 8 and len(set(tokens)) > 2  # not a degenerate repetition
+
+
+def test_ep_tp_replicates_kv_heads_of_a_moe_model():
+    """ep_tp on 8 devices for 2 experts and 2 kv heads: mesh {expert: 2, model: 4}, each
+    kv head held by 2 devices, expert weights split over `expert`; one device's tokens."""
+    moe = dataclasses.replace(CFG, num_experts=2, num_experts_per_tok=1)
+    want = _tokens(_engine(moe, 1, "replicated"))
+    engine = _engine(moe, 8, "ep_tp")
+    assert dict(engine.mesh.shape) == {"expert": 2, "model": 4}
+    assert engine.kv_repeat == 2 and engine.source_config.num_kv_heads == 2
+    params = engine.load_params()
+    k = params["layers_0"]["self_attn"]["k_proj"]  # [K' = 4, H, D] over model 4
+    assert k.shape == (4, 16, 64) and k.sharding.shard_shape(k.shape) == (1, 16, 64)
+    w1 = params["layers_0"]["moe"]["w1"]  # [E, D, F]: one expert per `expert` device
+    assert w1.sharding.shard_shape(w1.shape)[0] == 1
+    assert _tokens(engine, params) == want

@@ -104,22 +104,39 @@ def test_draft_model_and_setting_must_agree():
         create_engine(CFG, config=EngineConfig(speculative="ngram:2"), draft_config=SMALL)
 
 
-def test_chunked_prefill_prefix_cache_and_mixed_engines_are_refused(plain, small):
+def test_prefix_cache_and_mixed_engines_are_refused(plain, small):
     eng, params = small
-    part, _ = eng.prefill(params, [5, 6, 7], 3)
-    with pytest.raises(ValueError, match="whole prompts only"):
-        eng.prefill(params, [8, 9], 2, existing_prefix=part)
     with pytest.raises(ValueError, match="prefix cache"):
         eng.prefix_from_blocks(np.zeros((1, 2, 2, 8, 2, 8), np.float32), [5, 6])
-    for config in (OrchestratorConfig(prefill_chunk=16),
-                   OrchestratorConfig(prefix_cache_hbm_bytes=2**20)):
-        with pytest.raises(ValueError, match="whole prompts only"):
-            Orchestrator.from_engines(eng, params=params, config=config)
+    with pytest.raises(ValueError, match="does not work with the prefix cache"):
+        Orchestrator.from_engines(eng, params=params,
+                                  config=OrchestratorConfig(prefix_cache_hbm_bytes=2**20))
 
     plain_eng, plain_params = plain
     with pytest.raises(ValueError, match="must all have the draft model"):
         Orchestrator(prefill_engines=[plain_eng], generate_engines=[eng],
                      prefill_params=[plain_params], generate_params=[params])
+
+
+def test_chunked_prefill_carries_the_draft_kv(small):
+    """A 40-token prompt in chunks of 16 (into an empty prefix, donated, as the chunk
+    loops run it): the target's and the draft's KV and the first token of one pass."""
+    eng, params = small
+    prompt = np.random.default_rng(4).integers(3, 96, 40).tolist()
+    whole, first = eng.prefill(params, prompt, 40, seed=1)
+    prefix = eng.empty_prefix(40)
+    assert len(prefix.draft_k) == SMALL.num_layers
+    for s in range(0, 40, 16):
+        piece = prompt[s:s + 16]
+        prefix, got_first = eng.prefill(params, piece, len(piece), existing_prefix=prefix,
+                                        seed=1, donate=True)
+    assert int(prefix.length) == 40 and len(prefix.draft_k) == SMALL.num_layers
+    for want, got in ((whole.k, prefix.k), (whole.v, prefix.v),
+                      (whole.draft_k, prefix.draft_k), (whole.draft_v, prefix.draft_v)):
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_allclose(np.asarray(g)[:, :40], np.asarray(w)[:, :40],
+                                       rtol=1e-4, atol=1e-5)
+    assert got_first.to_host().token(0) == first.to_host().token(0)
 
 
 # ---- greedy parity and the draft cache ------------------------------------------------------
@@ -138,6 +155,17 @@ def test_greedy_output_equals_plain_through_the_orchestrator(plain, small, itsel
         else:  # the target's own drafts: all kept (draft KV and rollback are right)
             assert st["accepted"] >= 0.97 * st["drafted"] > 0
 
+
+
+def test_long_prompt_in_chunks_through_the_orchestrator(plain, itself):
+    """A prompt past max_prefill_length (48) is prefilled in chunks with a draft model as
+    without: the plain engine's greedy tokens, and the target as its own draft keeps its
+    drafts (so the draft KV of every chunk is right)."""
+    prompts = [np.random.default_rng(9).integers(3, 96, 70).tolist(), _prompts()[1]]
+    want, _ = _orchestrated(*plain, prompts, (20, 12))
+    got, st = _orchestrated(*itself, prompts, (20, 12))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert st["accepted"] >= 0.97 * st["drafted"] > 0
 
 def _run(eng, params, prompts, steps):
     state = eng.init_decode_state()

@@ -97,7 +97,7 @@ class RecordingEngine(MockEngine):
         self.calls = []
 
     def prefill(self, params, tokens, true_length, *, sampling=None, existing_prefix=None,
-                seed=None):
+                seed=None, donate=False):
         self.calls.append(("prefill", tuple(np.asarray(tokens).tolist()), seed,
                            None if sampling is None else sampling.temperature))
         return super().prefill(params, tokens, true_length, sampling=sampling, seed=seed)

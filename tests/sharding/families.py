@@ -81,9 +81,10 @@ def expected_error(family: str, preset: str, n: int) -> str | None:
         "ep_tp": n // np.gcd(max(cfg.num_experts, 1), n),
     }[preset]
     K = cfg.num_kv_heads
-    # tp replicates kv heads over a model axis that is a multiple of them (and divides
-    # the query heads): every device holds one copy of one kv head.
-    replicated = preset == "tp" and model % K == 0 and cfg.num_heads % model == 0
+    # tp and ep_tp replicate kv heads over a model axis that is a multiple of them (and
+    # divides the query heads): every device holds one copy of one kv head.
+    replicated = (preset in ("tp", "ep_tp") and model % K == 0
+                  and cfg.num_heads % model == 0)
     if K % model and not replicated:
         return "kv_heads"
     return None

@@ -224,3 +224,18 @@ def test_bad_worker_addresses_are_startup_errors(split):
     # The decode process's own gRPC port serves jetstream's Orchestrator, not a worker.
     err = _decode_error(f"127.0.0.1:{ports['gRPC']}")
     assert f"127.0.0.1:{ports['gRPC']} does not serve jetserve_disagg.PrefillWorker" in err
+
+
+@pytest.mark.slow
+def test_sigterm_drains_both_roles(split, want):
+    procs, ports = split
+    first = threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        calls = [pool.submit(_grpc, ports["gRPC"], p, first) for p in PROMPTS[:4]]
+        assert first.wait(300)
+        procs["decode"].send_signal(signal.SIGTERM)  # streams in flight still finish
+        got = [c.result(timeout=300) for c in calls]
+    assert got == [w["token_ids"] for w in want[:4]]
+    assert procs["decode"].wait(120) == 0
+    procs["b"].send_signal(signal.SIGTERM)
+    assert procs["b"].wait(120) == 0

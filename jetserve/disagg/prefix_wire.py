@@ -30,7 +30,8 @@ class PrefixMismatch(ValueError):
 def signature(engine: Any) -> dict:
     """What a prefix made by `engine` depends on, as JSON-able values: two engines with
     equal signatures exchange prefixes (their kv heads may be repeated otherwise)."""
-    sig = {"engine": type(engine).__name__, "vocab_size": int(engine.vocab_size),
+    # The pytree structure names the prefix type (a paged engine takes a contiguous one's).
+    sig = {"vocab_size": int(engine.vocab_size),
            "treedef": str(jax.tree.structure(engine.prefix_destination_sharding())),
            "draft": bool(getattr(engine, "has_draft_model", False))}
     c = getattr(engine, "source_config", None)

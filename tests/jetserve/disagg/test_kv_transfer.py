@@ -4,6 +4,7 @@ presets; a prefix of another model is refused before any pull; held prefixes are
 an ack or a timeout."""
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -65,10 +66,14 @@ def _greedy(engine, params, prefix, steps: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("sharding,devices", [("tp_kv_batch", 4), ("replicated", 2)])
-def test_pulled_prefix_generates_what_a_local_prefill_does(sender, sharding, devices):
+@pytest.mark.parametrize("sharding,devices,layout", [("tp_kv_batch", 4, "contiguous"),
+                                                     ("replicated", 2, "contiguous"),
+                                                     ("replicated", 2, "paged")])
+def test_pulled_prefix_generates_what_a_local_prefill_does(sender, sharding, devices, layout):
     engine = build_engine("random:tiny", devices=jax.devices()[4:4 + devices],
-                          sharding=sharding, engine_config=ENGINE)
+                          sharding=sharding,
+                          engine_config=dataclasses.replace(ENGINE, kv_layout=layout,
+                                                            page_size=8))
     params = engine.load_params()
     receiver = KVReceiver(engine)
     for prompt in PROMPTS:

@@ -49,8 +49,9 @@ def _engine(args, devices, sharding: str, longest: int):
     from engines import EngineConfig
     from jetserve.model_loading import build_engine
 
-    seq = 1 << (longest + 8).bit_length()
-    cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=seq // 2, max_seq_len=seq)
+    bucket = 1 << (longest - 1).bit_length()  # every prompt in one prefill
+    cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=bucket,
+                       max_seq_len=2 * bucket)
     return build_engine(args.model, devices=devices, sharding=sharding, engine_config=cfg)
 
 

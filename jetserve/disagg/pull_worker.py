@@ -25,6 +25,7 @@ from jetserve.disagg.prefill_client import PrefillWorkers
 from jetserve.disagg.remote_prefill import Ticket
 from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.live import EndRequest, LiveRequest
+from jetserve.orchestrator.transfer_worker import TransferWorker
 
 log = logging.getLogger("jetserve.disagg")
 
@@ -87,31 +88,22 @@ class BytesInFlight:
             self._cond.notify_all()
 
 
-class PullWorker:
+class PullWorker(TransferWorker):
+    """The transfer thread of a decode process: TransferWorker's bounded queue (`offer`),
+    with pulls from prefill workers in place of device_put."""
+
     def __init__(self, target: GenerateWorker, receiver: KVReceiver, workers: PrefillWorkers,
                  outbox: queue.Queue, resume: Callable[[LiveRequest], None],
                  stopping: threading.Event, *, queue_size: int, poll_s: float,
                  max_bytes_in_flight: int, max_retries: int):
-        self.target, self.receiver, self.workers = target, receiver, workers
-        self.outbox, self.resume, self.stopping, self.poll_s = outbox, resume, stopping, poll_s
+        super().__init__(target, outbox, stopping, queue_size=queue_size, poll_s=poll_s)
+        self.receiver, self.workers, self.resume = receiver, workers, resume
         self.max_retries = max_retries
-        self.queue: queue.Queue[tuple[LiveRequest, Ticket]] = queue.Queue(queue_size)
         self.budget = BytesInFlight(max_bytes_in_flight)
         self.stats = TransferStats()
-        self.transfers = 0
 
     def pending(self) -> int:
         return self.queue.qsize() + self.budget.count
-
-    def offer(self, live: LiveRequest, ticket: Ticket) -> bool:
-        """Called by a prefill thread; blocks while the queue is full."""
-        while not self.stopping.is_set():
-            try:
-                self.queue.put((live, ticket), timeout=self.poll_s)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def run(self) -> None:
         while not self.stopping.is_set():

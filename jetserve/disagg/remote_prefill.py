@@ -27,6 +27,7 @@ from engines.engine_api import ResultTokens
 from jetserve.disagg.prefill_client import PrefillWorkers, Worker
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
+from jetserve.orchestrator.prefill_worker import PrefillWorker
 from jetserve.orchestrator.readback import ReadBack
 from protos import prefill_worker_pb2 as pb
 
@@ -43,7 +44,11 @@ class Ticket:
     meta: dict
 
 
-class RemotePrefillWorker:
+class RemotePrefillWorker(PrefillWorker):
+    """A prefill thread whose prefill runs on a worker: PrefillWorker's loop (recompute
+    before new admissions, one request at a time, an exception ends only its request)
+    around a remote `_serve`."""
+
     def __init__(self, index: int, workers: PrefillWorkers, admission: FairQueue,
                  resume: queue.Queue, readback: ReadBack, stopping: threading.Event,
                  poll_s: float, *, receiver_devices: int):
@@ -55,32 +60,6 @@ class RemotePrefillWorker:
         self.busy = False
         self.prefills = 0
         self.retries = 0
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            live, admitted = self._next()
-            if live is None:
-                continue
-            self.busy = True
-            try:
-                self._serve(live)
-            except Exception as e:  # this request only
-                log.exception("remote prefill of request %s failed", live.request_id)
-                self.readback.end(live, "error", e)
-            finally:
-                self.busy = False
-                if admitted:
-                    self.admission.task_done()
-
-    def _next(self) -> tuple[LiveRequest | None, bool]:
-        try:
-            return self.resume.get_nowait(), False
-        except queue.Empty:
-            pass
-        try:
-            return self.admission.get(timeout=self.poll_s), True
-        except queue.Empty:
-            return None, False
 
     def _serve(self, live: LiveRequest) -> None:
         if live.done:

@@ -203,6 +203,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     st.add_argument("--json", action="store_true")
     st.set_defaults(_bench=_startup)
 
+    t = sub.add_parser("transfer", help="KV bytes/s pulled between two processes vs "
+                       "device_put in one (jetserve/bench/transfer.py; its own flags)",
+                       add_help=False, prefix_chars="+")
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(_bench=lambda a: importlib.import_module("jetserve.bench.transfer").main(a.rest))
+
     if importlib.util.find_spec(OVERHEAD_MODULE) is not None:
         # Every argument goes to the module's own parser; "+" as the prefix keeps this one
         # from reading a leading "--batch" as its own option.

@@ -33,6 +33,7 @@ from jetserve.commands.common import (
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
 )
+from jetserve.disagg import roles
 from jetserve.server.auth import read_api_key_file
 from jetserve.server.config import ServerConfig
 from jetserve.server.ports import check_free
@@ -85,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="take requests at once instead of compiling every prefill bucket, "
                         "insert and generate first (then the first requests compile)")
     distributed.add_arguments(p)
+    roles.add_arguments(p)
 
 
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,8 +153,8 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     from jetserve.orchestrator import OrchestratorConfig
 
     # --interleaved (the default) may still limit the slice with --generate-devices.
-    disaggregated = not args.interleaved and (args.prefill_devices is not None
-                                              or args.generate_devices is not None)
+    disaggregated = args.role == "both" and not args.interleaved and (
+        args.prefill_devices is not None or args.generate_devices is not None)
     if disaggregated and (args.prefill_devices is None or args.generate_devices is None):
         raise ValueError("--prefill-devices and --generate-devices go together "
                          "(or add --interleaved to serve on the first --generate-devices)")
@@ -160,6 +162,9 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
                                 max_queued_per_client=_per_client(args),
                                 prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args))
+    if args.role == "decode":
+        return roles.build_decode(args, devices if devices is not None else jax.devices(),
+                                  config)
     if jax.process_count() > 1:
         return _lock_step_orchestrator(args, devices, config)
     return orchestrator.build(
@@ -274,9 +279,13 @@ async def _warm_up(orch, servers, halt: threading.Event) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    roles.check_arguments(args)
     config = server_config(args)
     # Before anything touches a device: join the other processes, pick the devices.
     devices = distributed.setup(args)
+    if args.role == "prefill":  # the internal service only, on --grpc-port
+        check_free(config.host, {"--grpc-port": config.grpc_port})
+        return roles.run_prefill(args, devices)
     if distributed.is_primary():  # it alone serves; a taken port ends it before the load
         check_free(config.host, {"--grpc-port": config.grpc_port,
                                  "--http-port": config.http_port})

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from jetserve.disagg.transfer_metrics import transfer_gauges
+
 log = logging.getLogger(__name__)
 
 # Latency buckets from 1 ms to 5 min: CPU test models and big accelerator models alike.
@@ -58,6 +60,7 @@ class _StatsCollector:
         yield slots
         yield total
         yield from _kv_gauges(stats)
+        yield from transfer_gauges(stats)  # a --role decode process's pulls
 
 
 def _kv_gauges(stats: dict) -> Iterator[GaugeMetricFamily]:

@@ -11,7 +11,8 @@ import pytest
 from protos import jetstream_pb2 as pb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-GENERATED = ("jetstream_pb2.py", "jetstream_pb2_grpc.py", "jetstream_pb2.pyi")
+GENERATED = tuple(f"{proto}{suffix}" for proto in ("jetstream", "prefill_worker")
+                  for suffix in ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"))
 
 # Lines that only record which protoc / grpcio-tools produced the file.
 _VERSION_LINE = re.compile(

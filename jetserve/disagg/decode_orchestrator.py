@@ -1,0 +1,125 @@
+"""The orchestrator of a `--role decode` process: prefill on remote workers, generate here.
+
+Threads (compare jetserve/orchestrator/driver.py, whose admission, registry, detokenize
+thread and lifecycle it keeps):
+
+  submit() -> admission queue (bounded, fair per client)
+     remote prefill threads (remote_prefill.py): a prefill worker prefills, the first
+       token streams at once, the held prefix's ticket goes on ──┐
+     pull dispatcher + pull threads (pull_worker.py): bytes in flight bounded; pull,
+       check, regroup, move into this engine's layout, ack ─────┤
+     generate thread (generate_worker.py): backlog -> slots -> steps
+     detokenize thread: text, stop strings, the request's stream
+
+A request whose pull fails goes back to the remote prefill threads (the resume queue,
+shared with requests preempted for KV pages) and is prefilled again on another worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engines import Engine
+from jetserve.disagg.kv_transfer import KVReceiver
+from jetserve.disagg.prefill_client import PrefillWorkers
+from jetserve.disagg.pull_worker import PullWorker
+from jetserve.disagg.remote_prefill import RemotePrefillWorker
+from jetserve.orchestrator.config import OrchestratorConfig
+from jetserve.orchestrator.driver import Orchestrator
+from jetserve.orchestrator.generate_worker import GenerateWorker
+from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.wiring import check_engines
+from jetserve.request import Request
+
+
+class DecodeOrchestrator(Orchestrator):
+    """Serves Requests on one generate engine, prefilled by remote workers.
+
+    Args:
+      engine / params: the generate engine and its weights (its limits stand for the
+        workers', which `PrefillWorkers.check` compared at start-up).
+      workers: the prefill workers.
+      config: queue bounds.
+      prefill_threads: remote prefills in flight at once (default: 2 per worker).
+      max_bytes_in_flight: bound on the bytes being pulled at once.
+      transfer_host: the address of this side's transfer server.
+    """
+
+    def __init__(self, *, engine: Engine, params: Any, workers: PrefillWorkers,
+                 config: OrchestratorConfig | None = None, prefill_threads: int | None = None,
+                 max_bytes_in_flight: int = 256 << 20, transfer_host: str = "127.0.0.1"):
+        check_engines([engine], [engine], [params], [params])
+        config = self._init_intake([engine], [engine], config)
+        engine = self.generate_engines[0]
+        self.prefill_engines = [_RemotePrefill(engine)]
+        poll = config.poll_interval_s
+        g = GenerateWorker(0, engine, params, self._outbox, self._listeners, self._stopping,
+                           backlog_size=config.backlog_size or engine.max_concurrent_decodes,
+                           poll_s=poll)
+        g.resume = self._resume.put
+        self._generate = [g]
+        self.workers = workers
+        pull = PullWorker(g, KVReceiver(engine, host=transfer_host), workers, self._outbox,
+                          self._resume.put, self._stopping,
+                          queue_size=config.transfer_queue_size, poll_s=poll,
+                          max_bytes_in_flight=max_bytes_in_flight,
+                          max_retries=len(workers.workers))
+        g.transfer_pending = pull.pending
+        self._transfer = [pull]
+        n = prefill_threads or 2 * len(workers.workers)
+        devices = len(engine.mesh.devices.flat)
+        self._remote = [RemotePrefillWorker(i, workers, self._admission, self._resume,
+                                            ReadBack(i, self._outbox, self._listeners),
+                                            self._stopping, poll, receiver_devices=devices)
+                        for i in range(n)]
+        for r in self._remote:
+            r.route = pull.offer
+
+    def _thread_bodies(self) -> list[tuple[str, Callable[[], None]]]:
+        return [*((f"remote-prefill-{r.index}", r.run) for r in self._remote),
+                ("pull", self._transfer[0].run), ("generate-0", self._generate[0].run),
+                ("detokenize", self._detok.run)]
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        try:
+            super().stop(drain=drain, timeout=timeout)
+        finally:
+            self.workers.close()
+
+    def _validate(self, r: Request) -> None:
+        if r.prompt_logprobs:
+            raise ValueError("prompt_logprobs (echo with logprobs): a --role decode server "
+                             "does not score prompts; serve with --role both")
+        if r.constraint is not None:
+            raise ValueError("structured output: a --role decode server does not constrain "
+                             "output yet; serve with --role both")
+        super()._validate(r)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        pull = self._transfer[0]
+        out["transfer"] = [{"engine": 0, "queue": pull.pending(), "transfers": pull.transfers,
+                            **pull.stats.snapshot()}]
+        out["prefill"] = [{"engine": r.index, "busy": r.busy, "prefills": r.prefills,
+                           "retries": r.retries} for r in self._remote]
+        out["prefill_workers"] = self.workers.loads()
+        return out
+
+    @property
+    def transfer_stats(self):
+        return self._transfer[0].stats
+
+
+class _RemotePrefill:
+    """Stands for the prefill workers where the driver and the warm-up ask about prefill
+    (limits, buckets): the generate engine's answers (the workers were checked to match
+    it at start-up), except that prompts are not scored."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "prompt_logprobs":
+            raise AttributeError(name)
+        return getattr(self._engine, name)

@@ -1,0 +1,136 @@
+"""Prefixes between processes with `jax.experimental.transfer`: held on the prefill side,
+pulled by the decode side.
+
+`KVSender` (prefill side) registers each prefix with its transfer server under a random
+uuid (`await_pull`) and keeps a reference until the decode side acknowledges the pull
+(`ack`) or `hold_s` passes (`expire`): either way the prefix is freed, so a decode worker
+that never comes back leaks nothing.
+
+`KVReceiver` (decode side) checks a prefix's description against its own engine first
+(prefix_wire.check), pulls it with the sender's layout onto its own devices, regroups its
+kv heads (`engine.receive_prefix`) and moves it into `prefix_destination_sharding()`.
+A failed pull drops the cached connection, so the next one reconnects.
+
+Concurrency: both are called from several threads (RPC handlers, pull threads); their
+tables are guarded by a lock. A pull blocks its calling thread until the bytes landed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import threading
+import time
+from typing import Any
+
+import jax
+from jax.experimental import transfer
+
+from jetserve.disagg import prefix_wire
+
+
+def _server(device: jax.Device, host: str):
+    return transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
+
+
+def _wall(seconds: float) -> datetime.datetime:
+    return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
+
+
+class KVSender:
+    """The prefill side's table of prefixes waiting to be pulled.
+
+    Args:
+      engine: the prefill engine (its devices' client serves the pulls; its signature goes
+        with each prefix).
+      host: the address the transfer server binds and advertises.
+      hold_s: how long an unacknowledged prefix is kept.
+    """
+
+    def __init__(self, engine: Any, *, host: str = "127.0.0.1", hold_s: float = 60.0):
+        if not hold_s > 0:
+            raise ValueError(f"hold_s must be > 0 seconds, got {hold_s!r}")
+        self.engine = engine
+        self.hold_s = hold_s
+        self._server = _server(engine.mesh.devices.flat[0], host)
+        self.address: str = self._server.address()
+        self._held: dict[int, tuple[Any, float]] = {}
+        self._lock = threading.Lock()
+        self.expired = 0
+
+    def register(self, prefix: Any, receiver_devices: int) -> tuple[int, dict]:
+        """(uuid, description) of `prefix`, now held for one pull."""
+        wired = prefix_wire.wire_layout(prefix, receiver_devices)
+        meta = prefix_wire.describe(wired, self.engine)
+        uuid = secrets.randbits(63)
+        # The server's own rendezvous ends a little after ours, so ours frees it first.
+        self._server.await_pull(uuid, jax.tree.leaves(wired), timeout=_wall(self.hold_s + 5))
+        with self._lock:
+            self._held[uuid] = (wired, time.monotonic() + self.hold_s)
+        return uuid, meta
+
+    def ack(self, uuid: int) -> bool:
+        """Frees the prefix under `uuid`; False when it was not held (acked or expired)."""
+        with self._lock:
+            return self._held.pop(uuid, None) is not None
+
+    def expire(self, now: float | None = None) -> int:
+        """Frees every prefix held past its time; how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [u for u, (_, end) in self._held.items() if end <= now]
+            for u in old:
+                del self._held[u]
+            self.expired += len(old)
+        return len(old)
+
+    def registered(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class KVReceiver:
+    """The decode side's puller into one engine's prefix layout.
+
+    Args:
+      engine: the generate engine the prefixes are inserted into.
+      host: the address of this side's transfer server (pulls go out through it).
+      timeout_s: the longest one pull may take.
+    """
+
+    def __init__(self, engine: Any, *, host: str = "127.0.0.1", timeout_s: float = 60.0):
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.devices = list(engine.mesh.devices.flat)
+        self.destination = engine.prefix_destination_sharding()
+        self.treedef = jax.tree.structure(self.destination)
+        self.receive = getattr(engine, "receive_prefix", lambda prefix: prefix)
+        self._server = _server(self.devices[0], host)
+        self._conns: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def pull(self, address: str, uuid: int, meta: dict, who: str) -> Any:
+        """The prefix `who` registered under `uuid` at `address`, in this engine's layout
+        (PrefixMismatch before any pull when it does not fit)."""
+        prefix_wire.check(meta, self.engine, who)
+        specs = prefix_wire.pull_specs(meta, self.devices)
+        conn = self._connection(address)
+        try:
+            leaves = conn.pull(uuid, specs, timeout=_wall(self.timeout_s))
+            jax.block_until_ready(leaves)
+        except Exception:
+            with self._lock:  # the peer may be gone: the next pull reconnects
+                if self._conns.get(address) is conn:
+                    del self._conns[address]
+            raise
+        prefix = jax.tree.unflatten(self.treedef, leaves)
+        moved = jax.device_put(self.receive(prefix), self.destination)
+        jax.block_until_ready(moved)
+        return moved
+
+    def _connection(self, address: str) -> Any:
+        with self._lock:
+            conn = self._conns.get(address)
+            if conn is None:
+                conn = self._conns[address] = self._server.connect(address)
+            return conn

@@ -1,0 +1,147 @@
+"""The prefill thread of a `--role prefill` worker: prompts in, registered prefixes out.
+
+RPC handlers `submit` jobs to a bounded queue (full: Overloaded, which the service answers
+RESOURCE_EXHAUSTED so the decode side asks another worker); one thread per engine takes
+them in order, prefills (in chunks of max_prefill_length, each continuing the last, for a
+longer prompt), registers the prefix with the KVSender for one pull and completes the
+job's future with the first token's row and the prefix's description. Between jobs it
+frees prefixes held past their time. An exception fails only its own job.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from engines import SamplingParams
+from jetserve.disagg.kv_transfer import KVSender
+from jetserve.request import Overloaded
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    token_ids: np.ndarray  # i32[T]
+    sampling: SamplingParams
+    receiver_devices: int
+    future: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """A finished job: the first token's ResultTokens row and the held prefix."""
+
+    first_row: np.ndarray  # i32[C]
+    uuid: int
+    meta: dict
+    address: str
+
+
+class PrefillRunner:
+    """Runs prefill jobs on one engine, holding each prefix in `sender` for a pull."""
+
+    def __init__(self, engine: Any, params: Any, sender: KVSender, *, max_queued: int,
+                 poll_s: float = 0.05):
+        self.engine, self.params, self.sender = engine, params, sender
+        self.poll_s = poll_s
+        self.queue: queue.Queue[PrefillJob] = queue.Queue(max_queued)
+        self.stopping = threading.Event()
+        self.busy = False
+        self.prefills = 0
+        self._thread: threading.Thread | None = None
+
+    def depth(self) -> int:
+        """Jobs waiting or running: what the decode side balances on."""
+        return self.queue.qsize() + int(self.busy)
+
+    def submit(self, job: PrefillJob) -> concurrent.futures.Future:
+        longest = self.engine.max_seq_len - 1
+        if not 1 <= len(job.token_ids) <= longest:
+            raise ValueError(f"token_ids has {len(job.token_ids)} tokens; this worker takes "
+                             f"1 to {longest} (max_seq_len - 1)")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise Overloaded(f"prefill queue is full ({self.queue.maxsize} jobs)") from None
+        return job.future
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="jetserve-prefill-runner",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.sender.expire()
+            try:
+                job = self.queue.get(timeout=self.poll_s)
+            except queue.Empty:
+                continue
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            self.busy = True
+            try:
+                job.future.set_result(self._run(job))
+            except Exception as e:  # this job only
+                log.exception("prefill of request %s failed", job.request_id)
+                job.future.set_exception(e)
+            finally:
+                self.busy = False
+
+    def _run(self, job: PrefillJob) -> Prefilled:
+        prefix, first = self.prefill(job.token_ids, job.sampling)
+        uuid, meta = self.sender.register(prefix, job.receiver_devices)
+        self.prefills += 1
+        return Prefilled(first_row=np.asarray(first.to_host().data)[0], uuid=uuid, meta=meta,
+                         address=self.sender.address)
+
+    def prefill(self, tokens: np.ndarray, sampling: SamplingParams) -> tuple[Any, Any]:
+        """(prefix, first token) of `tokens`, in chunks of max_prefill_length."""
+        chunk = self.engine.max_prefill_length
+        prefix = first = None
+        for start in range(0, len(tokens), chunk):
+            piece = tokens[start:start + chunk]
+            prefix, first = self.engine.prefill(self.params, piece, len(piece),
+                                                sampling=sampling, existing_prefix=prefix)
+        return prefix, first
+
+    def warm_up(self) -> int:
+        """Compiles one prefill per bucket (and the gather to one device) before serving;
+        the number of buckets."""
+        buckets = self.engine.prefill_buckets()
+        for b in buckets:
+            n = min(b, self.engine.max_seq_len - 1)
+            prefix, _ = self.prefill(np.zeros(n, np.int32), SamplingParams())
+            uuid, _ = self.sender.register(prefix, 1)
+            self.sender.ack(uuid)
+        return len(buckets)
+
+    def idle(self) -> bool:
+        return self.depth() == 0 and self.sender.registered() == 0
+
+
+def wait_idle(runner: PrefillRunner, timeout_s: float) -> bool:
+    """Until no job is queued or running and every prefix was pulled and acknowledged (or
+    expired); False after `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while not runner.idle():
+        if time.monotonic() >= end:
+            return False
+        runner.sender.expire()
+        time.sleep(runner.poll_s)
+    return True

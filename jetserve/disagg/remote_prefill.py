@@ -1,0 +1,124 @@
+"""A decode process's prefill threads: admitted requests -> a prefill worker -> the pull
+stage.
+
+Each thread takes a request that must be recomputed (its pull failed, or its KV pages
+were preempted) before the next admitted one, asks the least loaded prefill worker to
+prefill its sequence (prompt and tokens generated so far), streams the sampled token at
+once and hands the held prefix (a `Ticket`) to the pull stage. A worker that fails or
+times out is marked down and the request goes to another; only when every worker failed
+does the request end with an error. Nothing streams before a prefill succeeded, and a
+recomputed request streams its next token only: every token reaches the client once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+
+from engines.engine_api import ResultTokens
+from jetserve.disagg.prefill_client import PrefillWorkers, Worker
+from jetserve.orchestrator.fair_queue import FairQueue
+from jetserve.orchestrator.live import LiveRequest
+from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.readback import ReadBack
+from protos import prefill_worker_pb2 as pb
+
+log = logging.getLogger("jetserve.disagg")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """A prefix a worker holds for this request's pull."""
+
+    worker: Worker
+    address: str  # its transfer server
+    uuid: int
+    meta: dict
+
+
+class RemotePrefillWorker(PrefillWorker):
+    """A prefill thread whose prefill runs on a worker: PrefillWorker's loop (recompute
+    before new admissions, one request at a time, an exception ends only its request)
+    around a remote `_serve`."""
+
+    def __init__(self, index: int, workers: PrefillWorkers, admission: FairQueue,
+                 resume: queue.Queue, readback: ReadBack, stopping: threading.Event,
+                 poll_s: float, *, receiver_devices: int):
+        self.index = index
+        self.workers, self.admission, self.resume = workers, admission, resume
+        self.readback, self.stopping, self.poll_s = readback, stopping, poll_s
+        self.receiver_devices = receiver_devices
+        self.route: Any = None  # offer(live, ticket) -> bool, set by the orchestrator
+        self.busy = False
+        self.prefills = 0
+        self.retries = 0
+
+    def _serve(self, live: LiveRequest) -> None:
+        if live.done:
+            return
+        why = live.abandoned(time.monotonic())
+        if why is not None:
+            self.readback.end(live, why)
+            return
+        t0 = time.monotonic()
+        if live.preemptions == 0:
+            live.timing.prefill_start = t0
+        tokens = live.sequence()
+        got = self._ask(live, tokens)
+        if got is None:
+            return
+        worker, out = got
+        row = np.frombuffer(out.first_row, np.int32).reshape(1, out.first_columns)
+        ended = self.readback.first_token(live, ResultTokens(data=row), t0, len(tokens))
+        self.prefills += 1
+        ticket = Ticket(worker, out.transfer_address, out.uuid, json.loads(out.prefix_json))
+        if ended:
+            self.workers.ack(worker, out.uuid)
+            return
+        if not self.route(live, ticket):
+            self.workers.ack(worker, out.uuid)
+            self.readback.end(live, "cancelled")
+
+    def _ask(self, live: LiveRequest, tokens: list[int]
+             ) -> tuple[Worker, pb.PrefillRequest] | None:
+        """(worker, its answer) from the first worker that prefills `tokens`; None when
+        the request ended meanwhile (it is ended here)."""
+        request = pb.PrefillRequest(
+            request_id=live.request_id, token_ids=tokens,
+            sampling_json=json.dumps(dataclasses.asdict(live.request.sampling)),
+            receiver_devices=self.receiver_devices)
+        tried: set[str] = set()
+        errors = []
+        while True:
+            worker = self.workers.pick(tried)
+            if worker is None:
+                self.readback.end(live, "error", RuntimeError(
+                    "every prefill worker failed: " + "; ".join(errors)))
+                return None
+            try:
+                return worker, self.workers.prefill(worker, request)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    self.readback.end(live, "error", ValueError(e.details()))
+                    return None
+                errors.append(f"{worker.address}: {e.code().name}")
+                log.warning("prefill of %s on %s failed (%s); trying another worker",
+                            live.request_id, worker.address, e.code().name)
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    tried.add(worker.address)
+                    self.retries += 1
+                else:
+                    time.sleep(self.poll_s)  # every worker may be full: back off a little
+            why = "cancelled" if live.done else live.abandoned(time.monotonic())
+            if why is not None:
+                if not live.done:
+                    self.readback.end(live, why)
+                return None

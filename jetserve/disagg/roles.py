@@ -1,0 +1,155 @@
+"""`jetserve serve --role prefill|decode|both`: the command-line side of the split
+deployment.
+
+--role prefill: one prefill engine over this process's devices (--prefill-sharding,
+  default --sharding), serving jetserve_disagg.PrefillWorker on --grpc-port (no HTTP);
+  each prefix is held for a pull until acknowledged or --prefix-hold-timeout passes.
+--role decode --prefill-workers HOST:PORT,...: one generate engine (--generate-sharding)
+  serving the usual gRPC and HTTP APIs; every worker is checked at start-up.
+--role both (default): prefill and generate in this process, as before.
+SIGTERM drains either role: a prefill worker refuses new prompts (the decode side sends
+them elsewhere) and exits once its held prefixes were pulled or expired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+ROLES = ("both", "prefill", "decode")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("split deployment (prefill and decode processes)")
+    g.add_argument("--role", default="both", choices=ROLES,
+                   help="both: prefill and generate here (default); prefill: a prefill "
+                        "worker for decode processes; decode: generate here, prefill on "
+                        "--prefill-workers")
+    g.add_argument("--prefill-workers", default=None, metavar="HOST:PORT,...",
+                   help="--role decode: the --grpc-port of each --role prefill worker")
+    g.add_argument("--prefill-connect-timeout", type=float, default=300.0,
+                   help="--role decode: seconds to wait at start-up for every prefill "
+                        "worker to be reachable and ready (default %(default)s)")
+    g.add_argument("--prefix-hold-timeout", type=float, default=60.0,
+                   help="--role prefill: seconds a prefix is held for its pull before it "
+                        "is freed (default %(default)s)")
+    g.add_argument("--transfer-host", default="127.0.0.1",
+                   help="address of this process's KV transfer server; give one the other "
+                        "hosts reach when the roles run on different hosts "
+                        "(default %(default)s)")
+    g.add_argument("--max-transfer-bytes", type=int, default=256 << 20,
+                   help="--role decode: KV bytes being pulled at once (default %(default)s)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming the flag that does not go with --role."""
+    role = args.role
+    if role == "decode" and not args.prefill_workers:
+        raise ValueError("--role decode needs --prefill-workers HOST:PORT,... (the "
+                         "--grpc-port of each --role prefill worker)")
+    if role != "decode" and args.prefill_workers:
+        raise ValueError(f"--prefill-workers goes with --role decode, not --role {role}")
+    if role == "both":
+        return
+    if args.coordinator is not None:
+        raise ValueError(f"--role {role}: one process per role for now; leave out "
+                         "--coordinator")
+    if args.prefill_devices is not None or args.interleaved:
+        raise ValueError(f"--role {role}: the engine spans this process's devices (or "
+                         "--generate-devices); leave out --prefill-devices / --interleaved")
+    from jetserve.commands.common import prefix_cache_budgets
+
+    if any(prefix_cache_budgets(args).values()):
+        raise ValueError(f"--role {role}: no prefix cache in a split deployment yet")
+    for flag, v in (("--prefix-hold-timeout", args.prefix_hold_timeout),
+                    ("--prefill-connect-timeout", args.prefill_connect_timeout)):
+        if not v > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {v}")
+    if args.max_transfer_bytes < 1:
+        raise ValueError(f"--max-transfer-bytes must be >= 1, got {args.max_transfer_bytes}")
+
+
+def _engine(args: argparse.Namespace, devices, sharding: str | None):
+    from jetserve.commands.common import engine_config
+    from jetserve.model_loading import build_engine
+
+    devs = list(devices)
+    if args.generate_devices is not None:
+        if not 1 <= args.generate_devices <= len(devs):
+            raise ValueError(f"--generate-devices={args.generate_devices}: expected between "
+                             f"1 and {len(devs)}")
+        devs = devs[:args.generate_devices]
+    return build_engine(args.model, devices=devs, sharding=sharding or args.sharding,
+                        engine_config=engine_config(args, devs))
+
+
+def build_decode(args: argparse.Namespace, devices, config):
+    """The decode role's orchestrator, after checking every prefill worker."""
+    from jetserve.disagg.decode_orchestrator import DecodeOrchestrator
+    from jetserve.disagg.prefill_client import PrefillWorkers, parse_addresses
+
+    addresses = parse_addresses(args.prefill_workers)
+    engine = _engine(args, devices, args.generate_sharding)
+    workers = PrefillWorkers(addresses)
+    try:
+        workers.check(engine, args.prefill_connect_timeout)
+    except BaseException:
+        workers.close()
+        raise
+    return DecodeOrchestrator(engine=engine, params=engine.load_params(), workers=workers,
+                              config=config, max_bytes_in_flight=args.max_transfer_bytes,
+                              transfer_host=args.transfer_host)
+
+
+def run_prefill(args: argparse.Namespace, devices) -> int:
+    """Serves a prefill worker until SIGTERM, then drains."""
+    from jetserve.disagg.kv_transfer import KVSender
+    from jetserve.disagg.prefill_runner import PrefillRunner
+
+    engine = _engine(args, devices, args.prefill_sharding)
+    sender = KVSender(engine, host=args.transfer_host, hold_s=args.prefix_hold_timeout)
+    runner = PrefillRunner(engine, engine.load_params(), sender,
+                           max_queued=args.max_queued_requests)
+    runner.start()
+    try:
+        asyncio.run(_serve_prefill(args, runner))
+    finally:
+        runner.stop()
+    print("jetserve serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+async def _serve_prefill(args: argparse.Namespace, runner) -> None:
+    from jetserve.disagg.prefill_service import SERVICE, PrefillServer
+
+    port = 0 if args.grpc_port in (0, -1) else args.grpc_port
+    server = PrefillServer(runner, args.host, port)
+    await server.start()
+    shown = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+    print(f"jetserve serve: prefill worker gRPC listening on {shown}:{server.port} "
+          f"({SERVICE}; KV transfer server {runner.sender.address})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if not args.no_warmup:
+            print("jetserve serve: warming up (one prefill per bucket)", flush=True)
+            warm = asyncio.ensure_future(asyncio.to_thread(runner.warm_up))
+            await asyncio.wait({warm, asyncio.ensure_future(stop.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            await server.ready()
+            print("jetserve serve: ready", flush=True)
+            await stop.wait()
+    finally:
+        print("jetserve serve: draining (held prefixes wait for their pulls)", flush=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if not await server.drain(args.drain_timeout):
+            print(f"jetserve serve: {runner.sender.registered()} prefixes still held after "
+                  f"--drain-timeout {args.drain_timeout:g} s; freeing them", flush=True)
+        await server.stop()
+

@@ -1,0 +1,241 @@
+"""The split deployment on 127.0.0.1: two `jetserve serve --role prefill` workers (tp over
+4 fake devices; replicated on 2) and one `--role decode` process (tp_kv_batch over 4),
+KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
+openai SDK give what `jetserve generate` gives; SIGKILL of a prefill worker mid-run loses
+no stream and repeats no token; afterwards the surviving worker holds no prefix and every
+decode slot is free. Bad worker addresses are start-up errors naming them.
+"""
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from jetserve.cli import main as jetserve_main
+from protos import jetstream_pb2 as pb
+from protos import jetstream_pb2_grpc as pb_grpc
+from protos import prefill_worker_pb2 as wpb
+from protos import prefill_worker_pb2_grpc as wpb_grpc
+from tests.e2e.serve_process import wait_listening
+
+MODEL = "random:tiny"
+ENGINE = ["--model", MODEL, "--max-seq-len", "64", "--max-prefill-length", "32",
+          "--max-concurrent-decodes", "8", "--host", "127.0.0.1"]
+MAX_TOKENS = 8
+# 16 over gRPC, 16 over HTTP; two prompts are longer than a prefill (chunked remotely).
+PROMPTS = [[1, *range(2 + k, 6 + 2 * k)] for k in range(14)] + [[1, *range(3, 40)],
+                                                                 [1, *range(50, 95)]]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], devices: int, log) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.Popen([sys.executable, "-m", "jetserve", "serve", *ENGINE, *args],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("split-serve")
+    procs, files = {}, []
+
+    def start(name, args, devices):
+        f = open(logs / f"{name}.stderr", "w+")  # noqa: SIM115 (closed below)
+        files.append(f)
+        procs[name] = _start(args, devices, f)
+        return procs[name]
+
+    try:
+        ports = {}
+        for name, extra, devices in (("a", ["--sharding", "tp"], 4),
+                                     ("b", ["--sharding", "replicated"], 2)):
+            p = start(name, ["--role", "prefill", "--grpc-port", str(_free_port()), *extra],
+                      devices)
+            ports[name] = wait_listening(p, 1)["gRPC"]
+            _drain(p)
+        workers = ",".join(f"127.0.0.1:{ports[n]}" for n in ("a", "b"))
+        d = start("decode", ["--role", "decode", "--prefill-workers", workers,
+                             "--sharding", "tp_kv_batch", "--grpc-port", "0",
+                             "--http-port", "0"], 4)
+        ports.update(wait_listening(d, 2))
+        _drain(d)
+        yield procs, ports
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in files:
+            f.close()
+
+
+@pytest.fixture(scope="module")
+def want():
+    """`jetserve generate --json` of every prompt, greedy, in this process."""
+    argv = ["generate", *ENGINE[:8], "--json", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
+    for p in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert jetserve_main(argv) == 0
+    return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+
+
+def _grpc(port: int, prompt: list[int], first: threading.Event) -> list[int]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        req = pb.DecodeRequest(max_tokens=MAX_TOKENS, ignore_eos=True, has_bos=True,
+                               token_content=pb.DecodeRequest.TokenContent(token_ids=prompt))
+        ids = []
+        for m in pb_grpc.OrchestratorStub(ch).Decode(req, timeout=300):
+            ids += m.stream_content.samples[0].token_ids
+            first.set()
+    return ids
+
+
+async def _http(port: int, prompts: list[list[int]]) -> list[list[int]]:
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                max_retries=0, timeout=300)
+
+    async def one(prompt):  # token-id prompts are used verbatim, as --prompt-ids
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+
+
+def _run_all(ports: dict, on_first=None) -> tuple[list, list]:
+    """gRPC streams for the first half of PROMPTS, HTTP for the rest, all at once;
+    `on_first()` runs once the first gRPC token arrived."""
+    half = len(PROMPTS) // 2
+    first = threading.Event()
+    with ThreadPoolExecutor(half + 1) as pool:
+        calls = [pool.submit(_grpc, ports["gRPC"], p, first) for p in PROMPTS[:half]]
+        if on_first is not None:
+            pool.submit(lambda: (first.wait(300), on_first()))
+        http = asyncio.run(_http(ports["HTTP"], PROMPTS[half:]))
+        return [c.result(timeout=300) for c in calls], http
+
+
+def _check(got_grpc, got_http, want) -> None:
+    """Every stream as generate's: each token once, in order."""
+    half = len(PROMPTS) // 2
+    assert got_grpc == [w["token_ids"] for w in want[:half]]
+    assert got_http == [(w["text"], "length") for w in want[half:]]
+
+
+def _load(port: int) -> wpb.LoadResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return wpb_grpc.PrefillWorkerStub(ch).Load(wpb.LoadRequest(), timeout=30)
+
+
+def _metric(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$",
+                                                      text, re.M))
+
+
+def _settles(fn, timeout_s: float = 60) -> bool:
+    """fn() true within timeout_s (a state to reach, not a duration to assert)."""
+    end = time.monotonic() + timeout_s
+    while not fn():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.slow
+def test_split_deployment_matches_generate(split, want):
+    procs, ports = split
+    got_grpc, got_http = _run_all(ports)
+    _check(got_grpc, got_http, want)
+    assert _settles(lambda: _load(ports["a"]).registered + _load(ports["b"]).registered == 0)
+    assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(PROMPTS)
+    assert _metric(ports["HTTP"], "jetserve_kv_transfer_bytes") > 0
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_prefill_worker_loses_no_stream(split, want):
+    procs, ports = split
+    got_grpc, got_http = _run_all(ports, on_first=lambda: procs["a"].send_signal(signal.SIGKILL))
+    assert procs["a"].wait(30) == -signal.SIGKILL
+    _check(got_grpc, got_http, want)
+    assert _settles(lambda: _load(ports["b"]).registered == 0)
+    assert _settles(lambda: _metric(ports["HTTP"], "jetserve_slots_in_use") == 0)
+    assert _metric(ports["HTTP"], "jetserve_requests_in_flight") == 0
+    # Requests did meet the dead worker, and went elsewhere.
+    assert (_metric(ports["HTTP"], "jetserve_remote_prefill_retries")
+            + _metric(ports["HTTP"], "jetserve_kv_transfer_retries")) >= 1
+    # The decode process serves on with the one worker left.
+    again, _ = _run_all(ports)
+    assert again == [w["token_ids"] for w in want[:len(PROMPTS) // 2]]
+
+
+def _decode_error(workers: str, timeout: str = "5") -> str:
+    """stderr of a decode process that must refuse `workers` at start-up."""
+    argv = [sys.executable, "-m", "jetserve", "serve", *ENGINE, "--role", "decode",
+            "--prefill-workers", workers, "--prefill-connect-timeout", timeout,
+            "--grpc-port", "0", "--http-port", "0", "--no-warmup"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    return out.stderr
+
+
+@pytest.mark.slow
+def test_bad_worker_addresses_are_startup_errors(split):
+    _, ports = split
+    closed = _free_port()
+    assert f"127.0.0.1:{closed} is unreachable" in _decode_error(f"127.0.0.1:{closed}", "2")
+    # The decode process's own gRPC port serves jetstream's Orchestrator, not a worker.
+    err = _decode_error(f"127.0.0.1:{ports['gRPC']}")
+    assert f"127.0.0.1:{ports['gRPC']} does not serve jetserve_disagg.PrefillWorker" in err
+
+
+@pytest.mark.slow
+def test_sigterm_drains_both_roles(split, want):
+    procs, ports = split
+    first = threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        calls = [pool.submit(_grpc, ports["gRPC"], p, first) for p in PROMPTS[:4]]
+        assert first.wait(300)
+        procs["decode"].send_signal(signal.SIGTERM)  # streams in flight still finish
+        got = [c.result(timeout=300) for c in calls]
+    assert got == [w["token_ids"] for w in want[:4]]
+    assert procs["decode"].wait(120) == 0
+    procs["b"].send_signal(signal.SIGTERM)
+    assert procs["b"].wait(120) == 0

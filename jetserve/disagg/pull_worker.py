@@ -153,7 +153,7 @@ class PullWorker(TransferWorker):
         self.workers.mark_down(ticket.worker)
         if live.preemptions >= self.max_retries:
             self.stats.failed(retried=False)
-            self._end(live, None, "error", RuntimeError(
+            self._end(live, ticket, "error", RuntimeError(
                 f"pulling its prefix failed {live.preemptions + 1} times, last from "
                 f"{ticket.worker.address}: {type(e).__name__}: {e}"))
             return
@@ -162,6 +162,7 @@ class PullWorker(TransferWorker):
         self.stats.failed(retried=True)
         live.preempted()
         self.resume(live)
+        self.workers.ack(ticket.worker, ticket.uuid)  # a worker still there frees it now
 
     def _end(self, live: LiveRequest, ticket: Ticket | None, reason: str,
              exc: BaseException | None = None) -> None:

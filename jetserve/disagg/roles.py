@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-connect-timeout", type=float, default=300.0,
                    help="--role decode: seconds to wait at start-up for every prefill "
                         "worker to be reachable and ready (default %(default)s)")
+    g.add_argument("--prefill-timeout", type=float, default=120.0,
+                   help="--role decode: seconds one prefill call may take before its worker "
+                        "counts as failed and the request goes to another (default %(default)s)")
     g.add_argument("--prefix-hold-timeout", type=float, default=60.0,
                    help="--role prefill: seconds a prefix is held for its pull before it "
                         "is freed (default %(default)s)")
@@ -64,6 +67,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if any(prefix_cache_budgets(args).values()):
         raise ValueError(f"--role {role}: no prefix cache in a split deployment yet")
     for flag, v in (("--prefix-hold-timeout", args.prefix_hold_timeout),
+                    ("--prefill-timeout", args.prefill_timeout),
                     ("--prefill-connect-timeout", args.prefill_connect_timeout)):
         if not v > 0:
             raise ValueError(f"{flag} must be > 0 seconds, got {v}")
@@ -92,7 +96,7 @@ def build_decode(args: argparse.Namespace, devices, config):
 
     addresses = parse_addresses(args.prefill_workers)
     engine = _engine(args, devices, args.generate_sharding)
-    workers = PrefillWorkers(addresses)
+    workers = PrefillWorkers(addresses, rpc_timeout_s=args.prefill_timeout)
     try:
         workers.check(engine, args.prefill_connect_timeout)
     except BaseException:

@@ -28,6 +28,8 @@ def _args(*argv: str) -> argparse.Namespace:
      "leave out --prefill-devices"),
     (["--role", "prefill", "--prefix-cache-hbm-mb", "8"], "no prefix cache"),
     (["--role", "prefill", "--prefix-hold-timeout", "0"], "--prefix-hold-timeout must be > 0"),
+    (["--role", "decode", "--prefill-workers", "h:1", "--prefill-timeout", "-1"],
+     "--prefill-timeout must be > 0"),
     (["--role", "decode", "--prefill-workers", "h:1", "--max-transfer-bytes", "0"],
      "--max-transfer-bytes must be >= 1"),
 ])

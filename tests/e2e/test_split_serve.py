@@ -84,7 +84,7 @@ def split(tmp_path_factory):
                              "--http-port", "0"], 4)
         ports.update(wait_listening(d, 2))
         _drain(d)
-        yield procs, ports
+        yield procs, ports, start
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -162,10 +162,11 @@ def _load(port: int) -> wpb.LoadResponse:
         return wpb_grpc.PrefillWorkerStub(ch).Load(wpb.LoadRequest(), timeout=30)
 
 
-def _metric(port: int, name: str) -> float:
+def _metric(port: int, name: str, label: str = "") -> float:
+    """The sum of `name` over its series (those whose labels contain `label`)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$",
-                                                      text, re.M))
+    return sum(float(m.group(2)) for m in re.finditer(rf"^{name}({{[^}}]*}})? (\S+)$",
+                                                      text, re.M) if label in (m.group(1) or ""))
 
 
 def _settles(fn, timeout_s: float = 60) -> bool:
@@ -180,17 +181,18 @@ def _settles(fn, timeout_s: float = 60) -> bool:
 
 @pytest.mark.slow
 def test_split_deployment_matches_generate(split, want):
-    procs, ports = split
+    procs, ports, _ = split
     got_grpc, got_http = _run_all(ports)
     _check(got_grpc, got_http, want)
     assert _settles(lambda: _load(ports["a"]).registered + _load(ports["b"]).registered == 0)
     assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(PROMPTS)
     assert _metric(ports["HTTP"], "jetserve_kv_transfer_bytes") > 0
+    assert _metric(ports["HTTP"], "jetserve_prefill_worker_up") == 2
 
 
 @pytest.mark.slow
 def test_sigkill_of_a_prefill_worker_loses_no_stream(split, want):
-    procs, ports = split
+    procs, ports, _ = split
     got_grpc, got_http = _run_all(ports, on_first=lambda: procs["a"].send_signal(signal.SIGKILL))
     assert procs["a"].wait(30) == -signal.SIGKILL
     _check(got_grpc, got_http, want)
@@ -203,6 +205,22 @@ def test_sigkill_of_a_prefill_worker_loses_no_stream(split, want):
     # The decode process serves on with the one worker left.
     again, _ = _run_all(ports)
     assert again == [w["token_ids"] for w in want[:len(PROMPTS) // 2]]
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_on_its_address_takes_requests_again(split, want):
+    procs, ports, start = split
+    assert procs["a"].poll() is not None  # killed above
+    p = start("a", ["--role", "prefill", "--grpc-port", str(ports["a"]), "--sharding", "tp"], 4)
+    assert wait_listening(p, 1)["gRPC"] == ports["a"]
+    _drain(p)
+    up = lambda: _metric(ports["HTTP"], "jetserve_prefill_worker_up",  # noqa: E731
+                         f'address="127.0.0.1:{ports["a"]}"') == 1
+    assert _settles(up)  # the decode process saw it answer Load again
+    got_grpc, got_http = _run_all(ports)
+    _check(got_grpc, got_http, want)
+    assert _load(ports["a"]).prefills > 0  # and sent it prompts
+    assert _settles(lambda: _load(ports["a"]).registered + _load(ports["b"]).registered == 0)
 
 
 def _decode_error(workers: str, timeout: str = "5") -> str:
@@ -218,7 +236,7 @@ def _decode_error(workers: str, timeout: str = "5") -> str:
 
 @pytest.mark.slow
 def test_bad_worker_addresses_are_startup_errors(split):
-    _, ports = split
+    _, ports, _ = split
     closed = _free_port()
     assert f"127.0.0.1:{closed} is unreachable" in _decode_error(f"127.0.0.1:{closed}", "2")
     # The decode process's own gRPC port serves jetstream's Orchestrator, not a worker.
@@ -228,7 +246,7 @@ def test_bad_worker_addresses_are_startup_errors(split):
 
 @pytest.mark.slow
 def test_sigterm_drains_both_roles(split, want):
-    procs, ports = split
+    procs, ports, _ = split
     first = threading.Event()
     with ThreadPoolExecutor(4) as pool:
         calls = [pool.submit(_grpc, ports["gRPC"], p, first) for p in PROMPTS[:4]]

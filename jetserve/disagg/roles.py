@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("split deployment (prefill and decode processes)")
     g.add_argument("--role", default="both", choices=ROLES,
                    help="both: prefill and generate here (default); prefill: a prefill "
-                        "worker for decode processes; decode: generate here, prefill on "
-                        "--prefill-workers")
+                        "worker for decode processes (its internal service on --grpc-port, "
+                        "no HTTP); decode: generate here, prefill on --prefill-workers")
     g.add_argument("--prefill-workers", default=None, metavar="HOST:PORT,...",
                    help="--role decode: the --grpc-port of each --role prefill worker")
     g.add_argument("--prefill-connect-timeout", type=float, default=300.0,
@@ -59,9 +59,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.coordinator is not None:
         raise ValueError(f"--role {role}: one process per role for now; leave out "
                          "--coordinator")
-    if args.prefill_devices is not None or args.interleaved:
-        raise ValueError(f"--role {role}: the engine spans this process's devices (or "
-                         "--generate-devices); leave out --prefill-devices / --interleaved")
+    if (args.prefill_devices is not None or args.generate_devices is not None
+            or args.interleaved):
+        raise ValueError(f"--role {role}: one engine spans this process's devices (--devices "
+                         "N takes the first N); leave out --prefill-devices, "
+                         "--generate-devices and --interleaved")
     from jetserve.commands.common import prefix_cache_budgets
 
     if any(prefix_cache_budgets(args).values()):
@@ -80,11 +82,6 @@ def _engine(args: argparse.Namespace, devices, sharding: str | None):
     from jetserve.model_loading import build_engine
 
     devs = list(devices)
-    if args.generate_devices is not None:
-        if not 1 <= args.generate_devices <= len(devs):
-            raise ValueError(f"--generate-devices={args.generate_devices}: expected between "
-                             f"1 and {len(devs)}")
-        devs = devs[:args.generate_devices]
     return build_engine(args.model, devices=devs, sharding=sharding or args.sharding,
                         engine_config=engine_config(args, devs))
 

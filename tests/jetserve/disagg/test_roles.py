@@ -26,6 +26,7 @@ def _args(*argv: str) -> argparse.Namespace:
       "--process-id", "0"], "leave out --coordinator"),
     (["--role", "decode", "--prefill-workers", "h:1", "--prefill-devices", "2"],
      "leave out --prefill-devices"),
+    (["--role", "prefill", "--generate-devices", "2"], "--devices N takes the first N"),
     (["--role", "prefill", "--prefix-cache-hbm-mb", "8"], "no prefix cache"),
     (["--role", "prefill", "--prefix-hold-timeout", "0"], "--prefix-hold-timeout must be > 0"),
     (["--role", "decode", "--prefill-workers", "h:1", "--prefill-timeout", "-1"],

@@ -48,10 +48,14 @@ class _Workers:
 
 
 class _Receiver:
+    timeout_s = 30.0
+
     def __init__(self, outcome):
         self.outcome = outcome
 
     def pull(self, address, uuid, meta, who):
+        if isinstance(self.outcome, threading.Event):  # a worker that hangs
+            self.outcome.wait()
         if isinstance(self.outcome, Exception):
             raise self.outcome
         return self.outcome
@@ -129,3 +133,14 @@ def test_cancelled_request_is_not_pulled_but_freed():
     _pull(w, live)
     assert outbox.get_nowait().reason == "cancelled"
     assert workers.acked == [("worker-a:1", 42)] and not resumed
+
+
+def test_pull_from_a_hung_worker_times_out_and_is_prefilled_again():
+    hang = threading.Event()
+    w, resumed, outbox, workers = _stage(hang)
+    w.receiver.timeout_s = 0.2
+    live = _live()
+    _pull(w, live)
+    hang.set()  # lets the abandoned pull thread end
+    assert resumed == [live] and live.preemptions == 1 and outbox.empty()
+    assert workers.down == ["worker-a:1"]

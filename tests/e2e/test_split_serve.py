@@ -236,12 +236,21 @@ def _decode_error(workers: str, timeout: str = "5") -> str:
 
 @pytest.mark.slow
 def test_bad_worker_addresses_are_startup_errors(split):
-    _, ports, _ = split
+    procs, ports, start = split
     closed = _free_port()
     assert f"127.0.0.1:{closed} is unreachable" in _decode_error(f"127.0.0.1:{closed}", "2")
     # The decode process's own gRPC port serves jetstream's Orchestrator, not a worker.
     err = _decode_error(f"127.0.0.1:{ports['gRPC']}")
     assert f"127.0.0.1:{ports['gRPC']} does not serve jetserve_disagg.PrefillWorker" in err
+    # A worker of another model (4 layers, not 2) is refused before any prefix moves.
+    other = start("other", ["--role", "prefill", "--grpc-port", "0", "--model", "random:small"],
+                  1)
+    port = wait_listening(other, 1)["gRPC"]
+    _drain(other)
+    err = _decode_error(f"127.0.0.1:{port}")
+    assert f"--prefill-workers: 127.0.0.1:{port} makes prefixes with head_dim=32" in err
+    other.send_signal(signal.SIGTERM)
+    assert other.wait(120) == 0
 
 
 @pytest.mark.slow

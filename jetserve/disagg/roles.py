@@ -66,8 +66,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                          "--generate-devices and --interleaved")
     from jetserve.commands.common import prefix_cache_budgets
 
-    if any(prefix_cache_budgets(args).values()):
-        raise ValueError(f"--role {role}: no prefix cache in a split deployment yet")
+    if role == "decode" and any(prefix_cache_budgets(args).values()):
+        raise ValueError("--role decode: the prefix cache is the prefill workers' "
+                         "(--prefix-cache-hbm-mb / --prefix-cache-host-mb on --role prefill)")
     for flag, v in (("--prefix-hold-timeout", args.prefix_hold_timeout),
                     ("--prefill-timeout", args.prefill_timeout),
                     ("--prefill-connect-timeout", args.prefill_connect_timeout)):
@@ -112,7 +113,8 @@ def run_prefill(args: argparse.Namespace, devices) -> int:
     engine = _engine(args, devices, args.prefill_sharding)
     sender = KVSender(engine, host=args.transfer_host, hold_s=args.prefix_hold_timeout)
     runner = PrefillRunner(engine, engine.load_params(), sender,
-                           max_queued=args.max_queued_requests)
+                           max_queued=args.max_queued_requests,
+                           **_prefix_cache(args, engine))
     runner.start()
     try:
         asyncio.run(_serve_prefill(args, runner))
@@ -120,6 +122,21 @@ def run_prefill(args: argparse.Namespace, devices) -> int:
         runner.stop()
     print("jetserve serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _prefix_cache(args: argparse.Namespace, engine) -> dict:
+    """The prefill worker's prefix cache (cache, cache_key), when the flags budget one."""
+    from jetserve.commands.common import prefix_cache_budgets
+    from jetserve.orchestrator.config import OrchestratorConfig
+    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache, model_cache_key
+
+    budgets = prefix_cache_budgets(args)
+    if not any(budgets.values()):
+        return {}
+    store = ArrayStore(engine, OrchestratorConfig.prefix_cache_block)
+    cache = PrefixCache(store=store, hbm_bytes=budgets["prefix_cache_hbm_bytes"],
+                        host_bytes=budgets["prefix_cache_host_bytes"])
+    return {"cache": cache, "cache_key": model_cache_key(args.model, engine.model_config)}
 
 
 async def _serve_prefill(args: argparse.Namespace, runner) -> None:

@@ -1,6 +1,6 @@
 """The split deployment on 127.0.0.1: two `jetserve serve --role prefill` workers (tp over
-4 fake devices; replicated on 2) and one `--role decode` process (tp_kv_batch over 4),
-KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
+4 fake devices with a prefix cache; replicated on 2) and one `--role decode` process
+(tp_kv_batch over 4), KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
 openai SDK give what `jetserve generate` gives; SIGKILL of a prefill worker mid-run loses
 no stream and repeats no token; afterwards the surviving worker holds no prefix and every
 decode slot is free. Bad worker addresses are start-up errors naming them.
@@ -39,6 +39,9 @@ MAX_TOKENS = 8
 # 16 over gRPC, 16 over HTTP; two prompts are longer than a prefill (chunked remotely).
 PROMPTS = [[1, *range(2 + k, 6 + 2 * k)] for k in range(14)] + [[1, *range(3, 40)],
                                                                  [1, *range(50, 95)]]
+# Worker a keeps a prefix cache (its hits are checked in tests/jetserve/disagg): every
+# prefill there looks it up and caches its blocks, and the tokens must not change.
+CACHE = ["--prefix-cache-hbm-mb", "8"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -72,7 +75,7 @@ def split(tmp_path_factory):
 
     try:
         ports = {}
-        for name, extra, devices in (("a", ["--sharding", "tp"], 4),
+        for name, extra, devices in (("a", ["--sharding", "tp", *CACHE], 4),
                                      ("b", ["--sharding", "replicated"], 2)):
             p = start(name, ["--role", "prefill", "--grpc-port", str(_free_port()), *extra],
                       devices)
@@ -211,7 +214,8 @@ def test_sigkill_of_a_prefill_worker_loses_no_stream(split, want):
 def test_a_worker_restarted_on_its_address_takes_requests_again(split, want):
     procs, ports, start = split
     assert procs["a"].poll() is not None  # killed above
-    p = start("a", ["--role", "prefill", "--grpc-port", str(ports["a"]), "--sharding", "tp"], 4)
+    p = start("a", ["--role", "prefill", "--grpc-port", str(ports["a"]), "--sharding", "tp",
+                    *CACHE], 4)
     assert wait_listening(p, 1)["gRPC"] == ports["a"]
     _drain(p)
     up = lambda: _metric(ports["HTTP"], "jetserve_prefill_worker_up",  # noqa: E731

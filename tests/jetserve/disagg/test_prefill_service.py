@@ -8,8 +8,10 @@ import threading
 
 import grpc
 import jax
+import numpy as np
 import pytest
 
+from engines import SamplingParams
 from jetserve.disagg.kv_transfer import KVSender
 from jetserve.disagg.prefill_runner import PrefillRunner
 from jetserve.disagg.prefill_service import PrefillServer
@@ -77,3 +79,23 @@ def test_prefill_worker_service(worker):
     assert _code(stub, token_ids=[1, 2]) == (grpc.StatusCode.UNAVAILABLE,
                                              "prefill worker is draining")
     assert stub.Load(pb.LoadRequest(), timeout=30).role == "prefill"  # still answers
+
+
+def test_prefix_cache_on_the_prefill_side_gives_the_same_prefix(worker):
+    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache
+
+    plain = worker[0].runner
+    engine = plain.engine
+    cache = PrefixCache(store=ArrayStore(engine, 16), hbm_bytes=1 << 24, host_bytes=0)
+    cached = PrefillRunner(engine, plain.params, plain.sender, max_queued=1, cache=cache,
+                           cache_key="tiny")
+    tokens = np.arange(1, 41, dtype=np.int32)  # 40 tokens: two chunks of 32 and 8
+    want_prefix, want_first = plain.prefill(tokens, SamplingParams())
+    cached.prefill(tokens, SamplingParams())  # caches its two whole 16-token blocks
+    prefix, first = cached.prefill(tokens, SamplingParams())
+    assert cache.stats()["hits"] == 1 and cache.stats()["hit_tokens"] == 32
+    assert first.to_host().token(0) == want_first.to_host().token(0)
+    assert int(prefix.length) == int(want_prefix.length) == 40
+    L = int(prefix.length)
+    for got, want in zip(prefix.k + prefix.v, want_prefix.k + want_prefix.v, strict=True):
+        np.testing.assert_allclose(np.asarray(got)[:, :L], np.asarray(want)[:, :L], atol=1e-5)

@@ -51,7 +51,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("role", "queue_depth", "registered", "ready", "signature_json", "max_prefill_length", "max_seq_len")
+    __slots__ = ("role", "queue_depth", "registered", "ready", "signature_json", "max_prefill_length", "max_seq_len", "prefills")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class LoadResponse(_message.Message):
     SIGNATURE_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFILL_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
     role: str
     queue_depth: int
     registered: int
@@ -66,4 +67,5 @@ class LoadResponse(_message.Message):
     signature_json: str
     max_prefill_length: int
     max_seq_len: int
-    def __init__(self, role: _Optional[str] = ..., queue_depth: _Optional[int] = ..., registered: _Optional[int] = ..., ready: _Optional[bool] = ..., signature_json: _Optional[str] = ..., max_prefill_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+    prefills: int
+    def __init__(self, role: _Optional[str] = ..., queue_depth: _Optional[int] = ..., registered: _Optional[int] = ..., ready: _Optional[bool] = ..., signature_json: _Optional[str] = ..., max_prefill_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., prefills: _Optional[int] = ...) -> None: ...

@@ -14,6 +14,9 @@ Several processes (--coordinator HOST:PORT --num-processes N --process-id I, the
 other arguments on each): one engine sharded over the devices of all of them, driven in
 lock step (jetserve/orchestrator/lockstep.py). Process 0 runs the servers and takes the
 requests; the others follow its step plans and exit when it stops (SIGTERM process 0).
+
+Split deployment (--role prefill | decode, jetserve/disagg/roles.py): prefill workers and
+a decode process that serves the APIs and pulls each prefix from a worker.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ thread and lifecycle it keeps):
        check, regroup, move into this engine's layout, ack ─────┤
      generate thread (generate_worker.py): backlog -> slots -> steps
      detokenize thread: text, stop strings, the request's stream
+     prefill-load thread: every second each worker's Load (queue depth, up or down)
 
 A request whose pull fails goes back to the remote prefill threads (the resume queue,
 shared with requests preempted for KV pages) and is prefilled again on another worker.
@@ -78,6 +79,7 @@ class DecodeOrchestrator(Orchestrator):
 
     def _thread_bodies(self) -> list[tuple[str, Callable[[], None]]]:
         return [*((f"remote-prefill-{r.index}", r.run) for r in self._remote),
+                ("prefill-load", lambda: self.workers.refresh_until(self._stopping)),
                 ("pull", self._transfer[0].run), ("generate-0", self._generate[0].run),
                 ("detokenize", self._detok.run)]
 

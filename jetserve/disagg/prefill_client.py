@@ -3,8 +3,9 @@
 `check` runs at start-up: every address must answer `Load` as a ready `--role prefill`
 worker of the same model (signature) and limits, else a ValueError names the address.
 `pick` gives the least loaded worker that is up: the prefills this process has in flight
-on it plus the queue depth it last reported. A worker whose call fails is marked down for
-`retry_after_s`; after that it is tried again (gRPC reconnects to a restarted worker).
+on it plus the queue depth it last reported (with each answer, and every second from
+`refresh`). A worker whose call fails is marked down for `retry_after_s`, or until it
+answers `Load` again (gRPC reconnects to a worker restarted on its address).
 
 Concurrency: called from the remote prefill threads and the pull threads; counts are
 guarded by a lock, RPCs run outside it on gRPC's thread-safe channels.
@@ -66,7 +67,12 @@ class PrefillWorkers:
     def __init__(self, addresses: Sequence[str], *, rpc_timeout_s: float = 120.0,
                  retry_after_s: float = 2.0):
         self.rpc_timeout_s, self.retry_after_s = rpc_timeout_s, retry_after_s
-        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        # A worker that went away is redialled at least every 2 s (gRPC's default backoff
+        # grows to minutes), so one restarted on its address is back within a refresh.
+        backoff = [("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
+        self._channels = [grpc.insecure_channel(a, options=backoff) for a in addresses]
         self.workers = [Worker(a, pb_grpc.PrefillWorkerStub(c))
                         for a, c in zip(addresses, self._channels, strict=True)]
         self._lock = threading.Lock()
@@ -159,6 +165,27 @@ class PrefillWorkers:
             w.stub.Ack(pb.AckRequest(uuid=uuid), timeout=5.0)
         except grpc.RpcError as e:
             log.warning("ack of prefix %d to %s failed: %s", uuid, w.address, e.code().name)
+
+    def refresh(self) -> None:
+        """Asks every worker for its load (Load): a worker that answers ready is up with
+        the queue depth it reports, one that does not is down. What keeps a worker that
+        took no calls for a while (one that was down, or reported a long queue) in the
+        running."""
+        for w in self.workers:
+            try:
+                load = w.stub.Load(pb.LoadRequest(), timeout=1.0)
+            except grpc.RpcError:
+                self.mark_down(w)
+                continue
+            with self._lock:
+                w.reported = load.queue_depth
+                if load.ready and load.role == "prefill":
+                    w.down_until = 0.0
+
+    def refresh_until(self, stopping: threading.Event, interval_s: float = 1.0) -> None:
+        """`refresh` every interval_s until `stopping` (a thread of the decode process)."""
+        while not stopping.wait(interval_s):
+            self.refresh()
 
     def loads(self) -> list[dict]:
         """Per worker: what the decode side knows of it (stats, metrics)."""

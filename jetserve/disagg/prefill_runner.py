@@ -3,8 +3,9 @@
 RPC handlers `submit` jobs to a bounded queue (full: Overloaded, which the service answers
 RESOURCE_EXHAUSTED so the decode side asks another worker); one thread per engine takes
 them in order, prefills (in chunks of max_prefill_length, each continuing the last, for a
-longer prompt), registers the prefix with the KVSender for one pull and completes the
-job's future with the first token's row and the prefix's description. Between jobs it
+longer prompt; after the longest cached prefix with a prefix cache), registers the prefix
+with the KVSender for one pull and completes the job's future with the first token's row
+and the prefix's description. Between jobs it
 frees prefixes held past their time. An exception fails only its own job.
 """
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from engines import SamplingParams
 from jetserve.disagg.kv_transfer import KVSender
+from jetserve.orchestrator.prefix_cache import PrefixCache
 from jetserve.request import Overloaded
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,9 @@ class PrefillRunner:
     """Runs prefill jobs on one engine, holding each prefix in `sender` for a pull."""
 
     def __init__(self, engine: Any, params: Any, sender: KVSender, *, max_queued: int,
-                 poll_s: float = 0.05):
+                 poll_s: float = 0.05, cache: PrefixCache | None = None, cache_key: str = ""):
         self.engine, self.params, self.sender = engine, params, sender
+        self.cache, self.cache_key = cache, cache_key
         self.poll_s = poll_s
         self.queue: queue.Queue[PrefillJob] = queue.Queue(max_queued)
         self.stopping = threading.Event()
@@ -111,14 +114,23 @@ class PrefillRunner:
                          address=self.sender.address)
 
     def prefill(self, tokens: np.ndarray, sampling: SamplingParams) -> tuple[Any, Any]:
-        """(prefix, first token) of `tokens`, in chunks of max_prefill_length."""
-        chunk = self.engine.max_prefill_length
-        prefix = first = None
-        for start in range(0, len(tokens), chunk):
-            piece = tokens[start:start + chunk]
-            prefix, first = self.engine.prefill(self.params, piece, len(piece),
-                                                sampling=sampling, existing_prefix=prefix)
-        return prefix, first
+        """(prefix, first token) of `tokens`, in chunks of max_prefill_length, after the
+        longest cached prefix when there is a prefix cache (whose new blocks it caches)."""
+        hit = None if self.cache is None else self.cache.lookup(self.cache_key, tokens)
+        try:
+            done = 0 if hit is None else hit.tokens
+            prefix = self.cache.existing_prefix(hit, tokens) if done else None
+            chunk, first = self.engine.max_prefill_length, None
+            for start in range(done, len(tokens), chunk):
+                piece = tokens[start:start + chunk]
+                prefix, first = self.engine.prefill(self.params, piece, len(piece),
+                                                    sampling=sampling, existing_prefix=prefix)
+            if hit is not None:
+                self.cache.insert(hit, prefix)
+            return prefix, first
+        finally:
+            if hit is not None:
+                hit.release()
 
     def warm_up(self) -> int:
         """Compiles one prefill per bucket (and the gather to one device) before serving;

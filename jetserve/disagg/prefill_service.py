@@ -90,7 +90,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             role=ROLE, queue_depth=self.runner.depth(),
             registered=self.runner.sender.registered(), ready=self.ready,
             signature_json=json.dumps(prefix_wire.signature(e)),
-            max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len)
+            max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
+            prefills=self.runner.prefills)
 
 
 class PrefillServer:

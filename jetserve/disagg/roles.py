@@ -25,13 +25,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("split deployment (prefill and decode processes)")
     g.add_argument("--role", default="both", choices=ROLES,
                    help="both: prefill and generate here (default); prefill: a prefill "
-                        "worker for decode processes; decode: generate here, prefill on "
-                        "--prefill-workers")
+                        "worker for decode processes (its internal service on --grpc-port, "
+                        "no HTTP); decode: generate here, prefill on --prefill-workers")
     g.add_argument("--prefill-workers", default=None, metavar="HOST:PORT,...",
                    help="--role decode: the --grpc-port of each --role prefill worker")
     g.add_argument("--prefill-connect-timeout", type=float, default=300.0,
                    help="--role decode: seconds to wait at start-up for every prefill "
                         "worker to be reachable and ready (default %(default)s)")
+    g.add_argument("--prefill-timeout", type=float, default=120.0,
+                   help="--role decode: seconds one prefill call may take before its worker "
+                        "counts as failed and the request goes to another (default %(default)s)")
     g.add_argument("--prefix-hold-timeout", type=float, default=60.0,
                    help="--role prefill: seconds a prefix is held for its pull before it "
                         "is freed (default %(default)s)")
@@ -56,14 +59,18 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.coordinator is not None:
         raise ValueError(f"--role {role}: one process per role for now; leave out "
                          "--coordinator")
-    if args.prefill_devices is not None or args.interleaved:
-        raise ValueError(f"--role {role}: the engine spans this process's devices (or "
-                         "--generate-devices); leave out --prefill-devices / --interleaved")
+    if (args.prefill_devices is not None or args.generate_devices is not None
+            or args.interleaved):
+        raise ValueError(f"--role {role}: one engine spans this process's devices (--devices "
+                         "N takes the first N); leave out --prefill-devices, "
+                         "--generate-devices and --interleaved")
     from jetserve.commands.common import prefix_cache_budgets
 
-    if any(prefix_cache_budgets(args).values()):
-        raise ValueError(f"--role {role}: no prefix cache in a split deployment yet")
+    if role == "decode" and any(prefix_cache_budgets(args).values()):
+        raise ValueError("--role decode: the prefix cache is the prefill workers' "
+                         "(--prefix-cache-hbm-mb / --prefix-cache-host-mb on --role prefill)")
     for flag, v in (("--prefix-hold-timeout", args.prefix_hold_timeout),
+                    ("--prefill-timeout", args.prefill_timeout),
                     ("--prefill-connect-timeout", args.prefill_connect_timeout)):
         if not v > 0:
             raise ValueError(f"{flag} must be > 0 seconds, got {v}")
@@ -76,11 +83,6 @@ def _engine(args: argparse.Namespace, devices, sharding: str | None):
     from jetserve.model_loading import build_engine
 
     devs = list(devices)
-    if args.generate_devices is not None:
-        if not 1 <= args.generate_devices <= len(devs):
-            raise ValueError(f"--generate-devices={args.generate_devices}: expected between "
-                             f"1 and {len(devs)}")
-        devs = devs[:args.generate_devices]
     return build_engine(args.model, devices=devs, sharding=sharding or args.sharding,
                         engine_config=engine_config(args, devs))
 
@@ -92,7 +94,7 @@ def build_decode(args: argparse.Namespace, devices, config):
 
     addresses = parse_addresses(args.prefill_workers)
     engine = _engine(args, devices, args.generate_sharding)
-    workers = PrefillWorkers(addresses)
+    workers = PrefillWorkers(addresses, rpc_timeout_s=args.prefill_timeout)
     try:
         workers.check(engine, args.prefill_connect_timeout)
     except BaseException:
@@ -111,7 +113,8 @@ def run_prefill(args: argparse.Namespace, devices) -> int:
     engine = _engine(args, devices, args.prefill_sharding)
     sender = KVSender(engine, host=args.transfer_host, hold_s=args.prefix_hold_timeout)
     runner = PrefillRunner(engine, engine.load_params(), sender,
-                           max_queued=args.max_queued_requests)
+                           max_queued=args.max_queued_requests,
+                           **_prefix_cache(args, engine))
     runner.start()
     try:
         asyncio.run(_serve_prefill(args, runner))
@@ -119,6 +122,21 @@ def run_prefill(args: argparse.Namespace, devices) -> int:
         runner.stop()
     print("jetserve serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _prefix_cache(args: argparse.Namespace, engine) -> dict:
+    """The prefill worker's prefix cache (cache, cache_key), when the flags budget one."""
+    from jetserve.commands.common import prefix_cache_budgets
+    from jetserve.orchestrator.config import OrchestratorConfig
+    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache, model_cache_key
+
+    budgets = prefix_cache_budgets(args)
+    if not any(budgets.values()):
+        return {}
+    store = ArrayStore(engine, OrchestratorConfig.prefix_cache_block)
+    cache = PrefixCache(store=store, hbm_bytes=budgets["prefix_cache_hbm_bytes"],
+                        host_bytes=budgets["prefix_cache_host_bytes"])
+    return {"cache": cache, "cache_key": model_cache_key(args.model, engine.model_config)}
 
 
 async def _serve_prefill(args: argparse.Namespace, runner) -> None:

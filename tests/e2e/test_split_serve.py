@@ -1,6 +1,6 @@
 """The split deployment on 127.0.0.1: two `jetserve serve --role prefill` workers (tp over
-4 fake devices; replicated on 2) and one `--role decode` process (tp_kv_batch over 4),
-KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
+4 fake devices with a prefix cache; replicated on 2) and one `--role decode` process
+(tp_kv_batch over 4), KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
 openai SDK give what `jetserve generate` gives; SIGKILL of a prefill worker mid-run loses
 no stream and repeats no token; afterwards the surviving worker holds no prefix and every
 decode slot is free. Bad worker addresses are start-up errors naming them.
@@ -39,6 +39,9 @@ MAX_TOKENS = 8
 # 16 over gRPC, 16 over HTTP; two prompts are longer than a prefill (chunked remotely).
 PROMPTS = [[1, *range(2 + k, 6 + 2 * k)] for k in range(14)] + [[1, *range(3, 40)],
                                                                  [1, *range(50, 95)]]
+# Worker a keeps a prefix cache (its hits are checked in tests/jetserve/disagg): every
+# prefill there looks it up and caches its blocks, and the tokens must not change.
+CACHE = ["--prefix-cache-hbm-mb", "8"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -72,7 +75,7 @@ def split(tmp_path_factory):
 
     try:
         ports = {}
-        for name, extra, devices in (("a", ["--sharding", "tp"], 4),
+        for name, extra, devices in (("a", ["--sharding", "tp", *CACHE], 4),
                                      ("b", ["--sharding", "replicated"], 2)):
             p = start(name, ["--role", "prefill", "--grpc-port", str(_free_port()), *extra],
                       devices)
@@ -84,7 +87,7 @@ def split(tmp_path_factory):
                              "--http-port", "0"], 4)
         ports.update(wait_listening(d, 2))
         _drain(d)
-        yield procs, ports
+        yield procs, ports, start
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -162,10 +165,11 @@ def _load(port: int) -> wpb.LoadResponse:
         return wpb_grpc.PrefillWorkerStub(ch).Load(wpb.LoadRequest(), timeout=30)
 
 
-def _metric(port: int, name: str) -> float:
+def _metric(port: int, name: str, label: str = "") -> float:
+    """The sum of `name` over its series (those whose labels contain `label`)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$",
-                                                      text, re.M))
+    return sum(float(m.group(2)) for m in re.finditer(rf"^{name}({{[^}}]*}})? (\S+)$",
+                                                      text, re.M) if label in (m.group(1) or ""))
 
 
 def _settles(fn, timeout_s: float = 60) -> bool:
@@ -180,17 +184,18 @@ def _settles(fn, timeout_s: float = 60) -> bool:
 
 @pytest.mark.slow
 def test_split_deployment_matches_generate(split, want):
-    procs, ports = split
+    procs, ports, _ = split
     got_grpc, got_http = _run_all(ports)
     _check(got_grpc, got_http, want)
     assert _settles(lambda: _load(ports["a"]).registered + _load(ports["b"]).registered == 0)
     assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(PROMPTS)
     assert _metric(ports["HTTP"], "jetserve_kv_transfer_bytes") > 0
+    assert _metric(ports["HTTP"], "jetserve_prefill_worker_up") == 2
 
 
 @pytest.mark.slow
 def test_sigkill_of_a_prefill_worker_loses_no_stream(split, want):
-    procs, ports = split
+    procs, ports, _ = split
     got_grpc, got_http = _run_all(ports, on_first=lambda: procs["a"].send_signal(signal.SIGKILL))
     assert procs["a"].wait(30) == -signal.SIGKILL
     _check(got_grpc, got_http, want)
@@ -203,6 +208,23 @@ def test_sigkill_of_a_prefill_worker_loses_no_stream(split, want):
     # The decode process serves on with the one worker left.
     again, _ = _run_all(ports)
     assert again == [w["token_ids"] for w in want[:len(PROMPTS) // 2]]
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_on_its_address_takes_requests_again(split, want):
+    procs, ports, start = split
+    assert procs["a"].poll() is not None  # killed above
+    p = start("a", ["--role", "prefill", "--grpc-port", str(ports["a"]), "--sharding", "tp",
+                    *CACHE], 4)
+    assert wait_listening(p, 1)["gRPC"] == ports["a"]
+    _drain(p)
+    up = lambda: _metric(ports["HTTP"], "jetserve_prefill_worker_up",  # noqa: E731
+                         f'address="127.0.0.1:{ports["a"]}"') == 1
+    assert _settles(up)  # the decode process saw it answer Load again
+    got_grpc, got_http = _run_all(ports)
+    _check(got_grpc, got_http, want)
+    assert _load(ports["a"]).prefills > 0  # and sent it prompts
+    assert _settles(lambda: _load(ports["a"]).registered + _load(ports["b"]).registered == 0)
 
 
 def _decode_error(workers: str, timeout: str = "5") -> str:
@@ -218,17 +240,26 @@ def _decode_error(workers: str, timeout: str = "5") -> str:
 
 @pytest.mark.slow
 def test_bad_worker_addresses_are_startup_errors(split):
-    _, ports = split
+    procs, ports, start = split
     closed = _free_port()
     assert f"127.0.0.1:{closed} is unreachable" in _decode_error(f"127.0.0.1:{closed}", "2")
     # The decode process's own gRPC port serves jetstream's Orchestrator, not a worker.
     err = _decode_error(f"127.0.0.1:{ports['gRPC']}")
     assert f"127.0.0.1:{ports['gRPC']} does not serve jetserve_disagg.PrefillWorker" in err
+    # A worker of another model (4 layers, not 2) is refused before any prefix moves.
+    other = start("other", ["--role", "prefill", "--grpc-port", "0", "--model", "random:small"],
+                  1)
+    port = wait_listening(other, 1)["gRPC"]
+    _drain(other)
+    err = _decode_error(f"127.0.0.1:{port}")
+    assert f"--prefill-workers: 127.0.0.1:{port} makes prefixes with head_dim=32" in err
+    other.send_signal(signal.SIGTERM)
+    assert other.wait(120) == 0
 
 
 @pytest.mark.slow
 def test_sigterm_drains_both_roles(split, want):
-    procs, ports = split
+    procs, ports, _ = split
     first = threading.Event()
     with ThreadPoolExecutor(4) as pool:
         calls = [pool.submit(_grpc, ports["gRPC"], p, first) for p in PROMPTS[:4]]

@@ -26,8 +26,12 @@ def _args(*argv: str) -> argparse.Namespace:
       "--process-id", "0"], "leave out --coordinator"),
     (["--role", "decode", "--prefill-workers", "h:1", "--prefill-devices", "2"],
      "leave out --prefill-devices"),
-    (["--role", "prefill", "--prefix-cache-hbm-mb", "8"], "no prefix cache"),
+    (["--role", "prefill", "--generate-devices", "2"], "--devices N takes the first N"),
+    (["--role", "decode", "--prefill-workers", "h:1", "--prefix-cache-hbm-mb", "8"],
+     "the prefix cache is the prefill workers'"),
     (["--role", "prefill", "--prefix-hold-timeout", "0"], "--prefix-hold-timeout must be > 0"),
+    (["--role", "decode", "--prefill-workers", "h:1", "--prefill-timeout", "-1"],
+     "--prefill-timeout must be > 0"),
     (["--role", "decode", "--prefill-workers", "h:1", "--max-transfer-bytes", "0"],
      "--max-transfer-bytes must be >= 1"),
 ])

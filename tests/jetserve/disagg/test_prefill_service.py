@@ -1,0 +1,101 @@
+"""The prefill worker's gRPC service in this process (random:tiny on one fake device):
+refusals while warming up and draining, named errors for bad requests, and a prefix held
+from Prefill until Ack."""
+
+import asyncio
+import json
+import threading
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from engines import SamplingParams
+from jetserve.disagg.kv_transfer import KVSender
+from jetserve.disagg.prefill_runner import PrefillRunner
+from jetserve.disagg.prefill_service import PrefillServer
+from jetserve.model_loading import build_engine
+from protos import prefill_worker_pb2 as pb
+from protos import prefill_worker_pb2_grpc as pb_grpc
+from tests.jetserve.disagg.prefix_sender import ENGINE
+
+
+@pytest.fixture(scope="module")
+def worker():
+    engine = build_engine("random:tiny", devices=jax.devices()[:1], engine_config=ENGINE)
+    runner = PrefillRunner(engine, engine.load_params(), KVSender(engine, hold_s=30),
+                           max_queued=4)
+    runner.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
+    server = PrefillServer(runner, "127.0.0.1", 0)
+    call(server.start())
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield server, pb_grpc.PrefillWorkerStub(channel), call
+    finally:
+        channel.close()
+        call(server.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        runner.stop()
+
+
+def _code(stub, **fields) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(pb.PrefillRequest(**fields), timeout=60)
+    return e.value.code(), e.value.details()
+
+
+def test_prefill_worker_service(worker):
+    server, stub, call = worker
+    load = stub.Load(pb.LoadRequest(), timeout=30)
+    assert (load.role, load.ready, load.registered) == ("prefill", False, 0)
+    assert json.loads(load.signature_json)["num_kv_heads"] == 2
+    assert _code(stub, token_ids=[1, 2]) == (grpc.StatusCode.UNAVAILABLE,
+                                             "prefill worker is warming up")
+    call(server.ready())
+
+    code, msg = _code(stub, token_ids=[1, 2], sampling_json='{"temperature": -1}')
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in msg
+    code, msg = _code(stub, token_ids=[1, 2], sampling_json='{"beam_width": 2}')
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "beam_width" in msg
+    code, msg = _code(stub, token_ids=[])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids has 0 tokens" in msg
+
+    out = stub.Prefill(pb.PrefillRequest(token_ids=[1, 5, 9], receiver_devices=1), timeout=60)
+    meta = json.loads(out.prefix_json)
+    assert out.first_columns > 3 and len(out.first_row) == 4 * out.first_columns
+    assert meta["signature"] == json.loads(load.signature_json)
+    assert stub.Load(pb.LoadRequest(), timeout=30).registered == 1
+    assert stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
+    assert not stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
+    assert stub.Load(pb.LoadRequest(), timeout=30).registered == 0
+
+    assert call(server.drain(timeout_s=30))
+    assert _code(stub, token_ids=[1, 2]) == (grpc.StatusCode.UNAVAILABLE,
+                                             "prefill worker is draining")
+    assert stub.Load(pb.LoadRequest(), timeout=30).role == "prefill"  # still answers
+
+
+def test_prefix_cache_on_the_prefill_side_gives_the_same_prefix(worker):
+    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache
+
+    plain = worker[0].runner
+    engine = plain.engine
+    cache = PrefixCache(store=ArrayStore(engine, 16), hbm_bytes=1 << 24, host_bytes=0)
+    cached = PrefillRunner(engine, plain.params, plain.sender, max_queued=1, cache=cache,
+                           cache_key="tiny")
+    tokens = np.arange(1, 41, dtype=np.int32)  # 40 tokens: two chunks of 32 and 8
+    want_prefix, want_first = plain.prefill(tokens, SamplingParams())
+    cached.prefill(tokens, SamplingParams())  # caches its two whole 16-token blocks
+    prefix, first = cached.prefill(tokens, SamplingParams())
+    assert cache.stats()["hits"] == 1 and cache.stats()["hit_tokens"] == 32
+    assert first.to_host().token(0) == want_first.to_host().token(0)
+    assert int(prefix.length) == int(want_prefix.length) == 40
+    L = int(prefix.length)
+    for got, want in zip(prefix.k + prefix.v, want_prefix.k + want_prefix.v, strict=True):
+        np.testing.assert_allclose(np.asarray(got)[:, :L], np.asarray(want)[:, :L], atol=1e-5)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from engines.engine_api import pack_results
-from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix
+from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix, step_slot_fields
 from engines.model import Decoder
 from engines.sampling import sample, token_logprobs
 
@@ -116,20 +116,10 @@ def generate(model: Decoder, top_n: int, params, state: DecodeState):
     cpu_kernels = model.backend.cpu_kernels  # the engine turned the CPU kernels on
     kv = DecodeKV(state, pos, cpu_attention=cpu_kernels)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
-    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
-                            cpu_kernels=cpu_kernels)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
-    B = tok.shape[0]
-    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
-    new_state = DecodeState(
-        k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),
-        lengths=lengths, tokens=tok,
-        sampling=dataclasses.replace(state.sampling, key=next_keys),
-        prompt_mask=state.prompt_mask,
-        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
-        history=state.history,
-    )
-    return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
+    slot, results = step_slot_fields(state, logits, valid, top_n, cpu_kernels)
+    new_state = DecodeState(k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale),
+                            v_scale=tuple(kv.v_scale), **slot)
+    return new_state, results
 
 
 @jax.tree_util.register_dataclass

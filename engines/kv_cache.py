@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from engines import cpu_kernels
 from engines.attention import decode_attention
-from engines.sampling import SlotSampling
+from engines.engine_api import ResultTokens, pack_results
+from engines.sampling import SlotSampling, sample, token_logprobs
 
 MIN_WINDOW = 128  # smallest decode read window (engines.kv_cache.window_sizes)
 
@@ -270,25 +271,55 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
     else:
         kq, vq, k_scale, v_scale = prefix.k, prefix.v, (), ()
 
-    def row(arr, value):
-        return jax.lax.dynamic_update_index_in_dim(arr, value.astype(arr.dtype), slot, 0)
-
-    sampling = jax.tree.map(lambda a, p: row(a, p[0]), state.sampling, prefix.sampling)
-    V = state.counts.shape[1]
-    first = jax.nn.one_hot(prefix.token, V, dtype=state.counts.dtype)
     return DecodeState(
         k=tuple(put_k(c, n) for c, n in zip(state.k, kq, strict=True)),
         v=tuple(put(c, n) for c, n in zip(state.v, vq, strict=True)),
         k_scale=k_scale,
         v_scale=v_scale,
+        **insert_slot_fields(state, prefix, slot),
+    )
+
+
+def insert_slot_fields(state, prefix: Prefix, slot: jax.Array) -> dict:
+    """A prefix's per-slot fields (length, last token, sampling row, prompt mask, token
+    counts, history) and draft KV, written into one slot's rows of a decode state of
+    either layout (contiguous here, paged in engines/paged_kv.py): what every layout
+    shares besides its own cache."""
+
+    def row(arr, value):
+        return jax.lax.dynamic_update_index_in_dim(arr, value.astype(arr.dtype), slot, 0)
+
+    V = state.counts.shape[1]
+    first = jax.nn.one_hot(prefix.token, V, dtype=state.counts.dtype)
+    return dict(
         lengths=row(state.lengths, prefix.length),
         tokens=row(state.tokens, prefix.token),
-        sampling=sampling,
+        sampling=jax.tree.map(lambda a, p: row(a, p[0]), state.sampling, prefix.sampling),
         prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
         counts=row(state.counts, first),
         history=insert_history(state.history, prefix, slot),
         **insert_draft(state, prefix, slot),
     )
+
+
+def step_slot_fields(state, logits: jax.Array, valid: jax.Array, top_n: int,
+                     cpu_kernels: bool) -> tuple[dict, ResultTokens]:
+    """One decode step's token per slot from its logits f32[B, V] (valid bool[B]: slots
+    with room; a full slot keeps its length and counts): the per-slot fields after the
+    step, for a decode state of either layout, and the step's packed results."""
+    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
+                            cpu_kernels=cpu_kernels)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
+    B = tok.shape[0]
+    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
+    fields = dict(
+        lengths=lengths, tokens=tok,
+        sampling=dataclasses.replace(state.sampling, key=next_keys),
+        prompt_mask=state.prompt_mask,
+        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
+        history=state.history,
+    )
+    return fields, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
 
 
 def insert_draft(state, prefix: Prefix, slot: jax.Array) -> dict:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engines.engine_api import PageGeometry, ResultTokens, pack_results
-from engines.kv_cache import Prefix, empty_slot_fields
+from engines.kv_cache import Prefix, empty_slot_fields, step_slot_fields
 from engines.model import Decoder
 from engines.paged_kv import (
     PagedDecodeKV,
@@ -43,7 +43,6 @@ from engines.paged_kv import (
     resolve_attention,
 )
 from engines.prefix_blocks import blocks_of_pages, stack_size
-from engines.sampling import sample, token_logprobs
 from engines.speculative import advance_slots, draft_model_drafts, ngram_drafts, verify_step
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
@@ -59,20 +58,8 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
     pos = jnp.minimum(state.lengths, S - 1)  # (B,)
     kv = PagedDecodeKV(state, table, pos, valid, impl)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
-    cpu_kernels = model.backend.cpu_kernels  # the engine turned the CPU kernels on
-    tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
-                            cpu_kernels=cpu_kernels)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
-    B = tok.shape[0]
-    lengths = jnp.where(valid, state.lengths + 1, state.lengths)
-    new_state = PagedDecodeState(
-        k=tuple(kv.k), v=tuple(kv.v), lengths=lengths, tokens=tok,
-        sampling=dataclasses.replace(state.sampling, key=next_keys),
-        prompt_mask=state.prompt_mask,
-        counts=state.counts.at[jnp.arange(B), tok].add(valid.astype(jnp.int32)),
-        history=state.history,
-    )
-    return new_state, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
+    slot, results = step_slot_fields(state, logits, valid, top_n, model.backend.cpu_kernels)
+    return PagedDecodeState(k=tuple(kv.k), v=tuple(kv.v), **slot), results
 
 
 def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,

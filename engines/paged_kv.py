@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from engines.attention import attention
-from engines.kv_cache import Prefix, insert_draft, insert_history
+from engines.kv_cache import Prefix, insert_slot_fields
 from engines.sampling import SlotSampling
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu")
@@ -178,20 +178,8 @@ def insert_paged(prefix: Prefix, state: PagedDecodeState, slot: jax.Array,
     page = jnp.where(valid, pages[jnp.minimum(safe // ps, pages.shape[0] - 1)], P1)  # P1: drop
     off = safe % ps
 
-    def row(arr, value):
-        return jax.lax.dynamic_update_index_in_dim(arr, value.astype(arr.dtype), slot, 0)
-
-    sampling = jax.tree.map(lambda a, p: row(a, p[0]), state.sampling, prefix.sampling)
-    V = state.counts.shape[1]
-    first = jax.nn.one_hot(prefix.token, V, dtype=state.counts.dtype)
     return PagedDecodeState(
         k=tuple(_write(c, page, off, n[0]) for c, n in zip(state.k, prefix.k, strict=True)),
         v=tuple(_write(c, page, off, n[0]) for c, n in zip(state.v, prefix.v, strict=True)),
-        lengths=row(state.lengths, prefix.length),
-        tokens=row(state.tokens, prefix.token),
-        sampling=sampling,
-        prompt_mask=row(state.prompt_mask, prefix.prompt_mask[0]),
-        counts=row(state.counts, first),
-        history=insert_history(state.history, prefix, slot),
-        **insert_draft(state, prefix, slot),
+        **insert_slot_fields(state, prefix, slot),
     )

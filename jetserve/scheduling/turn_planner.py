@@ -23,6 +23,7 @@ from typing import Any
 
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Admission, StepPlan
+from jetserve.scheduling.scheduler import ended_rows
 
 
 class TurnPlanner:
@@ -45,14 +46,15 @@ class TurnPlanner:
           admitted: told when that request got into the plan (the next is asked for).
           ended: told (request, "cancelled" | "deadline") for an abandoned one it frees.
         """
+        ended_now = {r.slot: r for r in ended_rows(rows.items(), now)}
         releases = []
         for slot, live in sorted(rows.items()):
-            why = None if live.done else live.abandoned(now)
-            if live.done or why is not None or live.last_step_dispatched():
+            r = ended_now.get(slot)
+            if r is not None or live.last_step_dispatched():
                 releases.append(slot)  # nothing more to compute for it
                 self.kv.unreserve(slot)
-                if why is not None:
-                    ended(live, why)
+                if r is not None and r.why is not None:
+                    ended(live, r.why)
         free = sorted(set(range(self.slots)) - rows.keys() | set(releases))
         admissions, lives = [], []
         while free and len(admissions) < self.slots:

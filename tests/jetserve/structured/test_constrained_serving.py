@@ -10,6 +10,7 @@ import pytest
 
 from engines import EngineConfig, MockEngine, SamplingParams
 from jetserve.model_loading import build_engine
+from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, Request
 from jetserve.structured import Constraint
 
@@ -124,3 +125,15 @@ def test_an_invalid_regex_is_refused_before_queueing(orch):
         orch.submit(Request(prompt_ids=[1, 2], constraint=Constraint(
             kind="regex", value="(ab", field="guided_regex")))
     assert orch.stats()["counters"].get("submitted", 0) == before
+
+
+def test_offline_generation_applies_constraints_as_the_orchestrator(orch, prompt):
+    c = Constraint(kind="regex", value=r"[a-z]{2,6}\.[a-z]{2,6}\(\)")
+    served = run(orch, Request(prompt_ids=prompt, max_tokens=20, constraint=c),
+                 Request(prompt_ids=prompt, max_tokens=20))
+    engine = orch.generate_engines[0]
+    params = orch._generate[0].params
+    offline = generate_many(engine, params, [prompt, prompt], max_tokens=20,
+                            constraints=[c, None])
+    assert [r.token_ids for r in offline] == [r.token_ids for r in served]
+    assert re.fullmatch(c.value, orch.tokenizer.decode(offline[0].token_ids))

@@ -20,6 +20,7 @@ from engines.engine_api import pack_results
 from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix
 from engines.model import Decoder
 from engines.sampling import sample, token_logprobs
+from engines.token_mask import hold_paused
 
 
 def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
@@ -111,7 +112,8 @@ def _next_token_rows(logits, nxt, top_n: int) -> PromptLogprobs:
 
 def generate(model: Decoder, top_n: int, params, state: DecodeState, token_mask=None):
     """One step; token_mask None, or i32[B, W] each slot's allowed tokens (a separate
-    program: steps without constrained slots compile and run without it)."""
+    program: steps without constrained slots compile and run without it); a slot whose
+    row allows nothing sits the step out (token_mask.hold_paused)."""
     S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
@@ -120,6 +122,9 @@ def generate(model: Decoder, top_n: int, params, state: DecodeState, token_mask=
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
                             cpu_kernels=cpu_kernels, token_mask=token_mask)
+    if token_mask is not None:
+        tok, valid, next_keys = hold_paused(token_mask, state.tokens, tok, valid,
+                                            state.sampling.key, next_keys)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
     B = tok.shape[0]
     lengths = jnp.where(valid, state.lengths + 1, state.lengths)

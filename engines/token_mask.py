@@ -44,3 +44,15 @@ def refuse_mask(token_mask, step: str) -> None:
     if token_mask is not None:
         raise ValueError(f"{step} does not apply token masks (structured output): "
                          "serve constrained requests without speculative decoding")
+
+
+def hold_paused(token_mask: jax.Array, tokens: jax.Array, tok: jax.Array, valid: jax.Array,
+                keys: jax.Array, next_keys: jax.Array):
+    """A slot whose mask row allows nothing sits the step out: the host has not yet read
+    its last token, so its next mask is unknown (jetserve/orchestrator/step_masks.py). It
+    keeps its input token and RNG key and gains nothing (valid False: no length, count or
+    result); the KV it wrote is the same position's, rewritten when it next steps.
+    Returns (tokens, valid, keys) for the new state."""
+    paused = ~jnp.any(token_mask != 0, axis=-1)  # (B,)
+    return (jnp.where(paused, tokens, tok), valid & ~paused,
+            jnp.where(paused[:, None], keys, next_keys))

@@ -119,7 +119,7 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
             continue
         rows = sched.slots.rows()
         t = time.monotonic()
-        mask = step_mask(rows, engine.max_concurrent_decodes, engine.vocab_size)
+        mask, _ = step_mask(rows, engine.max_concurrent_decodes, engine.vocab_size)
         state, res = engine.generate(params, state, **mask_kwargs(mask))
         readback.dispatched(res, rows, t)
         readback.read()

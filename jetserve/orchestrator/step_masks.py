@@ -1,13 +1,21 @@
 """Structured output on the host side of a generate step: each constrained slot's mask.
 
-A constrained slot's mask for step N depends on the token step N - 1 gave it, so a batch
-with a constrained slot is stepped in sync: the executor reads step N - 1 back (which the
-unconstrained loop reads only after dispatching step N), the requests' grammars take
-their tokens (LiveRequest.take), and `step_mask` writes the next allowed sets before step
-N is dispatched. The device idles meanwhile: the read-back wait plus the mask work (tens
-of microseconds per slot for a JSON schema; `jetserve bench structured` measures the
-whole). Unconstrained slots of the same batch wait that long too; a batch without a
-constrained slot keeps the one-step-late read-back and the step compiled without a mask.
+A constrained slot's mask for step N depends on the token step N - 1 gave it, which the
+generate loop reads only after dispatching step N (one step late, so the device always
+has a step queued). Two ways out, chosen per step:
+
+- with an unconstrained request in the batch (and a contiguous KV cache), nobody waits:
+  a constrained slot whose last token is not read yet gets an all-zero mask row and sits
+  the step out (engines/token_mask.hold_paused: no token, no key or length change); its
+  token is read while that step runs, its grammar takes it and its mask is ready for
+  the next. Constrained requests then get a token every other step, free ones every step.
+- when every request in the batch is constrained (or the cache is paged, whose host-side
+  page plan assumes every live slot advances), the loop syncs (`must_sync`): it reads
+  step N - 1 back first, then writes the masks and dispatches step N. The device idles
+  for the read-back wait plus the mask work (tens of microseconds per slot for a JSON
+  schema); `jetserve bench structured` measures it.
+
+A batch without a constrained request keeps the program compiled without a mask.
 
 Plain numpy and llguidance; the engine takes the mask as `token_mask=`.
 """
@@ -29,17 +37,33 @@ def any_constrained(rows: Rows) -> bool:
     return any(live.grammar is not None and not live.done for _, live in rows)
 
 
-def step_mask(rows: Rows, batch: int, vocab_size: int) -> np.ndarray | None:
-    """i32[B, W] with each constrained slot's allowed next tokens and every other row all
-    ones; None when no slot is constrained (the engine's step without a mask)."""
+def must_sync(rows: Rows, can_pause: bool) -> bool:
+    """Whether the loop reads the previous step back before this one (see module doc)."""
     if not any_constrained(rows):
-        return None
+        return False
+    return not can_pause or all(live.grammar is not None for _, live in rows)
+
+
+def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False
+              ) -> tuple[np.ndarray | None, set[int]]:
+    """(i32[B, W] with each constrained slot's allowed next tokens and every other row all
+    ones, or None when no slot is constrained; the slots that sit this step out). pause:
+    a constrained slot with a step not read yet sits out (all-zero row) instead of
+    getting a mask from a grammar that has not seen its last token."""
+    if not any_constrained(rows):
+        return None, set()
     mask = allow_all(batch, vocab_size)
+    paused = set()
     for slot, live in rows:
         g = live.grammar
-        if g is not None and not live.done and not g.stopped:
+        if g is None or live.done or g.stopped:
+            continue
+        if pause and live.generated != live.steps + 1:  # a token of its is in flight
+            mask[slot] = 0
+            paused.add(slot)
+        else:
             g.fill(mask, slot)
-    return mask
+    return mask, paused
 
 
 def mask_kwargs(mask: np.ndarray | None) -> dict:

@@ -65,6 +65,12 @@ def constraint_of(r: Any) -> Constraint | None:
         c = _structured_outputs(value)
     else:
         c = _make(_GUIDED[f], value, f)
+    return _checked(c)
+
+
+def _checked(c: Constraint) -> Constraint:
+    """c, once llguidance compiles it (without the vocabulary: the orchestrator compiles
+    it again over the served one at admission)."""
     try:
         check_constraint(c)
     except ValueError as e:
@@ -152,9 +158,4 @@ def constraint_of_proto(r: Any) -> Constraint | None:
         value = None
     elif which == "choice":
         value = list(value.choices)
-    c = _make(_PROTO[which], value, which)
-    try:
-        check_constraint(c)
-    except ValueError as e:
-        raise InvalidArgument(c.field, str(e)) from None
-    return c
+    return _checked(_make(_PROTO[which], value, which))

@@ -4,6 +4,7 @@ allowed set, sampling never leaves it, and steps without a mask compile as befor
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from engines import EngineConfig, SamplingParams, create_engine
 from engines.config import ModelConfig
@@ -53,12 +54,18 @@ def test_sampling_stays_in_the_mask():
     assert int(tok[3]) == int(greedy[3].argmax())  # all allowed: the free argmax
 
 
-def test_masked_step_is_one_more_program_and_never_recompiles():
+@pytest.fixture
+def tiny():
+    """A fresh tiny engine (trace counts start at zero) and its parameters."""
     cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     eng = create_engine(cfg, config=EngineConfig(max_concurrent_decodes=2, max_prefill_length=16,
                                                  max_seq_len=32), devices=jax.devices()[:1])
-    params = eng.load_params()
+    return eng, eng.load_params()
+
+
+def test_masked_step_is_one_more_program_and_never_recompiles(tiny):
+    eng, params = tiny
     state = eng.init_decode_state()
     only = _mask_of([{42}, set(range(100))], 100)
     prefix, first = eng.prefill(params, [1, 2, 3], 3, token_mask=_mask_of([{17}], 100))
@@ -71,3 +78,28 @@ def test_masked_step_is_one_more_program_and_never_recompiles():
     prefix, _ = eng.prefill(params, [4, 5], 2)  # the unmasked prefill is the same program
     assert eng.trace_counts() == {"prefill": 1, "insert": 1, "generate": 2,
                                   "prompt_logprobs": 0}
+
+
+def test_a_slot_whose_row_allows_nothing_sits_the_step_out(tiny):
+    eng, params = tiny
+    prefix, _ = eng.prefill(params, [1, 2, 3], 3, sampling=SamplingParams(temperature=1.0),
+                            seed=4)
+
+    def fresh():
+        state = eng.init_decode_state()
+        return eng.insert(prefix, eng.insert(prefix, state, 0), 1)
+
+    straight = []
+    state = fresh()
+    for _ in range(3):
+        state, res = eng.generate(params, state)
+        straight.append([res.to_host().token(b) for b in range(2)])
+    state = fresh()
+    sit_out = allow_all(2, 100)
+    sit_out[0] = 0
+    state, res = eng.generate(params, state, sit_out)
+    host = res.to_host()
+    assert host.count(0) == 0 and host.count(1) == 1 and host.token(1) == straight[0][1]
+    for i in range(3):  # slot 0 goes on as if it had never paused (same key, same cache)
+        state, res = eng.generate(params, state)
+        assert res.to_host().token(0) == straight[i][0]

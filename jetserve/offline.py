@@ -19,7 +19,12 @@ from collections.abc import Sequence
 from engines import Engine, HostResults, SamplingParams
 from jetserve.orchestrator.live import LiveRequest, Message, StepOutput
 from jetserve.orchestrator.readback import ReadBack
-from jetserve.orchestrator.step_masks import first_mask, mask_kwargs, mask_refusal, step_mask
+from jetserve.orchestrator.step_masks import (
+    check_constrainable,
+    first_mask,
+    mask_kwargs,
+    step_mask,
+)
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Listeners, RequestTiming
 from jetserve.request import Request
@@ -75,8 +80,8 @@ def generate_many(
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
     constraints = list(constraints) if constraints is not None else [None] * len(prompts)
-    if any(c is not None for c in constraints) and (why := mask_refusal(engine)):
-        raise ValueError(f"constraints: structured output is not available here: {why}")
+    if any(c is not None for c in constraints):
+        check_constrainable("constraints", [engine], engine.tokenizer)
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")

@@ -60,7 +60,7 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import PrefillWorker
-from jetserve.orchestrator.step_masks import mask_refusal
+from jetserve.orchestrator.step_masks import check_constrainable
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
@@ -371,18 +371,8 @@ class Orchestrator:
             raise ValueError("stop_strings need a tokenizer; this model has none "
                              "(use stop_token_ids)")
         if r.constraint is not None:
-            self._check_constrainable(r.constraint.field)
-
-    def _check_constrainable(self, field: str) -> None:
-        """ValueError (naming the request field) unless every engine applies token masks
-        and the model has a tokenizer (grammars are over text)."""
-        for e in (*self.prefill_engines, *self.generate_engines):
-            why = mask_refusal(e)
-            if why is not None:
-                raise ValueError(f"{field}: structured output is not available here: {why}")
-        if self.tokenizer is None:
-            raise ValueError(f"{field}: structured output needs a tokenizer; this model "
-                             "has none")
+            check_constrainable(r.constraint.field, (*self.prefill_engines,
+                                                     *self.generate_engines), self.tokenizer)
 
     def _cancel(self, live: LiveRequest) -> None:
         live.cancel_requested = True

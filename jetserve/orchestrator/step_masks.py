@@ -84,6 +84,17 @@ def mask_refusal(engine: Any) -> str | None:
     return None
 
 
+def check_constrainable(field: str, engines: Sequence[Any], tokenizer: Any) -> None:
+    """ValueError (naming the request field) unless every engine applies token masks and
+    the model has a tokenizer (grammars are over text)."""
+    for e in engines:
+        why = mask_refusal(e)
+        if why is not None:
+            raise ValueError(f"{field}: structured output is not available here: {why}")
+    if tokenizer is None:
+        raise ValueError(f"{field}: structured output needs a tokenizer; this model has none")
+
+
 def first_mask(live: Any) -> dict:
     """prefill's keyword arguments for a request's first token: its grammar's mask."""
     g = live.grammar

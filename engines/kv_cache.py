@@ -29,6 +29,7 @@ from engines import cpu_kernels
 from engines.attention import decode_attention
 from engines.engine_api import ResultTokens, pack_results
 from engines.sampling import SlotSampling, sample, token_logprobs
+from engines.token_mask import hold_paused
 
 MIN_WINDOW = 128  # smallest decode read window (engines.kv_cache.window_sizes)
 
@@ -303,12 +304,18 @@ def insert_slot_fields(state, prefix: Prefix, slot: jax.Array) -> dict:
 
 
 def step_slot_fields(state, logits: jax.Array, valid: jax.Array, top_n: int,
-                     cpu_kernels: bool) -> tuple[dict, ResultTokens]:
+                     cpu_kernels: bool, token_mask: jax.Array | None = None,
+                     pause: bool = False) -> tuple[dict, ResultTokens]:
     """One decode step's token per slot from its logits f32[B, V] (valid bool[B]: slots
     with room; a full slot keeps its length and counts): the per-slot fields after the
-    step, for a decode state of either layout, and the step's packed results."""
+    step, for a decode state of either layout, and the step's packed results.
+    token_mask: None or i32[B, W] each slot's allowed tokens (engines/token_mask.py);
+    `pause`: a slot whose row allows nothing sits the step out (token_mask.hold_paused)."""
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
-                            cpu_kernels=cpu_kernels)
+                            cpu_kernels=cpu_kernels, token_mask=token_mask)
+    if token_mask is not None and pause:
+        tok, valid, next_keys = hold_paused(token_mask, state.tokens, tok, valid,
+                                            state.sampling.key, next_keys)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
     B = tok.shape[0]
     lengths = jnp.where(valid, state.lengths + 1, state.lengths)

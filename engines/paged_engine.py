@@ -44,6 +44,7 @@ from engines.paged_kv import (
 )
 from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.speculative import advance_slots, draft_model_drafts, ngram_drafts, verify_step
+from engines.token_mask import refuse_mask
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -51,23 +52,26 @@ POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
 
 
 def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
-                    state: PagedDecodeState, table):
-    """One decode step; table i32[B, W] is each slot's first W pages (trash-padded)."""
+                    state: PagedDecodeState, table, token_mask=None):
+    """One decode step; table i32[B, W] is each slot's first W pages (trash-padded);
+    token_mask None or i32[B, W'] allowed tokens (engines/token_mask.py)."""
     S = max_seq_len
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,)
     kv = PagedDecodeKV(state, table, pos, valid, impl)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
-    slot, results = step_slot_fields(state, logits, valid, top_n, model.backend.cpu_kernels)
+    slot, results = step_slot_fields(state, logits, valid, top_n, model.backend.cpu_kernels,
+                                     token_mask)
     return PagedDecodeState(k=tuple(kv.k), v=tuple(kv.v), **slot), results
 
 
 def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
                                 draft_model: Decoder | None, params, state: PagedDecodeState,
-                                table, draft_params=None):
+                                table, token_mask=None, draft_params=None):
     """The verify step of engines.speculative over pages: table i32[B, W] covers every
     position up to length + k of each live slot (SlotPages.lookahead). The drafts come
     from the sequence's own tokens, or from `draft_model` (whose cache is contiguous)."""
+    refuse_mask(token_mask, "speculative decoding")
     S = max_seq_len
     if draft_model is None:
         drafts, q, rest = ngram_drafts(state.history, state.lengths, k), None, state
@@ -144,7 +148,7 @@ class PagedTransformerEngine(TransformerEngine):
                                  self.attention_impl))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
-            in_shardings=(self.param_shardings, state_sh, r, *draft_sh),
+            in_shardings=(self.param_shardings, state_sh, r, r, *draft_sh),
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
@@ -188,11 +192,13 @@ class PagedTransformerEngine(TransformerEngine):
         idx[: len(pages)] = pages
         return self._blocks_of_pages_jit(decode_state.k, decode_state.v, idx)
 
-    def generate(self, params, decode_state: PagedDecodeState, page_table: np.ndarray
-                 ) -> tuple[PagedDecodeState, ResultTokens]:
+    def generate(self, params, decode_state: PagedDecodeState, page_table: np.ndarray,
+                 token_mask: np.ndarray | None = None) -> tuple[PagedDecodeState, ResultTokens]:
         """One step; page_table i32[B, W]: each slot's first W pages, the pages this step
-        writes included (entries a slot does not hold point at the trash page)."""
-        return self._generate_jit(params, decode_state, page_table, *self._draft_args())
+        writes included (entries a slot does not hold point at the trash page);
+        token_mask as TransformerEngine.generate's."""
+        return self._generate_jit(params, decode_state, page_table, token_mask,
+                                  *self._draft_args())
 
     @property
     def page_geometry(self) -> PageGeometry:

@@ -30,9 +30,11 @@ from engines.config import ModelConfig
 from engines.kv_cache import Prefix, grow_prefix
 from engines.prefix_blocks import stack_size
 from engines.sampling import SamplingParams, SlotSampling
+from engines.token_mask import allow_all
 
 # The jitted prefill's arguments: params, tokens, true_length, start, sampling row,
-# prompt mask, existing prefix (or None), then a draft model's params if any.
+# prompt mask, existing prefix (or None), the first token's mask, then a draft model's
+# params if any.
 EXISTING_ARG = 6
 
 
@@ -76,11 +78,12 @@ class PrefillProgram:
 
     def __call__(self, params, tokens, true_length, *, sampling: SamplingParams | None,
                  existing_prefix: Prefix | None, seed: int | None, donate: bool,
-                 extra: tuple = ()):
-        """Runs the prefill (see TransformerEngine.prefill); `extra`: trailing arguments
-        (a draft model's params)."""
+                 token_mask=None, extra: tuple = ()):
+        """Runs the prefill (see TransformerEngine.prefill); token_mask: None or i32[1, W]
+        the first token's allowed tokens (engines/token_mask.py); `extra`: trailing
+        arguments (a draft model's params)."""
         args, capacity = self.arguments(params, tokens, true_length, sampling,
-                                        existing_prefix, seed)
+                                        existing_prefix, seed, token_mask)
         if capacity is not None:
             grown = self._grow(existing_prefix, capacity)
             if donate:  # the caller gave the old arrays up: free them before the prefill
@@ -88,7 +91,7 @@ class PrefillProgram:
                 for old in (*p.k, *p.v, *p.draft_k, *p.draft_v, p.k_pos, p.tokens):
                     if isinstance(old, jax.Array) and not old.is_deleted():
                         old.delete()
-            args = (*args[:EXISTING_ARG], grown)
+            args = (*args[:EXISTING_ARG], grown, *args[EXISTING_ARG + 1:])
         return self._program(donate, existing_prefix)(*args, *extra)
 
     def lower(self, params, tokens, true_length, *, existing_prefix: Prefix | None,
@@ -98,7 +101,7 @@ class PrefillProgram:
         args, capacity = self.arguments(params, tokens, true_length, None, existing_prefix, 0)
         if capacity is not None:
             args = (*args[:EXISTING_ARG], jax.eval_shape(
-                lambda p: grow_prefix(p, capacity), existing_prefix))
+                lambda p: grow_prefix(p, capacity), existing_prefix), *args[EXISTING_ARG + 1:])
         return self._program(donate, existing_prefix).lower(*args, *extra)
 
     def _program(self, donate: bool, existing_prefix: Prefix | None):
@@ -107,7 +110,7 @@ class PrefillProgram:
         return self._donating if donate and existing_prefix is not None else self._copying
 
     def arguments(self, params, tokens, true_length, sampling, existing_prefix,
-                  seed) -> tuple[tuple, int | None]:
+                  seed, token_mask=None) -> tuple[tuple, int | None]:
         """The checks, then (the jitted prefill's arguments without `extra`, the capacity
         the existing prefix must grow to first, or None when it holds this chunk)."""
         sampling = sampling or SamplingParams()
@@ -131,8 +134,10 @@ class PrefillProgram:
         if existing_prefix is not None and existing_prefix.k_pos.shape[1] < start + bucket:
             # Room for this bucket at `start`, rounded up to a power of two (few shapes).
             capacity = stack_size(start + bucket)
+        if token_mask is None:  # one program: an unconstrained prefill allows every token
+            token_mask = allow_all(1, self._vocab_size)
         return (params, padded, np.int32(true_length), np.int32(start), row, prior_mask,
-                existing_prefix), capacity
+                existing_prefix, token_mask), capacity
 
 
 def empty_prefix(config: ModelConfig, draft_config: ModelConfig | None, dtype,

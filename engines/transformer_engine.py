@@ -214,7 +214,8 @@ class TransformerEngine(Engine):
         self._prefill = PrefillProgram(
             self._counted("prefill", laid_out(functools.partial(
                 device_functions.prefill, self.model, top_n, draft_model=draft_model))),
-            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
+            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, r,
+                          *draft_sh),
             out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
             max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
             draft_config=self._draft.model_config if self._draft else None)
@@ -246,7 +247,7 @@ class TransformerEngine(Engine):
                functools.partial(device_functions.generate, self.model, top_n))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
-            in_shardings=(self.param_shardings, state_sh, *draft_sh),
+            in_shardings=(self.param_shardings, state_sh, r, *draft_sh),  # r: token_mask
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
@@ -336,13 +337,13 @@ class TransformerEngine(Engine):
 
     def prefill(self, params, tokens, true_length, *, sampling: SamplingParams | None = None,
                 existing_prefix: Prefix | None = None, seed: int | None = None,
-                donate: bool = False):
+                donate: bool = False, token_mask=None):
         """tokens: the prompt padded to a bucket (or unpadded: it is padded here).
         `donate`: the caller never reads `existing_prefix` again, so its KV is updated in
         place (engines/prefill_program.py)."""
         return self._prefill(params, tokens, true_length, sampling=sampling,
                              existing_prefix=existing_prefix, seed=seed, donate=donate,
-                             extra=self._draft_args())
+                             token_mask=token_mask, extra=self._draft_args())
 
     def lower_prefill(self, params, tokens, true_length, *,
                       existing_prefix: Prefix | None = None,
@@ -414,8 +415,8 @@ class TransformerEngine(Engine):
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
-    def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_jit(params, decode_state, *self._draft_args())
+    def generate(self, params, decode_state, token_mask=None) -> tuple[DecodeState, ResultTokens]:
+        return self._generate_jit(params, decode_state, token_mask, *self._draft_args())
 
     # ---- properties --------------------------------------------------------------------
 

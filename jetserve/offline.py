@@ -19,6 +19,12 @@ from collections.abc import Sequence
 from engines import Engine, HostResults, SamplingParams
 from jetserve.orchestrator.live import LiveRequest, Message, StepOutput
 from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_masks import (
+    check_constrainable,
+    first_mask,
+    mask_kwargs,
+    step_mask,
+)
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Listeners, RequestTiming
 from jetserve.request import Request, check_prompt_fits
@@ -26,6 +32,8 @@ from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.plan import chunks
 from jetserve.scheduling.scheduler import Scheduler
+from jetserve.structured import Constraint
+from jetserve.structured.grammar import compile_constraint
 
 GREEDY = SamplingParams()  # frozen: one shared default
 
@@ -65,12 +73,17 @@ def generate_many(
     max_tokens: int,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     ignore_eos: bool = False,
+    constraints: Sequence[Constraint | None] | None = None,
 ) -> list[OfflineResult]:
-    """Runs every prompt to completion; results in prompt order."""
+    """Runs every prompt to completion; results in prompt order. constraints: per
+    prompt, what its output must match (structured output), or None."""
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
     # The longest prompt: max_seq_len - 1 when the engine prefills in chunks.
     longest = engine.max_seq_len - 1 if engine.chunked_prefill else engine.max_prefill_length
+    constraints = list(constraints) if constraints is not None else [None] * len(prompts)
+    if any(c is not None for c in constraints):
+        check_constrainable("constraints", [engine], engine.tokenizer)
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
@@ -80,8 +93,9 @@ def generate_many(
                                  max_tokens=max_tokens, ignore_eos=ignore_eos),
                          handle=None, timing=RequestTiming(arrival=time.monotonic()),
                          budget=token_budget(len(p), max_tokens, engine.max_seq_len),
-                         stop_ids=stops)
-             for p, s in zip(prompts, samplings, strict=True)]
+                         stop_ids=stops, grammar=c and compile_constraint(
+                             c, engine.tokenizer, engine.vocab_size))
+             for p, s, c in zip(prompts, samplings, constraints, strict=True)]
     sink = _Collect()
     _run(engine, params, lives, ReadBack(0, sink, Listeners()))
     return [OfflineResult(list(p), live.tokens, sink.finish[id(live)], sink.logprobs[id(live)])
@@ -102,7 +116,8 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
             live = waiting.popleft()
             prompt = list(live.request.prompt_ids)
             t0 = time.monotonic()
-            prefix, first = prefill_chunked(engine, params, prompt, live.request.sampling)
+            prefix, first = prefill_chunked(engine, params, prompt, live.request.sampling,
+                                            **first_mask(live))
             if readback.first_token(live, first, t0, len(prompt)):
                 sched.kv.unreserve(live)
                 continue
@@ -111,7 +126,8 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
             continue
         rows = sched.slots.rows()
         t = time.monotonic()
-        state, res = engine.generate(params, state)
+        mask, _ = step_mask(rows, engine.max_concurrent_decodes, engine.vocab_size)
+        state, res = engine.generate(params, state, **mask_kwargs(mask))
         readback.dispatched(res, rows, t)
         readback.read()
         for slot, live in rows:
@@ -121,14 +137,15 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
                 sched.kv.unreserve(live)
 
 
-def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams):
+def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams,
+                    **mask):
     """(prefix, first token) of a prompt, in chunks of max_prefill_length, each continuing
-    the last."""
+    the last; `mask`: a constrained request's token_mask."""
     pieces = chunks(len(prompt), engine.max_prefill_length)
     # Several chunks: the KV at its final size, filled in place.
     prefix = engine.empty_prefix(len(prompt)) if len(pieces) > 1 else None
     for start, end in pieces:
         piece = list(prompt[start:end])
         prefix, first = engine.prefill(params, piece, len(piece), sampling=sampling,
-                                       existing_prefix=prefix, donate=True)
+                                       existing_prefix=prefix, donate=True, **mask)
     return prefix, first

@@ -4,7 +4,9 @@ Plain functions of a `ModelLimits` snapshot (jetserve.server.validation), so the
 reader checks fields exactly as the servers do. Two kinds of rows:
 
 - generation: `{"id", "prompt" | "prompt_ids" | "messages", "max_tokens", sampling
-  fields, "stop", "stop_token_ids", "ignore_eos", "logprobs"}` -> `GenerateJob`
+  fields, "stop", "stop_token_ids", "ignore_eos", "logprobs"}` -> `GenerateJob`; the
+  output may be constrained as on HTTP, by one of `response_format`,
+  `structured_outputs` or a `guided_*` field (jetserve.server.structured_fields)
 - scoring: `{"id", "context" | "context_ids", "continuation" | "continuation_ids",
   "add_bos"}` -> `ScoreJob` (the continuation's summed log-likelihood and whether it is
   greedy). Text is tokenized as lm-eval's `loglikelihood` does: whitespace ending the
@@ -23,18 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from typing import Any
 
 from jetserve.batch import wellformed
 from jetserve.request import Request
 from jetserve.server import chat_template
 from jetserve.server import validation as v
+from jetserve.server.structured_fields import CONSTRAINT_FIELDS, constraint_of
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "seed")
 GENERATE_FIELDS = frozenset(("id", "prompt", "prompt_ids", "messages", "max_tokens", "stop",
                              "stop_token_ids", "ignore_eos", "logprobs", "metadata",
-                             *SAMPLING_FIELDS))
+                             *SAMPLING_FIELDS, *CONSTRAINT_FIELDS))
 SCORE_FIELDS = frozenset(("id", "context", "context_ids", "continuation",
                           "continuation_ids", "add_bos", "metadata"))
 PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
@@ -173,7 +177,9 @@ def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int) -> 
     req = Request(prompt_ids=tuple(ids), sampling=sampling, max_tokens=max_tokens,
                   stop_strings=stops,
                   stop_token_ids=v.check_stop_token_ids(limits, obj.get("stop_token_ids")),
-                  ignore_eos=ignore_eos, logprobs=logprobs)
+                  ignore_eos=ignore_eos, logprobs=logprobs,
+                  constraint=constraint_of(types.SimpleNamespace(
+                      **{f: obj.get(f) for f in CONSTRAINT_FIELDS})))
     return GenerateJob(id=obj["id"], request=req, metadata=obj.get("metadata"))
 
 

@@ -1,7 +1,8 @@
 """Benchmarks that print figures: decode against its floor, jetserve against transformers,
 quantized variants against the float model, KV capacity of the paged layout,
 inter-token latency under chunked prefill, TTFT with the prefix cache, speculative
-decoding against plain decoding, start-up with a cold and a warm compile cache."""
+decoding against plain decoding, start-up with a cold and a warm compile cache,
+structured output's constrained step against the free one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib.util
 import json
 
 from jetserve import compile_cache
+from jetserve.commands import bench_structured
 from jetserve.commands.plan import parse_batches
 
 OVERHEAD_MODULE = "jetserve.bench.orchestrator_overhead"
@@ -202,6 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="seconds each `jetserve generate` may take")
     st.add_argument("--json", action="store_true")
     st.set_defaults(_bench=_startup)
+    bench_structured.add_parser(sub)
 
     t = sub.add_parser("transfer", help="KV bytes/s pulled between two processes vs "
                        "device_put in one (jetserve/bench/transfer.py; its own flags)",

@@ -61,6 +61,7 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.step_masks import check_constrainable
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
@@ -75,6 +76,7 @@ from jetserve.orchestrator.wiring import (
 )
 from jetserve.request import Delta, ModelLimits, Overloaded, Request, check_request
 from jetserve.scheduling.page_planner import with_pages
+from jetserve.structured.grammar import compile_constraint
 
 
 class Orchestrator:
@@ -290,6 +292,9 @@ class Orchestrator:
                 raise ValueError(f"submit() takes a jetserve.request.Request, got "
                                  f"{type(r).__name__}")
             check_request(self.limits, r)
+            if r.constraint is not None:
+                check_constrainable(r.constraint.field, (*self.prefill_engines,
+                                                         *self.generate_engines), self.tokenizer)
         if not requests:
             return []
         clients = {r.client for r in requests}
@@ -329,6 +334,8 @@ class Orchestrator:
             timing=RequestTiming(arrival=time.monotonic()),
             budget=token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len),
             stop_ids=stop_ids(self.eos_ids, request.stop_token_ids, request.ignore_eos),
+            grammar=None if request.constraint is None else compile_constraint(
+                request.constraint, self.tokenizer, self.vocab_size),
         )
         live.handle = RequestHandle(request, live.timing, lambda: self._cancel(live))
         return live

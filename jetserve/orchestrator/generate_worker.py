@@ -48,6 +48,7 @@ from engines.engine_api import Engine
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_masks import mask_kwargs, must_sync, step_mask
 from jetserve.orchestrator.timing import Listeners
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Turn, Waiting
@@ -297,13 +298,18 @@ class GenerateWorker:
 
     def _step(self) -> None:
         self._make_room()
+        if must_sync(self.slots.rows(), can_pause=self.pages is None):
+            self.readback.read()  # constrained slots' next masks need their last tokens
         if not self.slots.in_use:
             return
         rows = self.slots.rows()
         t = time.monotonic()
         try:
+            mask, paused = step_mask(rows, self.engine.max_concurrent_decodes,
+                                     self.engine.vocab_size, pause=self.pages is None)
             with self.state_lock:
-                self.state, res = self.engine.generate(self.params, self.state)
+                self.state, res = self.engine.generate(self.params, self.state,
+                                                       **mask_kwargs(mask))
             res.copy_to_host_async()
         except Exception as e:
             log.exception("generate step failed on engine %d", self.index)
@@ -313,6 +319,8 @@ class GenerateWorker:
             self.steps += 1
             self._step_cond.notify_all()
         for slot, live in rows:
+            if slot in paused:
+                continue  # sat this step out (step_masks.py)
             live.steps += 1
             if live.last_step_dispatched():
                 self._release(slot)  # its last token is in flight; the slot is free now

@@ -81,7 +81,8 @@ class ReadBack:
             if finish is not None:
                 live.done = True
                 self.finished(slot, live)
-            out.append((live, slot, n, finish))
+            if n or finish is not None:  # n 0: the slot sat the step out (step_masks.py)
+                out.append((live, slot, n, finish))
         self.tokens += sum(n for _, _, n, _ in out)
         for slot, _ in rows:
             drafted, accepted = host.drafts(slot)

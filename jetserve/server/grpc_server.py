@@ -40,6 +40,7 @@ from jetserve.server.streams import (
     merge,
     submit_all,
 )
+from jetserve.server.structured_fields import constraint_of_proto
 from jetserve.server.wire_check import find_malformed
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
@@ -169,11 +170,12 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         stop = v.check_stop(list(r.stop))
         stop_ids = v.check_stop_token_ids(lim, list(r.stop_token_ids))
         logprobs = v.check_logprobs(lim, r.logprobs) if r.HasField("logprobs") else None
+        constraint = constraint_of_proto(r)
         deadline = time.monotonic() + time_remaining if time_remaining is not None else None
         return [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, i),
                         max_tokens=max_tokens, stop_token_ids=stop_ids, stop_strings=stop,
                         ignore_eos=r.ignore_eos, logprobs=logprobs, deadline=deadline,
-                        client=client)
+                        client=client, constraint=constraint)
                 for i in range(n)]
 
 

@@ -24,6 +24,7 @@ from jetserve.server import validation as v
 from jetserve.server.logprob_text import Shown, TokenTexts
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, prompt_list
 from jetserve.server.streams import Joined
+from jetserve.server.structured_fields import constraint_of, refuse_unimplemented
 
 
 @dataclasses.dataclass
@@ -62,9 +63,10 @@ def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: in
     max_tokens = v.check_max_tokens(limits, max_tokens, prompt_len, max_tokens_field,
                                     allow_zero=allow_zero)
     n = v.check_samples(1 if r.n is None else r.n)
+    refuse_unimplemented(r.model_extra)
     extra = dict(stop_strings=v.check_stop(r.stop),
                  stop_token_ids=v.check_stop_token_ids(limits, r.stop_token_ids),
-                 ignore_eos=bool(r.ignore_eos))
+                 ignore_eos=bool(r.ignore_eos), constraint=constraint_of(r))
     return sampling, n, dict(max_tokens=max_tokens, **extra)
 
 

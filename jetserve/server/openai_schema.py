@@ -2,9 +2,11 @@
 
 Strict pydantic models: a string where a number belongs, a float where an integer
 belongs or a bool where a number belongs is an error naming the field (OpenAI clients
-send JSON numbers, so nothing real is lost). Unknown fields are ignored, as OpenAI-style
-clients send many we have no use for (`user`, `metadata`, ...). Values are range-checked
-later, against the model's limits (jetserve.server.validation).
+send JSON numbers, so nothing real is lost). Fields not modelled here are kept aside
+(`model_extra`): OpenAI fields that would change the answer and that jetserve does not
+implement are refused by name (structured_fields.UNIMPLEMENTED); others are ignored, as
+OpenAI-style clients send many with no bearing on the output (`user`, `metadata`, ...).
+Values are range-checked later, against the model's limits (jetserve.server.validation).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """Fields both endpoints share. None means "the default"."""
 
+    model_config = ConfigDict(strict=True, extra="allow")
+
     model: str | None = None
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
@@ -46,6 +50,13 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # accepted only when empty
     return_tokens_as_token_ids: bool | None = None  # extension (vLLM): "token_id:N"
+    # Structured output (jetserve.server.structured_fields checks their shapes).
+    response_format: Any = None
+    structured_outputs: Any = None  # extension (vLLM)
+    guided_json: Any = None  # extension (vLLM, older)
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_Sampling):

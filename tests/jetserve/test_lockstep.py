@@ -18,6 +18,7 @@ from engines import MockEngine, SamplingParams
 from jetserve.orchestrator import OrchestratorConfig, Request
 from jetserve.orchestrator.lockstep import LockStepOrchestrator
 from jetserve.orchestrator.step_plan import Admission, PlanCodec, StepPlan, exchange
+from jetserve.structured import Constraint
 
 
 def expected(prompt, n, V=256):
@@ -205,6 +206,14 @@ def test_follower_refuses_requests(pair):
     _, follower, _, _, _ = pair
     with pytest.raises(RuntimeError, match="process 0"):
         follower.submit(Request(prompt_ids=[1]))
+
+
+def test_structured_output_is_refused_in_lock_step(pair):
+    lead = pair[0]
+    c = Constraint(kind="regex", value="a+", field="guided_regex")
+    with pytest.raises(ValueError, match="^guided_regex: structured output is not available "
+                                         "when several processes"):
+        lead.submit(Request(prompt_ids=[1], constraint=c))
 
 
 # ---- a paged engine, chunked prefill --------------------------------------------------------

@@ -1,0 +1,101 @@
+"""Structured output on the host side of a generate step: each constrained slot's mask.
+
+A constrained slot's mask for step N depends on the token step N - 1 gave it, which the
+generate loop reads only after dispatching step N (one step late, so the device always
+has a step queued). Two ways out, chosen per step:
+
+- with an unconstrained request in the batch (and a contiguous KV cache), nobody waits:
+  a constrained slot whose last token is not read yet gets an all-zero mask row and sits
+  the step out (engines/token_mask.hold_paused: no token, no key or length change); its
+  token is read while that step runs, its grammar takes it and its mask is ready for
+  the next. Constrained requests then get a token every other step, free ones every step.
+- when every request in the batch is constrained (or the cache is paged, whose host-side
+  page plan assumes every live slot advances), the loop syncs (`must_sync`): it reads
+  step N - 1 back first, then writes the masks and dispatches step N. The device idles
+  for the read-back wait plus the mask work (tens of microseconds per slot for a JSON
+  schema); `jetserve bench structured` measures it.
+
+A batch without a constrained request keeps the program compiled without a mask.
+
+Plain numpy and llguidance; the engine takes the mask as `token_mask=`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from engines import TransformerEngine
+from engines.token_mask import allow_all
+
+Rows = Sequence[tuple[int, Any]]  # (slot, LiveRequest)
+
+
+def any_constrained(rows: Rows) -> bool:
+    return any(live.grammar is not None and not live.done for _, live in rows)
+
+
+def must_sync(rows: Rows, can_pause: bool) -> bool:
+    """Whether the loop reads the previous step back before this one (see module doc)."""
+    if not any_constrained(rows):
+        return False
+    return not can_pause or all(live.grammar is not None for _, live in rows)
+
+
+def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False
+              ) -> tuple[np.ndarray | None, set[int]]:
+    """(i32[B, W] with each constrained slot's allowed next tokens and every other row all
+    ones, or None when no slot is constrained; the slots that sit this step out). pause:
+    a constrained slot with a step not read yet sits out (all-zero row) instead of
+    getting a mask from a grammar that has not seen its last token."""
+    if not any_constrained(rows):
+        return None, set()
+    mask = allow_all(batch, vocab_size)
+    paused = set()
+    for slot, live in rows:
+        g = live.grammar
+        if g is None or live.done or g.stopped:
+            continue
+        if pause and live.generated != live.steps + 1:  # a token of its is in flight
+            mask[slot] = 0
+            paused.add(slot)
+        else:
+            g.fill(mask, slot)
+    return mask, paused
+
+
+def mask_kwargs(mask: np.ndarray | None) -> dict:
+    """generate's keyword arguments for a step's mask (none without one: engines that
+    apply no masks are never given one)."""
+    return {} if mask is None else {"token_mask": mask}
+
+
+def mask_refusal(engine: Any) -> str | None:
+    """Why `engine` (or the engine a page planner wraps) cannot serve a constrained
+    request; None when it can."""
+    inner = getattr(engine, "engine", engine)
+    if not isinstance(inner, TransformerEngine):
+        return f"{type(inner).__name__} applies no token masks"
+    if inner.config.spec.enabled:
+        return (f"speculative decoding ({inner.config.speculative!r}) does not apply token "
+                "masks; serve structured output without --speculative")
+    return None
+
+
+def check_constrainable(field: str, engines: Sequence[Any], tokenizer: Any) -> None:
+    """ValueError (naming the request field) unless every engine applies token masks and
+    the model has a tokenizer (grammars are over text)."""
+    for e in engines:
+        why = mask_refusal(e)
+        if why is not None:
+            raise ValueError(f"{field}: structured output is not available here: {why}")
+    if tokenizer is None:
+        raise ValueError(f"{field}: structured output needs a tokenizer; this model has none")
+
+
+def first_mask(live: Any) -> dict:
+    """prefill's keyword arguments for a request's first token: its grammar's mask."""
+    g = live.grammar
+    return {} if g is None else {"token_mask": g.mask_row()}

@@ -65,6 +65,9 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None  # extension (as vLLM)
+    tools: Any = None  # checked by tool_calls.plan_tools, as is tool_choice
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # calls are parsed however many there are
 
 
 class TokenizeRequest(_Strict):

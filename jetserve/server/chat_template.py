@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jinja2
@@ -109,7 +110,7 @@ def render(messages: list[dict[str, Any]], *, template: str | None, bos_token: s
 
 
 def chat_prompt_ids(limits: ModelLimits, messages: Any, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: Sequence[dict] | None = None) -> list[int]:
     """The conversation as prompt token ids, BOS as the template writes it; `tools`: the
     checked definitions (jetserve.server.tool_calls) the template lists."""
     tok = limits.tokenizer
@@ -120,7 +121,8 @@ def chat_prompt_ids(limits: ModelLimits, messages: Any, add_generation_prompt: b
     bos = getattr(tok, "bos_token", None) or ""
     eos = getattr(tok, "eos_token", None) or ""
     text = render(msgs, template=getattr(tok, "chat_template", None), bos_token=bos,
-                  eos_token=eos, add_generation_prompt=add_generation_prompt, tools=tools)
+                  eos_token=eos, add_generation_prompt=add_generation_prompt,
+                  tools=list(tools) if tools else None)
     ids: list[int] = []
     # A BOS written as text is turned into its id: sentencepiece would spell it out.
     if bos and text.startswith(bos) and limits.bos_id is not None:

@@ -139,7 +139,7 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
     add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
     plan = tool_calls.plan_tools(r.tools, r.tool_choice)
     ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen,
-                                        tools=list(plan.tools) if plan else None)
+                                        tools=plan and plan.tools)
     v.check_prompt_length(limits, ids, "messages")
     field, max_tokens = "max_tokens", r.max_tokens
     if r.max_completion_tokens is not None:

@@ -23,8 +23,10 @@ from engines.sampling import sample, token_logprobs
 
 
 def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, sampling,
-            prompt_mask, existing, draft_params=None, *, draft_model: Decoder | None = None):
-    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length).
+            prompt_mask, existing, token_mask, draft_params=None, *,
+            draft_model: Decoder | None = None):
+    """tokens i32[1, T] (padded), true_length i32[], start i32[] (existing prefix length),
+    token_mask i32[1, W] the first token's allowed tokens (engines/token_mask.py).
     With a draft model (speculative decoding) the draft's KV of the prompt comes too
     (whole prompts only: the engine refuses existing prefixes then)."""
     T = tokens.shape[1]
@@ -38,7 +40,7 @@ def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, samp
     seen = jnp.zeros((1, V), jnp.int32).at[0, tokens[0]].max((idx[0] < true_length).astype(jnp.int32))
     mask = prompt_mask | (seen > 0)
     counts = jnp.zeros((1, V), jnp.int32)
-    tok, next_key = sample(logits, sampling, mask, counts)
+    tok, next_key = sample(logits, sampling, mask, counts, token_mask=token_mask)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
     length = start + true_length
     all_tokens = (tokens if existing is None else  # placed as kv.k_pos places positions
@@ -107,7 +109,9 @@ def _next_token_rows(logits, nxt, top_n: int) -> PromptLogprobs:
                           top_logprobs=top_lp[:, :top_n], greedy=greedy)
 
 
-def generate(model: Decoder, top_n: int, params, state: DecodeState):
+def generate(model: Decoder, top_n: int, params, state: DecodeState, token_mask=None):
+    """One step; token_mask None, or i32[B, W] each slot's allowed tokens (a separate
+    program: steps without constrained slots compile and run without it)."""
     S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry
@@ -115,7 +119,7 @@ def generate(model: Decoder, top_n: int, params, state: DecodeState):
     kv = DecodeKV(state, pos, cpu_attention=cpu_kernels)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
-                            cpu_kernels=cpu_kernels)
+                            cpu_kernels=cpu_kernels, token_mask=token_mask)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
     B = tok.shape[0]
     lengths = jnp.where(valid, state.lengths + 1, state.lengths)

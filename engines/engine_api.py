@@ -216,7 +216,9 @@ class Engine(abc.ABC):
         sampling: Any,
         existing_prefix: Any | None = None,
     ) -> tuple[Any, ResultTokens]:
-        """Runs a prompt (padded to a bucket); returns its Prefix and the first token."""
+        """Runs a prompt (padded to a bucket); returns its Prefix and the first token.
+        The transformer engines also take `token_mask=` (i32[1, W], engines/token_mask.py):
+        the tokens the first one may be (structured output)."""
 
     @abc.abstractmethod
     def insert(self, prefix: Any, decode_state: Any, slot: int) -> Any:
@@ -227,7 +229,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, params: Any, decode_state: Any) -> tuple[Any, ResultTokens]:
         """One decode step for every slot; never waits on the host. A paged engine also
-        takes the step's page table (i32[B, W], the pages it writes included)."""
+        takes the step's page table (i32[B, W], the pages it writes included). The
+        transformer engines take `token_mask=` (None, or i32[B, W'] each slot's allowed
+        tokens: engines/token_mask.py), compiled as a second program beside the one
+        without, so steps with no constrained slot cost what they did."""
 
     def free_slot(self, slot: int) -> None:
         """Returns the slot's host resources (its pages, in the page planner); the engine

@@ -45,6 +45,7 @@ from engines.paged_kv import (
 from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.sampling import sample, token_logprobs
 from engines.speculative import advance_slots, draft_model_drafts, ngram_drafts, verify_step
+from engines.token_mask import refuse_mask
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -52,8 +53,9 @@ POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
 
 
 def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
-                    state: PagedDecodeState, table):
-    """One decode step; table i32[B, W] is each slot's first W pages (trash-padded)."""
+                    state: PagedDecodeState, table, token_mask=None):
+    """One decode step; table i32[B, W] is each slot's first W pages (trash-padded);
+    token_mask None or i32[B, W'] allowed tokens (engines/token_mask.py)."""
     S = max_seq_len
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,)
@@ -61,7 +63,7 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     cpu_kernels = model.cfg.cpu_matmul_rows > 0  # the engine turned the CPU kernels on
     tok, next_keys = sample(logits, state.sampling, state.prompt_mask, state.counts,
-                            cpu_kernels=cpu_kernels)
+                            cpu_kernels=cpu_kernels, token_mask=token_mask)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu_kernels)
     B = tok.shape[0]
     lengths = jnp.where(valid, state.lengths + 1, state.lengths)
@@ -77,10 +79,11 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
 
 def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
                                 draft_model: Decoder | None, params, state: PagedDecodeState,
-                                table, draft_params=None):
+                                table, token_mask=None, draft_params=None):
     """The verify step of engines.speculative over pages: table i32[B, W] covers every
     position up to length + k of each live slot (SlotPages.lookahead). The drafts come
     from the sequence's own tokens, or from `draft_model` (whose cache is contiguous)."""
+    refuse_mask(token_mask, "speculative decoding")
     S = max_seq_len
     if draft_model is None:
         drafts, q, rest = ngram_drafts(state.history, state.lengths, k), None, state
@@ -157,7 +160,7 @@ class PagedTransformerEngine(TransformerEngine):
                                  self.attention_impl))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
-            in_shardings=(self.param_shardings, state_sh, r, *draft_sh),
+            in_shardings=(self.param_shardings, state_sh, r, r, *draft_sh),
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
@@ -201,11 +204,13 @@ class PagedTransformerEngine(TransformerEngine):
         idx[: len(pages)] = pages
         return self._blocks_of_pages_jit(decode_state.k, decode_state.v, idx)
 
-    def generate(self, params, decode_state: PagedDecodeState, page_table: np.ndarray
-                 ) -> tuple[PagedDecodeState, ResultTokens]:
+    def generate(self, params, decode_state: PagedDecodeState, page_table: np.ndarray,
+                 token_mask: np.ndarray | None = None) -> tuple[PagedDecodeState, ResultTokens]:
         """One step; page_table i32[B, W]: each slot's first W pages, the pages this step
-        writes included (entries a slot does not hold point at the trash page)."""
-        return self._generate_jit(params, decode_state, page_table, *self._draft_args())
+        writes included (entries a slot does not hold point at the trash page);
+        token_mask as TransformerEngine.generate's."""
+        return self._generate_jit(params, decode_state, page_table, token_mask,
+                                  *self._draft_args())
 
     @property
     def page_geometry(self) -> PageGeometry:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import engines.cpu_kernels
+from engines.token_mask import apply_token_mask
 
 _NEG_INF = -1e30
 _INT32_MAX = 2**31 - 1
@@ -160,13 +161,17 @@ def sample(
     prompt_mask: jax.Array,  # bool[B, V]
     counts: jax.Array,  # i32[B, V]
     cpu_kernels: bool = False,
+    token_mask: jax.Array | None = None,  # i32[B, W] packed allowed tokens (token_mask.py)
 ) -> tuple[jax.Array, jax.Array]:
     """Picks one token per slot. Returns (tokens i32[B], next keys u32[B, 2]).
 
     cpu_kernels: the greedy token by engines.cpu_kernels.argmax (the engine's choice on one
-    CPU device; the same token as jnp.argmax).
+    CPU device; the same token as jnp.argmax). token_mask: structured output's allowed
+    tokens, applied after the penalties (which would scale a -inf).
     """
     logits = apply_penalties(logits.astype(jnp.float32), s, prompt_mask, counts)
+    if token_mask is not None:
+        logits = apply_token_mask(logits, token_mask)
     if cpu_kernels:
         greedy_tok = engines.cpu_kernels.argmax(logits)
     else:

@@ -37,6 +37,7 @@ from engines.engine_api import pack_results
 from engines.kv_cache import DecodeKV, DecodeState
 from engines.model import Decoder
 from engines.sampling import SlotSampling, apply_penalties, filter_logits, token_logprobs
+from engines.token_mask import refuse_mask
 
 NGRAM_SIZES = (3, 2, 1)  # longest suffix tried first
 
@@ -219,10 +220,11 @@ def draft_model_drafts(draft_model: Decoder, k: int, draft_params, state: Decode
 
 
 def generate_speculative(model: Decoder, top_n: int, k: int, draft_model: Decoder | None,
-                         params, state: DecodeState, draft_params=None):
+                         params, state: DecodeState, token_mask=None, draft_params=None):
     """One verify step: the model runs over [last token, d1..dk] at positions
     pos..pos+k of every slot and keeps what engines.speculative.verify accepts. The
     drafts come from the sequence's own tokens, or from `draft_model` when given."""
+    refuse_mask(token_mask, "speculative decoding")
     S = state.k[0].shape[-1]
     if draft_model is None:
         drafts, q, rest = ngram_drafts(state.history, state.lengths, k), None, state

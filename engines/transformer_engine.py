@@ -31,6 +31,7 @@ from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_bloc
 from engines.prompt_scoring import score_in_chunks
 from engines.sampling import SamplingParams, SlotSampling
 from engines.speculative import generate_speculative
+from engines.token_mask import allow_all
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
 # Decode cache layouts (engines.kv_cache): keys [B, K, H, S], values [B, K, S, H], int8
@@ -215,7 +216,7 @@ class TransformerEngine(Engine):
         self._prefill_jit = jax.jit(
             self._counted("prefill", laid_out(functools.partial(
                 device_functions.prefill, self.model, top_n, draft_model=draft_model))),
-            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, *draft_sh),
+            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, r, *draft_sh),
             out_shardings=(prefix_sh, r),
         )
         self._prompt_logprobs_jit = jax.jit(
@@ -246,7 +247,7 @@ class TransformerEngine(Engine):
                functools.partial(device_functions.generate, self.model, top_n))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
-            in_shardings=(self.param_shardings, state_sh, *draft_sh),
+            in_shardings=(self.param_shardings, state_sh, r, *draft_sh),  # r: token_mask
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
@@ -336,10 +337,10 @@ class TransformerEngine(Engine):
         return dict(draft_k=draft.k, draft_v=draft.v)
 
     def prefill(self, params, tokens, true_length, *, sampling: SamplingParams | None = None,
-                existing_prefix: Prefix | None = None, seed: int | None = None):
+                existing_prefix: Prefix | None = None, seed: int | None = None, token_mask=None):
         """tokens: the prompt padded to a bucket (or unpadded: it is padded here)."""
-        args = self._prefill_args(params, tokens, true_length, sampling, existing_prefix, seed)
-        return self._prefill_jit(*args)
+        return self._prefill_jit(*self._prefill_args(params, tokens, true_length, sampling,
+                                                     existing_prefix, seed, token_mask))
 
     def lower_prefill(self, params, tokens, true_length, *,
                       existing_prefix: Prefix | None = None) -> jax.stages.Lowered:
@@ -348,7 +349,8 @@ class TransformerEngine(Engine):
         args = self._prefill_args(params, tokens, true_length, None, existing_prefix, 0)
         return self._prefill_jit.lower(*args)
 
-    def _prefill_args(self, params, tokens, true_length, sampling, existing_prefix, seed):
+    def _prefill_args(self, params, tokens, true_length, sampling, existing_prefix, seed,
+                      token_mask=None):
         """prefill's checks, then the arguments of the jitted prefill."""
         sampling = sampling or SamplingParams()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
@@ -360,9 +362,8 @@ class TransformerEngine(Engine):
         if not 1 <= true_length <= tokens.shape[0]:
             raise ValueError(f"true_length {true_length} must be in [1, {tokens.shape[0]}]")
         if start + true_length > self.max_seq_len:
-            raise ValueError(
-                f"prompt of {start + true_length} tokens exceeds max_seq_len {self.max_seq_len}"
-            )
+            raise ValueError(f"prompt of {start + true_length} tokens exceeds max_seq_len "
+                             f"{self.max_seq_len}")
         bucket = self.bucket_for(tokens.shape[0])
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : tokens.shape[0]] = tokens
@@ -375,7 +376,8 @@ class TransformerEngine(Engine):
             # Room for this bucket at `start`, rounded up to a power of two (few shapes).
             existing_prefix = self._grow_prefix_jit(existing_prefix, stack_size(start + bucket))
         return (params, padded, np.int32(true_length), np.int32(start), row, prior_mask,
-                existing_prefix, *self._draft_args())
+                existing_prefix, allow_all(1, self.model_config.vocab_size)
+                if token_mask is None else token_mask, *self._draft_args())
 
     # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
 
@@ -435,8 +437,8 @@ class TransformerEngine(Engine):
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
-    def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_jit(params, decode_state, *self._draft_args())
+    def generate(self, params, decode_state, token_mask=None) -> tuple[DecodeState, ResultTokens]:
+        return self._generate_jit(params, decode_state, token_mask, *self._draft_args())
 
     # ---- properties --------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ def worker(model: str, layers: int, prompt_len: int) -> dict:
 
 def hlo_ops(engine, params, state) -> int:
     """Instructions in the optimized HLO of the generate step (one more compile)."""
-    text = engine._generate_jit.lower(params, state).compile().as_text()
+    text = engine._generate_jit.lower(params, state, None).compile().as_text()
     return sum(1 for line in text.splitlines() if " = " in line and not line.startswith("HloModule"))
 
 

@@ -67,7 +67,8 @@ class DetokenizeWorker:
         for i in range(n):
             token = h.token(row, i)
             ids.append(token)
-            if i == n - 1 and finish is not None and finish[0] == "stop":
+            if i == n - 1 and finish is not None and finish[0] == "stop" and (
+                    finish[1] is not None):  # None: a complete grammar, not a stop token
                 text += live.text.finish()  # a stop token's own text is never emitted
                 break
             piece, stop_string = live.text.push(token)

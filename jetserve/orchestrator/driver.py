@@ -60,6 +60,7 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.step_masks import mask_refusal
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
@@ -74,6 +75,7 @@ from jetserve.orchestrator.wiring import (
 )
 from jetserve.request import Delta, Overloaded, Request
 from jetserve.scheduling.page_planner import with_pages
+from jetserve.structured.grammar import compile_constraint
 
 
 class Orchestrator:
@@ -328,6 +330,8 @@ class Orchestrator:
             timing=RequestTiming(arrival=time.monotonic()),
             budget=token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len),
             stop_ids=stop_ids(self.eos_ids, request.stop_token_ids, request.ignore_eos),
+            grammar=None if request.constraint is None else compile_constraint(
+                request.constraint, self.tokenizer, self.vocab_size),
         )
         live.handle = RequestHandle(request, live.timing, lambda: self._cancel(live))
         return live
@@ -366,6 +370,19 @@ class Orchestrator:
         if r.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer; this model has none "
                              "(use stop_token_ids)")
+        if r.constraint is not None:
+            self._check_constrainable(r.constraint.field)
+
+    def _check_constrainable(self, field: str) -> None:
+        """ValueError (naming the request field) unless every engine applies token masks
+        and the model has a tokenizer (grammars are over text)."""
+        for e in (*self.prefill_engines, *self.generate_engines):
+            why = mask_refusal(e)
+            if why is not None:
+                raise ValueError(f"{field}: structured output is not available here: {why}")
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: structured output needs a tokenizer; this model "
+                             "has none")
 
     def _cancel(self, live: LiveRequest) -> None:
         live.cancel_requested = True

@@ -48,6 +48,7 @@ from engines.engine_api import Engine
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_masks import any_constrained, mask_kwargs, step_mask
 from jetserve.orchestrator.timing import Listeners
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.scheduler import Scheduler
@@ -298,13 +299,17 @@ class GenerateWorker:
 
     def _step(self) -> None:
         self._make_room()
+        if any_constrained(self.slots.rows()):
+            self.readback.read()  # a constrained slot's next mask needs its last token
         if not self.slots.in_use:
             return
         rows = self.slots.rows()
         t = time.monotonic()
         try:
+            mask = step_mask(rows, self.engine.max_concurrent_decodes, self.engine.vocab_size)
             with self.state_lock:
-                self.state, res = self.engine.generate(self.params, self.state)
+                self.state, res = self.engine.generate(self.params, self.state,
+                                                       **mask_kwargs(mask))
             res.copy_to_host_async()
         except Exception as e:
             log.exception("generate step failed on engine %d", self.index)

@@ -48,6 +48,9 @@ class LiveRequest:
     # A prefix-cache hit over the engine's own KV pages (prefix_cache.PageStore), pinned
     # from its prefill until the generate thread inserted it (or dropped the request).
     cache_hit: Any = None
+    # Structured output: the request's jetserve.structured.TokenGrammar, advanced by the
+    # holder thread over each token taken; None when unconstrained.
+    grammar: Any = None
 
     @property
     def request_id(self) -> str:
@@ -71,6 +74,9 @@ class LiveRequest:
             self.generated += 1
             self.tokens.append(token)
             finish = token_finish(token, self.generated, self.budget, self.stop_ids)
+            if (finish is None or finish[0] == "length") and self.grammar is not None and (
+                    not self.grammar.advance(token) or self.grammar.stopped):
+                finish = ("stop", None)  # the structure is complete: nothing may follow
             if finish is not None:
                 return n, finish
         return len(tokens), None

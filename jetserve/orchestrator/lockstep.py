@@ -105,6 +105,10 @@ class LockStepOrchestrator(Orchestrator):
     def submit_many(self, requests):
         if not self.primary:
             raise RuntimeError("requests go to process 0; this process follows its plans")
+        for r in requests:
+            if getattr(r, "constraint", None) is not None:
+                raise ValueError(f"{r.constraint.field}: structured output is not available "
+                                 "when several processes serve one model (lock-step)")
         return super().submit_many(requests)
 
     def stats(self) -> dict:

@@ -39,6 +39,7 @@ from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_masks import first_mask
 from jetserve.orchestrator.timing import Listeners
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class PrefillWorker:
             piece = tokens[start:start + self.chunk]
             prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                 sampling=live.request.sampling,
-                                                existing_prefix=prefix)
+                                                existing_prefix=prefix, **first_mask(live))
         return prefix, first
 
 

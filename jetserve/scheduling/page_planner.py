@@ -64,9 +64,10 @@ class PagePlanner:
         return self.engine.insert(prefix, decode_state, slot, pages=pages,
                                   shared=len(shared_pages))
 
-    def generate(self, params: Any, decode_state: Any) -> tuple[Any, Any]:
+    def generate(self, params: Any, decode_state: Any, **kw: Any) -> tuple[Any, Any]:
         """engine.generate over the pages this step writes (raises OutOfPages, taking
-        none and running nothing, when the pool cannot cover the step)."""
+        none and running nothing, when the pool cannot cover the step); `kw` (a token
+        mask) goes on to the engine."""
         pages = self.kv_pages
         if pages.lookahead:
             # How far the last step really got is known on the device only: wait for it
@@ -74,7 +75,7 @@ class PagePlanner:
             pages.sync(np.asarray(decode_state.lengths))
         width = pages.before_step()
         table = pages.table[:, :width].copy()  # the device may read it later
-        out = self.engine.generate(params, decode_state, table)
+        out = self.engine.generate(params, decode_state, table, **kw)
         pages.after_step()
         return out
 

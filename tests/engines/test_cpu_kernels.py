@@ -273,13 +273,13 @@ def test_only_steps_up_to_max_rows_use_the_kernels(engines):
     state = on.init_decode_state()
     for target in (cpu_kernels.TARGET, cpu_kernels.ATTENTION_TARGET, cpu_kernels.ARGMAX_TARGET,
                    cpu_kernels.LOG_PROBS_TARGET):
-        assert target in on._generate_jit.lower(params, state).as_text()
-        assert target not in off._generate_jit.lower(params, state).as_text()
+        assert target in on._generate_jit.lower(params, state, None).as_text()
+        assert target not in off._generate_jit.lower(params, state, None).as_text()
     paged = with_pages(create_engine(CFG, config=EngineConfig(
         max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48, kv_layout="paged",
         page_size=8), devices=jax.devices()[:1], seed=3))
     table = paged.kv_pages.table[:, :paged.generate_widths()[0]]
-    lowered = paged._generate_jit.lower(params, paged.init_decode_state(), table)
+    lowered = paged._generate_jit.lower(params, paged.init_decode_state(), table, None)
     for target in (cpu_kernels.TARGET, cpu_kernels.ARGMAX_TARGET, cpu_kernels.LOG_PROBS_TARGET):
         assert target in lowered.as_text()  # the paged cache keeps XLA's attention
 
@@ -305,7 +305,7 @@ def test_a_sharded_mesh_never_uses_the_kernel(kernel):
     assert eng.model_config.cpu_matmul_rows == 0
     params = jax.eval_shape(eng.load_params)
     assert cpu_kernels.TARGET not in eng._generate_jit.lower(
-        params, eng.init_decode_state()).as_text()
+        params, eng.init_decode_state(), None).as_text()
 
 
 def test_quantized_or_bf16_weights_keep_xla(kernel):

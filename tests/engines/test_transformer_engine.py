@@ -121,7 +121,7 @@ def test_decode_reads_through_growing_windows():
                                    atol=1e-5)
     # The compiled step moves no cache-sized array: no copy or transpose as large as one
     # window of one layer's cache (layouts in engines.kv_cache).
-    hlo = eng._generate_jit.lower(params, eng.init_decode_state()).compile().as_text()
+    hlo = eng._generate_jit.lower(params, eng.init_decode_state(), None).compile().as_text()
     window = 3 * cfg.num_kv_heads * 128 * cfg.head_dim
     for shape in re.findall(r"= \w+\[([\d,]*)\]\S* (?:copy|transpose)\(", hlo):
         assert np.prod([int(d) for d in shape.split(",") if d]) < window, shape

@@ -1,0 +1,112 @@
+"""A request's constraint compiled for llguidance, and the matcher that follows its tokens.
+
+`compile_constraint` runs at admission (Orchestrator.submit): a schema, regex or grammar
+llguidance cannot compile is refused there with a ValueError naming the request field and
+llguidance's message, before the request takes a queue place or a slot. The result,
+`TokenGrammar`, lives with the request: it is told each token the request takes
+(`advance`, on whichever thread holds the request, one at a time) and writes the mask of
+the next one (`fill`).
+
+EOS is in a mask only where the grammar may end (llguidance adds the tokenizer's EOS ids
+then); a grammar that can take nothing more allows only EOS, so a complete structure ends
+"stop". One cut by max_tokens ends "length", like any other request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jetserve.structured.constraint import Constraint
+from jetserve.structured.vocabulary import ll_tokenizer
+
+log = logging.getLogger(__name__)
+
+# JSON without optional whitespace: a model cannot pad it with spaces and newlines.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def grammar_text(c: Constraint) -> str:
+    """The llguidance grammar (its JSON form) of a constraint; ValueError (naming the
+    field) when it cannot even be read."""
+    try:
+        if c.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(c.value, defaults=_JSON_OPTIONS)
+        if c.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                 defaults=_JSON_OPTIONS)
+        if c.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(c.value)
+        if c.kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(list(c.value)))
+        return llguidance.grammar_from("grammar", c.value)  # Lark, or llama.cpp's GBNF
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{c.field}: {e}") from None
+
+
+def check_constraint(c: Constraint, lt: llguidance.LLTokenizer | None = None) -> str:
+    """The constraint's grammar, checked (against `lt`'s vocabulary when given; servers
+    check without one while parsing a request); ValueError naming `c.field` with
+    llguidance's message when it does not compile."""
+    grammar = grammar_text(c)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lt)
+    if failed:
+        raise ValueError(f"{c.field}: invalid {c.kind.replace('_', ' ')}: "
+                         f"{messages[0].strip()}")
+    return grammar
+
+
+def compile_constraint(c: Constraint, tokenizer, vocab_size: int) -> TokenGrammar:
+    """A fresh matcher for one request; ValueError naming `c.field` with llguidance's
+    message when the schema / regex / grammar does not compile."""
+    lt = ll_tokenizer(tokenizer, vocab_size)
+    grammar = check_constraint(c, lt)
+    matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"{c.field}: invalid {c.kind.replace('_', ' ')}: "
+                         f"{matcher.get_error().strip()}")
+    return TokenGrammar(matcher, c.field, vocab_size, lt.vocab_size)
+
+
+class TokenGrammar:
+    """One request's grammar state (llguidance.LLMatcher) over the tokens it took."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, field: str, vocab_size: int,
+                 ll_vocab_size: int):
+        self.matcher = matcher
+        self.field = field
+        self.vocab_size = vocab_size  # the model's V; llguidance's may be larger (padding)
+        self._scratch = llguidance.numpy.allocate_token_bitmask(
+            1, max(vocab_size, ll_vocab_size))
+
+    def advance(self, token: int) -> bool:
+        """Takes one generated token; False when the grammar refuses it (a token sampled
+        without this grammar's mask: a bug, logged) or has nothing more to take."""
+        if self.matcher.is_stopped():
+            return False
+        if not self.matcher.consume_token(int(token)):
+            log.warning("%s: the grammar refused token %d: %s", self.field, token,
+                        self.matcher.get_error())
+            return False
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and takes nothing more (EOS taken, or no token left)."""
+        return self.matcher.is_stopped()
+
+    def fill(self, mask: np.ndarray, row: int) -> None:
+        """Writes the next token's allowed set into row `row` of i32[B, W] (W of the
+        model's vocabulary)."""
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._scratch, 0)
+        mask[row] = self._scratch[0, : mask.shape[1]]
+
+    def mask_row(self) -> np.ndarray:
+        """The next token's allowed set as i32[1, W] (a prefill's first token)."""
+        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        self.fill(mask, 0)
+        return mask

@@ -1,0 +1,126 @@
+"""Structured output through the orchestrator on the bundled model: constrained requests
+match at temperature 1, greedy parity with unconstrained decoding, a mixed batch equal
+to each request alone, no recompiles, and the refusals (engines that apply no masks)."""
+
+import json
+import re
+
+import jax
+import pytest
+
+from engines import EngineConfig, MockEngine, SamplingParams
+from jetserve.model_loading import build_engine
+from jetserve.orchestrator import Orchestrator, Request
+from jetserve.structured import Constraint
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+HOT = lambda seed: SamplingParams(temperature=1.0, seed=seed)  # noqa: E731
+
+
+@pytest.fixture(scope="module", params=["contiguous", "paged"])
+def orch(request):
+    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=96,
+                       kv_layout=request.param, page_size=16)
+    o = Orchestrator.from_engines(build_engine(None, devices=jax.devices()[:1],
+                                               engine_config=cfg))
+    o.start()
+    yield o
+    o.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt(orch):
+    return orch.tokenizer.encode("# user:\nA person as JSON, please.\n# assistant:\n")
+
+
+def run(orch, *requests):
+    return [h.result(300) for h in [orch.submit(r) for r in requests]]
+
+
+def test_constrained_requests_match_at_temperature_one(orch, prompt):
+    cases = [(Constraint(kind="json_schema", value=SCHEMA), lambda t: (
+                 set(json.loads(t)) == {"name", "age"} and 0 <= json.loads(t)["age"] <= 120)),
+             (Constraint(kind="json_object"), lambda t: isinstance(json.loads(t), dict)),
+             (Constraint(kind="regex", value=r"[0-9]{3}-[a-z]{2}"),
+              lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+             (Constraint(kind="choice", value=["yes", "no", "maybe"]),
+              lambda t: t in ("yes", "no", "maybe"))]
+    reqs = [Request(prompt_ids=prompt, max_tokens=48, sampling=HOT(seed), constraint=c)
+            for seed, (c, _) in enumerate(cases)]
+    for (c, check), r in zip(cases, run(orch, *reqs), strict=True):
+        assert r.finish_reason == "stop" and check(r.text), (c.kind, r.text)
+
+
+def test_greedy_parity_when_the_free_output_already_matches(orch, prompt):
+    free, = run(orch, Request(prompt_ids=prompt, max_tokens=10, ignore_eos=True))
+    tok = orch.tokenizer
+    text = b"".join(tok.token_bytes(t) for t in free.token_ids).decode()
+    for pattern in (re.escape(text), r"(?s:.{0,200})"):
+        c = Constraint(kind="regex", value=pattern)
+        got, = run(orch, Request(prompt_ids=prompt, max_tokens=10, ignore_eos=True,
+                                 constraint=c))
+        assert got.token_ids == free.token_ids
+        assert got.finish_reason == ("stop" if pattern == re.escape(text) else "length")
+
+
+def test_a_mixed_batch_equals_each_request_alone(orch, prompt):
+    free = Request(prompt_ids=prompt, max_tokens=12, ignore_eos=True, sampling=HOT(5))
+    shaped = Request(prompt_ids=prompt, max_tokens=40, sampling=HOT(6),
+                     constraint=Constraint(kind="json_schema", value=SCHEMA))
+    greedy = Request(prompt_ids=prompt[:-2], max_tokens=12, ignore_eos=True)
+    alone = [run(orch, r)[0] for r in (free, shaped, greedy)]
+    together = run(orch, free, shaped, greedy)
+    for a, b in zip(alone, together, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    json.loads(together[1].text)
+
+
+def test_a_structure_cut_by_max_tokens_ends_length(orch, prompt):
+    r, = run(orch, Request(prompt_ids=prompt, max_tokens=3, sampling=HOT(1),
+                           constraint=Constraint(kind="json_schema", value=SCHEMA)))
+    assert r.finish_reason == "length" and len(r.token_ids) == 3 and r.text.startswith("{")
+
+
+def test_stop_strings_still_end_a_constrained_request(orch, prompt):
+    r, = run(orch, Request(prompt_ids=prompt, max_tokens=40, sampling=HOT(2),
+                           stop_strings=('"age"',),
+                           constraint=Constraint(kind="json_schema", value=SCHEMA)))
+    assert r.finish_reason == "stop" and r.stop_reason == '"age"'
+    assert r.text.startswith('{"name":"') and '"age"' not in r.text
+
+
+def test_no_recompiles_after_both_programs(orch, prompt):
+    free = Request(prompt_ids=prompt, max_tokens=4, ignore_eos=True)
+    shaped = Request(prompt_ids=prompt, max_tokens=4, constraint=Constraint(kind="json_object"))
+    both = lambda: (run(orch, shaped, free), run(orch, free))  # noqa: E731
+    both()
+    engine = orch.generate_engines[0]
+    before = engine.trace_counts()
+    for _ in range(2):
+        both()
+    assert engine.trace_counts() == before
+    if engine.page_geometry is None:  # paged: one pair per page-table width
+        assert before["generate"] == 2  # the step without a mask and the one with
+
+
+def test_engines_that_apply_no_masks_refuse_at_admission():
+    c = Constraint(kind="regex", value="a+", field="guided_regex")
+    mock = Orchestrator.from_engines(MockEngine(vocab_size=64, max_concurrent_decodes=2))
+    with pytest.raises(ValueError, match=r"^guided_regex: structured output .*MockEngine"):
+        mock.submit(Request(prompt_ids=[1, 2], constraint=c))
+    spec = Orchestrator.from_engines(build_engine(None, devices=jax.devices()[:1],
+                                                  engine_config=EngineConfig(
+                                                      speculative="ngram:2")))
+    with pytest.raises(ValueError, match=r"^guided_regex: .*speculative decoding"):
+        spec.submit(Request(prompt_ids=[1, 2], constraint=c))
+    assert spec.stats()["counters"].get("submitted", 0) == 0
+
+
+def test_an_invalid_regex_is_refused_before_queueing(orch):
+    before = orch.stats()["counters"].get("submitted", 0)
+    with pytest.raises(ValueError, match=r"(?s)^guided_regex: invalid regex: .*unclosed group"):
+        orch.submit(Request(prompt_ids=[1, 2], constraint=Constraint(
+            kind="regex", value="(ab", field="guided_regex")))
+    assert orch.stats()["counters"].get("submitted", 0) == before

@@ -361,8 +361,7 @@ class OpenAIApp:
         texts = [self.tt.texts(prep, i) for i in range(len(handles))]  # across chunks
         readers = [tool_output.ChoiceReader(prep.tools) for _ in handles]  # tool calls
         for i in range(len(handles)):
-            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                   "content": ""},
+            yield _sse({**head, "choices": [{"index": i, "delta": readers[i].opening(),
                                              "logprobs": None, "finish_reason": None}],
                         **self._running_usage(prep, totals)})
         try:

@@ -24,6 +24,7 @@ from typing import Any
 
 from jetserve.server.validation import InvalidArgument, check_text, show
 from jetserve.structured import Constraint
+from jetserve.structured.grammar import check_constraint
 
 # OpenAI's own limits: 128 tools, names of 1-64 letters, digits, '_' or '-'.
 MAX_TOOLS = 128
@@ -105,15 +106,10 @@ def _move_refs(node: Any, at: str) -> Any:
 
 def check_schema(schema: Any, field: str) -> None:
     """A JSON schema the grammar engine compiles, or InvalidArgument with its message."""
-    from llguidance import LLMatcher  # deferred: only requests with tools pay its import
-
     try:
-        err = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
-    except (ValueError, TypeError) as e:
-        err = str(e)
-    if err:
-        raise InvalidArgument(field, f"{field} is not a JSON schema jetserve can enforce: "
-                                     f"{err}")
+        check_constraint(Constraint(kind="json_schema", value=schema, field=field))
+    except ValueError as e:
+        raise InvalidArgument(field, str(e)) from None
 
 
 def _check_tool(tool: Any, i: int) -> dict:

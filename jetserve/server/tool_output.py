@@ -277,6 +277,12 @@ class ChoiceReader:
             self.parser = ForcedCall() if plan.forced else TaggedCalls(
                 [t["function"]["name"] for t in plan.tools])
 
+    def opening(self) -> dict:
+        """The first delta. Content null where it may stay so (OpenAI's way when tools
+        are in play): the openai SDK then assembles a message that only calls with
+        content None, as a non-streaming one has."""
+        return {"role": "assistant", "content": "" if self.parser is None else None}
+
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the delta for this text, the choice's finish_reason as OpenAI names it)."""
         if self.parser is None:

@@ -138,7 +138,7 @@ def test_openai_sdk_stream_state_assembles_the_deltas(plan, text):
 
     state = ChatCompletionStreamState()
     head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
-    first = {"role": "assistant", "content": ""}
+    first = ChoiceReader(plan).opening()
     state.handle_chunk(ChatCompletionChunk.model_validate(
         {**head, "choices": [{"index": 0, "delta": first, "finish_reason": None}]}))
     for delta, finish in _stream(plan, text, 3):
@@ -150,4 +150,4 @@ def test_openai_sdk_stream_state_assembles_the_deltas(plan, text):
     got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
     assert got == [c[1:] for c in want_calls]
     assert all(c.id.startswith("call_") for c in choice.message.tool_calls)
-    assert (choice.message.content or None) == want_content
+    assert choice.message.content == want_content

@@ -150,10 +150,9 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
         logprobs = v.check_logprobs(limits, r.top_logprobs or 0, "top_logprobs")
     elif r.top_logprobs:
         raise v.InvalidArgument("top_logprobs", "top_logprobs needs logprobs: true")
-    constraint = plan.constraint() if plan else None
+    kw["constraint"] = tool_calls.output_constraint(plan, kw.get("constraint"))
     requests = [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
-                        logprobs=logprobs, client=client, constraint=constraint, **kw)
-                for j in range(n)]
+                        logprobs=logprobs, client=client, **kw) for j in range(n)]
     stream, usage = _stream_flags(r)
     return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
                     echo=False, logprobs=logprobs, stream=stream, include_usage=usage,

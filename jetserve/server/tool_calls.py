@@ -82,6 +82,18 @@ class ToolPlan:
         return Constraint(kind="json_schema", value=schema, field="tool_choice")
 
 
+def output_constraint(plan: ToolPlan | None, other: Constraint | None) -> Constraint | None:
+    """What a chat request's output must match: a forced call's schema, or `other` (from
+    response_format and the like); both at once is refused."""
+    if plan is None or not plan.forced:
+        return other
+    if other is not None:
+        raise InvalidArgument("tool_choice", f"tool_choice {plan.mode!r} forces a tool call, "
+                                             f"and {other.field} constrains the output too; "
+                                             "give one of them")
+    return plan.constraint()
+
+
 def _call_schema(fn: dict, at: str) -> dict:
     """{"name": const, "arguments": parameters}; the parameters' local $refs are moved to
     where the parameters now sit (`at`), so a pydantic schema's $defs still resolve."""

@@ -180,3 +180,16 @@ def test_as_text_writes_tools_and_calls_in_the_documented_format():
     assert json.dumps(TIME) in out[0]["content"] and tool_calls.HOWTO in out[0]["content"]
     assert out[1]["content"] == '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     assert tool_calls.as_text([{"role": "user", "content": "hi"}], [TIME])[0]["role"] == "system"
+
+
+def test_output_constraint_is_the_forced_call_or_the_other_never_both():
+    from jetserve.structured import Constraint
+
+    other = Constraint(kind="json_object", field="response_format")
+    assert tool_calls.output_constraint(None, other) is other
+    assert tool_calls.output_constraint(plan_tools([WEATHER], "auto"), other) is other
+    forced = plan_tools([WEATHER], "required")
+    assert tool_calls.output_constraint(forced, None) == forced.constraint()
+    with pytest.raises(InvalidArgument) as e:
+        tool_calls.output_constraint(forced, other)
+    assert e.value.field == "tool_choice" and "response_format" in str(e.value)

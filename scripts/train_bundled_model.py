@@ -54,9 +54,21 @@ USER_SYMBOLS = ["\n", "    "]
 
 # Messages become comments. BOS is written by the template, as Hugging Face templates do
 # (servers turn a leading bos_token into its id and encode the rest without adding one).
+# Tools (jetserve.server.tool_calls documents the format): listed as JSON comments first,
+# with how to call one; a call in the history is <tool_call>{"name", "arguments"}</tool_call>
+# on a line of its own. Without tools it renders as it always did.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '# ' + message['role'] + ':\\n' + message['content'] + '\\n' }}"
+    "{{ bos_token }}{% if tools %}{{ '# tools:\\n' }}{% for tool in tools %}"
+    "{{ '# ' + tool | tojson + '\\n' }}{% endfor %}"
+    "{{ '# To call a tool, answer with <tool_call>{\"name\": NAME, \"arguments\": ARGUMENTS}"
+    "</tool_call>, ARGUMENTS a JSON object matching the parameters of the tool.\\n' }}"
+    "{% endif %}{% for message in messages %}{{ '# ' + message['role'] + ':\\n' }}"
+    "{% if message['content'] or not message['tool_calls'] %}"
+    "{{ message['content'] + '\\n' }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] or call %}"
+    "{{ '<tool_call>{\"name\": ' + f['name'] | tojson + ', \"arguments\": ' + "
+    "(f['arguments'] if f['arguments'] is string else f['arguments'] | tojson) + "
+    "'}</tool_call>\\n' }}{% endfor %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}"
 )
 

@@ -3,7 +3,9 @@
 The template comes from `tokenizer_config.json` (`chat_template`), rendered the way
 Hugging Face renders it: a sandboxed jinja2 environment with trim_blocks / lstrip_blocks,
 `raise_exception`, `tojson` and `strftime_now`, and the variables `messages`,
-`add_generation_prompt`, `bos_token`, `eos_token`. A model without a template gets
+`add_generation_prompt`, `bos_token`, `eos_token` and `tools` (with an assistant's
+`tool_calls` and a tool message's `tool_call_id` in the messages; a template that never
+mentions tools gets them as text, jetserve.server.tool_calls). A model without a template gets
 `DEFAULT_TEMPLATE`. The rendered text already holds any special tokens the template
 writes (BOS included), so it is tokenized without adding BOS again.
 """
@@ -13,11 +15,13 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from jetserve.server import tool_calls
 from jetserve.server.validation import InvalidArgument, ModelLimits, check_text, show
 
 # Used when the model ships no template: role-tagged turns, then the assistant's cue.
@@ -44,14 +48,15 @@ def _raise(message: str):
 def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, \
+        sort_keys=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii,
+                                    separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
 
 
-def normalize_messages(messages: Any, field: str = "messages") -> list[dict[str, str]]:
+def normalize_messages(messages: Any, field: str = "messages") -> list[dict[str, Any]]:
     """Validates OpenAI-style messages; list-of-parts content is joined to one string."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(field, f"{field} must be a non-empty list of messages")
@@ -82,16 +87,21 @@ def normalize_messages(messages: Any, field: str = "messages") -> list[dict[str,
             raise InvalidArgument(f"{where}.content",
                                   f"{where}.content must be a string, got {show(content)}")
         check_text(content, f"{where}.content")  # the tokenizer fails on a lone surrogate
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content,
+                    **tool_calls.message_fields(m, role, where)})
     return out
 
 
-def render(messages: list[dict[str, str]], *, template: str | None, bos_token: str,
-           eos_token: str, add_generation_prompt: bool = True) -> str:
+def render(messages: list[dict[str, Any]], *, template: str | None, bos_token: str,
+           eos_token: str, add_generation_prompt: bool = True,
+           tools: list[dict] | None = None) -> str:
+    template = template or DEFAULT_TEMPLATE
+    if "tools" not in template and (tools or any("tool_calls" in m for m in messages)):
+        messages, tools = tool_calls.as_text(messages, tools), None
     try:
-        return _compile(template or DEFAULT_TEMPLATE).render(
+        return _compile(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token, eos_token=eos_token, tools=None)
+            bos_token=bos_token, eos_token=eos_token, tools=tools or None)
     except _TemplateError as e:  # the template itself rejected the conversation
         raise InvalidArgument("messages", f"messages: the model's chat template says: {e}") \
             from None
@@ -99,9 +109,10 @@ def render(messages: list[dict[str, str]], *, template: str | None, bos_token: s
         raise InvalidArgument("messages", f"messages: the chat template failed: {e}") from None
 
 
-def chat_prompt_ids(limits: ModelLimits, messages: Any,
-                    add_generation_prompt: bool = True) -> list[int]:
-    """The conversation as prompt token ids, BOS as the template writes it."""
+def chat_prompt_ids(limits: ModelLimits, messages: Any, add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
+    """The conversation as prompt token ids, BOS as the template writes it; `tools`: the
+    checked definitions (jetserve.server.tool_calls) the template lists."""
     tok = limits.tokenizer
     if tok is None:
         raise InvalidArgument("messages", "messages: this model has no tokenizer, so it "
@@ -110,7 +121,8 @@ def chat_prompt_ids(limits: ModelLimits, messages: Any,
     bos = getattr(tok, "bos_token", None) or ""
     eos = getattr(tok, "eos_token", None) or ""
     text = render(msgs, template=getattr(tok, "chat_template", None), bos_token=bos,
-                  eos_token=eos, add_generation_prompt=add_generation_prompt)
+                  eos_token=eos, add_generation_prompt=add_generation_prompt,
+                  tools=list(tools) if tools else None)
     ids: list[int] = []
     # A BOS written as text is turned into its id: sentencepiece would spell it out.
     if bos and text.startswith(bos) and limits.bos_id is not None:

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from jetserve.request import Overloaded
-from jetserve.server import client_id, tokenize_api
+from jetserve.server import client_id, tokenize_api, tool_output
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
@@ -359,9 +359,9 @@ class OpenAIApp:
         head = {**head, "object": "chat.completion.chunk"}
         totals = [Joined() for _ in handles]
         texts = [self.tt.texts(prep, i) for i in range(len(handles))]  # across chunks
+        readers = [tool_output.ChoiceReader(prep.tools) for _ in handles]  # tool calls
         for i in range(len(handles)):
-            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                   "content": ""},
+            yield _sse({**head, "choices": [{"index": i, "delta": readers[i].opening(),
                                              "logprobs": None, "finish_reason": None}],
                         **self._running_usage(prep, totals)})
         try:
@@ -377,10 +377,10 @@ class OpenAIApp:
                                                       d.top_logprobs,
                                                       final=d.finish_reason is not None)
                                     if prep.logprobs is not None else None)
-                        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                        delta, finish = readers[i].delta(d.text, d.finish_reason)
                         yield _sse({**head, "choices": [{"index": i, "delta": delta,
                                                          "logprobs": logprobs,
-                                                         "finish_reason": d.finish_reason}],
+                                                         "finish_reason": finish}],
                                     **self._running_usage(prep, totals)})
         except ShuttingDown:
             for i in _unfinished(totals):

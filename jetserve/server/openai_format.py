@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 from jetserve.request import Request
-from jetserve.server import chat_template
+from jetserve.server import chat_template, tool_calls, tool_output
 from jetserve.server import validation as v
 from jetserve.server.logprob_text import Shown, TokenTexts
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, prompt_list
@@ -43,6 +43,7 @@ class Prepared:
     run: bool  # False: max_tokens 0 without scoring, nothing to compute
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" entries
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
+    tools: tool_calls.ToolPlan | None = None  # chat: the tools in play, if any
 
 
 def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: int,
@@ -138,7 +139,9 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
     check_model(r.model, served)
     v.check_sub_requests(limits, 1, v.check_samples(1 if r.n is None else r.n))
     add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
-    ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen)
+    plan = tool_calls.plan_tools(r.tools, r.tool_choice)
+    ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen,
+                                        tools=plan and plan.tools)
     v.check_prompt_length(limits, ids, "messages")
     field, max_tokens = "max_tokens", r.max_tokens
     if r.max_completion_tokens is not None:
@@ -149,13 +152,14 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
         logprobs = v.check_logprobs(limits, r.top_logprobs or 0, "top_logprobs")
     elif r.top_logprobs:
         raise v.InvalidArgument("top_logprobs", "top_logprobs needs logprobs: true")
+    kw["constraint"] = tool_calls.output_constraint(plan, kw.get("constraint"))
     requests = [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
                         logprobs=logprobs, client=client, **kw) for j in range(n)]
     stream, usage = _stream_flags(r)
     return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
                     echo=False, logprobs=logprobs, stream=stream, include_usage=usage,
                     run=True, tokens_as_ids=bool(r.return_tokens_as_token_ids),
-                    continuous_usage=_continuous_usage(r))
+                    continuous_usage=_continuous_usage(r), tools=plan)
 
 
 class TokenText:
@@ -260,5 +264,6 @@ def chat_choice(prep: Prepared, tt: TokenText, index: int, j: Joined) -> dict:
     logprobs = (chat_logprobs(tt.texts(prep, index), j.token_ids, j.logprobs, j.top_logprobs,
                               final=True)
                 if prep.logprobs is not None else None)
-    return {"index": index, "message": {"role": "assistant", "content": j.text},
-            "logprobs": logprobs, "finish_reason": j.finish_reason}
+    message, finish_reason = tool_output.message(prep.tools, j.text, j.finish_reason)
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}

@@ -76,6 +76,9 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None  # extension (as vLLM)
+    tools: Any = None  # checked by tool_calls.plan_tools, as is tool_choice
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # calls are parsed however many there are
 
 
 class TokenizeRequest(_Strict):
@@ -84,6 +87,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: Any = None
+    tools: Any = None  # with messages: listed by the chat template, as chat does
     add_special_tokens: bool | None = None  # BOS; default: True for prompt, False for chat
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jetserve.server import chat_template
+from jetserve.server import chat_template, tool_calls
 from jetserve.server import validation as v
 from jetserve.server.openai_schema import DetokenizeRequest, TokenizeRequest
 
@@ -38,7 +38,9 @@ def tokenize(limits: v.ModelLimits, r: TokenizeRequest, served: str) -> dict[str
                             add_bos=False if r.add_special_tokens is False else None)
     else:
         add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
-        ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen)
+        plan = tool_calls.plan_tools(r.tools, None)
+        ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen,
+                                            tools=plan and plan.tools)
         if r.add_special_tokens and limits.bos_id is not None and ids[:1] != [limits.bos_id]:
             ids = [limits.bos_id] + ids  # as vLLM: BOS on top of the template's text
     strs = None

@@ -6,6 +6,7 @@ It sits above the contiguous engine (engines/transformer_engine.py) and the page
 
 from __future__ import annotations
 
+from engines.lora_engine import LoraTransformerEngine
 from engines.paged_engine import PagedTransformerEngine
 from engines.transformer_engine import TransformerEngine
 
@@ -18,7 +19,14 @@ ENGINES: dict[str, type[TransformerEngine]] = {
 
 def create_engine(model_config, **kwargs) -> TransformerEngine:
     """The transformer engine for `kwargs["config"].kv_layout` (contiguous without a
-    config); takes TransformerEngine's arguments."""
+    config); takes TransformerEngine's arguments, and `lora_config` (engines.lora.LoraConfig)
+    for one that serves LoRA adapters (contiguous only, for now)."""
     config = kwargs.get("config")
     layout = config.kv_layout if config is not None else TransformerEngine.KV_LAYOUT
+    if kwargs.get("lora_config") is not None:
+        if layout != TransformerEngine.KV_LAYOUT:
+            raise ValueError(f"LoRA adapters are served with kv_layout "
+                             f"{TransformerEngine.KV_LAYOUT!r}, not {layout!r}")
+        return LoraTransformerEngine(model_config, **kwargs)
+    kwargs.pop("lora_config", None)
     return ENGINES[layout](model_config, **kwargs)

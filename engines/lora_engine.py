@@ -1,0 +1,224 @@
+"""The contiguous transformer engine serving LoRA adapters beside the base model.
+
+Each decode slot carries its adapter's pool row (`LoraDecodeState.adapter`, 0: the base
+model) and each prefix the row it was prefilled with (`LoraPrefix.adapter`), so requests
+for different adapters and the base model share one batched step (engines/lora.py adds
+each row's own delta). The pool is an argument of the jitted prefill and generate, never
+a constant baked into them: writing an adapter into a row is one more call of a jitted,
+donated update, and nothing recompiles.
+
+Adapters are kept on the host by name (engines/lora_registry.py); `prefill(adapter=NAME)`
+makes one resident first, swapping out the least recently used that no live slot holds.
+
+Concurrency: the registry's lock is held while a call that reads or writes the pool is
+dispatched (dispatch is asynchronous, so briefly), so a load never donates the pool
+between another thread reading it and handing it to a device call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engines import device_functions, lora
+from engines.kv_cache import DecodeState, Prefix, insert_prefix
+from engines.lora_loading import read_adapter
+from engines.lora_registry import AdapterRegistry
+from engines.speculative import generate_speculative
+from engines.transformer_engine import TransformerEngine
+from sharding import axes, traced_under
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraPrefix(Prefix):
+    """A Prefix and the pool row of the adapter that made it."""
+
+    adapter: jax.Array | None = None  # i32[] pool row, 0: the base model
+    adapter_load: jax.Array | None = None  # i32[] that row's load count at prefill
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraDecodeState(DecodeState):
+    """A DecodeState and each slot's adapter row."""
+
+    adapter: jax.Array | None = None  # i32[B]
+
+
+def _fields(x, cls) -> dict:
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(cls)}
+
+
+class _WithLora:
+    """A decoder whose apply adds each batch row's adapter (what the device functions see)."""
+
+    def __init__(self, model, hook: lora.LoraBatch):
+        self.model, self.hook, self.cfg = model, hook, model.cfg
+
+    def apply(self, variables, *args, **kw):
+        return self.model.apply(variables, *args, lora=self.hook, **kw)
+
+
+def lora_prefill(model, top_n, params, pool, adapter, adapter_load, *args, draft_model=None):
+    """device_functions.prefill with the prompt's adapter row (i32[])."""
+    bound = _WithLora(model, lora.LoraBatch(pool, jnp.reshape(adapter, (1,))))
+    prefix, res = device_functions.prefill(bound, top_n, params, *args, draft_model=draft_model)
+    return LoraPrefix(**_fields(prefix, Prefix), adapter=adapter, adapter_load=adapter_load), res
+
+
+def lora_insert(prefix: LoraPrefix, state: LoraDecodeState, slot) -> LoraDecodeState:
+    new = insert_prefix(prefix, state, slot)
+    return LoraDecodeState(**_fields(new, DecodeState),
+                           adapter=state.adapter.at[slot].set(prefix.adapter))
+
+
+def lora_generate(model, step, params, pool, state: LoraDecodeState, *draft):
+    """step(model) -> the generate function (plain or speculative) over that model."""
+    bound = _WithLora(model, lora.LoraBatch(pool, state.adapter))
+    new, res = step(bound)(params, state, *draft)
+    return LoraDecodeState(**_fields(new, DecodeState), adapter=state.adapter), res
+
+
+class LoraTransformerEngine(TransformerEngine):
+    """TransformerEngine's arguments plus `lora` (a LoraConfig): pool size and max rank."""
+
+    def __init__(self, model_config, *, lora_config: lora.LoraConfig, **kwargs):
+        self.lora_config = lora_config
+        self._plain = False  # True while the base class builds its own programs
+        self.adapters = AdapterRegistry(lora_config.max_loras)
+        self._slot_rows: dict[int, int] = {}  # decode slot -> pool row it holds
+        super().__init__(model_config, **kwargs)
+        if jax.process_count() > 1:
+            raise ValueError("LoRA adapters are served in one process only")
+        make = functools.partial(lora.empty_pool, self.model_config, lora_config, self.dtype)
+        self._pool = jax.jit(make, out_shardings=self.pool_shardings)()
+
+    # ---- shardings: the base layouts plus the adapter rows (replicated) ----------------
+
+    def decode_state_shardings(self):
+        base = super().decode_state_shardings()
+        if self._plain:
+            return base
+        return LoraDecodeState(**_fields(base, DecodeState), adapter=base.lengths)
+
+    def prefix_destination_sharding(self):
+        base = super().prefix_destination_sharding()
+        if self._plain:
+            return base
+        r = self._replicated()
+        return LoraPrefix(**_fields(base, Prefix), adapter=r, adapter_load=r)
+
+    def _build_jits(self):
+        self._plain = True
+        try:
+            super()._build_jits()
+            self.init_base_state = super().init_decode_state
+        finally:
+            self._plain = False
+        self.pool_shardings = lora.pool_shardings(self.model_config, self.lora_config,
+                                                  self.sharding, self._mesh)
+        state_sh, prefix_sh = self.decode_state_shardings(), self.prefix_destination_sharding()
+        pool_sh, r = self.pool_shardings, self._replicated()
+        laid_out = functools.partial(traced_under, self.sharding, self._mesh)
+        top_n, spec = self.config.top_logprobs, self.config.spec
+        draft_model = self._draft.model if self._draft else None
+        draft_sh = (self._draft.param_shardings,) if self._draft else ()
+        self._prefill_jit = jax.jit(
+            self._counted("prefill", laid_out(functools.partial(
+                lora_prefill, self.model, top_n, draft_model=draft_model))),
+            in_shardings=(self.param_shardings, pool_sh, r, r, r, r, r, prefix_sh.sampling, r,
+                          None, *draft_sh),
+            out_shardings=(prefix_sh, r))
+        self._insert_jit = jax.jit(self._counted("insert", lora_insert),
+                                   in_shardings=(prefix_sh, state_sh, r),
+                                   out_shardings=state_sh, donate_argnums=(1,))
+        step = ((lambda m: functools.partial(generate_speculative, m, top_n, spec.k, draft_model))
+                if spec.enabled else
+                (lambda m: functools.partial(device_functions.generate, m, top_n)))
+        self._generate_jit = jax.jit(
+            self._counted("generate", laid_out(functools.partial(lora_generate, self.model, step))),
+            in_shardings=(self.param_shardings, pool_sh, state_sh, *draft_sh),
+            out_shardings=(state_sh, r), donate_argnums=(2,))
+        self._write_jit = jax.jit(lora.write_row, out_shardings=pool_sh, donate_argnums=(0,))
+
+    # ---- adapters ----------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Reads and checks the PEFT adapter at `path` (ValueError naming the file and
+        tensor) and keeps it under `name`; it goes to the device when first asked for."""
+        weights = read_adapter(path, self.source_config, self.lora_config.max_rank)
+        self.adapters.add(name, weights)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets `name` (UnknownAdapter, a KeyError, when not loaded)."""
+        self.adapters.remove(name)
+
+    def _row(self, name: str | None) -> tuple[int, int]:
+        """(pool row, its load count) of adapter `name` (0, 0 for the base model), writing
+        the adapter into the pool first when it is not resident. Hold the lock."""
+        if name is None:
+            return 0, 0
+        row, weights = self.adapters.row_for(name)
+        if weights is not None:
+            a, b = lora.adapter_rows(weights, self.model_config, self.lora_config,
+                                     self.kv_repeat, self.dtype)
+            self._pool = self._write_jit(self._pool, np.int32(row), a, b,
+                                         np.float32(weights.scale))
+        return row, self.adapters.loads[row]
+
+    # ---- Engine API --------------------------------------------------------------------
+
+    def init_decode_state(self) -> LoraDecodeState:
+        self._plain = True
+        try:
+            base = self.init_base_state()
+        finally:
+            self._plain = False
+        B = self.config.max_concurrent_decodes
+        sh = self._named((axes.CACHE_BATCH,), (B,), "slot adapters")
+        return LoraDecodeState(**_fields(base, DecodeState),
+                               adapter=jax.device_put(np.zeros((B,), np.int32), sh))
+
+    def prefill(self, params, tokens, true_length, *, sampling=None, existing_prefix=None,
+                seed=None, adapter: str | None = None):
+        """As TransformerEngine.prefill, through adapter `adapter` (None: the base model;
+        an unknown name raises engines.lora_registry.UnknownAdapter)."""
+        args = self._prefill_args(params, tokens, true_length, sampling, existing_prefix, seed)
+        with self.adapters.lock:
+            row, load = self._row(adapter)
+            return self._prefill_jit(args[0], self._pool, np.int32(row), np.int32(load),
+                                     *args[1:])
+
+    def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None):
+        args = self._prefill_args(params, tokens, true_length, None, existing_prefix, 0)
+        return self._prefill_jit.lower(args[0], self._pool, np.int32(0), np.int32(0), *args[1:])
+
+    def insert(self, prefix: LoraPrefix, decode_state, slot: int):
+        if not isinstance(prefix, LoraPrefix):
+            raise ValueError("a LoRA engine inserts prefixes of a LoRA engine's prefill "
+                             f"(got {type(prefix).__name__})")
+        row, load = (int(x) for x in jax.device_get((prefix.adapter, prefix.adapter_load)))
+        with self.adapters.lock:
+            if row and self.adapters.loads[row] != load:
+                raise RuntimeError(f"the LoRA adapter of this prefix (pool row {row}) was "
+                                   f"swapped out before insert; prefill it again")
+            self.free_slot(slot)
+            if row:
+                self.adapters.pin(row)
+                self._slot_rows[slot] = row
+            return self._insert_jit(prefix, decode_state, np.int32(slot))
+
+    def free_slot(self, slot: int) -> None:
+        with self.adapters.lock:
+            row = self._slot_rows.pop(slot, None)
+            if row is not None:
+                self.adapters.unpin(row)
+
+    def generate(self, params, decode_state):
+        with self.adapters.lock:
+            return self._generate_jit(params, self._pool, decode_state, *self._draft_args())

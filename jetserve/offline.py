@@ -65,8 +65,10 @@ def generate_many(
     max_tokens: int,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     ignore_eos: bool = False,
+    adapters: Sequence[str | None] | None = None,
 ) -> list[OfflineResult]:
-    """Runs every prompt to completion; results in prompt order."""
+    """Runs every prompt to completion; results in prompt order. `adapters`: each
+    prompt's LoRA adapter (None: the base model)."""
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
     for i, p in enumerate(prompts):
@@ -75,11 +77,13 @@ def generate_many(
         check_prompt_fits(engine, len(p), f"prompt {i}")
     stops = stop_ids(engine.eos_ids, (), ignore_eos)
     lives = [LiveRequest(Request(prompt_ids=[int(t) for t in p], sampling=s,
-                                 max_tokens=max_tokens, ignore_eos=ignore_eos),
+                                 max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                 lora_adapter=a),
                          handle=None, timing=RequestTiming(arrival=time.monotonic()),
                          budget=token_budget(len(p), max_tokens, engine.max_seq_len),
                          stop_ids=stops)
-             for p, s in zip(prompts, samplings, strict=True)]
+             for p, s, a in zip(prompts, samplings, adapters or [None] * len(prompts),
+                                strict=True)]
     sink = _Collect()
     _run(engine, params, lives, ReadBack(0, sink, Listeners()))
     return [OfflineResult(list(p), live.tokens, sink.finish[id(live)], sink.logprobs[id(live)])
@@ -100,7 +104,8 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
             live = waiting.popleft()
             prompt = list(live.request.prompt_ids)
             t0 = time.monotonic()
-            prefix, first = prefill_chunked(engine, params, prompt, live.request.sampling)
+            prefix, first = prefill_chunked(engine, params, prompt, live.request.sampling,
+                                            **live.request.prefill_kwargs())
             if readback.first_token(live, first, t0, len(prompt)):
                 sched.kv.unreserve(live)
                 continue
@@ -131,12 +136,13 @@ def check_prompt_fits(engine: Engine, n: int, what: str) -> None:
                          f"{engine.max_prefill_length} (--max-prefill-length raises it)")
 
 
-def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams):
+def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams,
+                    **kwargs):
     """(prefix, first token) of a prompt, in chunks of max_prefill_length, each continuing
-    the last."""
+    the last (`kwargs`: the request's own, Request.prefill_kwargs)."""
     prefix = None
     for start, end in chunks(len(prompt), engine.max_prefill_length):
         piece = list(prompt[start:end])
         prefix, first = engine.prefill(params, piece, len(piece), sampling=sampling,
-                                       existing_prefix=prefix)
+                                       existing_prefix=prefix, **kwargs)
     return prefix, first

@@ -122,7 +122,7 @@ class PrefillWorker:
         cache = self.cache
         hit = None
         if cache is not None:
-            hit = cache.lookup(self.cache_key, tokens, wait_s=ADOPT_WAIT_POLLS * self.poll_s)
+            hit = cache.lookup(req.cache_key(self.cache_key), tokens, wait_s=ADOPT_WAIT_POLLS * self.poll_s)
         try:
             out = self._prefill(live, tokens, hit)
             if out is None:
@@ -169,7 +169,8 @@ class PrefillWorker:
             piece = tokens[start:start + self.chunk]
             prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                 sampling=live.request.sampling,
-                                                existing_prefix=prefix)
+                                                existing_prefix=prefix,
+                                                **live.request.prefill_kwargs())
         return prefix, first
 
 

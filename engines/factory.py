@@ -19,14 +19,10 @@ ENGINES: dict[str, type[TransformerEngine]] = {
 
 def create_engine(model_config, **kwargs) -> TransformerEngine:
     """The transformer engine for `kwargs["config"].kv_layout` (contiguous without a
-    config); takes TransformerEngine's arguments, and `lora_config` (engines.lora.LoraConfig)
-    for one that serves LoRA adapters (contiguous only, for now)."""
+    config); takes TransformerEngine's arguments. `config.max_loras` > 0: the contiguous
+    engine that also serves LoRA adapters."""
     config = kwargs.get("config")
     layout = config.kv_layout if config is not None else TransformerEngine.KV_LAYOUT
-    if kwargs.get("lora_config") is not None:
-        if layout != TransformerEngine.KV_LAYOUT:
-            raise ValueError(f"LoRA adapters are served with kv_layout "
-                             f"{TransformerEngine.KV_LAYOUT!r}, not {layout!r}")
+    if config is not None and config.max_loras:  # EngineConfig refuses it with paged KV
         return LoraTransformerEngine(model_config, **kwargs)
-    kwargs.pop("lora_config", None)
     return ENGINES[layout](model_config, **kwargs)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engines import device_functions, lora
+from engines.engine_config import EngineConfig
 from engines.kv_cache import DecodeState, Prefix, insert_prefix
 from engines.lora_loading import read_adapter
 from engines.lora_registry import AdapterRegistry
@@ -85,14 +86,16 @@ def lora_generate(model, step, params, pool, state: LoraDecodeState, *draft):
 
 
 class LoraTransformerEngine(TransformerEngine):
-    """TransformerEngine's arguments plus `lora` (a LoraConfig): pool size and max rank."""
+    """TransformerEngine's arguments; the pool's size and rank are config.max_loras and
+    config.max_lora_rank."""
 
-    def __init__(self, model_config, *, lora_config: lora.LoraConfig, **kwargs):
+    def __init__(self, model_config, *, config: EngineConfig, **kwargs):
+        lora_config = lora.LoraConfig(max_loras=config.max_loras, max_rank=config.max_lora_rank)
         self.lora_config = lora_config
         self._plain = False  # True while the base class builds its own programs
         self.adapters = AdapterRegistry(lora_config.max_loras)
         self._slot_rows: dict[int, int] = {}  # decode slot -> pool row it holds
-        super().__init__(model_config, **kwargs)
+        super().__init__(model_config, config=config, **kwargs)
         if jax.process_count() > 1:
             raise ValueError("LoRA adapters are served in one process only")
         make = functools.partial(lora.empty_pool, self.model_config, lora_config, self.dtype)

@@ -3,51 +3,33 @@ written by hand; their checks at load; the pool's layout; tokens equal to a plai
 whose weights have the adapter merged on the host (plain and n-gram speculative steps,
 base rows unchanged beside adapter rows); unknown names."""
 
-import json
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from engines import EngineConfig, ModelConfig, create_engine
 from engines.lora import LoraConfig, pool_shardings
-from engines.lora_loading import module_dims
 from engines.lora_registry import UnknownAdapter
 from jetserve.offline import generate_many
 from sharding import load_preset
+from tests.engines import lora_files
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
-PREFIX = "base_model.model.model.layers"
-SECTION = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PREFIX = lora_files.PREFIX
 
 
-def write_adapter(path, targets, rank=4, alpha=8, seed=0, config=None, tensors=None):
-    """A PEFT-format adapter of CFG: random A and B for `targets` in every layer."""
-    rng = np.random.default_rng(seed)
-    path.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for layer in range(CFG.num_layers):
-        for m in targets:
-            n_in, n_out = module_dims(CFG, m)
-            key = f"{PREFIX}.{layer}.{SECTION[m]}.{m}"
-            out[f"{key}.lora_A.weight"] = rng.normal(0, 0.3, (rank, n_in)).astype(np.float32)
-            out[f"{key}.lora_B.weight"] = rng.normal(0, 0.3, (n_out, rank)).astype(np.float32)
-    out.update(tensors or {})
-    save_file(out, str(path / "adapter_model.safetensors"))
-    conf = {"r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-            "use_rslora": False, "peft_type": "LORA", **(config or {})}
-    (path / "adapter_config.json").write_text(json.dumps(conf))
-    return str(path), out
+def write_adapter(path, targets, **kw):
+    return lora_files.write_adapter(path, CFG, targets, **kw)
 
 
 def _engine(speculative="none", **kw):
     cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64,
-                       speculative=speculative)
+                       speculative=speculative, max_loras=2, max_lora_rank=8)
     return create_engine(CFG, config=cfg, seed=5, devices=kw.pop("devices", jax.devices()[:1]),
-                         lora_config=LoraConfig(max_loras=2, max_rank=8), **kw)
+                         **kw)
 
 
 # ---- checks at load -----------------------------------------------------------------------
@@ -105,21 +87,6 @@ def test_pool_is_split_as_the_projections_it_modifies():
 # ---- tokens against the merged weights -----------------------------------------------------
 
 
-def _merged(eng, params, tensors, scale):
-    """params with every adapter delta scale * B @ A added to its kernel."""
-    host = jax.tree.map(np.array, jax.device_get(params))
-    for layer in range(CFG.num_layers):
-        for m, section in SECTION.items():
-            key = f"{PREFIX}.{layer}.{section}.{m}"
-            if f"{key}.lora_A.weight" not in tensors:
-                continue
-            d = scale * tensors[f"{key}.lora_B.weight"] @ tensors[f"{key}.lora_A.weight"]
-            w = host[f"layers_{layer}"][section][m]
-            flat = w.reshape(d.shape) if m != "o_proj" else w.reshape(CFG.hidden_size, -1)
-            host[f"layers_{layer}"][section][m] = (flat + d).reshape(w.shape)
-    return jax.device_put(host, eng.param_shardings)
-
-
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
     return write_adapter(tmp_path_factory.mktemp("lora") / "a",
@@ -137,8 +104,9 @@ def test_adapter_tokens_equal_merged_weights(adapter, speculative):
     eng = _engine(speculative)
     eng.load_adapter("a", path)
     params = eng.load_params()
-    plain = create_engine(CFG, config=eng.config, seed=5, devices=jax.devices()[:1])
-    merged = _merged(plain, params, tensors, 8 / 4)
+    plain = create_engine(CFG, config=dataclasses.replace(eng.config, max_loras=0), seed=5,
+                          devices=jax.devices()[:1])
+    merged = lora_files.merged_params(params, tensors, 8 / 4, CFG, plain.param_shardings)
     prompts = _prompts()
     names = ["a", None, "a", None]  # adapter and base rows in one batch
     got = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True, adapters=names)

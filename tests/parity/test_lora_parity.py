@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engines import EngineConfig, create_engine, load_hf_config
-from engines.lora import LoraConfig
 from sharding import load_preset
 from tests.parity.hf_models import make_hf_model
 from tests.parity.lora_adapters import ADAPTERS, make_adapter, merged_model
@@ -51,10 +50,10 @@ def _hf_greedy(model, prompt):
 
 
 def _engine(base_dir, dirs, *, max_loras=3, devices=None, sharding=None):
-    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64)
+    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64,
+                       max_loras=max_loras, max_lora_rank=8)
     eng = create_engine(load_hf_config(base_dir), weights=base_dir, config=cfg,
-                        devices=devices, sharding=sharding,
-                        lora_config=LoraConfig(max_loras=max_loras, max_rank=8))
+                        devices=devices, sharding=sharding)
     for name, d in dirs.items():
         eng.load_adapter(name, d)
     return eng

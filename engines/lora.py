@@ -15,8 +15,11 @@ only extra collective is the all-reduce of o/down's [B, T, R] partial products.
 batch it adds scale[i_b] * (x_b A[i_b]^T) B[i_b]^T, with i_b the row's adapter. Two forms
 of the same sum, picked by shape at trace time: with fewer pool rows than batch rows every
 row's product with every adapter, masked to its own (reads the pool once); otherwise the
-rows' own A and B gathered (reads B x R x (in + out) values). A step whose rows use no
-adapter skips both (a `lax.cond` on the device), so base requests cost what they did.
+rows' own A and B gathered (reads B x R x (in + out) values). Rows without an adapter
+read row 0 (zeros) and add exactly nothing. There is no branch on the device to skip the
+delta when no row has an adapter: on XLA's CPU backend a `lax.cond` per projection cost
+more than the delta itself; the engine instead runs its plain step when no slot holds an
+adapter (engines/lora_engine.py).
 """
 
 from __future__ import annotations
@@ -139,9 +142,8 @@ class LoraLayer:
         """y (the projection of x [B, T, in], [B, T, out]) plus each row's LoRA delta."""
         if module not in self.a:
             return y
-        a, b = self.a[module], self.b[module]
-        delta = lambda: _delta(x, a, b, self.scale, self.index).astype(y.dtype)
-        return y + jax.lax.cond(jnp.any(self.index > 0), delta, lambda: jnp.zeros_like(y))
+        return y + _delta(x, self.a[module], self.b[module], self.scale,
+                          self.index).astype(y.dtype)
 
 
 def _delta(x, a, b, scale, index):

@@ -10,6 +10,11 @@ donated update, and nothing recompiles.
 Adapters are kept on the host by name (engines/lora_registry.py); `prefill(adapter=NAME)`
 makes one resident first, swapping out the least recently used that no live slot holds.
 
+Two generate programs: with the pool, and the plain step (no LoRA math at all), which runs
+while no slot holds an adapter, so base traffic on a LoRA server costs what it did. The
+engine knows which slots hold adapters on the host (insert / free_slot), so picking one
+needs no read from the device.
+
 Concurrency: the registry's lock is held while a call that reads or writes the pool is
 dispatched (dispatch is asynchronous, so briefly), so a load never donates the pool
 between another thread reading it and handing it to a device call.
@@ -79,8 +84,9 @@ def lora_insert(prefix: LoraPrefix, state: LoraDecodeState, slot) -> LoraDecodeS
 
 
 def lora_generate(model, step, params, pool, state: LoraDecodeState, *draft):
-    """step(model) -> the generate function (plain or speculative) over that model."""
-    bound = _WithLora(model, lora.LoraBatch(pool, state.adapter))
+    """step(model) -> the generate function (plain or speculative) over that model; pool
+    None: the base model alone."""
+    bound = model if pool is None else _WithLora(model, lora.LoraBatch(pool, state.adapter))
     new, res = step(bound)(params, state, *draft)
     return LoraDecodeState(**_fields(new, DecodeState), adapter=state.adapter), res
 
@@ -143,10 +149,14 @@ class LoraTransformerEngine(TransformerEngine):
         step = ((lambda m: functools.partial(generate_speculative, m, top_n, spec.k, draft_model))
                 if spec.enabled else
                 (lambda m: functools.partial(device_functions.generate, m, top_n)))
-        self._generate_jit = jax.jit(
-            self._counted("generate", laid_out(functools.partial(lora_generate, self.model, step))),
-            in_shardings=(self.param_shardings, pool_sh, state_sh, *draft_sh),
-            out_shardings=(state_sh, r), donate_argnums=(2,))
+        gen = self._counted("generate", laid_out(functools.partial(lora_generate, self.model,
+                                                                   step)))
+        self._generate_jit = jax.jit(gen, in_shardings=(self.param_shardings, pool_sh, state_sh,
+                                                        *draft_sh),
+                                     out_shardings=(state_sh, r), donate_argnums=(2,))
+        self._generate_plain_jit = jax.jit(gen, in_shardings=(self.param_shardings, None,
+                                                              state_sh, *draft_sh),
+                                           out_shardings=(state_sh, r), donate_argnums=(2,))
         self._write_jit = jax.jit(lora.write_row, out_shardings=pool_sh, donate_argnums=(0,))
 
     # ---- adapters ----------------------------------------------------------------------
@@ -194,8 +204,12 @@ class LoraTransformerEngine(TransformerEngine):
         args = self._prefill_args(params, tokens, true_length, sampling, existing_prefix, seed)
         with self.adapters.lock:
             row, load = self._row(adapter)
-            return self._prefill_jit(args[0], self._pool, np.int32(row), np.int32(load),
-                                     *args[1:])
+            prefix, first = self._prefill_jit(args[0], self._pool, np.int32(row),
+                                              np.int32(load), *args[1:])
+        # The row on the host too (not part of the pytree): insert need not wait for the
+        # device to read it back, unless the prefix was rebuilt on the way (a transfer).
+        prefix.host_adapter = (row, load)
+        return prefix, first
 
     def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None):
         args = self._prefill_args(params, tokens, true_length, None, existing_prefix, 0)
@@ -205,7 +219,8 @@ class LoraTransformerEngine(TransformerEngine):
         if not isinstance(prefix, LoraPrefix):
             raise ValueError("a LoRA engine inserts prefixes of a LoRA engine's prefill "
                              f"(got {type(prefix).__name__})")
-        row, load = (int(x) for x in jax.device_get((prefix.adapter, prefix.adapter_load)))
+        row, load = getattr(prefix, "host_adapter", None) or (
+            int(x) for x in jax.device_get((prefix.adapter, prefix.adapter_load)))
         with self.adapters.lock:
             if row and self.adapters.loads[row] != load:
                 raise RuntimeError(f"the LoRA adapter of this prefix (pool row {row}) was "
@@ -224,4 +239,6 @@ class LoraTransformerEngine(TransformerEngine):
 
     def generate(self, params, decode_state):
         with self.adapters.lock:
+            if not self._slot_rows:  # no slot holds an adapter: the base model's step
+                return self._generate_plain_jit(params, None, decode_state, *self._draft_args())
             return self._generate_jit(params, self._pool, decode_state, *self._draft_args())

@@ -115,3 +115,6 @@ def test_adapter_tokens_equal_merged_weights(adapter, speculative):
     for name, g, wa, wb in zip(names, got, want_a, want_base, strict=True):
         assert g.token_ids == (wa if name else wb).token_ids, name
     assert [r.token_ids for r in want_a] != [r.token_ids for r in want_base]
+    # Only base requests: the engine's plain step, the base model's tokens.
+    only_base = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True)
+    assert [r.token_ids for r in only_base] == [r.token_ids for r in want_base]

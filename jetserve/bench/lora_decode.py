@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Sequence
 
 import jax
@@ -25,7 +24,7 @@ import numpy as np
 
 from engines import EngineConfig
 from engines.lora_loading import AdapterWeights, module_dims, target_modules
-from jetserve.bench.decode import DecodeBenchConfig, fill_slots
+from jetserve.bench.decode import DecodeBenchConfig, fill_slots, time_steps
 from jetserve.model_loading import build_engine
 
 ROUNDS = 6  # turns per variant; each turn times cfg.steps // ROUNDS steps (at least 1)
@@ -66,16 +65,6 @@ def _fill_adapters(engine, params, context: int, names: list[str]):
     return state
 
 
-def _timed(engine, params, state, steps: int):
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, res = engine.generate(params, state)
-        jax.block_until_ready(res.data)
-        times.append(time.perf_counter() - t0)
-    return times, state
-
-
 def run(cfg: LoraBenchConfig, devices: Sequence[jax.Device] | None = None, log=print) -> dict:
     d = cfg.decode
     devices = list(devices or jax.devices()[:1])
@@ -101,7 +90,9 @@ def run(cfg: LoraBenchConfig, devices: Sequence[jax.Device] | None = None, log=p
         per_turn = max(1, d.steps // ROUNDS)
         for turn in range(ROUNDS + 1):  # turn 0 warms up (compiles) and is dropped
             for k, (eng, st) in states.items():
-                t, st = _timed(eng, params, st, per_turn if turn else d.warmup)
+                # One untimed step a turn: the engine's weights back in cache after the others.
+                t, st = time_steps(eng, params, st, warmup=1 if turn else d.warmup,
+                                   steps=per_turn)
                 states[k] = (eng, st)
                 if turn:
                     times[k].extend(t)

@@ -8,7 +8,9 @@ a constant baked into them: writing an adapter into a row is one more call of a 
 donated update, and nothing recompiles.
 
 Adapters are kept on the host by name (engines/lora_registry.py); `prefill(adapter=NAME)`
-makes one resident first, swapping out the least recently used that no live slot holds.
+makes one resident first, swapping out the least recently used row that nothing pins: a
+row is pinned by each prefix made with it until that prefix object is dropped (inserted,
+or abandoned), and by each decode slot holding it until `free_slot`.
 
 Two generate programs: with the pool, and the plain step (no LoRA math at all), which runs
 while no slot holds an adapter, so base traffic on a LoRA server costs what it did. The
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +212,9 @@ class LoraTransformerEngine(TransformerEngine):
         # The row on the host too (not part of the pytree): insert need not wait for the
         # device to read it back, unless the prefix was rebuilt on the way (a transfer).
         prefix.host_adapter = (row, load)
+        if row:  # not swapped out while the prefix waits for its slot (or its next chunk)
+            self.adapters.pin(row)
+            weakref.finalize(prefix, self.adapters.unpin, row)
         return prefix, first
 
     def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None):

@@ -118,3 +118,47 @@ def test_adapter_tokens_equal_merged_weights(adapter, speculative):
     # Only base requests: the engine's plain step, the base model's tokens.
     only_base = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True)
     assert [r.token_ids for r in only_base] == [r.token_ids for r in want_base]
+
+
+# ---- rows: least recently used, never one in use ------------------------------------------
+
+
+def test_registry_swaps_the_least_recently_used_unpinned_row():
+    from engines.lora_registry import AdapterRegistry
+
+    reg = AdapterRegistry(2)
+    w = object()
+    for name in "abc":
+        reg.add(name, w)
+    assert reg.row_for("a") == (1, w) and reg.row_for("b") == (2, w)
+    assert reg.row_for("a") == (1, None)  # resident: nothing to write; "b" is now older
+    assert reg.row_for("c") == (2, w) and "b" not in reg.resident()
+    reg.pin(1)
+    reg.pin(2)
+    with pytest.raises(RuntimeError, match="--max-loras"):
+        reg.row_for("b")
+    reg.unpin(1)
+    assert reg.row_for("b") == (1, w) and reg.loads[1] == 2
+
+
+def test_a_waiting_prefix_keeps_its_adapter_resident(tmp_path):
+    import gc
+
+    cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=32, max_seq_len=64,
+                       max_loras=1, max_lora_rank=8)
+    eng = create_engine(CFG, config=cfg, seed=5, devices=jax.devices()[:1])
+    for name, seed in (("a", 1), ("b", 2)):
+        eng.load_adapter(name, write_adapter(tmp_path / name, ["q_proj"], seed=seed)[0])
+    params = eng.load_params()
+    prefix, _ = eng.prefill(params, [5, 6, 7], 3, adapter="a")
+    with pytest.raises(RuntimeError, match="live requests"):
+        eng.prefill(params, [5, 6, 7], 3, adapter="b")  # "a" waits to be inserted
+    state = eng.insert(prefix, eng.init_decode_state(), 0)
+    del prefix
+    gc.collect()
+    with pytest.raises(RuntimeError, match="live requests"):
+        eng.prefill(params, [5, 6, 7], 3, adapter="b")  # slot 0 holds "a"
+    eng.free_slot(0)
+    eng.prefill(params, [5, 6, 7], 3, adapter="b")  # now "a" can go
+    assert eng.adapters.resident() == {"b": 1}
+    del state

@@ -1,9 +1,11 @@
 """The contiguous transformer engine serving LoRA adapters beside the base model.
 
 Each decode slot carries its adapter's pool row (`LoraDecodeState.adapter`, 0: the base
-model) and each prefix the row it was prefilled with (`LoraPrefix.adapter`), so requests
-for different adapters and the base model share one batched step (engines/lora.py adds
-each row's own delta). The pool is an argument of the jitted prefill and generate, never
+model), so requests for different adapters and the base model share one batched step
+(engines/lora.py adds each row's own delta). A prefix carries its adapter's id
+(`LoraPrefix.adapter_id`, engines/lora_registry.adapter_id), not a row: the engine that
+inserts it (the prefilling one, or a generate engine of a disaggregated server, whose
+pool is its own) puts that adapter's row of its own pool into the slot. The pool is an argument of the jitted prefill and generate, never
 a constant baked into them: writing an adapter into a row is one more call of a jitted,
 donated update, and nothing recompiles.
 
@@ -36,7 +38,7 @@ from engines import device_functions, lora
 from engines.engine_config import EngineConfig
 from engines.kv_cache import DecodeState, Prefix, insert_prefix
 from engines.lora_loading import read_adapter
-from engines.lora_registry import AdapterRegistry
+from engines.lora_registry import AdapterRegistry, adapter_id
 from engines.speculative import generate_speculative
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
@@ -45,10 +47,9 @@ from sharding import axes, traced_under
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoraPrefix(Prefix):
-    """A Prefix and the pool row of the adapter that made it."""
+    """A Prefix and the id of the adapter that made it."""
 
-    adapter: jax.Array | None = None  # i32[] pool row, 0: the base model
-    adapter_load: jax.Array | None = None  # i32[] that row's load count at prefill
+    adapter_id: jax.Array | None = None  # i32[], 0: the base model
 
 
 @jax.tree_util.register_dataclass
@@ -73,17 +74,18 @@ class _WithLora:
         return self.model.apply(variables, *args, lora=self.hook, **kw)
 
 
-def lora_prefill(model, top_n, params, pool, adapter, adapter_load, *args, draft_model=None):
-    """device_functions.prefill with the prompt's adapter row (i32[])."""
-    bound = _WithLora(model, lora.LoraBatch(pool, jnp.reshape(adapter, (1,))))
+def lora_prefill(model, top_n, params, pool, row, ident, *args, draft_model=None):
+    """device_functions.prefill through the adapter in pool row `row` (i32[]), whose id
+    the prefix carries."""
+    bound = _WithLora(model, lora.LoraBatch(pool, jnp.reshape(row, (1,))))
     prefix, res = device_functions.prefill(bound, top_n, params, *args, draft_model=draft_model)
-    return LoraPrefix(**_fields(prefix, Prefix), adapter=adapter, adapter_load=adapter_load), res
+    return LoraPrefix(**_fields(prefix, Prefix), adapter_id=ident), res
 
 
-def lora_insert(prefix: LoraPrefix, state: LoraDecodeState, slot) -> LoraDecodeState:
+def lora_insert(prefix: LoraPrefix, state: LoraDecodeState, slot, row) -> LoraDecodeState:
+    """insert_prefix, and the slot on pool row `row` (this engine's row of the adapter)."""
     new = insert_prefix(prefix, state, slot)
-    return LoraDecodeState(**_fields(new, DecodeState),
-                           adapter=state.adapter.at[slot].set(prefix.adapter))
+    return LoraDecodeState(**_fields(new, DecodeState), adapter=state.adapter.at[slot].set(row))
 
 
 def lora_generate(model, step, params, pool, state: LoraDecodeState, *draft):
@@ -96,7 +98,14 @@ def lora_generate(model, step, params, pool, state: LoraDecodeState, *draft):
 
 class LoraTransformerEngine(TransformerEngine):
     """TransformerEngine's arguments; the pool's size and rank are config.max_loras and
-    config.max_lora_rank."""
+    config.max_lora_rank.
+
+    A prefill whose adapter finds every row pinned waits up to `row_wait_s` for one (the
+    generate thread frees rows as requests end); insert never waits (it runs on that
+    thread), and fails its request instead.
+    """
+
+    row_wait_s = 60.0
 
     def __init__(self, model_config, *, config: EngineConfig, **kwargs):
         lora_config = lora.LoraConfig(max_loras=config.max_loras, max_rank=config.max_lora_rank)
@@ -123,7 +132,7 @@ class LoraTransformerEngine(TransformerEngine):
         if self._plain:
             return base
         r = self._replicated()
-        return LoraPrefix(**_fields(base, Prefix), adapter=r, adapter_load=r)
+        return LoraPrefix(**_fields(base, Prefix), adapter_id=r)
 
     def _build_jits(self):
         self._plain = True
@@ -147,7 +156,7 @@ class LoraTransformerEngine(TransformerEngine):
                           None, *draft_sh),
             out_shardings=(prefix_sh, r))
         self._insert_jit = jax.jit(self._counted("insert", lora_insert),
-                                   in_shardings=(prefix_sh, state_sh, r),
+                                   in_shardings=(prefix_sh, state_sh, r, r),
                                    out_shardings=state_sh, donate_argnums=(1,))
         step = ((lambda m: functools.partial(generate_speculative, m, top_n, spec.k, draft_model))
                 if spec.enabled else
@@ -174,18 +183,18 @@ class LoraTransformerEngine(TransformerEngine):
         """Forgets `name` (UnknownAdapter, a KeyError, when not loaded)."""
         self.adapters.remove(name)
 
-    def _row(self, name: str | None) -> tuple[int, int]:
-        """(pool row, its load count) of adapter `name` (0, 0 for the base model), writing
-        the adapter into the pool first when it is not resident. Hold the lock."""
+    def _row(self, name: str | None, wait_s: float = 0.0) -> int:
+        """The pool row of adapter `name` (0 for the base model), writing the adapter into
+        the pool first when it is not resident. Hold the lock."""
         if name is None:
-            return 0, 0
-        row, weights = self.adapters.row_for(name)
+            return 0
+        row, weights = self.adapters.row_for(name, wait_s)
         if weights is not None:
             a, b = lora.adapter_rows(weights, self.model_config, self.lora_config,
                                      self.kv_repeat, self.dtype)
             self._pool = self._write_jit(self._pool, np.int32(row), a, b,
                                          np.float32(weights.scale))
-        return row, self.adapters.loads[row]
+        return row
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -205,13 +214,14 @@ class LoraTransformerEngine(TransformerEngine):
         """As TransformerEngine.prefill, through adapter `adapter` (None: the base model;
         an unknown name raises engines.lora_registry.UnknownAdapter)."""
         args = self._prefill_args(params, tokens, true_length, sampling, existing_prefix, seed)
+        ident = 0 if adapter is None else adapter_id(adapter)
         with self.adapters.lock:
-            row, load = self._row(adapter)
+            row = self._row(adapter, self.row_wait_s)
             prefix, first = self._prefill_jit(args[0], self._pool, np.int32(row),
-                                              np.int32(load), *args[1:])
-        # The row on the host too (not part of the pytree): insert need not wait for the
+                                              np.int32(ident), *args[1:])
+        # The id on the host too (not part of the pytree): insert need not wait for the
         # device to read it back, unless the prefix was rebuilt on the way (a transfer).
-        prefix.host_adapter = (row, load)
+        prefix.host_adapter_id = ident
         if row:  # not swapped out while the prefix waits for its slot (or its next chunk)
             self.adapters.pin(row)
             weakref.finalize(prefix, self.adapters.unpin, row)
@@ -219,23 +229,23 @@ class LoraTransformerEngine(TransformerEngine):
 
     def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None):
         args = self._prefill_args(params, tokens, true_length, None, existing_prefix, 0)
-        return self._prefill_jit.lower(args[0], self._pool, np.int32(0), np.int32(0), *args[1:])
+        return self._prefill_jit.lower(args[0], self._pool, np.int32(0), np.int32(0),
+                                       *args[1:])
 
     def insert(self, prefix: LoraPrefix, decode_state, slot: int):
         if not isinstance(prefix, LoraPrefix):
             raise ValueError("a LoRA engine inserts prefixes of a LoRA engine's prefill "
                              f"(got {type(prefix).__name__})")
-        row, load = getattr(prefix, "host_adapter", None) or (
-            int(x) for x in jax.device_get((prefix.adapter, prefix.adapter_load)))
+        ident = getattr(prefix, "host_adapter_id", None)
+        if ident is None:
+            ident = int(jax.device_get(prefix.adapter_id))
         with self.adapters.lock:
-            if row and self.adapters.loads[row] != load:
-                raise RuntimeError(f"the LoRA adapter of this prefix (pool row {row}) was "
-                                   f"swapped out before insert; prefill it again")
+            row = self._row(self.adapters.name_of(ident)) if ident else 0
             self.free_slot(slot)
             if row:
                 self.adapters.pin(row)
                 self._slot_rows[slot] = row
-            return self._insert_jit(prefix, decode_state, np.int32(slot))
+            return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(row))
 
     def free_slot(self, slot: int) -> None:
         with self.adapters.lock:

@@ -160,11 +160,9 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
                                 max_queued_per_client=_per_client(args),
                                 prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args))
-    if args.lora_modules or args.max_loras:
-        # TODO(#23): a prefix names its adapter's pool row, which only its own engine knows.
-        if disaggregated or jax.process_count() > 1:
-            raise ValueError("--lora-modules / --max-loras: LoRA adapters are served "
-                             "interleaved in one process, for now")
+    if (args.lora_modules or args.max_loras) and jax.process_count() > 1:
+        raise ValueError("--lora-modules / --max-loras: LoRA adapters are served by one "
+                         "process, for now")
     if jax.process_count() > 1:
         return _lock_step_orchestrator(args, devices, config)
     orch = orchestrator.build(
@@ -173,8 +171,9 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
         prefill_sharding=args.prefill_sharding or default,
         generate_sharding=args.generate_sharding or default,
         engine_config=engine_config(args, devices), config=config)
-    if args.lora_modules:
-        lora_adapters.load_modules(orch.generate_engines, args.lora_modules)
+    if args.lora_modules:  # into every engine: prefill and generate slices alike
+        lora_adapters.load_modules([*orch.prefill_engines, *orch.generate_engines],
+                                   args.lora_modules)
     return orch
 
 

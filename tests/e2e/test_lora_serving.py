@@ -8,8 +8,11 @@
 - run-time load and unload (vLLM's routes, behind the API key), with one device row for
   two adapters (swapped in least recently used);
 - the prefix cache never serves a base prompt's KV to an adapter request;
-- metrics by adapter.
+- metrics by adapter;
+- a disaggregated orchestrator (prefill and generate slices, a pool each).
 """
+
+import dataclasses
 
 import grpc
 import httpx
@@ -22,7 +25,7 @@ from jetserve import orchestrator
 from jetserve.lora_adapters import Adapters
 from jetserve.model_loading import BUNDLED_DIR, build_engine
 from jetserve.offline import generate_many
-from jetserve.orchestrator import OrchestratorConfig
+from jetserve.orchestrator import OrchestratorConfig, Request
 from jetserve.server.runner import BackgroundServers
 from jetserve.tokenizer import load_tokenizer
 from protos import jetstream_pb2 as pb
@@ -168,3 +171,22 @@ def test_metrics_count_requests_by_adapter(client, servers):
     line = next(x for x in text.splitlines()
                 if x.startswith('jetserve_lora_requests_total{adapter="alpha"}'))
     assert float(line.split()[-1]) >= 1
+
+
+def test_disaggregated_orchestrator_serves_adapters(adapters, expected):
+    """Prefill and generate on separate slices, each with its own pool: the prefix moves
+    with its adapter's id, and the generate slice finds the adapter's row in its pool."""
+    # A row per adapter in flight: a generate slice's insert cannot wait for one.
+    orch = orchestrator.build(None, interleaved=False, devices=jax.devices()[:2],
+                              prefill_devices=1, generate_devices=1,
+                              engine_config=dataclasses.replace(ENGINE, max_loras=2))
+    adapters_of = Adapters.of(orch)
+    assert len(adapters_of.engines) == 2
+    for name in ("alpha", "beta"):
+        adapters_of.load(name, adapters[name][0])
+    with orch:
+        handles = [orch.submit(Request(prompt_ids=prompt_ids(), max_tokens=TOKENS,
+                                       ignore_eos=True, lora_adapter=name))
+                   for name in ("beta", None, "alpha")]
+        texts = [h.result(timeout=300).text for h in handles]
+    assert texts == [expected["beta"], expected[None], expected["alpha"]]

@@ -1,8 +1,9 @@
 """LoRA adapters against peft: for a random Llama and three PEFT adapters (different
 ranks, target modules and scalings, B non-zero), the engine's greedy tokens for each
 adapter equal transformers' with that adapter merged (merge_and_unload), with base and
-adapter requests in one batch; on one device and under `tp` on 4; after a run-time load
-and after a swap out of the pool (least recently used)."""
+adapter requests in one batch; on one device and under `tp` on 4; disaggregated (prefill
+on one slice, generate on another, whose pool rows differ); after a run-time load and
+after a swap out of the pool (least recently used)."""
 
 import jax
 import numpy as np
@@ -105,6 +106,30 @@ def test_tp_on_four_devices_matches(model_and_refs):
     names = ["mlp2", "all8", "qv4", None]
     got = _run_batch(eng, params, _mixed_jobs(names))
     for i, (name, toks) in enumerate(zip(names, got, strict=True)):
+        assert toks == refs[name][i], name
+
+
+def test_disaggregated_prefill_and_generate_match(model_and_refs):
+    base_dir, dirs, refs = model_and_refs
+    pe = _engine(base_dir, dirs, devices=jax.devices()[:2])
+    ge = _engine(base_dir, dirs, devices=jax.devices()[4:8], sharding=load_preset("tp"))
+    params_p, params_g = pe.load_params(), ge.load_params()
+    names = ["qv4", "all8", None, "mlp2"]
+    prefixes, out = [], []
+    for prompt, name in _mixed_jobs(names):
+        prefix, first = pe.prefill(params_p, prompt, len(prompt), adapter=name)
+        moved = jax.device_put(ge.receive_prefix(prefix), ge.prefix_destination_sharding())
+        prefixes.append(moved)
+        out.append([first.to_host().token(0)])
+    state = ge.init_decode_state()
+    for slot in (3, 2, 1, 0):  # inserted in another order: the generate pool's rows differ
+        state = ge.insert(prefixes[slot], state, slot)
+    assert ge.adapters.resident() != pe.adapters.resident()
+    for _ in range(STEPS - 1):
+        state, res = ge.generate(params_g, state)
+        for slot, toks in enumerate(out):
+            toks.append(res.to_host().token(slot))
+    for i, (name, toks) in enumerate(zip(names, out, strict=True)):
         assert toks == refs[name][i], name
 
 

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from engines import EngineConfig
+from engines.lora import LoraConfig
 from engines.lora_loading import AdapterWeights, module_dims, target_modules
 from jetserve.bench.decode import DecodeBenchConfig, fill_slots, time_steps
 from jetserve.model_loading import build_engine
@@ -33,14 +34,7 @@ ROUNDS = 6  # turns per variant; each turn times cfg.steps // ROUNDS steps (at l
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraBenchConfig:
     decode: DecodeBenchConfig
-    loras: int = 4
-    rank: int = 16
-
-    def __post_init__(self):
-        if self.loras < 1:
-            raise ValueError(f"loras must be >= 1, got {self.loras}")
-        if self.rank < 1:
-            raise ValueError(f"lora rank must be >= 1, got {self.rank}")
+    lora: LoraConfig  # max_loras adapters (all resident), each of rank max_rank
 
 
 def random_adapter(cfg, rank: int, seed: int) -> AdapterWeights:
@@ -66,7 +60,7 @@ def _fill_adapters(engine, params, context: int, names: list[str]):
 
 
 def run(cfg: LoraBenchConfig, devices: Sequence[jax.Device] | None = None, log=print) -> dict:
-    d = cfg.decode
+    d, loras, rank = cfg.decode, cfg.lora.max_loras, cfg.lora.max_rank
     devices = list(devices or jax.devices()[:1])
     if d.context > 512:
         raise ValueError(f"context {d.context}: the LoRA bench prefills whole prompts (<= 512)")
@@ -76,13 +70,13 @@ def run(cfg: LoraBenchConfig, devices: Sequence[jax.Device] | None = None, log=p
                           max_prefill_length=d.context, dtype=d.dtype)
         base = build_engine(d.model, devices=devices, sharding=d.sharding, engine_config=ec)
         lora = build_engine(d.model, devices=devices, sharding=d.sharding,
-                            engine_config=dataclasses.replace(ec, max_loras=cfg.loras,
-                                                              max_lora_rank=cfg.rank))
+                            engine_config=dataclasses.replace(ec, max_loras=loras,
+                                                              max_lora_rank=rank))
         if params is None:
             params = base.load_params()
-        names = [f"adapter{i}" for i in range(cfg.loras)]
+        names = [f"adapter{i}" for i in range(loras)]
         for i, name in enumerate(names):
-            lora.adapters.add(name, random_adapter(lora.source_config, cfg.rank, i))
+            lora.adapters.add(name, random_adapter(lora.source_config, rank, i))
         states = {"base": (base, fill_slots(base, params, d.context)),
                   "adapters": (lora, _fill_adapters(lora, params, d.context, names)),
                   "no_adapter": (lora, fill_slots(lora, params, d.context))}
@@ -97,8 +91,8 @@ def run(cfg: LoraBenchConfig, devices: Sequence[jax.Device] | None = None, log=p
                 if turn:
                     times[k].extend(t)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        row = {"batch": B, "context": d.context, "loras": cfg.loras, "rank": cfg.rank,
-               "distinct_adapters": min(B, cfg.loras),
+        row = {"batch": B, "context": d.context, "loras": loras, "rank": rank,
+               "distinct_adapters": min(B, loras),
                **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                "adapters_ratio": round(med["adapters"] / med["base"], 3),
                "no_adapter_ratio": round(med["no_adapter"] / med["base"], 3)}
@@ -107,5 +101,5 @@ def run(cfg: LoraBenchConfig, devices: Sequence[jax.Device] | None = None, log=p
             f"{med['adapters']:.2f} ms ({row['adapters_ratio']}x), no adapter in the batch "
             f"{med['no_adapter']:.2f} ms ({row['no_adapter_ratio']}x)")
         del states, base, lora
-    return {"model": d.model, "dtype": d.dtype, "loras": cfg.loras, "rank": cfg.rank,
+    return {"model": d.model, "dtype": d.dtype, "loras": loras, "rank": rank,
             "rows": rows}

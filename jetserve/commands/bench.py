@@ -233,10 +233,11 @@ def _decode(args: argparse.Namespace) -> int:
         matmul_size=args.matmul_size, quantize=args.quantize, kv_dtype=args.kv_dtype)
     log = (lambda *a: None) if args.json else print
     if args.loras:
+        from engines.lora import LoraConfig
         from jetserve.bench import lora_decode
 
-        out = lora_decode.run(lora_decode.LoraBenchConfig(decode=cfg, loras=args.loras,
-                                                          rank=args.lora_rank), log=log)
+        lora = LoraConfig(max_loras=args.loras, max_rank=args.lora_rank)
+        out = lora_decode.run(lora_decode.LoraBenchConfig(decode=cfg, lora=lora), log=log)
         print(json.dumps(out))
         return 0
     out = decode.run(cfg, log=log)

@@ -68,3 +68,28 @@ def test_requests_key_the_prefix_cache_by_adapter():
         Request(prompt_ids=[1], lora_adapter="")
     with pytest.raises(ValueError, match="prompt_logprobs"):
         Request(prompt_ids=[1], lora_adapter="a", prompt_logprobs=True, max_tokens=0)
+
+
+def test_serve_loads_lora_modules_into_every_engine(monkeypatch):
+    from jetserve import orchestrator
+    from jetserve.cli import build_parser
+    from jetserve.commands import serve
+
+    class Engine:
+        def __init__(self):
+            self.loaded = []
+
+        def load_adapter(self, name, path):
+            self.loaded.append((name, path))
+
+    class Orch:
+        prefill_engines, generate_engines = [Engine()], [Engine()]
+
+    seen = {}
+    monkeypatch.setattr(orchestrator, "build", lambda model, **kw: seen.update(kw) or Orch())
+    args = build_parser().parse_args(["serve", "--model", "random:tiny", "--lora-modules",
+                                      "a=/x", "b=/y", "--max-lora-rank", "8"])
+    orch = serve.build_orchestrator(args)
+    assert seen["engine_config"].max_loras == 4 and seen["engine_config"].max_lora_rank == 8
+    for e in orch.prefill_engines + orch.generate_engines:
+        assert e.loaded == [("a", "/x"), ("b", "/y")]

@@ -88,6 +88,10 @@ class EngineConfig:
     # "ngram:K" (K drafts per step from the sequence's own tokens) or "draft:PATH:K" (K
     # drafts per step from a smaller model; the engine is given its config and weights).
     speculative: str = "none"
+    # LoRA adapters (engines/lora_engine.py): 0 serves the base model only; N > 0 keeps up
+    # to N adapters of rank <= max_lora_rank on the device at once (contiguous KV only).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         _check_kv_layout(self)
@@ -115,10 +119,21 @@ class EngineConfig:
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         parse_speculative(self.speculative)
+        _check_lora(self)
 
     @property
     def spec(self) -> Speculative:
         return parse_speculative(self.speculative)
+
+
+def _check_lora(c: EngineConfig) -> None:
+    if not isinstance(c.max_loras, int) or c.max_loras < 0:
+        raise ValueError(f"max_loras must be an integer >= 0, got {c.max_loras!r}")
+    if not isinstance(c.max_lora_rank, int) or c.max_lora_rank < 1:
+        raise ValueError(f"max_lora_rank must be a positive integer, got {c.max_lora_rank!r}")
+    if c.max_loras and c.kv_layout != "contiguous":  # TODO(#23): adapters with paged KV
+        raise ValueError(f"max_loras={c.max_loras}: LoRA adapters are served with kv_layout "
+                         f"'contiguous' only, for now, not {c.kv_layout!r}")
 
 
 def _check_kv_layout(c: EngineConfig) -> None:

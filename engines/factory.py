@@ -6,6 +6,7 @@ It sits above the contiguous engine (engines/transformer_engine.py) and the page
 
 from __future__ import annotations
 
+from engines.lora_engine import LoraTransformerEngine
 from engines.paged_engine import PagedTransformerEngine
 from engines.transformer_engine import TransformerEngine
 
@@ -18,7 +19,10 @@ ENGINES: dict[str, type[TransformerEngine]] = {
 
 def create_engine(model_config, **kwargs) -> TransformerEngine:
     """The transformer engine for `kwargs["config"].kv_layout` (contiguous without a
-    config); takes TransformerEngine's arguments."""
+    config); takes TransformerEngine's arguments. `config.max_loras` > 0: the contiguous
+    engine that also serves LoRA adapters."""
     config = kwargs.get("config")
     layout = config.kv_layout if config is not None else TransformerEngine.KV_LAYOUT
+    if config is not None and config.max_loras:  # EngineConfig refuses it with paged KV
+        return LoraTransformerEngine(model_config, **kwargs)
     return ENGINES[layout](model_config, **kwargs)

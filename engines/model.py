@@ -52,6 +52,11 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _adapted(lora, module: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """y = x's projection by `module`, plus each row's LoRA delta when a hook is given."""
+    return y if lora is None else lora(module, x, y)
+
+
 def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
            dtype: Any, init=None) -> jax.Array:
     init = init or nn.initializers.normal(0.02)
@@ -74,7 +79,7 @@ class Attention(nn.Module):
     backend: Backend  # the engine's choice of attention implementation
 
     @nn.compact
-    def __call__(self, x, positions, inv_freq, kv: KVStore):
+    def __call__(self, x, positions, inv_freq, kv: KVStore, lora=None):
         c = self.cfg
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         wq = _kernel(self, "q_proj", (N, H, D), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
@@ -82,9 +87,10 @@ class Attention(nn.Module):
         wv = _kernel(self, "v_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
         wo = _kernel(self, "o_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), self.dtype)
         B, T = x.shape[:2]
-        q = self.backend.linear(x, wq.reshape(N * H, D)).reshape(B, T, N, H)
-        k = self.backend.linear(x, wk.reshape(K * H, D)).reshape(B, T, K, H)
-        v = self.backend.linear(x, wv.reshape(K * H, D)).reshape(B, T, K, H)
+        lin = self.backend.linear
+        q = _adapted(lora, "q_proj", x, lin(x, wq.reshape(N * H, D))).reshape(B, T, N, H)
+        k = _adapted(lora, "k_proj", x, lin(x, wk.reshape(K * H, D))).reshape(B, T, K, H)
+        v = _adapted(lora, "v_proj", x, lin(x, wv.reshape(K * H, D))).reshape(B, T, K, H)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + _param(self, "q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM), self.dtype, zeros)
@@ -104,7 +110,8 @@ class Attention(nn.Module):
         else:
             out = self.backend.attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
         out = constrain(out, _HEADS_ACT, "attention output")
-        return self.backend.linear(out.reshape(B, T, N * H), wo.reshape(D, N * H))
+        out = out.reshape(B, T, N * H)
+        return _adapted(lora, "o_proj", out, self.backend.linear(out, wo.reshape(D, N * H)))
 
 
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -117,14 +124,16 @@ class Mlp(nn.Module):
     backend: Backend  # the dense layers' matmul
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora=None):
         D, F = self.cfg.hidden_size, self.cfg.intermediate_size
         wg = _kernel(self, "gate_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         wu = _kernel(self, "up_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
         wd = _kernel(self, "down_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
-        h = _act(self.cfg, self.backend.linear(x, wg)) * self.backend.linear(x, wu)  # (B, T, F)
+        lin = self.backend.linear
+        gate = _adapted(lora, "gate_proj", x, lin(x, wg))
+        h = _act(self.cfg, gate) * _adapted(lora, "up_proj", x, lin(x, wu))  # (B, T, F)
         h = constrain(h, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
-        return self.backend.linear(h, wd)
+        return _adapted(lora, "down_proj", h, lin(h, wd))
 
 
 class MoeMlp(nn.Module):
@@ -159,7 +168,7 @@ class Block(nn.Module):
     backend: Backend
 
     @nn.compact
-    def __call__(self, x, positions, inv_freq, kv: KVStore):
+    def __call__(self, x, positions, inv_freq, kv: KVStore, lora=None):
         c = self.cfg
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         w_in = _param(self, "input_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones)
@@ -168,21 +177,23 @@ class Block(nn.Module):
         )
         h = rms_norm(x, w_in, c.rms_norm_eps, c.norm_plus_one)
         attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")
-        x = x + attn(h, positions, inv_freq, kv)
+        x = x + attn(h, positions, inv_freq, kv, lora)
         h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
         mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, self.backend, name="mlp")
-        return x + mlp(h)
+        return x + (mlp(h) if c.num_experts else mlp(h, lora))
 
 
 class Decoder(nn.Module):
-    """tokens [B, T] at positions [B, T] -> logits f32[B, T, V] (or only at `last`)."""
+    """tokens [B, T] at positions [B, T] -> logits f32[B, T, V] (or only at `last`); `lora`
+    (engines/lora.py LoraBatch) adds each row's adapter to the projections."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
     backend: Backend = Backend()  # the engine picks it for its devices (engines.backend)
 
     @nn.compact
-    def __call__(self, tokens, positions, kv: KVStore, last: jax.Array | None = None):
+    def __call__(self, tokens, positions, kv: KVStore, last: jax.Array | None = None,
+                 lora=None):
         c = self.cfg
         V, D = c.vocab_size, c.hidden_size
         embed = _param(self, "embed_tokens", (V, D), (axes.VOCAB, axes.EMBED), self.dtype)
@@ -193,7 +204,9 @@ class Decoder(nn.Module):
         x = constrain(x, _RESIDUAL_ACT, "embeddings")
         inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
         for i in range(c.num_layers):
-            x = Block(c, self.dtype, i, self.backend, name=f"layers_{i}")(x, positions, inv_freq, kv)
+            hook = None if lora is None else lora.at_layer(i)
+            x = Block(c, self.dtype, i, self.backend, name=f"layers_{i}")(x, positions, inv_freq, kv,
+                                                                         hook)
             x = constrain(x, _RESIDUAL_ACT, f"layer {i} output")
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         w_norm = _param(self, "norm", (D,), (axes.EMBED,), self.dtype, ones)

@@ -74,9 +74,11 @@ def generate_many(
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     ignore_eos: bool = False,
     constraints: Sequence[Constraint | None] | None = None,
+    adapters: Sequence[str | None] | None = None,
 ) -> list[OfflineResult]:
     """Runs every prompt to completion; results in prompt order. constraints: per
-    prompt, what its output must match (structured output), or None."""
+    prompt, what its output must match (structured output), or None; `adapters`: each
+    prompt's LoRA adapter (None: the base model)."""
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
     # The longest prompt: max_seq_len - 1 when the engine prefills in chunks.
@@ -90,12 +92,14 @@ def generate_many(
         check_prompt_fits(len(p), longest, engine.max_seq_len, f"prompt {i}")
     stops = stop_ids(engine.eos_ids, (), ignore_eos)
     lives = [LiveRequest(Request(prompt_ids=[int(t) for t in p], sampling=s,
-                                 max_tokens=max_tokens, ignore_eos=ignore_eos),
+                                 max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                 lora_adapter=a),
                          handle=None, timing=RequestTiming(arrival=time.monotonic()),
                          budget=token_budget(len(p), max_tokens, engine.max_seq_len),
                          stop_ids=stops, grammar=c and compile_constraint(
                              c, engine.tokenizer, engine.vocab_size))
-             for p, s, c in zip(prompts, samplings, constraints, strict=True)]
+             for p, s, c, a in zip(prompts, samplings, constraints,
+                                   adapters or [None] * len(prompts), strict=True)]
     sink = _Collect()
     _run(engine, params, lives, ReadBack(0, sink, Listeners()))
     return [OfflineResult(list(p), live.tokens, sink.finish[id(live)], sink.logprobs[id(live)])
@@ -117,7 +121,8 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
             prompt = list(live.request.prompt_ids)
             t0 = time.monotonic()
             prefix, first = prefill_chunked(engine, params, prompt, live.request.sampling,
-                                            **first_mask(live))
+                                            **first_mask(live),
+                                            **live.request.prefill_kwargs())
             if readback.first_token(live, first, t0, len(prompt)):
                 sched.kv.unreserve(live)
                 continue
@@ -138,14 +143,14 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
 
 
 def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams,
-                    **mask):
+                    **kwargs):
     """(prefix, first token) of a prompt, in chunks of max_prefill_length, each continuing
-    the last; `mask`: a constrained request's token_mask."""
+    the last; `kwargs`: the request's own (a token_mask, Request.prefill_kwargs)."""
     pieces = chunks(len(prompt), engine.max_prefill_length)
     # Several chunks: the KV at its final size, filled in place.
     prefix = engine.empty_prefix(len(prompt)) if len(pieces) > 1 else None
     for start, end in pieces:
         piece = list(prompt[start:end])
         prefix, first = engine.prefill(params, piece, len(piece), sampling=sampling,
-                                       existing_prefix=prefix, donate=True, **mask)
+                                       existing_prefix=prefix, donate=True, **kwargs)
     return prefix, first

@@ -69,6 +69,7 @@ class Request:
         admission queue serves clients in turn and bounds each one's share. Never seen by
         the engine. "" for a caller that does not say (batch jobs, `generate`).
       constraint: None, or what the generated text must match (structured output).
+      lora_adapter: None (the base model), or the name of a LoRA adapter the engine holds.
     """
 
     prompt_ids: tuple[int, ...]
@@ -83,6 +84,7 @@ class Request:
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     client: str = ""
     constraint: Constraint | None = None
+    lora_adapter: str | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples.
@@ -125,6 +127,21 @@ class Request:
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError("constraint must be a jetserve.structured.Constraint, got "
                              f"{type(self.constraint).__name__}")
+        if self.lora_adapter is not None:
+            if not isinstance(self.lora_adapter, str) or not self.lora_adapter:
+                raise ValueError(f"lora_adapter must be None or a non-empty adapter name, "
+                                 f"got {self.lora_adapter!r}")
+            if self.prompt_logprobs:  # TODO(#23): score prompts through an adapter
+                raise ValueError("prompt_logprobs (echo) is not served through a LoRA "
+                                 f"adapter yet (lora_adapter {self.lora_adapter!r})")
+
+    def prefill_kwargs(self) -> dict:
+        """What engine.prefill takes beyond the prompt: the adapter, when one is named."""
+        return {} if self.lora_adapter is None else {"adapter": self.lora_adapter}
+
+    def cache_key(self, model_key: str) -> str:
+        """The prefix cache's key for this request: a prompt's KV differs by adapter."""
+        return model_key if self.lora_adapter is None else f"{model_key}|lora:{self.lora_adapter}"
 
 
 @dataclasses.dataclass

@@ -4,8 +4,9 @@ Plain functions of a `ModelLimits` snapshot (jetserve.server.validation), so the
 reader checks fields exactly as the servers do. Two kinds of rows:
 
 - generation: `{"id", "prompt" | "prompt_ids" | "messages", "max_tokens", sampling
-  fields, "stop", "stop_token_ids", "ignore_eos", "logprobs"}` -> `GenerateJob`; the
-  output may be constrained as on HTTP, by one of `response_format`,
+  fields, "stop", "stop_token_ids", "ignore_eos", "logprobs", "model"}` -> `GenerateJob`
+  (`model`: a LoRA adapter's name, from the job's --lora-modules; absent: the base
+  model); the output may be constrained as on HTTP, by one of `response_format`,
   `structured_outputs` or a `guided_*` field (jetserve.server.structured_fields)
 - scoring: `{"id", "context" | "context_ids", "continuation" | "continuation_ids",
   "add_bos"}` -> `ScoreJob` (the continuation's summed log-likelihood and whether it is
@@ -37,7 +38,7 @@ from jetserve.server.structured_fields import CONSTRAINT_FIELDS, constraint_of
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "seed")
 GENERATE_FIELDS = frozenset(("id", "prompt", "prompt_ids", "messages", "max_tokens", "stop",
-                             "stop_token_ids", "ignore_eos", "logprobs", "metadata",
+                             "stop_token_ids", "ignore_eos", "logprobs", "metadata", "model",
                              *SAMPLING_FIELDS, *CONSTRAINT_FIELDS))
 SCORE_FIELDS = frozenset(("id", "context", "context_ids", "continuation",
                           "continuation_ids", "add_bos", "metadata"))
@@ -125,14 +126,16 @@ def parse_line(line: str) -> Any:
                        f"{wellformed.MAX_DEPTH} levels of [ and {{ are accepted)") from None
 
 
-def build_job(obj: dict, limits: v.ModelLimits, *, default_max_tokens: int) -> Job:
-    """The job for a parsed row (its id already checked by `row_id`)."""
+def build_job(obj: dict, limits: v.ModelLimits, *, default_max_tokens: int,
+              adapters: tuple[str, ...] = ()) -> Job:
+    """The job for a parsed row (its id already checked by `row_id`); `adapters`: the
+    LoRA adapter names its `model` may give."""
     try:
         wellformed.check(obj)
         if any(k in obj for k in ("context", "context_ids", "continuation",
                                   "continuation_ids")):
             return _score_job(obj, limits)
-        return _generate_job(obj, limits, default_max_tokens)
+        return _generate_job(obj, limits, default_max_tokens, adapters)
     except v.InvalidArgument as e:
         raise RowError(e.message) from None
     except ValueError as e:  # Request / SamplingParams validation, wellformed.Malformed
@@ -154,7 +157,8 @@ def _exactly_one(obj: dict, names: tuple[str, ...], what: str) -> str:
     return given[0]
 
 
-def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int) -> GenerateJob:
+def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int,
+                  adapters: tuple[str, ...] = ()) -> GenerateJob:
     _unknown(obj, GENERATE_FIELDS, "generation")
     kind = _exactly_one(obj, PROMPT_FIELDS, "prompt")
     if kind == "prompt":
@@ -179,8 +183,18 @@ def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int) -> 
                   stop_token_ids=v.check_stop_token_ids(limits, obj.get("stop_token_ids")),
                   ignore_eos=ignore_eos, logprobs=logprobs,
                   constraint=constraint_of(types.SimpleNamespace(
-                      **{f: obj.get(f) for f in CONSTRAINT_FIELDS})))
+                      **{f: obj.get(f) for f in CONSTRAINT_FIELDS})),
+                  lora_adapter=_adapter(obj.get("model"), adapters))
     return GenerateJob(id=obj["id"], request=req, metadata=obj.get("metadata"))
+
+
+def _adapter(model: Any, adapters: tuple[str, ...]) -> str | None:
+    if model is None:
+        return None
+    if model not in adapters:
+        raise RowError(f"model {v.show(model)}: no such LoRA adapter (--lora-modules gave "
+                       f"{list(adapters)}); leave model out for the base model")
+    return model
 
 
 def _logprobs(value: Any, limits: v.ModelLimits) -> int | None:

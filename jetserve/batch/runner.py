@@ -49,6 +49,7 @@ class BatchConfig:
       default_max_tokens: max_tokens of rows that give none.
       window: rows tokenized and ordered at a time.
       progress: draw a progress bar on stderr.
+      lora_adapters: the LoRA adapter names a generation row's `model` may give.
     """
 
     input: str
@@ -61,6 +62,7 @@ class BatchConfig:
     default_max_tokens: int = 16
     window: int = 4096
     progress: bool = True
+    lora_adapters: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.num_processes, int) or self.num_processes < 1:
@@ -196,7 +198,8 @@ def _jobs(cfg: BatchConfig, limits: ModelLimits, entries: list[inputs.Entry],
     for n, text in inputs.read_lines(cfg.input, by_line):
         entry = by_line[n]
         try:
-            job = build_job(parse_line(text), limits, default_max_tokens=cfg.default_max_tokens)
+            job = build_job(parse_line(text), limits, default_max_tokens=cfg.default_max_tokens,
+                            adapters=cfg.lora_adapters)
         except RowError as e:
             emit([(None, entry.error_row(f"line {n}: {e}"))])
             continue

@@ -46,6 +46,7 @@ from jetserve.commands.common import (
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
 )
+from jetserve.lora_adapters import load_modules, parse_modules
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -119,7 +120,8 @@ def _run(args: argparse.Namespace) -> int:
                       retry_failed=args.retry_failed, repair=args.repair,
                       process_id=proc, num_processes=n_proc,
                       default_max_tokens=args.max_tokens, window=args.window,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress,
+                      lora_adapters=tuple(n for n, _ in parse_modules(args.lora_modules)))
     # The input and output are checked (and the output opened) before the model loads:
     # a job that is refused costs no load.
     prepared = prepare(cfg) if distributed.is_primary() else None
@@ -173,6 +175,7 @@ def _orchestrator(args: argparse.Namespace, devices):
 
     engine = build_engine(args.model, sharding=args.sharding, devices=devices,
                           engine_config=engine_config(args, devices))
+    load_modules([engine], args.lora_modules)
     config = orchestrated.config(engine, max_queued=args.max_queued,
                                  prefill_chunk=args.prefill_chunk,
                                  **prefix_cache_budgets(args))

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--matmul-size", type=int, default=2048, help="FLOP/s probe matmul size")
     d.add_argument("--quantize", default="none", choices=["none", "int8", "int4"])
     d.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
+    d.add_argument("--loras", type=int, default=0,
+                   help="N > 0: the step with slots on N LoRA adapters against the base's")
+    d.add_argument("--lora-rank", type=int, default=16, help="rank of those adapters")
     d.add_argument("--json", action="store_true")
     d.set_defaults(_bench=_decode)
 
@@ -237,7 +240,16 @@ def _decode(args: argparse.Namespace) -> int:
         steps=args.steps, warmup=args.warmup, dtype=args.dtype,
         max_seq_len=args.max_seq_len, read_bytes=_read_bytes(args.read_gb),
         matmul_size=args.matmul_size, quantize=args.quantize, kv_dtype=args.kv_dtype)
-    out = decode.run(cfg, log=(lambda *a: None) if args.json else print)
+    log = (lambda *a: None) if args.json else print
+    if args.loras:
+        from engines.lora import LoraConfig
+        from jetserve.bench import lora_decode
+
+        lora = LoraConfig(max_loras=args.loras, max_rank=args.lora_rank)
+        out = lora_decode.run(lora_decode.LoraBenchConfig(decode=cfg, lora=lora), log=log)
+        print(json.dumps(out))
+        return 0
+    out = decode.run(cfg, log=log)
     if args.json:
         print(json.dumps(out))
         return 0

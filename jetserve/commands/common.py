@@ -10,7 +10,7 @@ import jax
 
 from engines import EngineConfig, quantization
 from engines.engine_config import parse_speculative
-from jetserve import compile_cache, context_length, distributed
+from jetserve import compile_cache, context_length, distributed, lora_adapters
 from jetserve.model_loading import model_config
 
 DEFAULT_SLOTS = 8  # --max-concurrent-decodes when not given
@@ -46,6 +46,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the sequence's own tokens) or draft:PATH:K (K drafts per step from "
                         "a smaller model with the same vocabulary, a directory or "
                         "random:NAME); the drafts are verified in one step")
+    lora_adapters.add_arguments(p)
     compile_cache.add_argument(p)
 
 
@@ -78,7 +79,8 @@ def engine_config(args: argparse.Namespace,
                         dtype=args.dtype, kv_layout=args.kv_layout,
                         page_size=args.page_size, num_pages=args.num_pages,
                         quantize=args.quantize, quant_group_size=args.quant_group_size,
-                        kv_dtype=args.kv_dtype, speculative=args.speculative)
+                        kv_dtype=args.kv_dtype, speculative=args.speculative,
+                        **lora_adapters.engine_fields(args))
 
 
 def _default_max_seq_len(args: argparse.Namespace, devices: list) -> tuple[int, str]:

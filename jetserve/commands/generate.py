@@ -16,7 +16,7 @@ import sys
 import jax
 
 from engines import SamplingParams
-from jetserve import distributed
+from jetserve import distributed, lora_adapters
 from jetserve.commands.common import (
     DEFAULT_SLOTS,
     add_model_arguments,
@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--lora", default=None, metavar="NAME",
+                   help="run every prompt through LoRA adapter NAME (of --lora-modules)")
     add_scheduling_arguments(p)
     distributed.add_arguments(p)
 
@@ -107,6 +109,10 @@ def slots_for(args: argparse.Namespace) -> int:
 def _build_and_run(args, devices, sampling) -> list[tuple]:
     engine = build_engine(args.model, sharding=args.sharding, devices=devices,
                           engine_config=engine_config(args, devices))
+    adapters = lora_adapters.load_modules([engine], args.lora_modules)
+    if args.lora is not None and args.lora not in adapters.names():
+        raise ValueError(f"--lora {args.lora!r}: no such adapter; --lora-modules gave "
+                         f"{adapters.names()}")
     tok = engine.tokenizer
     prompts = []
     for kind, value in args.prompts:
@@ -132,7 +138,8 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
                                       **prefix_cache_budgets(args)), args.model, engine)
     with Orchestrator.from_engines(engine, params=params, config=config) as orch:
         handles = [orch.submit(Request(prompt_ids=p, sampling=sampling,
-                                       max_tokens=args.max_tokens, ignore_eos=args.ignore_eos))
+                                       max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                                       lora_adapter=args.lora))
                    for p in prompts]
         done = [h.result() for h in handles]
     for i, c in enumerate(done):
@@ -147,7 +154,8 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
 def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:
     refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
-                            sampling=sampling, ignore_eos=args.ignore_eos)
+                            sampling=sampling, ignore_eos=args.ignore_eos,
+                            adapters=[args.lora] * len(prompts))
     tok = engine.tokenizer
     return [(r.prompt_ids, r.token_ids,
              completion_text(tok, r.prompt_ids, r.token_ids, r.finish_reason == "stop")

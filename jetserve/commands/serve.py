@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 
-from jetserve import distributed
+from jetserve import distributed, lora_adapters
 from jetserve.commands.common import (
     add_model_arguments,
     add_scheduling_arguments,
@@ -165,17 +165,27 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
                                 max_queued_per_client=_per_client(args),
                                 prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args))
+    if (args.lora_modules or args.max_loras) and jax.process_count() > 1:
+        raise ValueError("--lora-modules / --max-loras: LoRA adapters are served by one "
+                         "process, for now")
+    if (args.lora_modules or args.max_loras) and args.role != "both":
+        raise ValueError(f"--lora-modules / --max-loras: LoRA adapters are served with "
+                         f"--role both (the default), not --role {args.role}, for now")
     if args.role == "decode":
         return roles.build_decode(args, devices if devices is not None else jax.devices(),
                                   config)
     if jax.process_count() > 1:
         return _lock_step_orchestrator(args, devices, config)
-    return orchestrator.build(
+    orch = orchestrator.build(
         args.model, interleaved=not disaggregated, devices=devices,
         prefill_devices=args.prefill_devices, generate_devices=args.generate_devices,
         prefill_sharding=args.prefill_sharding or default,
         generate_sharding=args.generate_sharding or default,
         engine_config=engine_config(args, devices), config=config)
+    if args.lora_modules:  # into every engine: prefill and generate slices alike
+        lora_adapters.load_modules([*orch.prefill_engines, *orch.generate_engines],
+                                   args.lora_modules)
+    return orch
 
 
 def _per_client(args: argparse.Namespace) -> int:

@@ -365,7 +365,7 @@ class Orchestrator:
         if self._listeners:
             self._listeners.emit(RequestFinished(
                 live.request_id, reason, len(live.request.prompt_ids), live.generated,
-                live.timing))
+                live.timing, live.request.lora_adapter))
 
     # ---- observation ---------------------------------------------------------------------
 

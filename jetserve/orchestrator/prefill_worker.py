@@ -123,7 +123,7 @@ class PrefillWorker:
         cache = self.cache
         hit = None
         if cache is not None:
-            hit = cache.lookup(self.cache_key, tokens, wait_s=ADOPT_WAIT_POLLS * self.poll_s)
+            hit = cache.lookup(req.cache_key(self.cache_key), tokens, wait_s=ADOPT_WAIT_POLLS * self.poll_s)
         try:
             out = self._prefill(live, tokens, hit)
             if out is None:
@@ -175,7 +175,8 @@ class PrefillWorker:
                                                 sampling=live.request.sampling,
                                                 existing_prefix=prefix,
                                                 donate=not done or start > done,
-                                                **first_mask(live))
+                                                **first_mask(live),
+                                                **live.request.prefill_kwargs())
         return prefix, first
 
 

@@ -67,6 +67,7 @@ class RequestFinished:
     prompt_tokens: int
     completion_tokens: int
     timing: RequestTiming
+    lora_adapter: str | None = None  # the request's LoRA adapter (None: the base model)
 
 
 @dataclasses.dataclass(frozen=True)

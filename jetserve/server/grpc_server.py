@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from jetserve.lora_adapters import Adapters, UnknownAdapter
 from jetserve.request import Delta, Overloaded, Request
 from jetserve.server import client_id, reflection
 from jetserve.server import validation as v
@@ -73,6 +74,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         self.is_live = is_live
         self.write_timeout = write_timeout
         self.cut = cut if cut is not None else StreamCut()
+        self.adapters = Adapters.of(orch)
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
         # False while warming up too: JetStream clients wait on it before sending.
@@ -105,6 +107,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             handles = submit_all(self.orch, requests)
         except v.InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UnknownAdapter as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
         except Overloaded as e:
             # As HTTP's 429: when to come back, in the trailers a client reads with the code.
             context.set_trailing_metadata((("retry-after", RETRY_AFTER_S),))
@@ -143,8 +147,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             raise v.InvalidArgument("content", "content is missing: set text_content or "
                                                "token_content")
         if r.lora_adapter_id:
-            raise v.InvalidArgument("lora_adapter_id", "lora_adapter_id "
-                                    f"{v.show(r.lora_adapter_id)}: this server has no LoRA adapters")
+            self.adapters.check(r.lora_adapter_id, "lora_adapter_id")
         # has_bos false: the content lacks BOS, so the server prepends it (as JetStream).
         add_bos = not r.has_bos
         if which == "text_content":
@@ -175,7 +178,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, i),
                         max_tokens=max_tokens, stop_token_ids=stop_ids, stop_strings=stop,
                         ignore_eos=r.ignore_eos, logprobs=logprobs, deadline=deadline,
-                        client=client, constraint=constraint)
+                        client=client, constraint=constraint,
+                        lora_adapter=r.lora_adapter_id or None)
                 for i in range(n)]
 
 

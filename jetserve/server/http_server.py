@@ -31,8 +31,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from jetserve.lora_adapters import Adapters, UnknownAdapter
 from jetserve.request import Overloaded
-from jetserve.server import client_id, tokenize_api, tool_output
+from jetserve.server import client_id, lora_routes, tokenize_api, tool_output
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
@@ -133,6 +134,8 @@ class OpenAIApp:
         self.tt = fmt.TokenText(limits.tokenizer)
         self._key = ApiKey(config.api_key) if config.api_key else None
         self.cut = StreamCut()  # fired when a drain runs out of time (HttpServer.stop)
+        self.adapters = Adapters.of(orch)
+        self.lora = lora_routes.LoraRoutes(self.adapters, self._body)
         app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
@@ -143,6 +146,9 @@ class OpenAIApp:
         app.add_api_route("/detokenize", self._endpoint(self.detokenize), methods=["POST"])
         app.add_api_route("/tokenizer_info", self._endpoint(self.tokenizer_info),
                           methods=["GET"])
+        for name, handler in (("load", self.lora.load), ("unload", self.lora.unload)):
+            app.add_api_route(f"/v1/{name}_lora_adapter", self._endpoint(handler),
+                              methods=["POST"])
         app.add_exception_handler(StarletteHTTPException, _routing_error)
         app.add_exception_handler(Exception, _unhandled)
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -160,6 +166,8 @@ class OpenAIApp:
                 return e.response
             except v.InvalidArgument as e:
                 return error_response(400, str(e), param=e.field)
+            except UnknownAdapter as e:
+                return error_response(404, e.args[0], param="model", code="model_not_found")
             except Overloaded as e:
                 refused = error_response(429, f"server overloaded, retry later: {e}",
                                          kind="rate_limit_error")
@@ -256,11 +264,14 @@ class OpenAIApp:
 
     async def models(self, request: Request) -> Response:
         self._check_ready()  # clients poll it to see the model served
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list",
+                             "data": lora_routes.model_cards(self.adapters, self._model_card())})
 
     async def model(self, request: Request) -> Response:
         self._check_ready()
         name = request.path_params["model_id"]
+        if name in self.adapters.names():
+            return JSONResponse(lora_routes.adapter_card(self._model_card(), name))
         if name != self.config.model_name:
             raise _HttpError(error_response(
                 404, f"the model {v.show(name)} does not exist; this server serves "
@@ -282,10 +293,10 @@ class OpenAIApp:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, CompletionRequest)
         prep = fmt.prepare_completion(self.limits, body, self.config.model_name,
-                                      client_id.from_http(request))
+                                      client_id.from_http(request), self.adapters)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created,
-                "model": self.config.model_name}
+                "model": body.model or self.config.model_name}
         if not prep.run:  # max_tokens 0 and nothing to score: echo (or nothing) at once
             joined = [Joined(finish_reason="length") for _ in range(prep.choices)]
             if prep.stream:
@@ -343,9 +354,9 @@ class OpenAIApp:
     async def chat(self, request: Request) -> Response:
         body = await self._body(request, ChatRequest)
         prep = fmt.prepare_chat(self.limits, body, self.config.model_name,
-                                client_id.from_http(request))
+                                client_id.from_http(request), self.adapters)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "created": created, "model": self.config.model_name}
+        head = {"id": rid, "created": created, "model": body.model or self.config.model_name}
         handles = self._submit(prep)
         if prep.stream:
             return self._events(self._chat_events(prep, head, handles))

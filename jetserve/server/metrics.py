@@ -156,6 +156,11 @@ class ServerMetrics:
                                 labelnames=["finish_reason"], registry=r)
         for reason in ("stop", "length", "cancelled", "deadline", "error"):
             self.requests.labels(reason)  # exported at 0 before the first one
+        self.lora_requests = Counter("jetserve_lora_requests", "Finished requests through "
+                                     "each LoRA adapter", labelnames=["adapter"], registry=r)
+        self.lora_tokens = Counter("jetserve_lora_generation_tokens", "Tokens generated "
+                                   "through each LoRA adapter", labelnames=["adapter"],
+                                   registry=r)
         if orch is not None:
             r.register(_StatsCollector(orch))
             if hasattr(orch, "add_listener"):
@@ -169,6 +174,9 @@ class ServerMetrics:
             self.requests.labels(event.finish_reason).inc()
             self.prompt_tokens.inc(event.prompt_tokens)
             self.generation_tokens.inc(event.completion_tokens)
+            if getattr(event, "lora_adapter", None):
+                self.lora_requests.labels(event.lora_adapter).inc()
+                self.lora_tokens.labels(event.lora_adapter).inc(event.completion_tokens)
             if t.drafted:
                 self.drafted.inc(t.drafted)
                 self.accepted.inc(t.accepted)

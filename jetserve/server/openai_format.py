@@ -81,15 +81,22 @@ def _continuous_usage(r: Any) -> bool:
     return bool(r.stream and opts and opts.include_usage and opts.continuous_usage_stats)
 
 
-def check_model(name: str | None, served: str) -> None:
-    if name is not None and name != served:
-        raise v.InvalidArgument("model", f"model {v.show(name)} is not served here; "
-                                         f"this server serves {served!r}")
+def check_model(name: str | None, served: str, adapters: Any = None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model). On a server
+    with adapters (jetserve.lora_adapters.Adapters) another name raises UnknownAdapter
+    (404 model_not_found); without, InvalidArgument."""
+    if name is None or name == served:
+        return None
+    if adapters is not None and adapters.enabled:
+        adapters.check(name)
+        return name
+    raise v.InvalidArgument("model", f"model {v.show(name)} is not served here; "
+                                     f"this server serves {served!r}")
 
 
 def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
-                       client: str = "") -> Prepared:
-    check_model(r.model, served)
+                       client: str = "", adapters: Any = None) -> Prepared:
+    adapter = check_model(r.model, served, adapters)
     if r.suffix:
         raise v.InvalidArgument("suffix", "suffix is not supported")
     prompts: list[list[int]] = []
@@ -122,7 +129,7 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
             continue
         requests.extend(Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
                                 logprobs=logprobs, prompt_logprobs=scoring, client=client,
-                                **kw)
+                                lora_adapter=adapter, **kw)
                         for j in range(n))
     stream, usage = _stream_flags(r)
     if not run:
@@ -135,8 +142,8 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
 
 
 def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
-                 client: str = "") -> Prepared:
-    check_model(r.model, served)
+                 client: str = "", adapters: Any = None) -> Prepared:
+    adapter = check_model(r.model, served, adapters)
     v.check_sub_requests(limits, 1, v.check_samples(1 if r.n is None else r.n))
     add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
     plan = tool_calls.plan_tools(r.tools, r.tool_choice)
@@ -154,7 +161,8 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
         raise v.InvalidArgument("top_logprobs", "top_logprobs needs logprobs: true")
     kw["constraint"] = tool_calls.output_constraint(plan, kw.get("constraint"))
     requests = [Request(prompt_ids=tuple(ids), sampling=v.sample_seed(sampling, j),
-                        logprobs=logprobs, client=client, **kw) for j in range(n)]
+                        logprobs=logprobs, client=client, lora_adapter=adapter, **kw)
+                for j in range(n)]
     stream, usage = _stream_flags(r)
     return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
                     echo=False, logprobs=logprobs, stream=stream, include_usage=usage,

@@ -50,7 +50,6 @@ GRPC_CASES = [
     ("too many samples", _ok(num_samples=1000), "num_samples"),
     ("empty stop string", _ok(stop=[""]), "stop"),
     ("stop id above vocab", _ok(stop_token_ids=[999]), "stop_token_ids"),
-    ("unknown lora adapter", _ok(lora_adapter_id="my-adapter"), "lora_adapter_id"),
 ]
 
 # Raw DecodeRequest bytes no protobuf library would produce: (case id, bytes, field).
@@ -93,6 +92,16 @@ def test_grpc_malformed_bytes(channel, raw, field):
                                   request_serializer=lambda b: b,
                                   response_deserializer=pb.DecodeResponse.FromString)
     _expect_invalid(lambda: decode(raw, timeout=60), field)
+
+
+def test_grpc_unknown_lora_adapter_is_not_found(channel):
+    """An adapter this server does not hold: NOT_FOUND (issue #23; it was INVALID_ARGUMENT
+    while no server held adapters), naming the field."""
+    stub = pb_grpc.OrchestratorStub(channel)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Decode(pb.DecodeRequest(**_ok(lora_adapter_id="my-adapter")), timeout=60))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+    assert "lora_adapter_id" in e.value.details(), e.value.details()
 
 
 def test_grpc_serves_after_bad_inputs(channel):

@@ -26,11 +26,11 @@ ENGINE_LAYERS = (
      "token_mask"),
     # the model and the KV stores (and checkpoint files, the mock engine)
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
-     "kv_heads"),
+     "kv_heads", "lora_loading", "lora_registry", "lora"),
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)
     ("device_functions", "speculative", "param_loading", "prompt_scoring", "prefill_program"),
     # the engines: shardings and jit wiring
-    ("transformer_engine", "paged_engine"),
+    ("transformer_engine", "paged_engine", "lora_engine"),
     # the choice between them, and the package's public names
     ("factory",),
     ("",),

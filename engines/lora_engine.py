@@ -1,0 +1,272 @@
+"""The contiguous transformer engine serving LoRA adapters beside the base model.
+
+Each decode slot carries its adapter's pool row (`LoraDecodeState.adapter`, 0: the base
+model), so requests for different adapters and the base model share one batched step
+(engines/lora.py adds each row's own delta). A prefix carries its adapter's id
+(`LoraPrefix.adapter_id`, engines/lora_registry.adapter_id), not a row: the engine that
+inserts it (the prefilling one, or a generate engine of a disaggregated server, whose
+pool is its own) puts that adapter's row of its own pool into the slot. The pool is an argument of the jitted prefill and generate, never
+a constant baked into them: writing an adapter into a row is one more call of a jitted,
+donated update, and nothing recompiles.
+
+Adapters are kept on the host by name (engines/lora_registry.py); `prefill(adapter=NAME)`
+makes one resident first, swapping out the least recently used row that nothing pins: a
+row is pinned by each prefix made with it until that prefix object is dropped (inserted,
+or abandoned), and by each decode slot holding it until `free_slot`.
+
+Two generate programs: with the pool, and the plain step (no LoRA math at all), which runs
+while no slot holds an adapter, so base traffic on a LoRA server costs what it did. The
+engine knows which slots hold adapters on the host (insert / free_slot), so picking one
+needs no read from the device.
+
+Concurrency: the registry's lock is held while a call that reads or writes the pool is
+dispatched (dispatch is asynchronous, so briefly), so a load never donates the pool
+between another thread reading it and handing it to a device call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engines import device_functions, lora
+from engines.engine_config import EngineConfig
+from engines.kv_cache import DecodeState, Prefix, insert_prefix
+from engines.lora_loading import read_adapter
+from engines.lora_registry import AdapterRegistry, adapter_id
+from engines.prefill_program import PrefillProgram
+from engines.speculative import generate_speculative
+from engines.transformer_engine import TransformerEngine
+from sharding import axes, traced_under
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraPrefix(Prefix):
+    """A Prefix and the id of the adapter that made it."""
+
+    adapter_id: jax.Array | None = None  # i32[], 0: the base model
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraDecodeState(DecodeState):
+    """A DecodeState and each slot's adapter row."""
+
+    adapter: jax.Array | None = None  # i32[B]
+
+
+def _fields(x, cls) -> dict:
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(cls)}
+
+
+class _WithLora:
+    """A decoder whose apply adds each batch row's adapter (what the device functions see)."""
+
+    def __init__(self, model, hook: lora.LoraBatch):
+        self.model, self.hook, self.cfg = model, hook, model.cfg
+
+    def apply(self, variables, *args, **kw):
+        return self.model.apply(variables, *args, lora=self.hook, **kw)
+
+
+def lora_prefill(model, top_n, params, tokens, true_length, start, sampling, prompt_mask,
+                 existing, token_mask, pool, row, ident, *draft, draft_model=None):
+    """device_functions.prefill through the adapter in pool row `row` (i32[]), whose id
+    the prefix carries. The pool, row and id come after prefill's own arguments (the
+    extra arguments of engines.prefill_program.PrefillProgram, before a draft model's)."""
+    bound = _WithLora(model, lora.LoraBatch(pool, jnp.reshape(row, (1,))))
+    prefix, res = device_functions.prefill(bound, top_n, params, tokens, true_length, start,
+                                           sampling, prompt_mask, existing, token_mask,
+                                           *draft, draft_model=draft_model)
+    return LoraPrefix(**_fields(prefix, Prefix), adapter_id=ident), res
+
+
+def lora_insert(prefix: LoraPrefix, state: LoraDecodeState, slot, row) -> LoraDecodeState:
+    """insert_prefix, and the slot on pool row `row` (this engine's row of the adapter)."""
+    new = insert_prefix(prefix, state, slot)
+    return LoraDecodeState(**_fields(new, DecodeState), adapter=state.adapter.at[slot].set(row))
+
+
+def lora_generate(model, step, params, pool, state: LoraDecodeState, token_mask, *draft):
+    """step(model) -> the generate function (plain or speculative) over that model; pool
+    None: the base model alone; token_mask as device_functions.generate's."""
+    bound = model if pool is None else _WithLora(model, lora.LoraBatch(pool, state.adapter))
+    new, res = step(bound)(params, state, token_mask, *draft)
+    return LoraDecodeState(**_fields(new, DecodeState), adapter=state.adapter), res
+
+
+class LoraTransformerEngine(TransformerEngine):
+    """TransformerEngine's arguments; the pool's size and rank are config.max_loras and
+    config.max_lora_rank.
+
+    A prefill whose adapter finds every row pinned waits up to `row_wait_s` for one (the
+    generate thread frees rows as requests end); insert never waits (it runs on that
+    thread), and fails its request instead.
+    """
+
+    row_wait_s = 60.0
+
+    def __init__(self, model_config, *, config: EngineConfig, **kwargs):
+        lora_config = lora.LoraConfig(max_loras=config.max_loras, max_rank=config.max_lora_rank)
+        self.lora_config = lora_config
+        self._plain = False  # True while the base class builds its own programs
+        self.adapters = AdapterRegistry(lora_config.max_loras)
+        self._slot_rows: dict[int, int] = {}  # decode slot -> pool row it holds
+        super().__init__(model_config, config=config, **kwargs)
+        if jax.process_count() > 1:
+            raise ValueError("LoRA adapters are served in one process only")
+        make = functools.partial(lora.empty_pool, self.model_config, lora_config, self.dtype)
+        self._pool = jax.jit(make, out_shardings=self.pool_shardings)()
+
+    # ---- shardings: the base layouts plus the adapter rows (replicated) ----------------
+
+    def decode_state_shardings(self):
+        base = super().decode_state_shardings()
+        if self._plain:
+            return base
+        return LoraDecodeState(**_fields(base, DecodeState), adapter=base.lengths)
+
+    def prefix_destination_sharding(self):
+        base = super().prefix_destination_sharding()
+        if self._plain:
+            return base
+        r = self._replicated()
+        return LoraPrefix(**_fields(base, Prefix), adapter_id=r)
+
+    def _build_jits(self):
+        self._plain = True
+        try:
+            super()._build_jits()
+            self.init_base_state = super().init_decode_state
+        finally:
+            self._plain = False
+        self.pool_shardings = lora.pool_shardings(self.model_config, self.lora_config,
+                                                  self.sharding, self._mesh)
+        state_sh, prefix_sh = self.decode_state_shardings(), self.prefix_destination_sharding()
+        pool_sh, r = self.pool_shardings, self._replicated()
+        laid_out = functools.partial(traced_under, self.sharding, self._mesh)
+        top_n, spec = self.config.top_logprobs, self.config.spec
+        draft_model = self._draft.model if self._draft else None
+        draft_sh = (self._draft.param_shardings,) if self._draft else ()
+        self._prefill = PrefillProgram(
+            self._counted("prefill", laid_out(functools.partial(
+                lora_prefill, self.model, top_n, draft_model=draft_model))),
+            in_shardings=(self.param_shardings, r, r, r, prefix_sh.sampling, r, None, r,
+                          pool_sh, r, r, *draft_sh),
+            out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
+            max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
+            draft_config=self._draft.model_config if self._draft else None)
+        self._insert_jit = jax.jit(self._counted("insert", lora_insert),
+                                   in_shardings=(prefix_sh, state_sh, r, r),
+                                   out_shardings=state_sh, donate_argnums=(1,))
+        step = ((lambda m: functools.partial(generate_speculative, m, top_n, spec.k, draft_model))
+                if spec.enabled else
+                (lambda m: functools.partial(device_functions.generate, m, top_n)))
+        gen = self._counted("generate", laid_out(functools.partial(lora_generate, self.model,
+                                                                   step)))
+        self._generate_jit = jax.jit(gen, in_shardings=(self.param_shardings, pool_sh, state_sh,
+                                                        r, *draft_sh),
+                                     out_shardings=(state_sh, r), donate_argnums=(2,))
+        self._generate_plain_jit = jax.jit(gen, in_shardings=(self.param_shardings, None,
+                                                              state_sh, r, *draft_sh),
+                                           out_shardings=(state_sh, r), donate_argnums=(2,))
+        self._write_jit = jax.jit(lora.write_row, out_shardings=pool_sh, donate_argnums=(0,))
+
+    # ---- adapters ----------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Reads and checks the PEFT adapter at `path` (ValueError naming the file and
+        tensor) and keeps it under `name`; it goes to the device when first asked for."""
+        weights = read_adapter(path, self.source_config, self.lora_config.max_rank)
+        self.adapters.add(name, weights)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets `name` (UnknownAdapter, a KeyError, when not loaded)."""
+        self.adapters.remove(name)
+
+    def _row(self, name: str | None, wait_s: float = 0.0) -> int:
+        """The pool row of adapter `name` (0 for the base model), writing the adapter into
+        the pool first when it is not resident. Hold the lock."""
+        if name is None:
+            return 0
+        row, weights = self.adapters.row_for(name, wait_s)
+        if weights is not None:
+            a, b = lora.adapter_rows(weights, self.model_config, self.lora_config,
+                                     self.kv_repeat, self.dtype)
+            self._pool = self._write_jit(self._pool, np.int32(row), a, b,
+                                         np.float32(weights.scale))
+        return row
+
+    # ---- Engine API --------------------------------------------------------------------
+
+    def init_decode_state(self) -> LoraDecodeState:
+        self._plain = True
+        try:
+            base = self.init_base_state()
+        finally:
+            self._plain = False
+        B = self.config.max_concurrent_decodes
+        sh = self._named((axes.CACHE_BATCH,), (B,), "slot adapters")
+        return LoraDecodeState(**_fields(base, DecodeState),
+                               adapter=jax.device_put(np.zeros((B,), np.int32), sh))
+
+    def prefill(self, params, tokens, true_length, *, sampling=None, existing_prefix=None,
+                seed=None, donate: bool = False, token_mask=None, adapter: str | None = None):
+        """As TransformerEngine.prefill, through adapter `adapter` (None: the base model;
+        an unknown name raises engines.lora_registry.UnknownAdapter)."""
+        ident = 0 if adapter is None else adapter_id(adapter)
+        with self.adapters.lock:
+            row = self._row(adapter, self.row_wait_s)
+            prefix, first = self._prefill(
+                params, tokens, true_length, sampling=sampling,
+                existing_prefix=existing_prefix, seed=seed, donate=donate,
+                token_mask=token_mask,
+                extra=(self._pool, np.int32(row), np.int32(ident), *self._draft_args()))
+        # The id on the host too (not part of the pytree): insert need not wait for the
+        # device to read it back, unless the prefix was rebuilt on the way (a transfer).
+        prefix.host_adapter_id = ident
+        if row:  # not swapped out while the prefix waits for its slot (or its next chunk)
+            self.adapters.pin(row)
+            weakref.finalize(prefix, self.adapters.unpin, row)
+        return prefix, first
+
+    def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None,
+                      donate: bool = False):
+        return self._prefill.lower(params, tokens, true_length, existing_prefix=existing_prefix,
+                                   donate=donate, extra=(self._pool, np.int32(0), np.int32(0),
+                                                         *self._draft_args()))
+
+    def insert(self, prefix: LoraPrefix, decode_state, slot: int):
+        if not isinstance(prefix, LoraPrefix):
+            raise ValueError("a LoRA engine inserts prefixes of a LoRA engine's prefill "
+                             f"(got {type(prefix).__name__})")
+        ident = getattr(prefix, "host_adapter_id", None)
+        if ident is None:
+            ident = int(jax.device_get(prefix.adapter_id))
+        with self.adapters.lock:
+            row = self._row(self.adapters.name_of(ident)) if ident else 0
+            self.free_slot(slot)
+            if row:
+                self.adapters.pin(row)
+                self._slot_rows[slot] = row
+            return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(row))
+
+    def free_slot(self, slot: int) -> None:
+        with self.adapters.lock:
+            row = self._slot_rows.pop(slot, None)
+            if row is not None:
+                self.adapters.unpin(row)
+
+    def generate(self, params, decode_state, token_mask=None):
+        with self.adapters.lock:
+            if not self._slot_rows:  # no slot holds an adapter: the base model's step
+                return self._generate_plain_jit(params, None, decode_state, token_mask,
+                                                *self._draft_args())
+            return self._generate_jit(params, self._pool, decode_state, token_mask,
+                                      *self._draft_args())

@@ -1,0 +1,178 @@
+"""LoRA adapters in the engine (engines/lora*.py) without torch: adapter directories
+written by hand; their checks at load; the pool's layout; tokens equal to a plain engine
+whose weights have the adapter merged on the host (plain and n-gram speculative steps,
+base rows unchanged beside adapter rows); unknown names."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from engines import EngineConfig, ModelConfig, create_engine
+from engines.lora import LoraConfig, pool_shardings
+from engines.lora_registry import UnknownAdapter
+from jetserve.offline import generate_many
+from sharding import load_preset
+from tests.engines import lora_files
+
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+PREFIX = lora_files.PREFIX
+
+
+def write_adapter(path, targets, **kw):
+    return lora_files.write_adapter(path, CFG, targets, **kw)
+
+
+def _engine(speculative="none", **kw):
+    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64,
+                       speculative=speculative, max_loras=2, max_lora_rank=8)
+    return create_engine(CFG, config=cfg, seed=5, devices=kw.pop("devices", jax.devices()[:1]),
+                         **kw)
+
+
+# ---- checks at load -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(config={"r": 16}), r"r=16 must be an integer in \[1, 8\]"),
+    (dict(targets=["q_proj"], config={"target_modules": ["q_proj", "lm_head"]}),
+     r"target_modules \['lm_head'\]"),
+    (dict(targets=["q_proj"], tensors={f"{PREFIX}.0.self_attn.q_proj.lora_B.weight":
+                                       np.zeros((33, 4), np.float32)}),
+     r"tensor 'base_model.*layers.0.self_attn.q_proj.lora_B.weight' has shape \(33, 4\).*"
+     r"needs \(32, 4\)"),
+    (dict(targets=["q_proj"], tensors={"base_model.model.lm_head.lora_A.weight":
+                                       np.zeros((4, 32), np.float32)}),
+     r"tensor 'base_model.model.lm_head.lora_A.weight' is not a LoRA A/B weight"),
+    (dict(targets=["q_proj"], config={"use_dora": True}), r"use_dora=True is not supported"),
+])
+def test_malformed_adapters_are_refused_naming_file_and_tensor(tmp_path, change, message):
+    eng = _engine()
+    path, _ = write_adapter(tmp_path / "bad", **{"targets": ["q_proj"], **change})
+    with pytest.raises(ValueError, match=message) as err:
+        eng.load_adapter("bad", path)
+    assert str(tmp_path / "bad") in str(err.value)  # the file is named
+
+
+def test_missing_directory_and_unknown_names(tmp_path):
+    eng = _engine()
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        eng.load_adapter("none", str(tmp_path / "nowhere"))
+    params = eng.load_params()
+    with pytest.raises(UnknownAdapter):
+        eng.prefill(params, [5, 6, 7], 3, adapter="nowhere")
+    with pytest.raises(UnknownAdapter):
+        eng.unload_adapter("nowhere")
+
+
+# ---- layout -------------------------------------------------------------------------------
+
+
+def test_pool_is_split_as_the_projections_it_modifies():
+    eng = _engine(devices=jax.devices()[:4], sharding=load_preset("tp"))
+    sh = pool_shardings(eng.model_config, LoraConfig(max_loras=2, max_rank=8), eng.sharding,
+                        eng.mesh)
+    spec = {m: (tuple(a.spec), tuple(b.spec)) for m, a, b in zip(sh.modules, sh.a, sh.b,
+                                                                 strict=True)}
+    assert spec["q_proj"][1][2] == "model" and spec["gate_proj"][1][2] == "model"
+    assert spec["o_proj"][0][3] == "model" and spec["down_proj"][0][3] == "model"
+    assert all(ax is None for ax in spec["q_proj"][0])  # A of a column-parallel: whole
+    pool = eng._pool
+    assert pool.a[0].shape[:2] == (CFG.num_layers, 3)  # [L, max_loras + 1, ...]
+    assert not np.any(np.asarray(pool.a[0][:, 0]))  # row 0: no adapter
+
+
+# ---- tokens against the merged weights -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    return write_adapter(tmp_path_factory.mktemp("lora") / "a",
+                         ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], seed=1)
+
+
+def _prompts():
+    rng = np.random.default_rng(2)
+    return [rng.integers(3, 30, n).tolist() * 2 for n in (5, 9, 3, 7)]
+
+
+@pytest.mark.parametrize("speculative", ["none", "ngram:3"])
+def test_adapter_tokens_equal_merged_weights(adapter, speculative):
+    path, tensors = adapter
+    eng = _engine(speculative)
+    eng.load_adapter("a", path)
+    params = eng.load_params()
+    plain = create_engine(CFG, config=dataclasses.replace(eng.config, max_loras=0), seed=5,
+                          devices=jax.devices()[:1])
+    merged = lora_files.merged_params(params, tensors, 8 / 4, CFG, plain.param_shardings)
+    prompts = _prompts()
+    names = ["a", None, "a", None]  # adapter and base rows in one batch
+    got = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True, adapters=names)
+    want_a = generate_many(plain, merged, prompts, max_tokens=10, ignore_eos=True)
+    want_base = generate_many(plain, params, prompts, max_tokens=10, ignore_eos=True)
+    for name, g, wa, wb in zip(names, got, want_a, want_base, strict=True):
+        assert g.token_ids == (wa if name else wb).token_ids, name
+    assert [r.token_ids for r in want_a] != [r.token_ids for r in want_base]
+    # Only base requests: the engine's plain step, the base model's tokens.
+    only_base = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True)
+    assert [r.token_ids for r in only_base] == [r.token_ids for r in want_base]
+
+
+# ---- rows: least recently used, never one in use ------------------------------------------
+
+
+def test_registry_swaps_the_least_recently_used_unpinned_row():
+    from engines.lora_registry import AdapterRegistry
+
+    reg = AdapterRegistry(2)
+    w = object()
+    for name in "abc":
+        reg.add(name, w)
+    assert reg.row_for("a") == (1, w) and reg.row_for("b") == (2, w)
+    assert reg.row_for("a") == (1, None)  # resident: nothing to write; "b" is now older
+    assert reg.row_for("c") == (2, w) and "b" not in reg.resident()
+    reg.pin(1)
+    reg.pin(2)
+    with pytest.raises(RuntimeError, match="--max-loras"):
+        reg.row_for("b")
+    reg.unpin(1)
+    assert reg.row_for("b") == (1, w)
+
+
+def test_a_waiting_prefix_keeps_its_adapter_resident(tmp_path):
+    import gc
+
+    cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=32, max_seq_len=64,
+                       max_loras=1, max_lora_rank=8)
+    eng = create_engine(CFG, config=cfg, seed=5, devices=jax.devices()[:1])
+    for name, seed in (("a", 1), ("b", 2)):
+        eng.load_adapter(name, write_adapter(tmp_path / name, ["q_proj"], seed=seed)[0])
+    params = eng.load_params()
+    prefix, _ = eng.prefill(params, [5, 6, 7], 3, adapter="a")
+    with pytest.raises(RuntimeError, match="live requests"):
+        eng.prefill(params, [5, 6, 7], 3, adapter="b")  # "a" waits to be inserted
+    state = eng.insert(prefix, eng.init_decode_state(), 0)
+    del prefix
+    gc.collect()
+    with pytest.raises(RuntimeError, match="live requests"):
+        eng.prefill(params, [5, 6, 7], 3, adapter="b")  # slot 0 holds "a"
+    eng.free_slot(0)
+    eng.prefill(params, [5, 6, 7], 3, adapter="b")  # now "a" can go
+    assert eng.adapters.resident() == {"b": 1}
+    del state
+
+
+def test_a_request_waits_for_a_row_to_be_unpinned():
+    import threading
+
+    from engines.lora_registry import AdapterRegistry
+
+    reg = AdapterRegistry(1)
+    reg.add("a", object())
+    reg.add("b", object())
+    row, _ = reg.row_for("a")
+    reg.pin(row)
+    threading.Timer(0.2, reg.unpin, (row,)).start()  # the slot holding "a" ends
+    assert reg.row_for("b", wait_s=60)[0] == row and reg.resident() == {"b": row}

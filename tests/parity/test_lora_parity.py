@@ -1,0 +1,153 @@
+"""LoRA adapters against peft: for a random Llama and three PEFT adapters (different
+ranks, target modules and scalings, B non-zero), the engine's greedy tokens for each
+adapter equal transformers' with that adapter merged (merge_and_unload), with base and
+adapter requests in one batch; on one device and under `tp` on 4; disaggregated (prefill
+on one slice, generate on another, whose pool rows differ); after a run-time load and
+after a swap out of the pool (least recently used)."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from engines import EngineConfig, create_engine, load_hf_config
+from sharding import load_preset
+from tests.parity.hf_models import make_hf_model
+from tests.parity.lora_adapters import ADAPTERS, make_adapter, merged_model
+
+STEPS = 12
+PROMPT_LENGTHS = (9, 17, 5, 12)
+
+
+@pytest.fixture(scope="module")
+def model_and_refs(tmp_path_factory):
+    """(model dir, {adapter: dir}, {None | adapter: greedy tokens per prompt})."""
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = str(root / "llama")
+    base = make_hf_model("llama", base_dir)
+    dirs = {}
+    for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        dirs[name] = str(root / name)
+        make_adapter(base_dir, dirs[name], r, alpha, targets, rslora, seed=i + 1)
+    refs = {None: [_hf_greedy(base, p) for p in _prompts()]}
+    for name, d in dirs.items():
+        merged = merged_model(base_dir, d)
+        refs[name] = [_hf_greedy(merged, p) for p in _prompts()]
+    for name in dirs:  # the adapters change the tokens, so the checks below mean something
+        assert refs[name] != refs[None], name
+    return base_dir, dirs, refs
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+def _hf_greedy(model, prompt):
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _engine(base_dir, dirs, *, max_loras=3, devices=None, sharding=None):
+    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64,
+                       max_loras=max_loras, max_lora_rank=8)
+    eng = create_engine(load_hf_config(base_dir), weights=base_dir, config=cfg,
+                        devices=devices, sharding=sharding)
+    for name, d in dirs.items():
+        eng.load_adapter(name, d)
+    return eng
+
+
+def _run_batch(eng, params, jobs):
+    """jobs: [(prompt, adapter or None)] in slots 0.. at once -> greedy tokens of each."""
+    state = eng.init_decode_state()
+    out = []
+    for slot, (prompt, adapter) in enumerate(jobs):
+        prefix, first = eng.prefill(params, prompt, len(prompt), adapter=adapter)
+        out.append([first.to_host().token(0)])
+        state = eng.insert(prefix, state, slot)
+    for _ in range(STEPS - 1):
+        state, res = eng.generate(params, state)
+        host = res.to_host()
+        for slot, toks in enumerate(out):
+            toks.append(host.token(slot))
+    for slot in range(len(jobs)):
+        eng.free_slot(slot)
+    return out
+
+
+def _mixed_jobs(names):
+    """Base and adapter requests in one batch: prompt i with names[i]."""
+    return list(zip(_prompts(), names, strict=True))
+
+
+def test_mixed_batch_matches_merged_adapters(model_and_refs):
+    base_dir, dirs, refs = model_and_refs
+    eng = _engine(base_dir, dirs)
+    params = eng.load_params()
+    names = [None, "qv4", "all8", "mlp2"]
+    got = _run_batch(eng, params, _mixed_jobs(names))
+    for i, (name, toks) in enumerate(zip(names, got, strict=True)):
+        assert toks == refs[name][i], name
+    # Every slot on another adapter, rotated: the same tokens per (prompt, adapter).
+    names = ["all8", "mlp2", None, "qv4"]
+    got = _run_batch(eng, params, _mixed_jobs(names))
+    for i, (name, toks) in enumerate(zip(names, got, strict=True)):
+        assert toks == refs[name][i], name
+
+
+def test_tp_on_four_devices_matches(model_and_refs):
+    base_dir, dirs, refs = model_and_refs
+    eng = _engine(base_dir, dirs, devices=jax.devices()[:4], sharding=load_preset("tp"))
+    assert eng.kv_repeat == 2  # 2 kv heads on 4 devices: k/v adapters repeated per head
+    params = eng.load_params()
+    names = ["mlp2", "all8", "qv4", None]
+    got = _run_batch(eng, params, _mixed_jobs(names))
+    for i, (name, toks) in enumerate(zip(names, got, strict=True)):
+        assert toks == refs[name][i], name
+
+
+def test_disaggregated_prefill_and_generate_match(model_and_refs):
+    base_dir, dirs, refs = model_and_refs
+    pe = _engine(base_dir, dirs, devices=jax.devices()[:2])
+    ge = _engine(base_dir, dirs, devices=jax.devices()[4:8], sharding=load_preset("tp"))
+    params_p, params_g = pe.load_params(), ge.load_params()
+    names = ["qv4", "all8", None, "mlp2"]
+    prefixes, out = [], []
+    for prompt, name in _mixed_jobs(names):
+        prefix, first = pe.prefill(params_p, prompt, len(prompt), adapter=name)
+        moved = jax.device_put(ge.receive_prefix(prefix), ge.prefix_destination_sharding())
+        prefixes.append(moved)
+        out.append([first.to_host().token(0)])
+    state = ge.init_decode_state()
+    for slot in (3, 2, 1, 0):  # inserted in another order: the generate pool's rows differ
+        state = ge.insert(prefixes[slot], state, slot)
+    assert ge.adapters.resident() != pe.adapters.resident()
+    for _ in range(STEPS - 1):
+        state, res = ge.generate(params_g, state)
+        for slot, toks in enumerate(out):
+            toks.append(res.to_host().token(slot))
+    for i, (name, toks) in enumerate(zip(names, out, strict=True)):
+        assert toks == refs[name][i], name
+
+
+def test_run_time_load_and_lru_swap_without_recompiling(model_and_refs):
+    base_dir, dirs, refs = model_and_refs
+    eng = _engine(base_dir, {"qv4": dirs["qv4"]}, max_loras=2)
+    params = eng.load_params()
+    got = _run_batch(eng, params, _mixed_jobs([None, "qv4", None, "qv4"]))
+    assert got[1] == refs["qv4"][1] and got[0] == refs[None][0]
+    traces = eng.trace_counts()
+    eng.load_adapter("all8", dirs["all8"])  # loaded at run time
+    eng.load_adapter("mlp2", dirs["mlp2"])  # three adapters, two rows: one swaps out
+    names = ["all8", "mlp2", "all8", None]
+    got = _run_batch(eng, params, _mixed_jobs(names))
+    for i, (name, toks) in enumerate(zip(names, got, strict=True)):
+        assert toks == refs[name][i], name
+    assert "qv4" not in eng.adapters.resident()  # the least recently used went
+    got = _run_batch(eng, params, _mixed_jobs(["qv4", None, "mlp2", "qv4"]))
+    assert got[0] == refs["qv4"][0] and got[3] == refs["qv4"][3]
+    assert got[2] == refs["mlp2"][2]
+    assert eng.trace_counts() == traces  # swaps write the pool; nothing recompiled

@@ -69,7 +69,7 @@ class _WithLora:
     """A decoder whose apply adds each batch row's adapter (what the device functions see)."""
 
     def __init__(self, model, hook: lora.LoraBatch):
-        self.model, self.hook, self.cfg = model, hook, model.cfg
+        self.model, self.hook, self.cfg, self.backend = model, hook, model.cfg, model.backend
 
     def apply(self, variables, *args, **kw):
         return self.model.apply(variables, *args, lora=self.hook, **kw)

@@ -57,6 +57,10 @@ class ModelConfig:
     # everywhere. The engine sets it for its devices, so it is never written to a
     # checkpoint's config.
     cpu_matmul_rows: int = 0
+    # One layer body run L times under a scan, parameters and decode cache stacked on a
+    # leading layer axis (engines/layer_scan.py), instead of L unrolled copies: a compile
+    # that does not grow with L. Set by the engine, like cpu_matmul_rows.
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.weight_quant not in ("none", "int8", "int4"):
@@ -70,6 +74,8 @@ class ModelConfig:
         r = self.cpu_matmul_rows
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ValueError(f"cpu_matmul_rows must be an integer >= 0, got {r!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
@@ -109,7 +115,7 @@ class ModelConfig:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        del d["cpu_matmul_rows"]
+        del d["cpu_matmul_rows"], d["scan_layers"]
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 

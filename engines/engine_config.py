@@ -62,6 +62,8 @@ def parse_speculative(text: str) -> Speculative:
 
 KV_DTYPES = ("auto", "int8")
 
+LAYER_MODES = ("auto", "loop", "scan")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -88,6 +90,11 @@ class EngineConfig:
     # "ngram:K" (K drafts per step from the sequence's own tokens) or "draft:PATH:K" (K
     # drafts per step from a smaller model; the engine is given its config and weights).
     speculative: str = "none"
+    # The decoder's layers (engines/layer_scan.py): "loop" (unrolled, one copy per layer
+    # in each program), "scan" (one compiled body, parameters and cache stacked) or
+    # "auto": scan on accelerators, loop on the CPU, where the scanned decode step is
+    # slower (docs/BENCHMARKS.md).
+    layers: str = "auto"
 
     def __post_init__(self):
         _check_kv_layout(self)
@@ -115,6 +122,11 @@ class EngineConfig:
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         parse_speculative(self.speculative)
+        if self.layers not in LAYER_MODES:
+            raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
+        if self.layers == "scan" and self.kv_layout == "paged":
+            # TODO(#21): paged pools stacked [L, ...] and carried through the scan.
+            raise ValueError("layers 'scan' works with kv_layout contiguous only, for now")
 
     @property
     def spec(self) -> Speculative:

@@ -22,7 +22,8 @@ MAX_LINES = 500
 ENGINE_LAYERS = (
     # configs, the Engine API, attention / sampling / quantization / expert math
     ("config", "engine_config", "engine_api", "attention", "sampling", "quantization",
-     "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend"),
+     "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend",
+     "layer_scan"),
     # the model and the KV stores (and checkpoint files, the mock engine)
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
      "kv_heads"),

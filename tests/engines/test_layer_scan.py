@@ -12,6 +12,7 @@ import pytest
 from engines import EngineConfig, ModelConfig, create_engine
 from engines.checkpoint import save_orbax
 from engines.engine_config import LAYER_MODES
+from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
 
@@ -121,3 +122,15 @@ def test_auto_keeps_the_loop_on_the_cpu():
     # Measured: the scanned decode step is slower on the CPU (docs/BENCHMARKS.md).
     assert not _engine("auto").model_config.scan_layers
     assert not _engine("auto", kv_layout="paged").model_config.scan_layers
+
+
+def test_cli_layers_flag(capsys):
+    outs = {}
+    for mode in ("loop", "scan"):
+        assert cli.main(["generate", "--model", "random:tiny", "--prompt-ids", "3,1,4,1,5",
+                         "--max-tokens", "6", "--ignore-eos", "--layers", mode,
+                         "--compile-cache", "off"]) == 0
+        outs[mode] = capsys.readouterr().out
+    assert outs["scan"] == outs["loop"] and outs["loop"].strip()
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", "random:tiny", "--prompt-ids", "1", "--layers", "x"])

@@ -13,6 +13,7 @@ from engines import EngineConfig, ModelConfig, create_engine
 from engines.checkpoint import save_orbax
 from engines.engine_config import LAYER_MODES
 from jetserve import cli
+from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from sharding import load_preset
 
@@ -134,3 +135,18 @@ def test_cli_layers_flag(capsys):
     assert outs["scan"] == outs["loop"] and outs["loop"].strip()
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", "random:tiny", "--prompt-ids", "1", "--layers", "x"])
+
+
+@pytest.mark.parametrize("spec", ["ngram:3", "draft:random:tiny:2"])
+def test_speculative_decoding_under_scan(spec):
+    """Verification writes T entries per slot through the scanned store; a draft model's
+    cache rides beside the stacked one."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5], [7, 7, 8]]
+    out = {}
+    for mode in ("loop", "scan"):
+        eng = build_engine("random:tiny", devices=jax.devices()[:1], engine_config=EngineConfig(
+            max_concurrent_decodes=2, max_prefill_length=16, max_seq_len=64, speculative=spec,
+            layers=mode))
+        out[mode] = [r.token_ids for r in generate_many(eng, eng.load_params(), prompts,
+                                                         max_tokens=10, ignore_eos=True)]
+    assert out["scan"] == out["loop"]

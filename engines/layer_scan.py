@@ -2,10 +2,11 @@
 
 With `ModelConfig.scan_layers` the decoder runs `engines.model.ScanBlock` under
 `nn.scan`: the program holds one layer body whatever L is, so compile time stops growing
-with the layer count (docs/BENCHMARKS.md, "Compile time against the layer count").
-Parameters gain a leading layer axis, named by the logical axis `layers` (unsplit by
-every preset); checkpoints keep per-layer names and are stacked at load
-(engines/param_loading.py, `stack_layers`).
+with the layer count (docs/BENCHMARKS.md, "One compiled layer body"). Parameters gain a
+leading layer axis, named by the logical axis `layers` (unsplit by every preset);
+checkpoints keep per-layer names and are stacked at load (engines/param_loading.py,
+`stack_layers`), random weights too, so a seed gives the loop's weights. Prefixes keep
+their per-layer tuples; only the decode cache is stacked.
 
 A KV store takes part in the scan through three methods (`run` calls them):
 
@@ -52,9 +53,10 @@ def run(body, cfg, dtype, backend, x, positions, inv_freq, kv):
 
 def use_scan(config, platform: str) -> bool:
     """Whether an engine with EngineConfig `config` on `platform` scans its layers:
-    "auto" scans on accelerators and keeps the loop on the CPU (XLA's CPU backend copies
-    each layer's weights out of the stack before its matmuls, a slower decode step) and
-    with paged KV (not carried through a scan yet)."""
+    "auto" scans on accelerators and keeps the loop on the CPU, where XLA copies each
+    layer's weights and cache out of the stacks before the kernels read them (a decode
+    step 2.3-4x slower on llama-156m, docs/BENCHMARKS.md), and with paged KV (not
+    carried through a scan yet)."""
     if config.layers == "auto":
         return platform != "cpu" and config.kv_layout == "contiguous"
     return config.layers == "scan"

@@ -52,6 +52,11 @@ class ModelConfig:
     # output channel) or "int4" (groups of quant_group_size along the input axis).
     weight_quant: str = "none"
     quant_group_size: int = 32
+    # One layer body run L times under a scan, parameters and decode cache stacked on a
+    # leading layer axis (engines/layer_scan.py), instead of L unrolled copies: a compile
+    # that does not grow with L. Set by the engine (where it runs decides), so it is never
+    # written to a checkpoint's config.
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.weight_quant not in ("none", "int8", "int4"):
@@ -62,6 +67,8 @@ class ModelConfig:
             raise ValueError(f"quant_group_size must be an even integer >= 2, got {g!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
@@ -101,6 +108,7 @@ class ModelConfig:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        del d["scan_layers"]
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 

@@ -62,6 +62,8 @@ def parse_speculative(text: str) -> Speculative:
 
 KV_DTYPES = ("auto", "int8")
 
+LAYER_MODES = ("auto", "loop", "scan")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -92,6 +94,11 @@ class EngineConfig:
     # to N adapters of rank <= max_lora_rank on the device at once (contiguous KV only).
     max_loras: int = 0
     max_lora_rank: int = 16
+    # The decoder's layers (engines/layer_scan.py): "loop" (unrolled, one copy per layer
+    # in each program), "scan" (one compiled body, parameters and cache stacked) or
+    # "auto": scan on accelerators, loop on the CPU, where the scanned decode step is
+    # slower (docs/BENCHMARKS.md).
+    layers: str = "auto"
 
     def __post_init__(self):
         _check_kv_layout(self)
@@ -120,6 +127,14 @@ class EngineConfig:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         parse_speculative(self.speculative)
         _check_lora(self)
+        if self.layers not in LAYER_MODES:
+            raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
+        if self.layers == "scan" and self.kv_layout == "paged":
+            # TODO(#21): paged pools stacked [L, ...] and carried through the scan.
+            raise ValueError("layers 'scan' works with kv_layout contiguous only, for now")
+        if self.layers == "scan" and self.max_loras:
+            raise ValueError("layers 'scan' does not serve LoRA adapters (max_loras > 0) "
+                             "yet: use layers 'loop' or 'auto'")
 
     @property
     def spec(self) -> Speculative:

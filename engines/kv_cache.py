@@ -20,12 +20,13 @@ the generate step dequantizes the window it attends over. Prefixes stay in the m
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from engines import cpu_kernels
+from engines import cpu_kernels, layer_scan
 from engines.attention import decode_attention
 from engines.engine_api import ResultTokens, pack_results
 from engines.sampling import SlotSampling, sample, token_logprobs
@@ -150,6 +151,42 @@ class PrefillKV:
             return self.new_k_pos
         return self._place(self.existing.k_pos, self.new_k_pos)
 
+    # Under a scan over layers (engines/layer_scan.py): nothing carried; an existing
+    # prefix's k, v go in stacked and each layer's k, v come out stacked, then split
+    # back into the per-layer tuples prefixes keep.
+    def scan_init(self):
+        if self.existing is None:
+            return None, None
+        return None, (jnp.stack(self.existing.k), jnp.stack(self.existing.v))
+
+    def scan_layer(self, carry, xs, i):
+        del carry, i
+        return _PrefillLayer(self, xs)
+
+    def scan_finish(self, carry, ys):
+        self.k, self.v = list(ys[0]), list(ys[1])
+
+
+class _PrefillLayer:
+    """PrefillKV's store for one layer under a scan: xs, that layer's slice of the
+    existing prefix (k, v) or None."""
+
+    def __init__(self, parent: PrefillKV, xs):
+        self.parent, self.xs, self.out = parent, xs, None
+
+    def update(self, layer, k, v):
+        del layer  # the scan's layer: xs is its slice
+        if self.xs is not None:
+            k, v = self.parent._place(self.xs[0], k), self.parent._place(self.xs[1], v)
+        self.out = (k, v)
+        return k, v, self.parent.k_pos
+
+    def scan_carry(self):
+        return None
+
+    def scan_ys(self):
+        return self.out
+
 
 def grow_prefix(prefix: Prefix, capacity: int) -> Prefix:
     """The prefix with its arrays padded to `capacity` entries (k_pos -1 for the new ones)."""
@@ -226,6 +263,36 @@ class DecodeKV:
         k_all, v_all = self._read(layer, self.sizes[-1], k.dtype)
         return jnp.transpose(k_all, (0, 3, 1, 2)), jnp.transpose(v_all, (0, 2, 1, 3)), self.k_pos
 
+    # Under a scan over layers (engines/layer_scan.py) the stacked cache [L, ...] is the
+    # loop's carry: layer i's store works on its slice and writes it back in place.
+    def scan_init(self):
+        st = self.state
+        if not layer_scan.is_stacked(st.k, 4):
+            raise ValueError("a scanned model needs its decode cache stacked [L, ...] "
+                             "(engines.layer_scan.stack_cache)")
+        return {f: getattr(st, f)[0] for f in layer_scan.CACHE_FIELDS if getattr(st, f)}, None
+
+    def scan_layer(self, carry, xs, i):
+        del xs
+        one = copy.copy(self)
+        one.state = dataclasses.replace(self.state, **{f: (c[i],) for f, c in carry.items()})
+        one.k, one.v, one.k_scale, one.v_scale = [], [], [], []
+        one.scan_at = (carry, i)
+        return one
+
+    def scan_carry(self):
+        carry, i = self.scan_at
+        return {f: jax.lax.dynamic_update_index_in_dim(c, getattr(self, f)[0], i, 0)
+                for f, c in carry.items()}
+
+    def scan_ys(self):
+        return None
+
+    def scan_finish(self, carry, ys):
+        del ys
+        for f, c in carry.items():
+            setattr(self, f, [c])
+
     def _read(self, layer, w, dtype):
         """The first w entries of this layer's keys [B, K, H, w] and values [B, K, w, H]."""
         k, v = self.k[layer][..., :w], self.v[layer][:, :, :w]
@@ -267,14 +334,13 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
     if state.k_scale:
         kq, ks = zip(*map(quantize_kv, prefix.k), strict=True)
         vq, vs = zip(*map(quantize_kv, prefix.v), strict=True)
-        k_scale = tuple(put(c, n) for c, n in zip(state.k_scale, ks, strict=True))
-        v_scale = tuple(put(c, n) for c, n in zip(state.v_scale, vs, strict=True))
+        k_scale, v_scale = put_layers(put, state.k_scale, ks), put_layers(put, state.v_scale, vs)
     else:
         kq, vq, k_scale, v_scale = prefix.k, prefix.v, (), ()
 
     return DecodeState(
-        k=tuple(put_k(c, n) for c, n in zip(state.k, kq, strict=True)),
-        v=tuple(put(c, n) for c, n in zip(state.v, vq, strict=True)),
+        k=put_layers(put_k, state.k, kq),
+        v=put_layers(put, state.v, vq),
         k_scale=k_scale,
         v_scale=v_scale,
         **insert_slot_fields(state, prefix, slot),
@@ -329,15 +395,26 @@ def step_slot_fields(state, logits: jax.Array, valid: jax.Array, top_n: int,
     return fields, pack_results(tok, valid, lengths + 1, lp, top_ids, top_lp)
 
 
+def put_layers(put, caches: tuple, news: tuple) -> tuple:
+    """put(cache, new) of each layer's new entries [1, T, ...] into a decode cache field:
+    L per-layer arrays, or one stacked [L, ...] (a scanned model's), written as one
+    batched scatter."""
+    if layer_scan.is_stacked(caches, news[0].ndim):
+        return (jax.vmap(put)(caches[0], jnp.stack(news)),)
+    return tuple(put(c, n) for c, n in zip(caches, news, strict=True))
+
+
 def insert_draft(state, prefix: Prefix, slot: jax.Array) -> dict:
     """The draft model's cache (contiguous, in either decode layout) with a prefix's draft
     KV scattered into one slot's rows: draft_k and draft_v ({} parts for no draft)."""
     S = state.draft_k[0].shape[-1] if state.draft_k else 0
     idx = jnp.where(prefix.k_pos[0] >= 0, prefix.k_pos[0], S)  # (T,)
+    if not state.draft_k:
+        return dict(draft_k=(), draft_v=())
     return dict(
-        draft_k=tuple(c.at[slot, :, :, idx].set(n[0], mode="drop")
-                      for c, n in zip(state.draft_k, prefix.draft_k, strict=True)),
-        draft_v=tuple(c.at[slot, :, idx].set(n[0], mode="drop")
-                      for c, n in zip(state.draft_v, prefix.draft_v, strict=True)),
+        draft_k=put_layers(lambda c, n: c.at[slot, :, :, idx].set(n[0], mode="drop"),
+                           state.draft_k, prefix.draft_k),
+        draft_v=put_layers(lambda c, n: c.at[slot, :, idx].set(n[0], mode="drop"),
+                           state.draft_v, prefix.draft_v),
     )
 

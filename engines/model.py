@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from engines import moe, quantization
+from engines import layer_scan, moe, quantization
 from engines.attention import KVStore
 from engines.backend import Backend
 from engines.config import ModelConfig, llama3_inv_freq
@@ -169,6 +169,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, inv_freq, kv: KVStore, lora=None):
+        return self.block(x, positions, inv_freq, kv, lora)
+
+    def block(self, x, positions, inv_freq, kv: KVStore, lora=None):
         c = self.cfg
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         w_in = _param(self, "input_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones)
@@ -181,6 +184,21 @@ class Block(nn.Module):
         h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
         mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, self.backend, name="mlp")
         return x + (mlp(h) if c.num_experts else mlp(h, lora))
+
+
+class ScanBlock(Block):
+    """Block as the body of the scan over layers (engines/layer_scan.py): carry (x, the
+    store's stacked state), xs (layer index i, the store's per-layer inputs); its
+    parameters are one layer's slice of the stacked ones. `layer` is unused: the store
+    opened for layer i knows its layer."""
+
+    @nn.compact
+    def __call__(self, carry, xs, positions, inv_freq, kv):
+        x, kv_carry = carry
+        i, kv_xs = xs
+        store = kv.scan_layer(kv_carry, kv_xs, i)
+        x = constrain(self.block(x, positions, inv_freq, store), _RESIDUAL_ACT, "layer output")
+        return (x, store.scan_carry()), store.scan_ys()
 
 
 class Decoder(nn.Module):
@@ -203,7 +221,10 @@ class Decoder(nn.Module):
         # The residual stream is whole in D on every model-axis device (Megatron layout).
         x = constrain(x, _RESIDUAL_ACT, "embeddings")
         inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
-        for i in range(c.num_layers):
+        if c.scan_layers:  # one compiled layer body, parameters stacked as "layers"
+            # (LoRA adapters are refused with a scan: EngineConfig.layers)
+            x = layer_scan.run(ScanBlock, c, self.dtype, self.backend, x, positions, inv_freq, kv)
+        for i in range(0 if c.scan_layers else c.num_layers):
             hook = None if lora is None else lora.at_layer(i)
             x = Block(c, self.dtype, i, self.backend, name=f"layers_{i}")(x, positions, inv_freq, kv,
                                                                          hook)

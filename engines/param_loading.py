@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint, kv_heads
+from engines import checkpoint, kv_heads, layer_scan
 from engines.config import ModelConfig
 from engines.model import Decoder
 from engines.quantization import KERNEL_INPUT_AXES, QVALUE, SCALE, quantize, quantize_params
@@ -36,6 +36,22 @@ class ShapeOnlyKV:
 
     def update(self, layer, k, v):
         return k, v, self.k_pos
+
+    # Under a scan over layers (engines/layer_scan.py): nothing carried, nothing kept.
+    def scan_init(self):
+        return None, None
+
+    def scan_layer(self, carry, xs, i):
+        return self
+
+    def scan_carry(self):
+        return None
+
+    def scan_ys(self):
+        return None
+
+    def scan_finish(self, carry, ys):
+        pass
 
 
 def _path(p) -> str:
@@ -89,6 +105,14 @@ def load_params(model: Decoder, weights: str | None, *, seed: int, sharding: Sha
     kv_repeat: the model has this many copies of each stored kv head (engines/kv_heads.py);
     random weights are drawn for the stored heads, so they equal a one-device run's."""
     cfg = model.cfg
+    if cfg.scan_layers:  # read per layer, as checkpoints name them, then stacked
+        loop = Decoder(dataclasses.replace(cfg, scan_layers=False), dtype=model.dtype)
+        loop_abstract, loop_logical = trace_params(loop)
+        per_layer = load_params(
+            loop, weights, seed=seed, sharding=sharding, mesh=mesh, abstract=loop_abstract,
+            shardings=param_shardings(sharding, mesh, loop_logical, loop_abstract),
+            kv_repeat=kv_repeat)
+        return layer_scan.stack_layers(per_layer, cfg.num_layers, shardings)
     quantizing = needs_quantizing(cfg, weights)
     scheme, group = cfg.weight_quant, cfg.quant_group_size
     source_cfg = kv_heads.stored_config(cfg, kv_repeat)

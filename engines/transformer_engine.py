@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import cpu_kernels, device_functions, kv_heads, param_loading, quantization
+from engines import cpu_kernels, device_functions, kv_heads, layer_scan, param_loading, quantization
 from engines.backend import Backend, backend_for
 from engines.config import ModelConfig
 from engines.device_functions import PromptLogprobs, ScoreCache
@@ -100,9 +100,10 @@ class TransformerEngine(Engine):
             "parameter layers_0/self_attn/k_proj")
         # The weights as stored (what a checkpoint holds); model_config is what runs.
         self.source_config = model_config
+        # Where it runs decides the CPU kernels and the layer scan; the model only reads them.
         self.model_config = model_config = dataclasses.replace(
-            model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat)
-        # Whether the model uses the CPU kernels depends on where it runs, known here.
+            model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat,
+            scan_layers=layer_scan.use_scan(self.config, devices[0].platform))
         self.backend = dataclasses.replace(
             backend or backend_for(devices, self.dtype),
             cpu_matmul_rows=cpu_kernels.max_rows(self._mesh, self.dtype, model_config.weight_quant))
@@ -171,11 +172,11 @@ class TransformerEngine(Engine):
         hist = self._named((axes.CACHE_BATCH, None), (B, S if e.spec.enabled else 0),
                            "token history")
         draft = self._draft.decode_state_shardings() if self._draft else None
-        return DecodeState(k=(k_cache,) * L, v=(v_cache,) * L, k_scale=scales, v_scale=scales,
-                           lengths=vec, tokens=vec,
-                           sampling=self._sampling_shardings(axes.CACHE_BATCH),
-                           prompt_mask=bv, counts=bv, history=hist,
-                           draft_k=draft.k if draft else (), draft_v=draft.v if draft else ())
+        return layer_scan.stack_cache(DecodeState(
+            k=(k_cache,) * L, v=(v_cache,) * L, k_scale=scales, v_scale=scales, lengths=vec,
+            tokens=vec, sampling=self._sampling_shardings(axes.CACHE_BATCH), prompt_mask=bv,
+            counts=bv, history=hist, draft_k=draft.k if draft else (),
+            draft_v=draft.v if draft else ()), c.scan_layers)
 
     def prefix_destination_sharding(self) -> Prefix:
         c = self.model_config
@@ -280,8 +281,8 @@ class TransformerEngine(Engine):
 
     def checkpoint_params(self, params: dict) -> dict:
         """`params` as a checkpoint stores them (for `source_config`): one copy of each
-        kv head."""
-        return kv_heads.select_heads(params, self._logical, self.kv_repeat)
+        kv head, each layer under its own name."""
+        return layer_scan.unstack_layers(kv_heads.select_heads(params, self._logical, self.kv_repeat))
 
     def params_from_checkpoint(self, stored: dict) -> dict:
         """The inverse: a tree shaped as `checkpoint_abstract()` (numpy or jax arrays)
@@ -320,12 +321,12 @@ class TransformerEngine(Engine):
             K, H, dtype = c.num_kv_heads, c.head_dim, jnp.int8 if int8 else self.dtype
             L = c.num_layers
             scales = (jnp.zeros((B, K, S), jnp.float32),) * L if int8 else ()
-            return DecodeState(
+            return layer_scan.stack_cache(DecodeState(
                 k=(jnp.zeros((B, K, H, S), dtype),) * L, v=(jnp.zeros((B, K, S, H), dtype),) * L,
                 k_scale=scales, v_scale=scales,
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
                 **self._empty_draft_cache(),
-            )
+            ), c.scan_layers)
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()
 

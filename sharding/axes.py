@@ -12,6 +12,9 @@ EXPERT = "expert"
 CACHE_BATCH = "cache_batch"
 CACHE_SEQ = "cache_seq"
 CACHE_HEADS = "cache_heads"
+# The leading axis of parameters stacked over layers (a scanned decoder, engines/layer_scan.py);
+# presets leave it unsplit.
+LAYERS = "layers"
 
 ALL = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT,
-       CACHE_BATCH, CACHE_SEQ, CACHE_HEADS)
+       CACHE_BATCH, CACHE_SEQ, CACHE_HEADS, LAYERS)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import jax
 
 from engines import EngineConfig, quantization
-from engines.engine_config import parse_speculative
+from engines.engine_config import LAYER_MODES, parse_speculative
 from jetserve import compile_cache, context_length, distributed, lora_adapters
 from jetserve.model_loading import model_config
 
@@ -47,6 +47,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "a smaller model with the same vocabulary, a directory or "
                         "random:NAME); the drafts are verified in one step")
     lora_adapters.add_arguments(p)
+    p.add_argument("--layers", default="auto", choices=LAYER_MODES,
+                   help="the decoder's layers: loop (unrolled), scan (one compiled body, "
+                        "a compile that does not grow with the layer count) or auto (scan "
+                        "on TPU/GPU, loop on the CPU, where its decode step is faster)")
     compile_cache.add_argument(p)
 
 
@@ -80,7 +84,7 @@ def engine_config(args: argparse.Namespace,
                         page_size=args.page_size, num_pages=args.num_pages,
                         quantize=args.quantize, quant_group_size=args.quant_group_size,
                         kv_dtype=args.kv_dtype, speculative=args.speculative,
-                        **lora_adapters.engine_fields(args))
+                        layers=args.layers, **lora_adapters.engine_fields(args))
 
 
 def _default_max_seq_len(args: argparse.Namespace, devices: list) -> tuple[int, str]:

@@ -23,7 +23,7 @@ ENGINE_LAYERS = (
     # configs, the Engine API, attention / sampling / quantization / expert math
     ("config", "engine_config", "engine_api", "attention", "sampling", "quantization",
      "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend",
-     "token_mask"),
+     "token_mask", "layer_scan"),
     # the model and the KV stores (and checkpoint files, the mock engine)
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
      "kv_heads", "lora_loading", "lora_registry", "lora"),

@@ -1,0 +1,117 @@
+"""The decoder's layers as one body under a scan, and the stacked state it carries.
+
+With `ModelConfig.scan_layers` the decoder runs `engines.model.ScanBlock` under
+`nn.scan`: the program holds one layer body whatever L is, so compile time stops growing
+with the layer count (docs/BENCHMARKS.md, "One compiled layer body"). Parameters gain a
+leading layer axis, named by the logical axis `layers` (unsplit by every preset);
+checkpoints keep per-layer names and are stacked at load (engines/param_loading.py,
+`stack_layers`), random weights too, so a seed gives the loop's weights. Prefixes keep
+their per-layer tuples; only the decode cache is stacked.
+
+A KV store takes part in the scan through three methods (`run` calls them):
+
+  scan_init() -> (carry, xs): what the loop carries (the decode cache, stacked [L, ...],
+      so each layer's writes land in place in the donated buffer: no second copy of the
+      cache per step) and what it slices per layer (an existing prefix's k, v).
+  scan_layer(carry, xs_i, i) -> a KVStore for layer i, whose scan_carry() / scan_ys()
+      give the updated carry and the layer's outputs once the block has run.
+  scan_finish(carry, ys): the store's results as the unrolled loop leaves them.
+
+A stacked decode cache is kept in DecodeState as a one-element tuple holding the
+[L, ...] array (`stack_cache`), so code that reads `state.k[0].shape` or rebuilds the
+state with `tuple(kv.k)` works on both layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sharding import axes
+
+CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")
+
+
+def run(body, cfg, dtype, backend, x, positions, inv_freq, kv):
+    """x through the cfg.num_layers layers of `body` (a ScanBlock class) over store kv;
+    called inside the decoder's compact method, so the layers' parameters sit under its
+    scope as "layers", each [L, ...]."""
+    scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                      length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: axes.LAYERS})
+    carry, xs = kv.scan_init()
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, carry), ys = scanned(cfg, dtype, 0, backend, name="layers")(
+        (x, carry), (layers, xs), positions, inv_freq, kv)
+    kv.scan_finish(carry, ys)
+    return x
+
+
+def use_scan(config, platform: str) -> bool:
+    """Whether an engine with EngineConfig `config` on `platform` scans its layers:
+    "auto" scans on accelerators and keeps the loop on the CPU, where XLA copies each
+    layer's weights and cache out of the stacks before the kernels read them (a decode
+    step 2.3-4x slower on llama-156m, docs/BENCHMARKS.md), and with paged KV (not
+    carried through a scan yet), and with LoRA adapters (their hook is per layer)."""
+    if config.layers == "auto":
+        return (platform != "cpu" and config.kv_layout == "contiguous"
+                and not config.max_loras)
+    return config.layers == "scan"
+
+
+def is_stacked(cache: tuple, layer_ndim: int) -> bool:
+    """Whether a cache field (L per-layer arrays of rank layer_ndim) holds instead one
+    stacked [L, ...] array, as a scanned model's decode state does."""
+    return len(cache) == 1 and cache[0].ndim == layer_ndim + 1
+
+
+def stack_cache(state, scan: bool):
+    """`state` (a DecodeState of arrays or of NamedShardings, its cache fields L-tuples)
+    with each cache field as one stacked [L, ...] entry when `scan`; as is otherwise."""
+    if not scan:
+        return state
+
+    def stack(field):
+        parts = getattr(state, field)
+        if not parts:
+            return ()
+        if isinstance(parts[0], NamedSharding):
+            s = parts[0]
+            return (NamedSharding(s.mesh, PartitionSpec(None, *s.spec)),)
+        return (jnp.stack(parts),)
+
+    return dataclasses.replace(state, **{f: stack(f) for f in CACHE_FIELDS})
+
+
+def stack_layers(per_layer: dict, num_layers: int, shardings: dict) -> dict:
+    """Parameters with per-layer names ("layers_0" .. "layers_{L-1}", as checkpoints
+    store them) -> the scanned decoder's, each layer leaf stacked on a leading axis under
+    "layers" and placed with `shardings` (the scanned model's). Leaf by leaf, each
+    per-layer copy dropped once stacked, so the load holds about one leaf twice."""
+    names = [f"layers_{i}" for i in range(num_layers)]
+    out = {k: v for k, v in per_layer.items() if k not in names}
+    parts = [per_layer[n] for n in names]
+    treedef = jax.tree.structure(parts[0])
+    columns = zip(*(jax.tree.leaves(p) for p in parts), strict=True)
+    stacked = []
+    for column, sh in zip(columns, jax.tree.leaves(shardings["layers"]), strict=True):
+        stacked.append(jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sh)(*column))
+        for x in column:
+            x.delete()
+    out["layers"] = jax.tree.unflatten(treedef, stacked)
+    return out
+
+
+def unstack_layers(params: dict) -> dict:
+    """The inverse of stack_layers (per-layer names, as a checkpoint stores them); a
+    tree without "layers" is returned as is."""
+    if "layers" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(jax.tree.leaves(params["layers"])[0].shape[0]):
+        out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+    return out

@@ -38,9 +38,9 @@ def main() -> None:
         if layout == "paged":  # the page table is an argument of the stateless engine
             planner = with_pages(engine)
             table = planner.kv_pages.table[:, :planner.generate_widths()[0]]
-            text = engine._generate_jit.lower(params, state, table).as_text()
+            text = engine._generate_jit.lower(params, state, table, None).as_text()
         else:
-            text = engine._generate_jit.lower(params, state).as_text()
+            text = engine._generate_jit.lower(params, state, None).as_text()
         text = re.sub(r"loc\(.*?\)", "", text)
         text = re.sub(r"#loc\d*[^\n]*", "", text)
         print(layout, hashlib.sha256(text.encode()).hexdigest()[:16], len(text), flush=True)

@@ -82,7 +82,7 @@ def test_parameters_stack_at_load_and_checkpoints_keep_layer_names(tmp_path):
 def _generate_program(layers):
     eng = _engine("scan", dataclasses.replace(CFG, num_layers=layers))
     params, state = eng.load_params(), eng.init_decode_state()
-    compiled = eng._generate_jit.lower(params, state).compile()
+    compiled = eng._generate_jit.lower(params, state, None).compile()
     ops = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
     cache = sum(x.nbytes for x in jax.tree.leaves((state.k, state.v)))
     return ops, compiled.memory_analysis(), cache

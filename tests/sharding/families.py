@@ -1,9 +1,11 @@
 """Tiny one-layer models of every family, shaped to exercise each preset on 4 and 8 devices.
 
 Each family keeps its own options (tied embeddings, qkv bias, sliding window, Gemma norms,
-experts) from tests/parity/hf_models.py, with 8 query heads and a kv head count chosen so
-that, across families, every preset both fits and fails to divide somewhere:
-llama MHA (K=8), llama3 / qwen2 / mixtral K=4, mistral K=2, gemma MQA (K=1).
+experts) from tests/parity/hf_models.py, with 8 query heads (gemma 4) and a kv head count
+chosen so that, across families, every preset both fits and fails to divide somewhere:
+llama MHA (K=8), llama3 / qwen2 / mixtral K=4, mistral K=2, gemma MQA (K=1). tp and ep_tp
+replicate kv heads over a model axis that divides the query heads, so only gemma's 4
+query heads on 8 devices make them fail.
 Weights are drawn on the host (larger than the init's, so greedy tokens vary and are not
 near ties) and placed with the engine's shardings: no init program to compile.
 """
@@ -18,6 +20,7 @@ from sharding import PRESETS, load_preset
 from tests.parity.hf_models import FAMILIES, FAMILY_CONFIGS, TINY
 
 KV_HEADS = {"llama": 8, "llama3": 4, "mistral": 2, "qwen2": 4, "gemma": 1, "mixtral": 4}
+HEADS = {"gemma": 4}  # 8 for the others
 PRESET_NAMES = tuple(PRESETS)
 DEVICE_COUNTS = (4, 8)
 ENGINE_CONFIG = EngineConfig(max_concurrent_decodes=8, max_prefill_length=16, max_seq_len=32)
@@ -28,7 +31,7 @@ MAX_TOKENS = 8
 def model_config(family: str) -> ModelConfig:
     kind = {"llama3": "llama"}.get(family, family)
     hf = {**TINY, **FAMILY_CONFIGS[family], "model_type": kind, "num_hidden_layers": 1,
-          "num_attention_heads": 8, "num_key_value_heads": KV_HEADS[family]}
+          "num_attention_heads": HEADS.get(family, 8), "num_key_value_heads": KV_HEADS[family]}
     if "head_dim" not in hf:
         hf["head_dim"] = 8
     return from_hf_config(hf)

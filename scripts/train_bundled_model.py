@@ -376,7 +376,9 @@ def load_model(out: str):
 
     cfg = read_orbax_config(out)
     model = Decoder(cfg, dtype=jnp.float32)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # A one-device mesh: the reader lays a v1 checkpoint's kernels out by their spec.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = jax.eval_shape(lambda: init_params(model, 0))
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
                           abstract)

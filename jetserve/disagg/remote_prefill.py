@@ -62,11 +62,7 @@ class RemotePrefillWorker(PrefillWorker):
         self.retries = 0
 
     def _serve(self, live: LiveRequest) -> None:
-        if live.done:
-            return
-        why = live.abandoned(time.monotonic())
-        if why is not None:
-            self.readback.end(live, why)
+        if self._ended_before_prefill(live):
             return
         t0 = time.monotonic()
         if live.preemptions == 0:

@@ -100,12 +100,19 @@ class PrefillWorker:
         except queue.Empty:
             return None, False
 
-    def _serve(self, live: LiveRequest) -> None:
+    def _ended_before_prefill(self, live: LiveRequest) -> bool:
+        """Whether `live` needs no prefill: already done, or abandoned while it waited
+        (cancelled, past its deadline), in which case it is ended here."""
         if live.done:
-            return
+            return True
         why = live.abandoned(time.monotonic())
         if why is not None:
             self.readback.end(live, why)
+            return True
+        return False
+
+    def _serve(self, live: LiveRequest) -> None:
+        if self._ended_before_prefill(live):
             return
         req = live.request
         t0 = time.monotonic()

@@ -12,8 +12,17 @@ from engines import EngineConfig, quantization
 from engines.engine_config import LAYER_MODES, parse_speculative
 from jetserve import compile_cache, context_length, distributed, lora_adapters
 from jetserve.model_loading import model_config
+from jetserve.server.tool_formats import DEFAULT_PARSER, PARSERS
 
 DEFAULT_SLOTS = 8  # --max-concurrent-decodes when not given
+
+
+def add_tool_parser_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=list(PARSERS),
+                   help="how the model writes tool calls, read from its text with chat "
+                        "tool_choice auto: hermes <tool_call>{...}</tool_call> (the bundled "
+                        "template's), llama3_json bare {\"name\", \"parameters\"}, "
+                        "mistral [TOOL_CALLS][...] (default %(default)s)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ from jetserve import distributed, lora_adapters
 from jetserve.commands.common import (
     add_model_arguments,
     add_scheduling_arguments,
+    add_tool_parser_argument,
     engine_config,
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
@@ -85,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "served in turn (default: half of --max-queued-requests)")
     _add_limit_arguments(p)
     add_scheduling_arguments(p)
+    add_tool_parser_argument(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once instead of compiling every prefill bucket, "
                         "insert and generate first (then the first requests compile)")
@@ -137,7 +139,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, grpc_port=_port(args.grpc_port, "--grpc-port"),
                         http_port=_port(args.http_port, "--http-port"), api_key=_api_key(args),
                         tls_cert=args.tls_cert, tls_key=args.tls_key, model_name=name,
-                        drain_timeout_s=args.drain_timeout, write_timeout_s=args.write_timeout, **_limits(args))
+                        drain_timeout_s=args.drain_timeout, write_timeout_s=args.write_timeout,
+                        tool_call_parser=args.tool_call_parser, **_limits(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

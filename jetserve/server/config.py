@@ -7,6 +7,8 @@ import math
 import os
 import ssl
 
+from jetserve.server.tool_formats import DEFAULT_PARSER, check_parser
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -35,8 +37,11 @@ class ServerConfig:
     # blocks) is cancelled and its connection closed, so a reader that stopped reading
     # cannot hold a slot and its queued output.
     write_timeout_s: float = 30.0
+    # The format chat tool_choice "auto" reads calls in (jetserve.server.tool_formats).
+    tool_call_parser: str = DEFAULT_PARSER
 
     def __post_init__(self):
+        check_parser(self.tool_call_parser, "tool_call_parser")
         for name in ("grpc_port", "http_port"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= 65535):

@@ -354,7 +354,8 @@ class OpenAIApp:
     async def chat(self, request: Request) -> Response:
         body = await self._body(request, ChatRequest)
         prep = fmt.prepare_chat(self.limits, body, self.config.model_name,
-                                client_id.from_http(request), self.adapters)
+                                client_id.from_http(request), self.adapters,
+                                self.config.tool_call_parser)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": body.model or self.config.model_name}
         handles = self._submit(prep)

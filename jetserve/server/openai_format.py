@@ -142,11 +142,13 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
 
 
 def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
-                 client: str = "", adapters: Any = None) -> Prepared:
+                 client: str = "", adapters: Any = None,
+                 tool_parser: str = tool_calls.DEFAULT_PARSER) -> Prepared:
+    """`tool_parser`: the format tool_choice "auto" reads calls in (--tool-call-parser)."""
     adapter = check_model(r.model, served, adapters)
     v.check_sub_requests(limits, 1, v.check_samples(1 if r.n is None else r.n))
     add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
-    plan = tool_calls.plan_tools(r.tools, r.tool_choice)
+    plan = tool_calls.plan_tools(r.tools, r.tool_choice, r.parallel_tool_calls, tool_parser)
     ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen,
                                         tools=plan and plan.tools)
     v.check_prompt_length(limits, ids, "messages")

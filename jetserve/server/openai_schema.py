@@ -78,7 +78,7 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool | None = None  # extension (as vLLM)
     tools: Any = None  # checked by tool_calls.plan_tools, as is tool_choice
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # calls are parsed however many there are
+    parallel_tool_calls: Any = None  # checked by tool_calls.plan_tools
 
 
 class TokenizeRequest(_Strict):

@@ -7,8 +7,13 @@ Qwen-style templates use): a call is the JSON object `{"name": NAME, "arguments"
   template and may write calls as `<tool_call>{...}</tool_call>` in its text; they are
   parsed out of it (jetserve.server.tool_output).
 - "required" or a named function: the whole output is one call object, constrained by a
-  JSON schema (name from the list, arguments matching that function's `parameters`).
+  JSON schema (name from the list, arguments matching that function's `parameters`);
+  "required" with `parallel_tool_calls` (the default) admits a JSON list of one or more
+  call objects instead.
 - "none": as if no tools were given.
+`parallel_tool_calls` false: at most one call (auto reads no further than the first).
+"auto" reads calls in the format the server's `--tool-call-parser` names
+(jetserve.server.tool_formats; the bundled template's `<tool_call>` by default).
 
 Templates that do not mention `tools` (and the default template) get the tools and any
 calls in the history written as text in the format above, so the model sees them anyway.
@@ -22,6 +27,7 @@ import json
 import re
 from typing import Any
 
+from jetserve.server.tool_formats import DEFAULT_PARSER, PARSERS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from jetserve.server.validation import InvalidArgument, check_text, show
 from jetserve.structured import Constraint
 from jetserve.structured.grammar import check_constraint
@@ -30,7 +36,6 @@ from jetserve.structured.grammar import check_constraint
 MAX_TOOLS = 128
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CHOICES = ("none", "auto", "required")
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 HOWTO = ('To call a tool, answer with <tool_call>{"name": NAME, "arguments": ARGUMENTS}'
          "</tool_call>, ARGUMENTS a JSON object matching the parameters of the tool.")
 # A forced call is written as json.dumps writes it (and as the templates show calls): no
@@ -50,17 +55,24 @@ class ToolPlan:
       mode: "auto" (calls parsed from free text), "required" (one call to any tool) or
         "named" (one call to `name`).
       name: the function of mode "named".
+      parallel: several calls may be made (OpenAI's parallel_tool_calls); False: one.
+      parser: the format calls are read in, in mode auto (tool_formats.PARSERS).
     """
 
     tools: tuple[dict, ...]
     mode: str
     name: str | None = None
+    parallel: bool = True
+    parser: str = DEFAULT_PARSER
 
     def __post_init__(self):
         if self.mode not in ("auto", "required", "named"):
             raise ValueError(f"mode must be auto, required or named, got {self.mode!r}")
         if (self.mode == "named") != (self.name is not None):
             raise ValueError("name is given exactly when mode is 'named'")
+        if self.parser not in PARSERS:
+            raise ValueError(f"parser must be one of {', '.join(PARSERS)}, "
+                             f"got {self.parser!r}")
 
     @property
     def forced(self) -> bool:
@@ -68,16 +80,21 @@ class ToolPlan:
         return self.mode != "auto"
 
     def constraint(self) -> Constraint | None:
-        """The JSON schema a forced call is generated under; None in mode auto."""
+        """The JSON schema a forced call is generated under (a list of one or more calls
+        in mode required with parallel calls); None in mode auto."""
         if not self.forced:
             return None
         fns = [t["function"] for t in self.tools
                if self.mode == "required" or t["function"]["name"] == self.name]
+        listed = self.mode == "required" and self.parallel
+        at = "#/items" if listed else "#"
         if len(fns) == 1:
-            schema = _call_schema(fns[0], "#/properties/arguments")
+            schema = _call_schema(fns[0], f"{at}/properties/arguments")
         else:
-            schema = {"anyOf": [_call_schema(f, f"#/anyOf/{k}/properties/arguments")
+            schema = {"anyOf": [_call_schema(f, f"{at}/anyOf/{k}/properties/arguments")
                                 for k, f in enumerate(fns)]}
+        if listed:
+            schema = {"type": "array", "items": schema, "minItems": 1}
         schema["x-guidance"] = _CALL_FORMAT
         return Constraint(kind="json_schema", value=schema, field="tool_choice")
 
@@ -196,9 +213,14 @@ def _check_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
     return "named", fn["name"]
 
 
-def plan_tools(tools: Any, tool_choice: Any) -> ToolPlan | None:
-    """A request's `tools` and `tool_choice`, checked; None when no tool is in play
-    (no tools, an empty list, or tool_choice "none")."""
+def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None,
+               parser: str = DEFAULT_PARSER) -> ToolPlan | None:
+    """A request's `tools`, `tool_choice` and `parallel_tool_calls` (None: true), checked;
+    None when no tool is in play (no tools, an empty list, or tool_choice "none").
+    `parser`: the server's --tool-call-parser."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidArgument("parallel_tool_calls", "parallel_tool_calls must be true or "
+                                                     f"false, got {show(parallel_tool_calls)}")
     checked = _check_tools(tools) if tools is not None else []
     if not checked:
         if tool_choice not in (None, "none"):
@@ -209,7 +231,8 @@ def plan_tools(tools: Any, tool_choice: Any) -> ToolPlan | None:
     mode, name = _check_choice("auto" if tool_choice is None else tool_choice, names)
     if mode == "none":
         return None
-    plan = ToolPlan(tools=tuple(checked), mode=mode, name=name)
+    plan = ToolPlan(tools=tuple(checked), mode=mode, name=name,
+                    parallel=parallel_tool_calls is not False, parser=parser)
     if plan.forced:  # these are enforced: refused here, naming the tool, if they cannot be
         for i, t in enumerate(checked):
             if "parameters" in t["function"] and (mode == "required" or names[i] == name):

@@ -2,18 +2,19 @@
 
 One reader per choice (`ChoiceReader`) takes the text as it streams and gives back what
 to send: content and `tool_calls` delta entries (the first for a call with its index, id,
-type and name; then argument fragments with the index only). A non-streaming message is
-the same reader fed the whole text (`message`), so both ways agree.
+type and name; then argument fragments with the index only, as they are generated). A
+non-streaming message is the same reader fed the whole text (`message`), so both ways
+agree.
 
-- A forced call (tool_choice "required" or named; jetserve.server.tool_calls): the whole
-  output is one `{"name": ..., "arguments": ...}` object. The name goes out once its
-  string is complete, then the arguments' text as it grows. Output that is not such an
-  object (a cut-off or unconstrained one) is sent as content.
-- tool_choice "auto": calls are `<tool_call>{...}</tool_call>` blocks in the text. Text
-  outside them streams as content (a possible start of a tag is held back); a block goes
-  out as one call once it is closed, or at the end, and only if it is a JSON object naming
-  one of the tools (else it stays content). Whitespace next to a call is dropped, so a
-  message that only calls has content null.
+Where the calls are (jetserve.server.tool_formats):
+- tool_choice "required" or named (jetserve.server.tool_calls): the whole output is one
+  `{"name": ..., "arguments": ...}` object, or with parallel tool calls (required only) a
+  JSON list of them. Output that is not (a cut-off or unconstrained one) is content.
+- tool_choice "auto": the calls are in the format `--tool-call-parser` names. Text
+  outside them streams as content (a possible start of a marker is held back); a block
+  that is not a JSON object naming one of the tools stays content. Whitespace next to a
+  call is dropped, so a message that only calls has content null. With
+  parallel_tool_calls false, reading stops after the first call.
 
 finish_reason "stop" becomes "tool_calls" when the choice made a call.
 """
@@ -24,167 +25,42 @@ import json
 import uuid
 from typing import Any
 
-from jetserve.server.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolPlan
+from jetserve.server.call_scanner import CallScanner
+from jetserve.server.tool_calls import ToolPlan
+from jetserve.server.tool_formats import FORCED_LIST, FORCED_ONE, PARSERS, CallFormat
+
+__all__ = ["CallReader", "CallScanner", "ChoiceReader", "message", "new_call_id"]
 
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class CallScanner:
-    """Reads one call object `{"name": ..., "arguments": ...}` as its text arrives.
+class CallReader:
+    """The calls in one choice's text, written in `fmt`, as content and call deltas.
 
-    Tracks JSON strings and nesting only (the grammar, or json.loads, judges the rest).
-    `feed` returns the name once its string value is complete, and the raw text of the
-    arguments value as it grows (held back until the name is known, whatever the key
-    order). `done`: the object closed; `bad`: the text is not such an object.
+    A call's first entry goes out once its name is known to be one of `names` and its
+    arguments begin (or it closes), so text that only looks like a call at first stays
+    content; from then on its arguments go out as they arrive. A block that turns out not
+    to be a call (bad JSON, an unknown name) is content, verbatim. `max_calls` 1 (parallel
+    tool calls off): whatever follows the first call is dropped. `forced`: the output was
+    constrained to calls, so a call goes out with its name.
     """
 
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = self.escape = False
-        self.key_chars: list[str] | None = None  # a top-level key being read
-        self.key: str | None = None  # whose value comes next or is being read
-        self.await_colon = False  # a key read, its ':' not yet
-        self.name_chars: list[str] = []
-        self.name: str | None = None
-        self.args: list[str] = []  # argument text not yet handed out
-        self.done = self.bad = False
-
-    def feed(self, text: str) -> tuple[str | None, str]:
-        """(the name if it completed in this text, argument text now known)."""
-        had_name = self.name is not None
-        for c in text:
-            if self.done or self.bad:
-                self.bad = self.bad or not c.isspace()
-                continue
-            self._step(c)
-        if self.name is None:
-            return None, ""
-        frag, self.args = "".join(self.args), []
-        return (None if had_name else self.name), frag
-
-    def _step(self, c: str) -> None:
-        if self.in_string:
-            self._keep(c)
-            if self.escape:
-                self.escape = False
-            elif c == "\\":
-                self.escape = True
-            elif c == '"':
-                self.in_string = False
-                if self.key_chars is not None:
-                    self.key = json.loads("".join(self.key_chars))
-                    self.key_chars, self.await_colon = None, True
-            return
-        if self.depth == 0:
-            if c == "{":
-                self.depth = 1
-            elif not c.isspace():
-                self.bad = True
-            return
-        if self.depth == 1 and self.key is None:  # between members
-            if c == '"':
-                self.key_chars, self.in_string = ['"'], True
-            elif c == "}":
-                self._close()
-            elif not (c.isspace() or c == ","):
-                self.bad = True
-            return
-        if self.await_colon:
-            if c == ":":
-                self.await_colon = False
-            elif not c.isspace():
-                self.bad = True
-            return
-        self._value(c)
-
-    def _value(self, c: str) -> None:
-        if self.depth == 1 and c in ",}":
-            if self.key == "name":
-                self._set_name()
-            self.key = None
-            if c == "}":
-                self._close()
-            return
-        if c == '"':
-            self.in_string = True
-        elif c in "{[":
-            self.depth += 1
-        elif c in "}]":
-            self.depth -= 1
-        if not (self.depth == 1 and c.isspace()):
-            self._keep(c)
-
-    def _keep(self, c: str) -> None:
-        if self.key_chars is not None:
-            self.key_chars.append(c)
-        elif self.key == "name":
-            self.name_chars.append(c)
-        elif self.key in ("arguments", "parameters"):  # Llama 3.1's templates say "parameters"
-            self.args.append(c)
-
-    def _set_name(self) -> None:
-        try:
-            name = json.loads("".join(self.name_chars))
-        except json.JSONDecodeError:
-            name = None
-        if isinstance(name, str):
-            self.name = name
-        else:
-            self.bad = True
-
-    def _close(self) -> None:
-        self.depth = 0
-        self.done = True
-        self.bad = self.bad or self.name is None
-
-
-class ForcedCall:
-    """tool_choice "required" or named: the output is one call object."""
-
-    def __init__(self) -> None:
-        self.scanner = CallScanner()
-        self.held = ""  # text read before the name, sent as content if it is no call
-        self.called = self.plain = False
-        self.has_args = False
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        if self.plain:
-            return text, []
-        name, frag = self.scanner.feed(text)
-        if not self.called and self.scanner.bad:  # no call after all: it is content
-            self.plain = True
-            out, self.held = self.held + text, ""
-            return out, []
-        self.has_args = self.has_args or bool(frag)
-        if name is None:
-            if self.called:
-                return "", [{"index": 0, "function": {"arguments": frag}}] if frag else []
-            self.held += text
-            return "", []
-        self.called, self.held = True, ""
-        return "", [{"index": 0, "id": new_call_id(), "type": "function",
-                     "function": {"name": name, "arguments": frag}}]
-
-    def finish(self) -> tuple[str, list[dict]]:
-        if self.called:  # a call that closed without arguments takes none
-            none = self.scanner.done and not self.has_args
-            return "", [{"index": 0, "function": {"arguments": "{}"}}] if none else []
-        out, self.held = self.held, ""
-        return out, []
-
-
-class TaggedCalls:
-    """tool_choice "auto": `<tool_call>{...}</tool_call>` blocks in free text."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = set(names)
-        self.buf = ""
-        self.in_call = False
+    def __init__(self, fmt: CallFormat, names: list[str], max_calls: int | None = None,
+                 forced: bool = False):
+        self.fmt, self.names, self.max_calls, self.forced = fmt, set(names), max_calls, forced
+        self.state = "start" if fmt.at_start else "content"
+        self.buf = ""  # text received and not yet read
+        self.raw = ""  # the block's text since its last call: content if no call comes
+        self.scanner: CallScanner | None = None
+        self.emitted = False  # the current call's first entry went out
+        self.args, self.sent = "", 0  # the current call's argument text; how much went out
+        self.count = 0
         self.ws = ""  # trailing whitespace of the content so far, not yet sent
         self.after_call = False  # drop whitespace that follows a call
-        self.count = 0
+        self.out: list[str] = []
+        self.calls: list[dict] = []
 
     @property
     def called(self) -> bool:
@@ -192,90 +68,190 @@ class TaggedCalls:
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text
-        return self._drain(final=False)
+        return self._run(final=False)
 
     def finish(self) -> tuple[str, list[dict]]:
-        content, calls = self._drain(final=True)
+        content, calls = self._run(final=True)
         if not self.called:
             content, self.ws = content + self.ws, ""
         return content, calls
 
-    def _drain(self, final: bool) -> tuple[str, list[dict]]:
-        content: list[str] = []
-        calls: list[dict] = []
-        while True:
-            if not self.in_call:
-                k = self.buf.find(TOOL_CALL_OPEN)
-                if k < 0:
-                    keep = 0 if final else _tag_start(self.buf)
-                    content.append(self._content(self.buf[:len(self.buf) - keep]))
-                    self.buf = self.buf[len(self.buf) - keep:]
-                    break
-                content.append(self._content(self.buf[:k]))
-                self.buf, self.in_call = self.buf[k + len(TOOL_CALL_OPEN):], True
-                continue
-            k = self.buf.find(TOOL_CALL_CLOSE)
-            if k < 0 and not final:
-                break
-            body, rest = (self.buf, "") if k < 0 else (
-                self.buf[:k], self.buf[k + len(TOOL_CALL_CLOSE):])
-            call = self._call(body)
-            if call is None:
-                content.append(self._content(
-                    TOOL_CALL_OPEN + body + ("" if k < 0 else TOOL_CALL_CLOSE)))
-            else:
-                calls.append(call)
-                self.ws, self.after_call = "", True
-            self.buf, self.in_call = rest, False
-            if k < 0:
-                break
-        return "".join(content), calls
+    def _run(self, final: bool) -> tuple[str, list[dict]]:
+        self.out, self.calls = [], []
+        steps = {"start": self._start, "content": self._content, "open": self._open,
+                 "call": self._call, "after": self._after, "done": self._done}
+        while steps[self.state](final):  # each says whether it moved on
+            pass
+        return "".join(self.out), self.calls
 
-    def _content(self, s: str) -> str:
+    def _start(self, final: bool) -> bool:
+        """The output's start: a block may open here without its marker."""
+        s, m = self.buf.lstrip(), self.fmt.marker
+        lead = len(self.buf) - len(s)
+        if s and m and s.startswith(m):
+            return self._open_block(lead, lead + len(m))
+        if not final and (not s or (m and m.startswith(s))):
+            return False  # could still be the marker
+        if s.startswith(self.fmt.opener or "{"):
+            return self._open_block(0, lead)
+        self.state = "content"
+        return True
+
+    def _content(self, final: bool) -> bool:
+        m = self.fmt.marker
+        k = self.buf.find(m) if m else -1
+        if k < 0:
+            keep = 0 if final or not m else _partial(self.buf, m)
+            self._text(self.buf[:len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep:]
+            return False
+        self._text(self.buf[:k])
+        return self._open_block(k, k + len(m))
+
+    def _open_block(self, start: int, end: int) -> bool:
+        self.raw, self.buf = self.buf[start:end], self.buf[end:]
+        if self.fmt.opener:
+            self.state = "open"
+        else:
+            self._new_call()
+        return True
+
+    def _open(self, final: bool) -> bool:
+        s = self.buf.lstrip()
+        if not s:
+            return self._fail() if final else False
+        if not s.startswith(self.fmt.opener):
+            return self._fail()
+        n = len(self.buf) - len(s) + len(self.fmt.opener)
+        self.raw, self.buf = self.raw + self.buf[:n], self.buf[n:]
+        self._new_call()
+        return True
+
+    def _new_call(self) -> None:
+        self.state, self.scanner = "call", CallScanner()
+        self.emitted, self.args, self.sent = False, "", 0
+
+    def _call(self, final: bool) -> bool:
+        sc = self.scanner
+        assert sc is not None
+        n = 0
+        while n < len(self.buf) and not (sc.done or sc.bad):
+            sc.step(self.buf[n])
+            n += 1
+        self.raw, self.buf = self.raw + self.buf[:n], self.buf[n:]
+        ended = sc.done or sc.bad or final
+        self._send(sc, ended)
+        if not ended:
+            return False
+        if not self.emitted:  # not a call to a listed tool after all
+            return self._fail()
+        self.scanner, self.raw, self.after_call = None, "", True
+        self.state = "done" if self.max_calls and self.count >= self.max_calls else "after"
+        return True
+
+    def _send(self, sc: CallScanner, ended: bool) -> None:
+        """The call's first entry once it is sure to be a call, then its arguments."""
+        self.args += sc.take_args()
+        if not self.emitted:
+            if sc.bad or sc.name not in self.names or not (
+                    self.forced or sc.args_seen or sc.done):
+                return
+            self.emitted, self.ws = True, ""
+            self.calls.append({"index": self.count, "id": new_call_id(), "type": "function",
+                               "function": {"name": sc.name, "arguments": ""}})
+            self.count += 1
+        frag = self.args[self.sent:]
+        if self.args.startswith('"'):  # arguments given as a JSON string: sent decoded
+            if not ended:
+                return
+            frag = _string_value(self.args)
+        elif sc.done and not self.args:  # a call without arguments takes none
+            frag = "{}"
+        self.sent = len(self.args)
+        if not frag:
+            return
+        last = self.calls[-1] if self.calls else None
+        if last is not None and last["index"] == self.count - 1:
+            last["function"]["arguments"] += frag
+        else:
+            self.calls.append({"index": self.count - 1, "function": {"arguments": frag}})
+
+    def _after(self, final: bool) -> bool:
+        """After a call: the next one of the block, its close, or content."""
+        s = self.buf.lstrip()
+        sep, close = self.fmt.sep, self.fmt.close
+        if not s and not final:
+            return False
+        for tok, nxt in ((sep, "call"), (close, "content")):
+            if tok and s.startswith(tok):
+                n = len(self.buf) - len(s) + len(tok)
+                self.raw, self.buf = self.buf[:n], self.buf[n:]
+                if nxt == "call":
+                    self._new_call()
+                else:
+                    self.state, self.raw = "content", ""
+                return True
+        if s and any(tok and tok.startswith(s) for tok in (sep, close)):
+            if not final:
+                return False
+            s = ""  # a cut-off close or separator says nothing
+        self.state, self.buf = "content", s  # the block ended without its close
+        return True
+
+    def _done(self, final: bool) -> bool:
+        self.buf = ""
+        return False
+
+    def _fail(self) -> bool:
+        """The block is no call: its text is content, read on after it."""
+        self._text(self.raw)
+        self.raw, self.scanner, self.state = "", None, "content"
+        return True
+
+    def _text(self, s: str) -> None:
+        """Content, without whitespace next to a call (held back until more comes)."""
         if self.after_call:
             s = s.lstrip()
             if not s:
-                return ""
+                return
             self.after_call = False
         body = s.rstrip()
         if not body:
             self.ws += s
-            return ""
-        out, self.ws = self.ws + body, s[len(body):]
-        return out
-
-    def _call(self, body: str) -> dict | None:
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict) or obj.get("name") not in self.names:
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if not isinstance(args, str):
-            args = json.dumps(args, ensure_ascii=False)
-        entry = {"index": self.count, "id": new_call_id(), "type": "function",
-                 "function": {"name": obj["name"], "arguments": args}}
-        self.count += 1
-        return entry
+            return
+        self.out.append(self.ws + body)
+        self.ws = s[len(body):]
 
 
-def _tag_start(text: str) -> int:
-    """How many characters at the end of `text` could begin a tool-call tag."""
-    for n in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-n:]):
+def _string_value(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, str) else text
+
+
+def _partial(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
+
+def reading_format(plan: ToolPlan) -> CallFormat:
+    """Where a plan's calls are in the text: a forced call's fixed shape, or the parser's."""
+    if not plan.forced:
+        return PARSERS[plan.parser]
+    return FORCED_LIST if plan.mode == "required" and plan.parallel else FORCED_ONE
 
 
 class ChoiceReader:
     """One chat choice's text -> OpenAI deltas; plain content when no tool is in play."""
 
     def __init__(self, plan: ToolPlan | None) -> None:
-        self.parser: ForcedCall | TaggedCalls | None = None
-        if plan is not None:
-            self.parser = ForcedCall() if plan.forced else TaggedCalls(
-                [t["function"]["name"] for t in plan.tools])
+        self.parser = None if plan is None else CallReader(
+            reading_format(plan), [t["function"]["name"] for t in plan.tools],
+            max_calls=None if plan.parallel else 1, forced=plan.forced)
 
     def opening(self) -> dict:
         """The first delta. Content null where it may stay so (OpenAI's way when tools

@@ -116,3 +116,17 @@ def test_write_timeout_flag_and_its_check():
     assert serve.server_config(_args("--write-timeout", "2.5")).write_timeout_s == 2.5
     with pytest.raises(ValueError, match="write_timeout_s must be > 0"):
         ServerConfig(write_timeout_s=0)
+
+
+def test_tool_call_parser_flag_its_default_and_a_bad_name(capsys):
+    assert serve.server_config(_args()).tool_call_parser == "hermes"  # the bundled template's
+    assert serve.server_config(_args("--tool-call-parser", "mistral")).tool_call_parser == \
+        "mistral"
+    with pytest.raises(SystemExit):
+        _args("--tool-call-parser", "pythonic")
+    err = capsys.readouterr().err
+    assert "--tool-call-parser" in err and "'pythonic'" in err
+    assert all(name in err for name in ("hermes", "llama3_json", "mistral"))
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, "
+                                         "llama3_json, mistral, got 'x'"):
+        ServerConfig(tool_call_parser="x")

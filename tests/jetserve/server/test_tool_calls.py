@@ -79,7 +79,7 @@ def test_named_choice_constrains_to_that_function(matcher_for):
 
 
 def test_required_is_any_listed_function(matcher_for):
-    c = plan_tools([WEATHER, TIME, ORDER], "required").constraint()
+    c = plan_tools([WEATHER, TIME, ORDER], "required", False).constraint()
     assert matcher_for(c, _call("get_weather", {"city": "Oslo", "unit": "f"}))
     assert matcher_for(c, _call("get_time", {}))  # no parameters: arguments {}
     assert not matcher_for(c, _call("get_time", {"x": 1}))
@@ -193,3 +193,26 @@ def test_output_constraint_is_the_forced_call_or_the_other_never_both():
     with pytest.raises(InvalidArgument) as e:
         tool_calls.output_constraint(forced, other)
     assert e.value.field == "tool_choice" and "response_format" in str(e.value)
+
+
+def test_required_with_parallel_calls_is_a_list_of_one_or_more(matcher_for):
+    plan = plan_tools([WEATHER, TIME, ORDER], "required")  # parallel_tool_calls: true
+    assert plan.parallel
+    c = plan.constraint()
+    one, two = _call("get_time", {}), _call("order", {"item": {"qty": 3}})
+    assert matcher_for(c, f"[{one}]") and matcher_for(c, f"[{one}, {two}]")
+    assert not matcher_for(c, "[]") and not matcher_for(c, one)
+    assert not matcher_for(c, f'[{_call("order", {"item": {"qty": "3"}})}]')  # $ref resolves
+    # Named stays one call, whatever parallel_tool_calls says; off, required is one too.
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert matcher_for(plan_tools([WEATHER, TIME], named, True).constraint(), one)
+    off = plan_tools([WEATHER, TIME], "required", False)
+    assert not off.parallel and matcher_for(off.constraint(), one)
+    assert not matcher_for(off.constraint(), f"[{one}]")
+
+
+def test_parallel_tool_calls_must_be_a_boolean():
+    with pytest.raises(InvalidArgument) as e:
+        plan_tools([WEATHER], "auto", "yes")
+    assert e.value.field == "parallel_tool_calls" and "'yes'" in e.value.message
+    assert plan_tools([WEATHER], "auto", None, "llama3_json").parser == "llama3_json"

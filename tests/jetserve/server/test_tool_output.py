@@ -11,7 +11,8 @@ from jetserve.server.tool_output import CallScanner, ChoiceReader, message
 
 TOOLS = ({"type": "function", "function": {"name": "get_weather"}},
          {"type": "function", "function": {"name": "get_time"}})
-FORCED = ToolPlan(tools=TOOLS, mode="required")
+# One forced call object (parallel tool calls off; with them, required is a list: below).
+FORCED = ToolPlan(tools=TOOLS, mode="required", parallel=False)
 AUTO = ToolPlan(tools=TOOLS, mode="auto")
 # Braces, brackets, quotes and escapes inside strings must not end the arguments early.
 ARGS = '{"city": "Pa\\"ris} ]", "days": [1, {"x": "\\\\"}], "n": null}'

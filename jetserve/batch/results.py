@@ -2,7 +2,10 @@
 
 Generation rows: `id, text, token_ids, finish_reason, stop_reason, prompt_tokens,
 completion_tokens`, with `logprobs` (and `top_logprobs` as [id, logprob] pairs) when the
-row asked, and `ttft` / `latency` in seconds from submission. Scoring rows: `id, logprob,
+row asked, and `ttft` / `latency` in seconds from submission. A chat row with tools in
+play also has the message as /v1/chat/completions returns it: `content` (the text outside
+any calls, null when there is none) and `tool_calls` when the model called, with
+finish_reason "tool_calls" then; `text` stays the whole generated text. Scoring rows: `id, logprob,
 is_greedy, num_tokens, latency`. A failed job: `id, error`.
 """
 
@@ -12,6 +15,7 @@ import math
 from collections.abc import Sequence
 
 from jetserve.batch.rows import GenerateJob, Job, ScoreJob
+from jetserve.server import tool_output
 
 
 def _rounded(x: float | None) -> float | None:
@@ -24,6 +28,11 @@ def generate_row(job: GenerateJob, *, token_ids: list[int], text: str, finish_re
                  ttft: float | None, latency: float | None) -> dict:
     row = {"id": job.id, "text": text, "token_ids": list(token_ids),
            "finish_reason": finish_reason}
+    if job.tools is not None:
+        message, row["finish_reason"] = tool_output.message(job.tools, text, finish_reason)
+        row["content"] = message["content"]
+        if "tool_calls" in message:
+            row["tool_calls"] = message["tool_calls"]
     if stop_reason is not None:
         row["stop_reason"] = stop_reason
     row["prompt_tokens"] = job.prompt_len

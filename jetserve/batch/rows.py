@@ -7,7 +7,10 @@ reader checks fields exactly as the servers do. Two kinds of rows:
   fields, "stop", "stop_token_ids", "ignore_eos", "logprobs", "model"}` -> `GenerateJob`
   (`model`: a LoRA adapter's name, from the job's --lora-modules; absent: the base
   model); the output may be constrained as on HTTP, by one of `response_format`,
-  `structured_outputs` or a `guided_*` field (jetserve.server.structured_fields)
+  `structured_outputs` or a `guided_*` field (jetserve.server.structured_fields); a
+  `messages` row may give chat `tools`, `tool_choice` and `parallel_tool_calls` as
+  /v1/chat/completions does (jetserve.server.tool_calls; calls read in the format of
+  the job's --tool-call-parser)
 - scoring: `{"id", "context" | "context_ids", "continuation" | "continuation_ids",
   "add_bos"}` -> `ScoreJob` (the continuation's summed log-likelihood and whether it is
   greedy). Text is tokenized as lm-eval's `loglikelihood` does: whitespace ending the
@@ -31,15 +34,17 @@ from typing import Any
 
 from jetserve.batch import wellformed
 from jetserve.request import Request
-from jetserve.server import chat_template
+from jetserve.server import chat_template, tool_calls
 from jetserve.server import validation as v
 from jetserve.server.structured_fields import CONSTRAINT_FIELDS, constraint_of
+from jetserve.server.tool_formats import DEFAULT_PARSER
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "seed")
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # messages rows only
 GENERATE_FIELDS = frozenset(("id", "prompt", "prompt_ids", "messages", "max_tokens", "stop",
                              "stop_token_ids", "ignore_eos", "logprobs", "metadata", "model",
-                             *SAMPLING_FIELDS, *CONSTRAINT_FIELDS))
+                             *SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *TOOL_FIELDS))
 SCORE_FIELDS = frozenset(("id", "context", "context_ids", "continuation",
                           "continuation_ids", "add_bos", "metadata"))
 PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
@@ -54,6 +59,7 @@ class GenerateJob:
     id: Any
     request: Request
     metadata: Any = None
+    tools: tool_calls.ToolPlan | None = None  # a chat row's tools in play: calls are read
 
     @property
     def prompt_len(self) -> int:
@@ -127,15 +133,16 @@ def parse_line(line: str) -> Any:
 
 
 def build_job(obj: dict, limits: v.ModelLimits, *, default_max_tokens: int,
-              adapters: tuple[str, ...] = ()) -> Job:
+              adapters: tuple[str, ...] = (), tool_parser: str = DEFAULT_PARSER) -> Job:
     """The job for a parsed row (its id already checked by `row_id`); `adapters`: the
-    LoRA adapter names its `model` may give."""
+    LoRA adapter names its `model` may give; `tool_parser`: the format tool calls are
+    read in (--tool-call-parser)."""
     try:
         wellformed.check(obj)
         if any(k in obj for k in ("context", "context_ids", "continuation",
                                   "continuation_ids")):
             return _score_job(obj, limits)
-        return _generate_job(obj, limits, default_max_tokens, adapters)
+        return _generate_job(obj, limits, default_max_tokens, adapters, tool_parser)
     except v.InvalidArgument as e:
         raise RowError(e.message) from None
     except ValueError as e:  # Request / SamplingParams validation, wellformed.Malformed
@@ -158,15 +165,18 @@ def _exactly_one(obj: dict, names: tuple[str, ...], what: str) -> str:
 
 
 def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int,
-                  adapters: tuple[str, ...] = ()) -> GenerateJob:
+                  adapters: tuple[str, ...] = (),
+                  tool_parser: str = DEFAULT_PARSER) -> GenerateJob:
     _unknown(obj, GENERATE_FIELDS, "generation")
     kind = _exactly_one(obj, PROMPT_FIELDS, "prompt")
+    plan = _tool_plan(obj, kind, tool_parser)
     if kind == "prompt":
         ids = v.encode_text(limits, obj["prompt"], "prompt", add_bos=None)
     elif kind == "prompt_ids":
         ids = v.check_token_ids(limits, obj["prompt_ids"], "prompt_ids")
     else:
-        ids = chat_template.chat_prompt_ids(limits, obj["messages"])
+        ids = chat_template.chat_prompt_ids(limits, obj["messages"],
+                                            tools=plan and plan.tools)
     v.check_prompt_length(limits, ids, kind)
     max_tokens = v.check_max_tokens(limits, obj.get("max_tokens", default_max_tokens), len(ids))
     sampling = v.sampling_params(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
@@ -178,14 +188,23 @@ def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int,
     if stops and limits.tokenizer is None:
         raise RowError("stop: this model has no tokenizer, so stop strings cannot be "
                        "matched; use stop_token_ids")
+    constraint = constraint_of(types.SimpleNamespace(**{f: obj.get(f)
+                                                        for f in CONSTRAINT_FIELDS}))
     req = Request(prompt_ids=tuple(ids), sampling=sampling, max_tokens=max_tokens,
                   stop_strings=stops,
                   stop_token_ids=v.check_stop_token_ids(limits, obj.get("stop_token_ids")),
                   ignore_eos=ignore_eos, logprobs=logprobs,
-                  constraint=constraint_of(types.SimpleNamespace(
-                      **{f: obj.get(f) for f in CONSTRAINT_FIELDS})),
+                  constraint=tool_calls.output_constraint(plan, constraint),
                   lora_adapter=_adapter(obj.get("model"), adapters))
-    return GenerateJob(id=obj["id"], request=req, metadata=obj.get("metadata"))
+    return GenerateJob(id=obj["id"], request=req, metadata=obj.get("metadata"), tools=plan)
+
+
+def _tool_plan(obj: dict, kind: str, parser: str) -> tool_calls.ToolPlan | None:
+    given = [f for f in TOOL_FIELDS if obj.get(f) is not None]
+    if given and kind != "messages":
+        raise RowError(f"{given[0]} needs a chat row: give messages rather than {kind}")
+    return tool_calls.plan_tools(obj.get("tools"), obj.get("tool_choice"),
+                                 obj.get("parallel_tool_calls"), parser)
 
 
 def _adapter(model: Any, adapters: tuple[str, ...]) -> str | None:

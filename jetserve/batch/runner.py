@@ -30,6 +30,7 @@ from jetserve.batch import inputs
 from jetserve.batch.journal import Journal
 from jetserve.batch.preflight import check_paths
 from jetserve.batch.rows import Job, RowError, build_job, parse_line
+from jetserve.server.tool_formats import DEFAULT_PARSER, check_parser
 from jetserve.server.validation import ModelLimits
 
 Emit = Callable[[list[tuple[Job | None, dict]]], None]
@@ -50,6 +51,7 @@ class BatchConfig:
       window: rows tokenized and ordered at a time.
       progress: draw a progress bar on stderr.
       lora_adapters: the LoRA adapter names a generation row's `model` may give.
+      tool_call_parser: the format chat rows' tool calls are read in (tool_formats).
     """
 
     input: str
@@ -63,6 +65,7 @@ class BatchConfig:
     window: int = 4096
     progress: bool = True
     lora_adapters: tuple[str, ...] = ()
+    tool_call_parser: str = DEFAULT_PARSER
 
     def __post_init__(self):
         if not isinstance(self.num_processes, int) or self.num_processes < 1:
@@ -78,6 +81,7 @@ class BatchConfig:
             raise ValueError("repair continues an existing output: it needs resume")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        check_parser(self.tool_call_parser, "tool_call_parser")
 
 
 @dataclasses.dataclass
@@ -199,7 +203,7 @@ def _jobs(cfg: BatchConfig, limits: ModelLimits, entries: list[inputs.Entry],
         entry = by_line[n]
         try:
             job = build_job(parse_line(text), limits, default_max_tokens=cfg.default_max_tokens,
-                            adapters=cfg.lora_adapters)
+                            adapters=cfg.lora_adapters, tool_parser=cfg.tool_call_parser)
         except RowError as e:
             emit([(None, entry.error_row(f"line {n}: {e}"))])
             continue

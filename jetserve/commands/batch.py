@@ -4,12 +4,15 @@ Input rows (one JSON object a line), each with a unique "id":
   generation: "prompt" | "prompt_ids" | "messages" (chat template), "max_tokens",
     "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos",
-    "logprobs" (true, or n for the top-n alternatives too)
+    "logprobs" (true, or n for the top-n alternatives too); a constraint as on HTTP
+    ("response_format", "structured_outputs", "guided_*"); with "messages", chat
+    "tools", "tool_choice", "parallel_tool_calls" (calls read as --tool-call-parser says)
   scoring: "context" | "context_ids" and "continuation" | "continuation_ids": the
     continuation's summed log-likelihood, whether greedy decoding would produce it
   either may carry "metadata", copied to the output row.
 Output rows (appended and fsync'd as each finishes, in completion order): "id" with
-"text", "token_ids", "finish_reason", "logprobs", "ttft", "latency"; or "logprob",
+"text", "token_ids", "finish_reason", "logprobs", "ttft", "latency" (with tools: "content"
+and "tool_calls", finish_reason "tool_calls", as the chat API answers); or "logprob",
 "is_greedy", "num_tokens"; or "error" naming what is wrong with the row.
 
 --resume continues a killed job: rows already in --output are skipped (a torn last line
@@ -42,6 +45,7 @@ from jetserve.batch.durable import OutputError, describe
 from jetserve.commands.common import (
     add_model_arguments,
     add_scheduling_arguments,
+    add_tool_parser_argument,
     engine_config,
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
@@ -55,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_model_arguments(p)
+    add_tool_parser_argument(p)
     p.add_argument("--input", required=True, help="JSONL file of rows")
     p.add_argument("--output", required=True,
                    help="JSONL results (with --num-processes and no --coordinator: the "
@@ -121,7 +126,8 @@ def _run(args: argparse.Namespace) -> int:
                       process_id=proc, num_processes=n_proc,
                       default_max_tokens=args.max_tokens, window=args.window,
                       progress=not args.no_progress,
-                      lora_adapters=tuple(n for n, _ in parse_modules(args.lora_modules)))
+                      lora_adapters=tuple(n for n, _ in parse_modules(args.lora_modules)),
+                      tool_call_parser=args.tool_call_parser)
     # The input and output are checked (and the output opened) before the model loads:
     # a job that is refused costs no load.
     prepared = prepare(cfg) if distributed.is_primary() else None

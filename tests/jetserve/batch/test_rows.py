@@ -117,3 +117,58 @@ def test_generate_and_error_rows():
                    "logprobs": [-1.0, -2.0], "top_logprobs": [[[3, -1.0]], [[5, -1.5]]],
                    "ttft": 0.5, "latency": 1.0, "metadata": "m"}
     assert error_row(j, "boom") == {"id": 9, "error": "boom", "metadata": "m"}
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+ROOMY = ModelLimits(vocab_size=256, max_prefill_length=2048, max_seq_len=2048, bos_id=None,
+                    eos_ids=(0,), top_logprobs=4, tokenizer=ByteTokenizer(eos_ids=(0,)))
+CHAT = [{"role": "user", "content": "time?"}]
+
+
+def test_chat_rows_take_tools_as_the_chat_api_does():
+    plain = job({"id": 1, "messages": CHAT}, ROOMY)
+    auto = job({"id": 1, "messages": CHAT, "tools": [TOOL]}, ROOMY)
+    assert plain.tools is None and auto.tools.mode == "auto" and auto.tools.parallel
+    assert auto.request.constraint is None
+    assert b"get_time" in bytes(auto.request.prompt_ids)  # listed in the prompt
+    forced = job({"id": 1, "messages": CHAT, "tools": [TOOL], "tool_choice": "required",
+                  "parallel_tool_calls": False}, ROOMY)
+    assert forced.request.constraint == forced.tools.constraint()
+    assert forced.request.constraint.value["properties"]["name"] == {"const": "get_time"}
+    llama = build_job({"id": 1, "messages": CHAT, "tools": [TOOL]}, ROOMY,
+                      default_max_tokens=7, tool_parser="llama3_json")
+    assert llama.tools.parser == "llama3_json"
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"id": 1, "prompt": "x", "tools": [TOOL]}, ["tools needs a chat row", "prompt"]),
+    ({"id": 1, "prompt_ids": [1], "tool_choice": "auto"}, ["tool_choice", "prompt_ids"]),
+    ({"id": 1, "messages": CHAT, "tool_choice": "required"}, ["tool_choice", "needs tools"]),
+    ({"id": 1, "messages": CHAT, "tools": [TOOL], "parallel_tool_calls": 1},
+     ["parallel_tool_calls must be true or false"]),
+    ({"id": 1, "messages": CHAT, "tools": [TOOL], "tool_choice": "required",
+      "guided_regex": "a+"}, ["tool_choice", "guided_regex", "give one of them"]),
+])
+def test_bad_tool_rows_name_the_field(row, words):
+    with pytest.raises(RowError) as e:
+        job(row, ROOMY)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_rows_with_tools_carry_the_calls_as_the_chat_api_does():
+    j = job({"id": 1, "messages": CHAT, "tools": [TOOL]}, ROOMY)
+    text = 'Sure.\n<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    row = generate_row(j, token_ids=[1, 2], text=text, finish_reason="stop",
+                       stop_reason=None, logprobs=None, top_logprobs=None, ttft=0.1,
+                       latency=0.2)
+    assert row["text"] == text and row["finish_reason"] == "tool_calls"
+    assert row["content"] == "Sure."
+    [call] = row["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
+    no_call = generate_row(j, token_ids=[1], text="It is noon.", finish_reason="length",
+                           stop_reason=None, logprobs=None, top_logprobs=None, ttft=0.1,
+                           latency=0.2)
+    assert (no_call["content"], no_call["finish_reason"]) == ("It is noon.", "length")
+    assert "tool_calls" not in no_call

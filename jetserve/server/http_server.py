@@ -390,6 +390,8 @@ class OpenAIApp:
                                                       final=d.finish_reason is not None)
                                     if prep.logprobs is not None else None)
                         delta, finish = readers[i].delta(d.text, d.finish_reason)
+                        if not (delta or finish or logprobs or prep.continuous_usage):
+                            continue  # text held back while it may be a tool call
                         yield _sse({**head, "choices": [{"index": i, "delta": delta,
                                                          "logprobs": logprobs,
                                                          "finish_reason": finish}],

@@ -237,6 +237,8 @@ def test_auto_call_streams_as_openai_does(client, model):
     assert (head.function.arguments or "") + "".join(e.function.arguments for e in rest) \
         == args
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Nothing empty is sent while text is held back (it might have been a call's start).
+    assert all(d.role or d.content or d.tool_calls for d in deltas[:-1])
     with client.chat.completions.stream(
             model=model, messages=MESSAGES, tools=[WEATHER, TIME], temperature=0.0,
             extra_body={"structured_outputs": {"regex": AUTO_TEXT}}) as stream:

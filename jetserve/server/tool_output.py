@@ -89,6 +89,7 @@ class CallReader:
         s, m = self.buf.lstrip(), self.fmt.marker
         lead = len(self.buf) - len(s)
         if s and m and s.startswith(m):
+            self._text(self.buf[:lead])  # content if no call comes, dropped if one does
             return self._open_block(lead, lead + len(m))
         if not final and (not s or (m and m.startswith(s))):
             return False  # could still be the marker

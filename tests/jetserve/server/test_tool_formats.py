@@ -3,6 +3,7 @@ parallel_tool_calls false: read whole and streamed in pieces of every size (the 
 agree), a call's arguments streamed in fragments as they arrive."""
 
 import json
+import random
 
 import pytest
 
@@ -134,3 +135,32 @@ def test_call_format_whitespace_and_a_cut_close_are_not_content():
     text = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_'
     assert _whole(p, text)[0] is None
     assert json.loads(_whole(p, text)[1][0][2]) == {}
+
+
+PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "[", "]", ",",
+          ";", " ", "\n", "hello", "{", "}", '"', '{"name": "get_time", "arguments": {}}',
+          '{"name": "get_weather", "parameters": {"a": [1, "}"]}}', '"name": ', '"x"',
+          '{"name": "nope", "arguments": {}}', '"arguments": ', '{"a": "\\"b"}']
+
+
+@pytest.mark.parametrize("parser", list(PARSERS) + ["required"])
+def test_any_text_streamed_in_any_pieces_reads_as_whole(parser):
+    """Random mixes of markers, JSON and prose, cut at random: the stream assembles to
+    the whole message, and no text is lost when no call is read."""
+
+
+    rng = random.Random(parser)
+    p = plan(mode="required") if parser == "required" else plan(parser)
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 12)))
+        whole = _whole(p, text, "length")
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text), rng.randint(1, 6))))
+        reader, deltas = ChoiceReader(p), []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            deltas.append(reader.delta(text[a:b], None))
+        deltas.append(reader.delta("", "length"))
+        content, calls, finish = _assemble(deltas)
+        assert ((content or None) if whole[0] is None else content) == whole[0], text
+        assert [c[1:] for c in calls] == [c[1:] for c in whole[1]], text
+        if not whole[1]:
+            assert content == text, text

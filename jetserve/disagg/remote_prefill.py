@@ -27,7 +27,7 @@ from engines.engine_api import ResultTokens
 from jetserve.disagg.prefill_client import PrefillWorkers, Worker
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
-from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.prefill_loop import PrefillLoop
 from jetserve.orchestrator.readback import ReadBack
 from protos import prefill_worker_pb2 as pb
 
@@ -44,21 +44,18 @@ class Ticket:
     meta: dict
 
 
-class RemotePrefillWorker(PrefillWorker):
-    """A prefill thread whose prefill runs on a worker: PrefillWorker's loop (recompute
+class RemotePrefillWorker(PrefillLoop):
+    """A prefill thread whose prefill runs on a worker: the prefill loop (recompute
     before new admissions, one request at a time, an exception ends only its request)
     around a remote `_serve`."""
 
     def __init__(self, index: int, workers: PrefillWorkers, admission: FairQueue,
                  resume: queue.Queue, readback: ReadBack, stopping: threading.Event,
                  poll_s: float, *, receiver_devices: int):
-        self.index = index
-        self.workers, self.admission, self.resume = workers, admission, resume
-        self.readback, self.stopping, self.poll_s = readback, stopping, poll_s
+        super().__init__(index, admission, resume, readback, stopping, poll_s)
+        self.workers = workers
         self.receiver_devices = receiver_devices
         self.route: Any = None  # offer(live, ticket) -> bool, set by the orchestrator
-        self.busy = False
-        self.prefills = 0
         self.retries = 0
 
     def _serve(self, live: LiveRequest) -> None:

@@ -12,7 +12,14 @@ kv heads (`engine.receive_prefix`) and moves it into `prefix_destination_shardin
 A failed pull drops the cached connection, so the next one reconnects.
 
 Concurrency: both are called from several threads (RPC handlers, pull threads); their
-tables are guarded by a lock. A pull blocks its calling thread until the bytes landed.
+tables are guarded by a lock. A pull blocks its calling thread until the bytes landed or
+`timeout_s` passed. The transfer's own deadline does not end a pull whose peer hangs
+(stopped, not gone), but `connect` and `pull` return at once with arrays that become
+ready when the bytes land, so the calling thread polls them and gives up on time
+(`PullTimeout`): no thread stays behind. What an abandoned pull leaves is its destination
+buffers, held by the runtime until the peer sends them or its connection closes (a peer
+that dies errors them at once); the worker is marked down meanwhile, so hangs are not
+repeated, and at most one prefix's bytes are held per hung pull.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ from jetserve.disagg import prefix_wire
 
 def _server(device: jax.Device, host: str):
     return transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
+
+
+class PullTimeout(TimeoutError):
+    """A pull whose bytes did not land in time (its peer hangs); nothing waits for it."""
 
 
 def _wall(seconds: float) -> datetime.datetime:
@@ -117,7 +128,7 @@ class KVReceiver:
         conn = self._connection(address)
         try:
             leaves = conn.pull(uuid, specs, timeout=_wall(self.timeout_s))
-            jax.block_until_ready(leaves)
+            wait_ready(leaves, self.timeout_s, f"no prefix from {who}")
         except Exception:
             with self._lock:  # the peer may be gone: the next pull reconnects
                 if self._conns.get(address) is conn:
@@ -134,3 +145,23 @@ class KVReceiver:
             if conn is None:
                 conn = self._conns[address] = self._server.connect(address)
             return conn
+
+
+def wait_ready(leaves: list[Any], timeout_s: float, what: str,
+               first_poll_s: float = 0.001, longest_poll_s: float = 0.02) -> None:
+    """Until every array in `leaves` is ready (raising the error of one that failed);
+    PullTimeout naming `what` after timeout_s. Polls, from first_poll_s up to
+    longest_poll_s between looks, rather than block in the runtime, which could not be
+    abandoned."""
+    end = time.monotonic() + timeout_s
+    pause = first_poll_s
+    waiting = list(leaves)
+    while waiting:
+        waiting = [x for x in waiting if not x.is_ready()]
+        if not waiting:
+            break
+        if time.monotonic() >= end:
+            raise PullTimeout(f"{what} after {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, longest_poll_s)
+    jax.block_until_ready(leaves)  # ready: raises the error of a failed transfer

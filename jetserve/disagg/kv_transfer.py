@@ -2,7 +2,8 @@
 pulled by the decode side.
 
 `KVSender` (prefill side) registers each prefix with its transfer server under a random
-uuid (`await_pull`) and keeps a reference until the decode side acknowledges the pull
+uuid (`await_pull`; over several processes, every process registers its own blocks of the
+prefix under one uuid that process 0 drew, see prefix_wire.py) and keeps a reference until the decode side acknowledges the pull
 (`ack`) or `hold_s` passes (`expire`): either way the prefix is freed, so a decode worker
 that never comes back leaks nothing.
 
@@ -63,19 +64,32 @@ class KVSender:
             raise ValueError(f"hold_s must be > 0 seconds, got {hold_s!r}")
         self.engine = engine
         self.hold_s = hold_s
-        self._server = _server(engine.mesh.devices.flat[0], host)
+        me = jax.process_index()
+        local = [d for d in engine.mesh.devices.flat if d.process_index == me]
+        self._server = _server(local[0], host)
         self.address: str = self._server.address()
+        # Every process's transfer server, by process index, when the engine spans several
+        # processes (set by the lock-step runner): prefixes are then offered block by block.
+        self.sources: list[str] | None = None
         self._held: dict[int, tuple[Any, float]] = {}
         self._lock = threading.Lock()
         self.expired = 0
 
-    def register(self, prefix: Any, receiver_devices: int) -> tuple[int, dict]:
-        """(uuid, description) of `prefix`, now held for one pull."""
-        wired = prefix_wire.wire_layout(prefix, receiver_devices)
-        meta = prefix_wire.describe(wired, self.engine)
-        uuid = secrets.randbits(63)
-        # The server's own rendezvous ends a little after ours, so ours frees it first.
-        self._server.await_pull(uuid, jax.tree.leaves(wired), timeout=_wall(self.hold_s + 5))
+    def register(self, prefix: Any, receiver_devices: int,
+                 uuid: int | None = None) -> tuple[int, dict]:
+        """(uuid, description) of `prefix`, now held for one pull (under `uuid` when
+        given: the same on every process of a lock-step engine)."""
+        if self.sources is None:
+            wired = prefix_wire.wire_layout(prefix, receiver_devices)
+            meta = prefix_wire.describe(wired, self.engine)
+            arrays = jax.tree.leaves(wired)
+        else:
+            meta = prefix_wire.describe_pieces(prefix, self.engine, self.sources)
+            wired = arrays = prefix_wire.local_pieces(prefix)
+        uuid = secrets.randbits(63) if uuid is None else uuid
+        if arrays:  # a process may own no block (all replicated on another's devices)
+            # The server's own rendezvous ends a little after ours, so ours frees it first.
+            self._server.await_pull(uuid, arrays, timeout=_wall(self.hold_s + 5))
         with self._lock:
             self._held[uuid] = (wired, time.monotonic() + self.hold_s)
         return uuid, meta
@@ -121,19 +135,33 @@ class KVReceiver:
         self._lock = threading.Lock()
 
     def pull(self, address: str, uuid: int, meta: dict, who: str) -> Any:
-        """The prefix `who` registered under `uuid` at `address`, in this engine's layout
+        """The prefix `who` registered under `uuid` at `address` (or, offered block by
+        block, at each of its processes' servers), in this engine's layout
         (PrefixMismatch before any pull when it does not fit)."""
         prefix_wire.check(meta, self.engine, who)
-        specs = prefix_wire.pull_specs(meta, self.devices)
-        conn = self._connection(address)
+        if "pieces" in meta:
+            wanted = {meta["sources"][i]: prefix_wire.piece_specs(meta, i, self.devices[0])
+                      for i in sorted({p["source"] for p in meta["pieces"]})}
+        else:
+            wanted = {address: prefix_wire.pull_specs(meta, self.devices)}
+        conns = {a: self._connection(a) for a in wanted}
         try:
-            leaves = conn.pull(uuid, specs, timeout=_wall(self.timeout_s))
-            wait_ready(leaves, self.timeout_s, f"no prefix from {who}")
+            deadline = _wall(self.timeout_s)
+            pulled = {a: conns[a].pull(uuid, specs, timeout=deadline)
+                      for a, specs in wanted.items()}
+            wait_ready([x for xs in pulled.values() for x in xs], self.timeout_s,
+                       f"no prefix from {who}")
         except Exception:
-            with self._lock:  # the peer may be gone: the next pull reconnects
-                if self._conns.get(address) is conn:
-                    del self._conns[address]
+            with self._lock:  # a peer may be gone: the next pull reconnects
+                for a, conn in conns.items():
+                    if self._conns.get(a) is conn:
+                        del self._conns[a]
             raise
+        if "pieces" in meta:
+            by_source = {i: pulled[a] for i, a in enumerate(meta["sources"]) if a in pulled}
+            leaves = prefix_wire.assemble(meta, by_source, self.devices[0])
+        else:
+            leaves = pulled[address]
         prefix = jax.tree.unflatten(self.treedef, leaves)
         moved = jax.device_put(self.receive(prefix), self.destination)
         jax.block_until_ready(moved)

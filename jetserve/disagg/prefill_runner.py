@@ -113,9 +113,15 @@ class PrefillRunner:
         return Prefilled(first_row=np.asarray(first.to_host().data)[0], uuid=uuid, meta=meta,
                          address=self.sender.address)
 
-    def prefill(self, tokens: np.ndarray, sampling: SamplingParams) -> tuple[Any, Any]:
+    def ack(self, uuid: int) -> bool:
+        """The decode side acknowledged (or no longer wants) the prefix under `uuid`."""
+        return self.sender.ack(uuid)
+
+    def prefill(self, tokens: np.ndarray, sampling: SamplingParams,
+                seed: int | None = None) -> tuple[Any, Any]:
         """(prefix, first token) of `tokens`, in chunks of max_prefill_length, after the
-        longest cached prefix when there is a prefix cache (whose new blocks it caches)."""
+        longest cached prefix when there is a prefix cache (whose new blocks it caches);
+        `seed` as engine.prefill's."""
         hit = None if self.cache is None else self.cache.lookup(self.cache_key, tokens)
         try:
             done = 0 if hit is None else hit.tokens
@@ -124,7 +130,8 @@ class PrefillRunner:
             for start in range(done, len(tokens), chunk):
                 piece = tokens[start:start + chunk]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
-                                                    sampling=sampling, existing_prefix=prefix)
+                                                    sampling=sampling, existing_prefix=prefix,
+                                                    seed=seed)
             if hit is not None:
                 self.cache.insert(hit, prefix)
             return prefix, first

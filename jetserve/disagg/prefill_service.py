@@ -79,10 +79,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     def _free_unwanted(self, future) -> None:
         if not future.cancelled() and future.exception() is None:
-            self.runner.sender.ack(future.result().uuid)
+            self.runner.ack(future.result().uuid)
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
-        return pb.AckResponse(freed=self.runner.sender.ack(request.uuid))
+        return pb.AckResponse(freed=self.runner.ack(request.uuid))
 
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:
         e = self.runner.engine

@@ -97,16 +97,20 @@ def split(tmp_path_factory):
             f.close()
 
 
-@pytest.fixture(scope="module")
-def want():
-    """`jetserve generate --json` of every prompt, greedy, in this process."""
+def generate(prompts: list[list[int]]) -> list[dict]:
+    """`jetserve generate --json` of `prompts`, greedy, in this process."""
     argv = ["generate", *ENGINE[:8], "--json", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
-    for p in PROMPTS:
+    for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert jetserve_main(argv) == 0
     return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def want():
+    return generate(PROMPTS)
 
 
 def _grpc(port: int, prompt: list[int], first: threading.Event) -> list[int]:

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling_json", "receiver_devices")
+    __slots__ = ("request_id", "token_ids", "sampling_json", "receiver_devices", "token_mask")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_JSON_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_json: str
     receiver_devices: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_json: _Optional[str] = ..., receiver_devices: _Optional[int] = ...) -> None: ...
+    token_mask: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_json: _Optional[str] = ..., receiver_devices: _Optional[int] = ..., token_mask: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_row", "first_columns", "transfer_address", "uuid", "prefix_json", "queue_depth")

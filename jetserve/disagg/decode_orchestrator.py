@@ -93,9 +93,6 @@ class DecodeOrchestrator(Orchestrator):
         if r.prompt_logprobs:
             raise ValueError("prompt_logprobs (echo with logprobs): a --role decode server "
                              "does not score prompts; serve with --role both")
-        if r.constraint is not None:
-            raise ValueError("structured output: a --role decode server does not constrain "
-                             "output yet; serve with --role both")
         super()._validate(r)
 
     def stats(self) -> dict:
@@ -120,6 +117,12 @@ class _RemotePrefill:
 
     def __init__(self, engine: Engine):
         self._engine = engine
+
+    @property
+    def engine(self) -> Engine:
+        """The engine a page planner wraps, or the engine itself: what step_masks asks
+        whether token masks apply (the workers were checked to serve the same model)."""
+        return getattr(self._engine, "engine", self._engine)
 
     def __getattr__(self, name: str) -> Any:
         if name == "prompt_logprobs":

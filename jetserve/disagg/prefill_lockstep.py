@@ -6,7 +6,8 @@ the same tokens, with the same seed, in the same order. Process 0 alone serves t
 worker's gRPC service; its runner thread takes one job at a time and broadcasts a turn
 (`exchange_turn`) that every process then applies:
 
-  turn = {"job": tokens, sampling, seed, uuid, receiver devices | None,
+  turn = {"job": tokens, sampling, seed, uuid, receiver devices, first token's mask
+                 | None,
           "acks": uuids the decode side acknowledged since the last turn,
           "stop": whether process 0 is stopping}
 
@@ -146,8 +147,10 @@ class LockStepPrefillRunner(PrefillRunner):
             return
         self.busy = True
         try:
-            prefix, first = self.prefill(np.asarray(t["tokens"], np.int32),
-                                         SamplingParams(**t["sampling"]), seed=t["seed"])
+            mask = t["token_mask"]
+            prefix, first = self.prefill(
+                np.asarray(t["tokens"], np.int32), SamplingParams(**t["sampling"]),
+                seed=t["seed"], token_mask=None if mask is None else np.asarray([mask], np.int32))
             uuid, meta = self.sender.register(prefix, t["receiver_devices"], uuid=t["uuid"])
             self.prefills += 1
             if job is not None:
@@ -179,5 +182,6 @@ def _job_turn(job: PrefillJob | None) -> dict | None:
     return {"request_id": job.request_id, "tokens": job.token_ids.tolist(),
             "sampling": dataclasses.asdict(s),
             "seed": s.seed if s.seed is not None else secrets.randbits(31),
-            "uuid": secrets.randbits(63), "receiver_devices": job.receiver_devices}
+            "uuid": secrets.randbits(63), "receiver_devices": job.receiver_devices,
+            "token_mask": None if job.token_mask is None else job.token_mask[0].tolist()}
 

@@ -5,7 +5,9 @@ RESOURCE_EXHAUSTED so the decode side asks another worker); one thread per engin
 them in order, prefills (in chunks of max_prefill_length, each continuing the last, for a
 longer prompt; after the longest cached prefix with a prefix cache), registers the prefix
 with the KVSender for one pull and completes the job's future with the first token's row
-and the prefix's description. Between jobs it
+and the prefix's description. A constrained request's job carries the mask of the one
+token sampled here (the decode side's grammar gives it and constrains the rest). Between
+jobs it
 frees prefixes held past their time. An exception fails only its own job.
 """
 
@@ -35,6 +37,7 @@ class PrefillJob:
     token_ids: np.ndarray  # i32[T]
     sampling: SamplingParams
     receiver_devices: int
+    token_mask: np.ndarray | None = None  # i32[1, W]: the first token's allowed set
     future: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
 
@@ -107,7 +110,7 @@ class PrefillRunner:
                 self.busy = False
 
     def _run(self, job: PrefillJob) -> Prefilled:
-        prefix, first = self.prefill(job.token_ids, job.sampling)
+        prefix, first = self.prefill(job.token_ids, job.sampling, token_mask=job.token_mask)
         uuid, meta = self.sender.register(prefix, job.receiver_devices)
         self.prefills += 1
         return Prefilled(first_row=np.asarray(first.to_host().data)[0], uuid=uuid, meta=meta,
@@ -117,11 +120,13 @@ class PrefillRunner:
         """The decode side acknowledged (or no longer wants) the prefix under `uuid`."""
         return self.sender.ack(uuid)
 
-    def prefill(self, tokens: np.ndarray, sampling: SamplingParams,
-                seed: int | None = None) -> tuple[Any, Any]:
+    def prefill(self, tokens: np.ndarray, sampling: SamplingParams, seed: int | None = None,
+                token_mask: np.ndarray | None = None) -> tuple[Any, Any]:
         """(prefix, first token) of `tokens`, in chunks of max_prefill_length, after the
         longest cached prefix when there is a prefix cache (whose new blocks it caches);
-        `seed` as engine.prefill's."""
+        `seed` and `token_mask` (structured output) as engine.prefill's."""
+        # Only a constrained prefill names the mask: an engine without masks takes none.
+        masked = {} if token_mask is None else {"token_mask": token_mask}
         hit = None if self.cache is None else self.cache.lookup(self.cache_key, tokens)
         try:
             done = 0 if hit is None else hit.tokens
@@ -131,7 +136,7 @@ class PrefillRunner:
                 piece = tokens[start:start + chunk]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                     sampling=sampling, existing_prefix=prefix,
-                                                    seed=seed)
+                                                    seed=seed, **masked)
             if hit is not None:
                 self.cache.insert(hit, prefix)
             return prefix, first

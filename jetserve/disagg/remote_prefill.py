@@ -8,6 +8,8 @@ once and hands the held prefix (a `Ticket`) to the pull stage. A worker that fai
 times out is marked down and the request goes to another; only when every worker failed
 does the request end with an error. Nothing streams before a prefill succeeded, and a
 recomputed request streams its next token only: every token reaches the client once.
+Structured output: the request's grammar lives here; the worker is sent the mask of the
+one token it samples, and the generate thread masks the rest as in one process.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_loop import PrefillLoop
 from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_masks import first_mask
 from protos import prefill_worker_pb2 as pb
 
 log = logging.getLogger("jetserve.disagg")
@@ -87,7 +90,7 @@ class RemotePrefillWorker(PrefillLoop):
         request = pb.PrefillRequest(
             request_id=live.request_id, token_ids=tokens,
             sampling_json=json.dumps(dataclasses.asdict(live.request.sampling)),
-            receiver_devices=self.receiver_devices)
+            receiver_devices=self.receiver_devices, token_mask=_first_mask(live))
         tried: set[str] = set()
         errors = []
         while True:
@@ -115,3 +118,11 @@ class RemotePrefillWorker(PrefillLoop):
                 if not live.done:
                     self.readback.end(live, why)
                 return None
+
+
+def _first_mask(live: LiveRequest) -> bytes:
+    """The allowed set of the token the worker samples next, from this request's grammar
+    (over the tokens taken so far: a recomputed request's next token), as PrefillRequest
+    carries it; empty for an unconstrained request."""
+    mask = first_mask(live).get("token_mask")
+    return b"" if mask is None else np.ascontiguousarray(mask, np.int32).tobytes()

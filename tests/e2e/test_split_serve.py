@@ -1,7 +1,8 @@
 """The split deployment on 127.0.0.1: two `jetserve serve --role prefill` workers (tp over
 4 fake devices with a prefix cache; replicated on 2) and one `--role decode` process
 (tp_kv_batch over 4), KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
-openai SDK give what `jetserve generate` gives; SIGKILL of a prefill worker mid-run loses
+openai SDK give what `jetserve generate` gives; constrained samples match their structure;
+SIGKILL of a prefill worker mid-run loses
 no stream and repeats no token; afterwards the surviving worker holds no prefix and every
 decode slot is free. Bad worker addresses are start-up errors naming them.
 """
@@ -195,6 +196,34 @@ def test_split_deployment_matches_generate(split, want):
     assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(PROMPTS)
     assert _metric(ports["HTTP"], "jetserve_kv_transfer_bytes") > 0
     assert _metric(ports["HTTP"], "jetserve_prefill_worker_up") == 2
+
+
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["red", "green", "blue"]
+
+
+@pytest.mark.slow
+def test_structured_output_on_the_decode_side(split):
+    """The worker samples the first token within the grammar's mask, the decode side the
+    rest: at temperature 1 (where an unmasked token would break the structure), every
+    sample matches."""
+    procs, ports, _ = split
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    out = client.completions.create(model=MODEL, prompt=[1, 7, 9], max_tokens=12, n=6,
+                                    temperature=1.0, seed=5,
+                                    extra_body={"guided_regex": REGEX})
+    assert [re.fullmatch(REGEX, c.text) is not None for c in out.choices] == [True] * 6
+    assert {c.finish_reason for c in out.choices} == {"stop"}
+    with grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}") as ch:
+        req = pb.DecodeRequest(max_tokens=12, temperature=1.0, seed=3, num_samples=4,
+                               token_content=pb.DecodeRequest.TokenContent(token_ids=[1, 4]),
+                               choice=pb.DecodeRequest.Choices(choices=CHOICES))
+        texts = [""] * 4
+        for m in pb_grpc.OrchestratorStub(ch).Decode(req, timeout=300):
+            for i, sample in enumerate(m.stream_content.samples):
+                texts[i] += sample.text
+    assert all(t in CHOICES for t in texts), texts
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """The prefill worker's gRPC service in this process (random:tiny on one fake device):
-refusals while warming up and draining, named errors for bad requests, and a prefix held
-from Prefill until Ack."""
+refusals while warming up and draining, named errors for bad requests, a prefix held
+from Prefill until Ack, and the first token sampled within the mask a request carries."""
 
 import asyncio
 import json
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from engines import SamplingParams
+from engines.engine_api import HostResults
 from jetserve.disagg.kv_transfer import KVSender
 from jetserve.disagg.prefill_runner import PrefillRunner
 from jetserve.disagg.prefill_service import PrefillServer
@@ -74,6 +75,19 @@ def test_prefill_worker_service(worker):
     assert stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
     assert not stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
     assert stub.Load(pb.LoadRequest(), timeout=30).registered == 0
+
+    # Structured output: the worker samples its one token within the mask it is sent.
+    code, msg = _code(stub, token_ids=[1, 2], token_mask=b"\xff" * 4)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg == "token_mask has 4 bytes; this model's vocabulary of 256 takes 32 (8 int32 words)"
+    for only in (77, 200):
+        mask = np.zeros(8, np.int32)
+        mask[only // 32] = np.int32(1 << (only % 32)) if only % 32 < 31 else np.int32(-2**31)
+        out = stub.Prefill(pb.PrefillRequest(token_ids=[1, 5, 9], receiver_devices=1,
+                                             token_mask=mask.tobytes()), timeout=60)
+        row = np.frombuffer(out.first_row, np.int32).reshape(1, out.first_columns)
+        assert HostResults(row).token(0) == only
+        assert stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
 
     assert call(server.drain(timeout_s=30))
     assert _code(stub, token_ids=[1, 2]) == (grpc.StatusCode.UNAVAILABLE,

@@ -6,13 +6,13 @@ the same tokens, with the same seed, in the same order. Process 0 alone serves t
 worker's gRPC service; its runner thread takes one job at a time and broadcasts a turn
 (`exchange_turn`) that every process then applies:
 
-  turn = {"job": tokens, sampling, seed, uuid, receiver devices, first token's mask
-                 | None,
+  turn = {"job": tokens, sampling, seed, uuid, receiver devices, first token's mask,
+                 prompt log-probs asked, score only | None,
           "acks": uuids the decode side acknowledged since the last turn,
           "stop": whether process 0 is stopping}
 
 Applying it: free the acknowledged prefixes, free those held past their time, prefill
-the job's tokens (in chunks), register this process's blocks of the prefix with its own
+the job's tokens (in chunks; scoring them first when asked), register this process's blocks of the prefix with its own
 transfer server under the turn's uuid (prefix_wire.py: the decode side pulls every
 process's blocks). Process 0 completes the job with the first token and the description,
 which lists every process's transfer server (gathered once at start-up).
@@ -40,7 +40,8 @@ import numpy as np
 from engines import SamplingParams
 from jetserve import distributed
 from jetserve.disagg.kv_transfer import KVSender
-from jetserve.disagg.prefill_runner import Prefilled, PrefillJob, PrefillRunner
+from jetserve.disagg.prefill_runner import Prefilled, PrefillJob, PrefillRunner, scored_only
+from jetserve.orchestrator.prefill_worker import prompt_logprobs
 
 log = logging.getLogger("jetserve.disagg")
 
@@ -147,22 +148,38 @@ class LockStepPrefillRunner(PrefillRunner):
             return
         self.busy = True
         try:
+            tokens = np.asarray(t["tokens"], np.int32)
+            scored = self._score(tokens, t["prompt_logprobs"])
+            if t["score_only"]:
+                if job is not None:
+                    job.future.set_result(scored_only(scored))
+                return
             mask = t["token_mask"]
             prefix, first = self.prefill(
-                np.asarray(t["tokens"], np.int32), SamplingParams(**t["sampling"]),
+                tokens, SamplingParams(**t["sampling"]),
                 seed=t["seed"], token_mask=None if mask is None else np.asarray([mask], np.int32))
             uuid, meta = self.sender.register(prefix, t["receiver_devices"], uuid=t["uuid"])
             self.prefills += 1
             if job is not None:
                 job.future.set_result(Prefilled(
                     first_row=np.asarray(first.to_host().data)[0], uuid=uuid, meta=meta,
-                    address=self.sender.address))
+                    address=self.sender.address, prompt_logprobs=scored))
         except Exception as e:  # the same on every process: this job only
             log.exception("prefill of request %s failed", t["request_id"])
             if job is not None:
                 job.future.set_exception(e)
         finally:
             self.busy = False
+
+    def _score(self, tokens: np.ndarray, n: int | None) -> tuple[list, list] | None:
+        """The prompt's log-probs when asked (every process runs the program; process 0
+        reads it)."""
+        if n is None:
+            return None
+        if not self.primary:
+            self.engine.prompt_logprobs(self.params, tokens)
+            return None
+        return prompt_logprobs(self.engine, self.params, tokens, n)
 
     def warm_up(self) -> int:
         """Compiles one prefill per bucket on every process (through the turns)."""
@@ -183,5 +200,6 @@ def _job_turn(job: PrefillJob | None) -> dict | None:
             "sampling": dataclasses.asdict(s),
             "seed": s.seed if s.seed is not None else secrets.randbits(31),
             "uuid": secrets.randbits(63), "receiver_devices": job.receiver_devices,
-            "token_mask": None if job.token_mask is None else job.token_mask[0].tolist()}
+            "token_mask": None if job.token_mask is None else job.token_mask[0].tolist(),
+            "prompt_logprobs": job.prompt_logprobs, "score_only": job.score_only}
 

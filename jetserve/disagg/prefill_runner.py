@@ -6,7 +6,8 @@ them in order, prefills (in chunks of max_prefill_length, each continuing the la
 longer prompt; after the longest cached prefix with a prefix cache), registers the prefix
 with the KVSender for one pull and completes the job's future with the first token's row
 and the prefix's description. A constrained request's job carries the mask of the one
-token sampled here (the decode side's grammar gives it and constrains the rest). Between
+token sampled here (the decode side's grammar gives it and constrains the rest); an echo or
+scoring request's job also scores the prompt (or only that: no prefix held). Between
 jobs it
 frees prefixes held past their time. An exception fails only its own job.
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from engines import SamplingParams
 from jetserve.disagg.kv_transfer import KVSender
+from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from jetserve.orchestrator.prefix_cache import PrefixCache
 from jetserve.request import Overloaded
 
@@ -38,6 +40,8 @@ class PrefillJob:
     sampling: SamplingParams
     receiver_devices: int
     token_mask: np.ndarray | None = None  # i32[1, W]: the first token's allowed set
+    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
+    score_only: bool = False  # only that: no prefill, no prefix held
     future: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
 
@@ -46,10 +50,11 @@ class PrefillJob:
 class Prefilled:
     """A finished job: the first token's ResultTokens row and the held prefix."""
 
-    first_row: np.ndarray  # i32[C]
+    first_row: np.ndarray  # i32[C] (empty when the job only scored)
     uuid: int
     meta: dict
     address: str
+    prompt_logprobs: tuple[list, list] | None = None  # when asked (prefill_worker.py)
 
 
 class PrefillRunner:
@@ -110,11 +115,17 @@ class PrefillRunner:
                 self.busy = False
 
     def _run(self, job: PrefillJob) -> Prefilled:
+        scored = None
+        if job.prompt_logprobs is not None:
+            scored = prompt_logprobs(self.engine, self.params, job.token_ids,
+                                     job.prompt_logprobs)
+        if job.score_only:
+            return scored_only(scored)
         prefix, first = self.prefill(job.token_ids, job.sampling, token_mask=job.token_mask)
         uuid, meta = self.sender.register(prefix, job.receiver_devices)
         self.prefills += 1
         return Prefilled(first_row=np.asarray(first.to_host().data)[0], uuid=uuid, meta=meta,
-                         address=self.sender.address)
+                         address=self.sender.address, prompt_logprobs=scored)
 
     def ack(self, uuid: int) -> bool:
         """The decode side acknowledged (or no longer wants) the prefix under `uuid`."""
@@ -157,6 +168,12 @@ class PrefillRunner:
 
     def idle(self) -> bool:
         return self.depth() == 0 and self.sender.registered() == 0
+
+
+def scored_only(scored: tuple[list, list] | None) -> Prefilled:
+    """A job that only scored its prompt: no token, no prefix held."""
+    return Prefilled(first_row=np.zeros(0, np.int32), uuid=0, meta={}, address="",
+                     prompt_logprobs=scored)
 
 
 def wait_idle(runner: PrefillRunner, timeout_s: float) -> bool:

@@ -68,12 +68,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                 "prefill worker is draining" if self.ready else
                                 "prefill worker is warming up")
         try:
+            if request.score_only and not request.prompt_logprobs:
+                raise ValueError("score_only goes with prompt_logprobs")
+            if request.prompt_logprobs and not hasattr(self.runner.engine, "prompt_logprobs"):
+                raise ValueError("prompt_logprobs: this worker's engine cannot score prompts")
             job = PrefillJob(request_id=request.request_id,
                              token_ids=np.asarray(request.token_ids, np.int32),
                              sampling=sampling_from_json(request.sampling_json),
                              receiver_devices=max(1, request.receiver_devices),
                              token_mask=token_mask_from_bytes(request.token_mask,
-                                                              self.runner.engine.vocab_size))
+                                                              self.runner.engine.vocab_size),
+                             prompt_logprobs=(max(0, request.top_logprobs)
+                                              if request.prompt_logprobs else None),
+                             score_only=request.score_only)
             future = self.runner.submit(job)
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -90,10 +97,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb.PrefillResponse(
             first_row=done.first_row.astype(np.int32).tobytes(),
             first_columns=int(done.first_row.shape[0]), transfer_address=done.address,
-            uuid=done.uuid, prefix_json=json.dumps(done.meta), queue_depth=self.runner.depth())
+            uuid=done.uuid, prefix_json=json.dumps(done.meta), queue_depth=self.runner.depth(),
+            prompt_logprobs_json=("" if done.prompt_logprobs is None
+                                  else json.dumps(done.prompt_logprobs)))
 
     def _free_unwanted(self, future) -> None:
-        if not future.cancelled() and future.exception() is None:
+        if not future.cancelled() and future.exception() is None and future.result().uuid:
             self.runner.ack(future.result().uuid)
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:

@@ -8,7 +8,9 @@ once and hands the held prefix (a `Ticket`) to the pull stage. A worker that fai
 times out is marked down and the request goes to another; only when every worker failed
 does the request end with an error. Nothing streams before a prefill succeeded, and a
 recomputed request streams its next token only: every token reaches the client once.
-Structured output: the request's grammar lives here; the worker is sent the mask of the
+Echo / scoring: the worker scores the prompt on its first prefill and sends the log-probs
+back with the token (a scoring-only request ends there). Structured output: the request's
+grammar lives here; the worker is sent the mask of the
 one token it samples, and the generate thread masks the rest as in one process.
 """
 
@@ -68,10 +70,18 @@ class RemotePrefillWorker(PrefillLoop):
         if live.preemptions == 0:
             live.timing.prefill_start = t0
         tokens = live.sequence()
-        got = self._ask(live, tokens)
+        req = live.request
+        scoring = live.preemptions == 0 and req.prompt_logprobs  # once, on the prompt
+        got = self._ask(live, tokens, scoring)
         if got is None:
             return
         worker, out = got
+        if scoring:
+            live.prompt_logprobs = _scored(out.prompt_logprobs_json)
+            if req.max_tokens == 0:  # scoring only: the worker held nothing
+                live.timing.prefill_end = time.monotonic()
+                self.readback.end(live, "length")
+                return
         row = np.frombuffer(out.first_row, np.int32).reshape(1, out.first_columns)
         ended = self.readback.first_token(live, ResultTokens(data=row), t0, len(tokens))
         self.prefills += 1
@@ -83,14 +93,17 @@ class RemotePrefillWorker(PrefillLoop):
             self.workers.ack(worker, out.uuid)
             self.readback.end(live, "cancelled")
 
-    def _ask(self, live: LiveRequest, tokens: list[int]
+    def _ask(self, live: LiveRequest, tokens: list[int], scoring: bool
              ) -> tuple[Worker, pb.PrefillRequest] | None:
-        """(worker, its answer) from the first worker that prefills `tokens`; None when
-        the request ended meanwhile (it is ended here)."""
+        """(worker, its answer) from the first worker that prefills `tokens` (and scores
+        them, with `scoring`); None when the request ended meanwhile (it is ended here)."""
+        req = live.request
         request = pb.PrefillRequest(
             request_id=live.request_id, token_ids=tokens,
-            sampling_json=json.dumps(dataclasses.asdict(live.request.sampling)),
-            receiver_devices=self.receiver_devices, token_mask=_first_mask(live))
+            sampling_json=json.dumps(dataclasses.asdict(req.sampling)),
+            receiver_devices=self.receiver_devices, token_mask=_first_mask(live),
+            prompt_logprobs=scoring, top_logprobs=req.logprobs or 0,
+            score_only=scoring and req.max_tokens == 0)
         tried: set[str] = set()
         errors = []
         while True:
@@ -126,3 +139,10 @@ def _first_mask(live: LiveRequest) -> bytes:
     carries it; empty for an unconstrained request."""
     mask = first_mask(live).get("token_mask")
     return b"" if mask is None else np.ascontiguousarray(mask, np.int32).tobytes()
+
+
+def _scored(text: str) -> tuple[list, list]:
+    """A worker's prompt_logprobs_json as prefill_worker.prompt_logprobs gives it:
+    (log-probs, alternatives as (id, log-prob) pairs)."""
+    values, alts = json.loads(text)
+    return values, [[tuple(pair) for pair in row] for row in alts]

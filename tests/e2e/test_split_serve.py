@@ -2,6 +2,7 @@
 4 fake devices with a prefix cache; replicated on 2) and one `--role decode` process
 (tp_kv_batch over 4), KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
 openai SDK give what `jetserve generate` gives; constrained samples match their structure;
+echo and scoring carry the prompt's log-probs;
 SIGKILL of a prefill worker mid-run loses
 no stream and repeats no token; afterwards the surviving worker holds no prefix and every
 decode slot is free. Bad worker addresses are start-up errors naming them.
@@ -224,6 +225,43 @@ def test_structured_output_on_the_decode_side(split):
             for i, sample in enumerate(m.stream_content.samples):
                 texts[i] += sample.text
     assert all(t in CHOICES for t in texts), texts
+
+
+def _scored_here(prompt: list[int], n: int):
+    """prompt_logprobs of `prompt` on random:tiny in this process (one device)."""
+    import jax
+    import numpy as np
+
+    from engines import EngineConfig
+    from jetserve.model_loading import build_engine
+    from jetserve.orchestrator.prefill_worker import prompt_logprobs
+
+    engine = build_engine(MODEL, devices=jax.devices()[:1], engine_config=EngineConfig(
+        max_seq_len=64, max_prefill_length=32, max_concurrent_decodes=8))
+    return prompt_logprobs(engine, engine.load_params(), np.asarray(prompt, np.int32), n)
+
+
+@pytest.mark.slow
+def test_echo_and_scoring_on_the_decode_side(split, want):
+    """A worker scores the prompt on its prefill: echo with logprobs, and scoring alone
+    (max_tokens 0), give the log-probs of one process; the generated part is generate's."""
+    procs, ports, _ = split
+    prompt = PROMPTS[3]
+    values, alts = _scored_here(prompt, 2)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    for max_tokens in (0, MAX_TOKENS):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                        echo=True, logprobs=2, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        lp = out.choices[0].logprobs
+        got = lp.token_logprobs[:len(prompt)]
+        assert got[0] is None and got[1:] == pytest.approx(values[1:], abs=1e-4)
+        assert len(lp.token_logprobs) == len(prompt) + max_tokens
+        # Each prompt token's alternatives (and the token itself): the best is the same.
+        assert [max(t.values()) for t in lp.top_logprobs[1:len(prompt)]] == pytest.approx(
+            [a[0][1] for a in alts[1:]], abs=1e-4)
+    assert out.choices[0].text.endswith(want[3]["text"])
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 2 x 2 fake CPU devices, jax.distributed with gloo on 127.0.0.1: one tp engine over all 4)
 and a `--role decode` process (tp_kv_batch over 2): each prefix's blocks are pulled from
 both processes' transfer servers. Concurrent gRPC and openai-SDK streams give what
-`jetserve generate` gives; afterwards no prefix is held on either process, and SIGTERM to
+`jetserve generate` gives, a prompt scored there has the log-probs of one process;
+afterwards no prefix is held on either process, and SIGTERM to
 process 0 stops both.
 """
 
@@ -12,10 +13,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 from tests.e2e.serve_process import wait_listening
 from tests.e2e.test_split_serve import (
+    MODEL,
     PROMPTS,
     _drain,
     _free_port,
@@ -23,6 +26,7 @@ from tests.e2e.test_split_serve import (
     _http,
     _load,
     _metric,
+    _scored_here,
     _settles,
     _start,
     generate,
@@ -84,6 +88,14 @@ def test_prefill_worker_over_two_processes_matches_generate(deployment, want):
     assert got == [w["token_ids"] for w in want[:HALF]]
     assert http == [(w["text"], "length") for w in want[HALF:]]
     assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(prompts)
+    # Scoring runs on both processes too (one program over the 4 devices).
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    scored = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=0,
+                                       echo=True, logprobs=1)
+    values, _ = _scored_here(prompts[1], 1)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(values[1:],
+                                                                          abs=1e-4)
     assert _settles(lambda: _load(worker).registered == 0)
 
     procs[2].send_signal(signal.SIGTERM)

@@ -176,11 +176,11 @@ class KVReceiver:
 
 
 def wait_ready(leaves: list[Any], timeout_s: float, what: str,
-               first_poll_s: float = 0.001, longest_poll_s: float = 0.02) -> None:
+               first_poll_s: float = 0.0005, longest_poll_s: float = 0.002) -> None:
     """Until every array in `leaves` is ready (raising the error of one that failed);
     PullTimeout naming `what` after timeout_s. Polls, from first_poll_s up to
     longest_poll_s between looks, rather than block in the runtime, which could not be
-    abandoned."""
+    abandoned: a pull is seen done at most longest_poll_s late."""
     end = time.monotonic() + timeout_s
     pause = first_poll_s
     waiting = list(leaves)

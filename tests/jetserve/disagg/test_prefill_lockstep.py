@@ -20,6 +20,7 @@ from jetserve.disagg.prefill_lockstep import LockStepPrefillRunner, exchange_tur
 from jetserve.disagg.prefill_runner import PrefillJob
 from jetserve.model_loading import build_engine
 from tests.jetserve.disagg.prefix_sender import ENGINE
+from tests.jetserve.disagg.test_kv_transfer import _greedy
 
 
 def test_each_distinct_block_is_owned_by_the_lowest_device_holding_it():
@@ -52,15 +53,6 @@ def engines():
                           engine_config=dataclasses.replace(ENGINE, kv_layout="paged",
                                                             page_size=8))
     return prefill, prefill.load_params(), decode, decode.load_params()
-
-
-def _greedy(engine, params, prefix, steps: int) -> list[int]:
-    state = engine.insert(prefix, engine.init_decode_state(), 0)
-    out = [int(prefix.token)]
-    for _ in range(steps):
-        state, res = engine.generate(params, state)
-        out.append(res.to_host().token(0))
-    return out
 
 
 def test_lock_step_runner_offers_blocks_that_generate_as_a_local_prefill(engines):

@@ -3,9 +3,9 @@ pulled by the decode side.
 
 `KVSender` (prefill side) registers each prefix with its transfer server under a random
 uuid (`await_pull`; over several processes, every process registers its own blocks of the
-prefix under one uuid that process 0 drew, see prefix_wire.py) and keeps a reference until the decode side acknowledges the pull
-(`ack`) or `hold_s` passes (`expire`): either way the prefix is freed, so a decode worker
-that never comes back leaks nothing.
+prefix under one uuid that process 0 drew, see prefix_wire.py) and keeps a reference
+until the decode side acknowledges the pull (`ack`) or `hold_s` passes (`expire`): either
+way the prefix is freed, so a decode worker that never comes back leaks nothing.
 
 `KVReceiver` (decode side) checks a prefix's description against its own engine first
 (prefix_wire.check), pulls it with the sender's layout onto its own devices, regroups its

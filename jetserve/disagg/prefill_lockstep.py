@@ -12,16 +12,18 @@ worker's gRPC service; its runner thread takes one job at a time and broadcasts 
           "stop": whether process 0 is stopping}
 
 Applying it: free the acknowledged prefixes, free those held past their time, prefill
-the job's tokens (in chunks; scoring them first when asked), register this process's blocks of the prefix with its own
-transfer server under the turn's uuid (prefix_wire.py: the decode side pulls every
-process's blocks). Process 0 completes the job with the first token and the description,
-which lists every process's transfer server (gathered once at start-up).
+the job's tokens (in chunks; scoring them first when asked), register this process's
+blocks of the prefix with its own transfer server under the turn's uuid (prefix_wire.py:
+the decode side pulls every process's blocks). Process 0 completes the job with the first
+token and the description, which lists every process's transfer server (gathered once
+at start-up).
 
 When no job waits, process 0 sends an empty turn every `idle_wait_s`, so acknowledgements
 reach the others and a stop is seen; the others block in the broadcast meanwhile. A
 failure of the engine is the same on every process (same program, same inputs): the job
 fails, the loop goes on. A failed broadcast (a process went away) ends the loop: process
-0 fails the job at hand and takes no more (the decode side retries elsewhere).
+0 fails the job at hand and every queued one, and refuses new ones (the decode side marks
+the worker down and retries elsewhere).
 """
 
 from __future__ import annotations
@@ -95,7 +97,13 @@ class LockStepPrefillRunner(PrefillRunner):
         self.idle_wait_s = idle_wait_s
         self._acks: list[int] = []
         self._acks_lock = threading.Lock()
+        self._broken: str | None = None  # why the lock step ended, once it did
         sender.sources = gather_addresses(sender.address)
+
+    def submit(self, job: PrefillJob):
+        if self._broken is not None:
+            raise RuntimeError(f"this prefill worker stopped: {self._broken}")
+        return super().submit(job)
 
     def ack(self, uuid: int) -> bool:
         freed = self.sender.ack(uuid)
@@ -119,9 +127,19 @@ class LockStepPrefillRunner(PrefillRunner):
                     return
         except Exception as e:  # a broadcast failed: the processes are out of step
             log.exception("prefill lock step failed; this worker takes no more prompts")
+            self._broken = f"lock step with the other processes failed: {e}"
             self.stopping.set()
+            self._fail_all(job, e)
+
+    def _fail_all(self, job: PrefillJob | None, e: Exception) -> None:
+        """Fails the job at hand and every queued one (their callers go elsewhere)."""
+        while True:
             if job is not None and not job.future.done():
                 job.future.set_exception(e)
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
 
     def follow(self) -> None:
         """Another process's turns, until process 0 stops (its main thread)."""
@@ -156,8 +174,8 @@ class LockStepPrefillRunner(PrefillRunner):
                 return
             mask = t["token_mask"]
             prefix, first = self.prefill(
-                tokens, SamplingParams(**t["sampling"]),
-                seed=t["seed"], token_mask=None if mask is None else np.asarray([mask], np.int32))
+                tokens, SamplingParams(**t["sampling"]), seed=t["seed"],
+                token_mask=None if mask is None else np.asarray([mask], np.int32))
             uuid, meta = self.sender.register(prefix, t["receiver_devices"], uuid=t["uuid"])
             self.prefills += 1
             if job is not None:

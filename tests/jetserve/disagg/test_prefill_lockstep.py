@@ -86,3 +86,25 @@ def test_lock_step_runner_offers_blocks_that_generate_as_a_local_prefill(engines
             assert runner.ack(done.uuid) is True and sender.registered() == 0
     finally:
         runner.stop()
+
+
+def test_a_failed_broadcast_fails_the_queued_jobs_and_refuses_new_ones(engines):
+    prefill, params, _, _ = engines
+
+    def broken(a):
+        raise RuntimeError("gloo: connection closed by peer")
+
+    runner = LockStepPrefillRunner(prefill, params, KVSender(prefill, hold_s=30),
+                                   max_queued=4, primary=True, broadcast=broken)
+    jobs = [PrefillJob(request_id=f"r{i}", token_ids=np.asarray([5, 6], np.int32),
+                       sampling=SamplingParams(), receiver_devices=2) for i in range(2)]
+    futures = [runner.submit(j) for j in jobs]
+    runner.start()
+    try:
+        for f in futures:
+            with pytest.raises(RuntimeError, match="connection closed by peer"):
+                f.result(timeout=60)
+        with pytest.raises(RuntimeError, match="this prefill worker stopped: lock step"):
+            runner.submit(jobs[0])
+    finally:
+        runner.stop()

@@ -1,7 +1,8 @@
 """Prefixes offered block by block (a prefill engine over several processes), in one
 process: each distinct block is offered once, by the lowest-id device holding it; the
 decode side pulls the blocks, puts the leaves together and generates what a local
-prefill generates; the lock-step runner's turns carry jobs and acknowledgements.
+prefill generates; the lock-step runner's turns carry jobs (with their first token's mask
+and scoring) and acknowledgements, and a failed broadcast fails what is queued.
 (The two-process deployment itself: tests/e2e/test_split_serve_processes.py.)"""
 
 import dataclasses
@@ -19,6 +20,7 @@ from jetserve.disagg.kv_transfer import KVReceiver, KVSender
 from jetserve.disagg.prefill_lockstep import LockStepPrefillRunner, exchange_turn
 from jetserve.disagg.prefill_runner import PrefillJob
 from jetserve.model_loading import build_engine
+from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from tests.jetserve.disagg.prefix_sender import ENGINE
 from tests.jetserve.disagg.test_kv_transfer import _greedy
 
@@ -106,5 +108,31 @@ def test_a_failed_broadcast_fails_the_queued_jobs_and_refuses_new_ones(engines):
                 f.result(timeout=60)
         with pytest.raises(RuntimeError, match="this prefill worker stopped: lock step"):
             runner.submit(jobs[0])
+    finally:
+        runner.stop()
+
+
+def test_turns_carry_the_first_tokens_mask_and_scoring(engines):
+    prefill, params, _, _ = engines
+    sender = KVSender(prefill, hold_s=30)
+    runner = LockStepPrefillRunner(prefill, params, sender, max_queued=4, primary=True,
+                                   broadcast=lambda a: a, idle_wait_s=0.01)
+    mask = np.zeros((1, 8), np.int32)
+    mask[0, 77 // 32] = 1 << (77 % 32)  # token 77 only
+    ids = np.asarray([5, 17, 42, 9], np.int32)
+    runner.start()
+    try:
+        done = runner.submit(PrefillJob(request_id="m", token_ids=ids, sampling=SamplingParams(),
+                                        receiver_devices=2, token_mask=mask,
+                                        prompt_logprobs=2)).result(timeout=300)
+        assert HostResults(done.first_row[None]).token(0) == 77
+        want = prompt_logprobs(prefill, params, ids, 2)
+        assert done.prompt_logprobs[1] == want[1]
+        np.testing.assert_allclose(done.prompt_logprobs[0][1:], want[0][1:], rtol=1e-6)
+        assert runner.ack(done.uuid) is True
+        only = runner.submit(PrefillJob(request_id="s", token_ids=ids, sampling=SamplingParams(),
+                                        receiver_devices=2, prompt_logprobs=0,
+                                        score_only=True)).result(timeout=300)
+        assert only.uuid == 0 and only.first_row.size == 0 and sender.registered() == 0
     finally:
         runner.stop()

@@ -44,6 +44,14 @@ class ByteTokenizer:
     def id_to_bytes(self, i: int) -> bytes:
         return bytes([i]) if 0 <= i < 256 else b""
 
+    def token_bytes(self, i: int) -> bytes | None:
+        """The byte token `i` stands for; None for an EOS id, which stands for no text
+        (what a grammar reads, jetserve/structured/vocabulary.py)."""
+        return None if int(i) in self.eos_ids else self.id_to_bytes(int(i))
+
+    def id_to_piece(self, i: int) -> str:
+        return f"<0x{int(i):02X}>"
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

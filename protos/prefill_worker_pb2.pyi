@@ -7,32 +7,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling_json", "receiver_devices")
+    __slots__ = ("request_id", "token_ids", "sampling_json", "receiver_devices", "token_mask", "prompt_logprobs", "top_logprobs", "score_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_JSON_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_json: str
     receiver_devices: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_json: _Optional[str] = ..., receiver_devices: _Optional[int] = ...) -> None: ...
+    token_mask: bytes
+    prompt_logprobs: bool
+    top_logprobs: int
+    score_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_json: _Optional[str] = ..., receiver_devices: _Optional[int] = ..., token_mask: _Optional[bytes] = ..., prompt_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., score_only: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_row", "first_columns", "transfer_address", "uuid", "prefix_json", "queue_depth")
+    __slots__ = ("first_row", "first_columns", "transfer_address", "uuid", "prefix_json", "queue_depth", "prompt_logprobs_json")
     FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
     FIRST_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_JSON_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_JSON_FIELD_NUMBER: _ClassVar[int]
     first_row: bytes
     first_columns: int
     transfer_address: str
     uuid: int
     prefix_json: str
     queue_depth: int
-    def __init__(self, first_row: _Optional[bytes] = ..., first_columns: _Optional[int] = ..., transfer_address: _Optional[str] = ..., uuid: _Optional[int] = ..., prefix_json: _Optional[str] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    prompt_logprobs_json: str
+    def __init__(self, first_row: _Optional[bytes] = ..., first_columns: _Optional[int] = ..., transfer_address: _Optional[str] = ..., uuid: _Optional[int] = ..., prefix_json: _Optional[str] = ..., queue_depth: _Optional[int] = ..., prompt_logprobs_json: _Optional[str] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("uuid",)

@@ -299,8 +299,9 @@ def run(args: argparse.Namespace) -> int:
     config = server_config(args)
     # Before anything touches a device: join the other processes, pick the devices.
     devices = distributed.setup(args)
-    if args.role == "prefill":  # the internal service only, on --grpc-port
-        check_free(config.host, {"--grpc-port": config.grpc_port})
+    if args.role == "prefill":  # the internal service only, on --grpc-port (process 0)
+        if distributed.is_primary():
+            check_free(config.host, {"--grpc-port": config.grpc_port})
         return roles.run_prefill(args, devices)
     if distributed.is_primary():  # it alone serves; a taken port ends it before the load
         check_free(config.host, {"--grpc-port": config.grpc_port,

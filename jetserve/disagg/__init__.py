@@ -6,6 +6,7 @@ APIs, asks the least loaded worker to prefill, streams the first token, pulls th
   prefix_wire.py         what a prefix looks like on the wire; the checks before a pull
   kv_transfer.py         KVSender (hold until ack or timeout) and KVReceiver (pull)
   prefill_runner.py      a prefill worker's thread: prefill, register, complete the job
+  prefill_lockstep.py    the same over several processes (one engine, jobs in lock step)
   prefill_service.py     its gRPC service (protos/prefill_worker.proto): Prefill, Ack, Load
   prefill_client.py      the decode side's stubs: start-up checks, least loaded, down marks
   remote_prefill.py      the decode side's prefill threads: ask a worker, stream, retry

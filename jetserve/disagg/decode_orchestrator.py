@@ -31,7 +31,6 @@ from jetserve.orchestrator.driver import Orchestrator
 from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.wiring import check_engines
-from jetserve.request import Request
 
 
 class DecodeOrchestrator(Orchestrator):
@@ -89,15 +88,6 @@ class DecodeOrchestrator(Orchestrator):
         finally:
             self.workers.close()
 
-    def _validate(self, r: Request) -> None:
-        if r.prompt_logprobs:
-            raise ValueError("prompt_logprobs (echo with logprobs): a --role decode server "
-                             "does not score prompts; serve with --role both")
-        if r.constraint is not None:
-            raise ValueError("structured output: a --role decode server does not constrain "
-                             "output yet; serve with --role both")
-        super()._validate(r)
-
     def stats(self) -> dict:
         out = super().stats()
         pull = self._transfer[0]
@@ -115,13 +105,18 @@ class DecodeOrchestrator(Orchestrator):
 
 class _RemotePrefill:
     """Stands for the prefill workers where the driver and the warm-up ask about prefill
-    (limits, buckets): the generate engine's answers (the workers were checked to match
-    it at start-up), except that prompts are not scored."""
+    (limits, buckets, whether prompts are scored, whether token masks apply): the
+    generate engine's answers (the workers were checked to serve the same model at
+    start-up). Nothing calls its engine methods: the workers run them."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
 
+    @property
+    def engine(self) -> Engine:
+        """The engine a page planner wraps, or the engine itself: what step_masks asks
+        whether token masks apply (the workers were checked to serve the same model)."""
+        return getattr(self._engine, "engine", self._engine)
+
     def __getattr__(self, name: str) -> Any:
-        if name == "prompt_logprobs":
-            raise AttributeError(name)
         return getattr(self._engine, name)

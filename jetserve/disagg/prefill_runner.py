@@ -5,7 +5,10 @@ RESOURCE_EXHAUSTED so the decode side asks another worker); one thread per engin
 them in order, prefills (in chunks of max_prefill_length, each continuing the last, for a
 longer prompt; after the longest cached prefix with a prefix cache), registers the prefix
 with the KVSender for one pull and completes the job's future with the first token's row
-and the prefix's description. Between jobs it
+and the prefix's description. A constrained request's job carries the mask of the one
+token sampled here (the decode side's grammar gives it and constrains the rest); an echo or
+scoring request's job also scores the prompt (or only that: no prefix held). Between
+jobs it
 frees prefixes held past their time. An exception fails only its own job.
 """
 
@@ -23,6 +26,7 @@ import numpy as np
 
 from engines import SamplingParams
 from jetserve.disagg.kv_transfer import KVSender
+from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from jetserve.orchestrator.prefix_cache import PrefixCache
 from jetserve.request import Overloaded
 
@@ -35,6 +39,9 @@ class PrefillJob:
     token_ids: np.ndarray  # i32[T]
     sampling: SamplingParams
     receiver_devices: int
+    token_mask: np.ndarray | None = None  # i32[1, W]: the first token's allowed set
+    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
+    score_only: bool = False  # only that: no prefill, no prefix held
     future: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
 
@@ -43,10 +50,11 @@ class PrefillJob:
 class Prefilled:
     """A finished job: the first token's ResultTokens row and the held prefix."""
 
-    first_row: np.ndarray  # i32[C]
+    first_row: np.ndarray  # i32[C] (empty when the job only scored)
     uuid: int
     meta: dict
     address: str
+    prompt_logprobs: tuple[list, list] | None = None  # when asked (prefill_worker.py)
 
 
 class PrefillRunner:
@@ -107,15 +115,29 @@ class PrefillRunner:
                 self.busy = False
 
     def _run(self, job: PrefillJob) -> Prefilled:
-        prefix, first = self.prefill(job.token_ids, job.sampling)
+        scored = None
+        if job.prompt_logprobs is not None:
+            scored = prompt_logprobs(self.engine, self.params, job.token_ids,
+                                     job.prompt_logprobs)
+        if job.score_only:
+            return scored_only(scored)
+        prefix, first = self.prefill(job.token_ids, job.sampling, token_mask=job.token_mask)
         uuid, meta = self.sender.register(prefix, job.receiver_devices)
         self.prefills += 1
         return Prefilled(first_row=np.asarray(first.to_host().data)[0], uuid=uuid, meta=meta,
-                         address=self.sender.address)
+                         address=self.sender.address, prompt_logprobs=scored)
 
-    def prefill(self, tokens: np.ndarray, sampling: SamplingParams) -> tuple[Any, Any]:
+    def ack(self, uuid: int) -> bool:
+        """The decode side acknowledged (or no longer wants) the prefix under `uuid`."""
+        return self.sender.ack(uuid)
+
+    def prefill(self, tokens: np.ndarray, sampling: SamplingParams, seed: int | None = None,
+                token_mask: np.ndarray | None = None) -> tuple[Any, Any]:
         """(prefix, first token) of `tokens`, in chunks of max_prefill_length, after the
-        longest cached prefix when there is a prefix cache (whose new blocks it caches)."""
+        longest cached prefix when there is a prefix cache (whose new blocks it caches);
+        `seed` and `token_mask` (structured output) as engine.prefill's."""
+        # Only a constrained prefill names the mask: an engine without masks takes none.
+        masked = {} if token_mask is None else {"token_mask": token_mask}
         hit = None if self.cache is None else self.cache.lookup(self.cache_key, tokens)
         try:
             done = 0 if hit is None else hit.tokens
@@ -124,7 +146,8 @@ class PrefillRunner:
             for start in range(done, len(tokens), chunk):
                 piece = tokens[start:start + chunk]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
-                                                    sampling=sampling, existing_prefix=prefix)
+                                                    sampling=sampling, existing_prefix=prefix,
+                                                    seed=seed, **masked)
             if hit is not None:
                 self.cache.insert(hit, prefix)
             return prefix, first
@@ -145,6 +168,12 @@ class PrefillRunner:
 
     def idle(self) -> bool:
         return self.depth() == 0 and self.sender.registered() == 0
+
+
+def scored_only(scored: tuple[list, list] | None) -> Prefilled:
+    """A job that only scored its prompt: no token, no prefix held."""
+    return Prefilled(first_row=np.zeros(0, np.int32), uuid=0, meta={}, address="",
+                     prompt_logprobs=scored)
 
 
 def wait_idle(runner: PrefillRunner, timeout_s: float) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engines import SamplingParams
+from engines.token_mask import mask_words
 from jetserve.disagg import prefix_wire
 from jetserve.disagg.prefill_runner import PrefillJob, PrefillRunner, wait_idle
 from jetserve.request import Overloaded
@@ -33,6 +34,18 @@ log = logging.getLogger("jetserve.disagg")
 
 ROLE = "prefill"
 SERVICE = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+
+
+def token_mask_from_bytes(data: bytes, vocab_size: int) -> np.ndarray | None:
+    """The request's token_mask as i32[1, W] (None when empty); ValueError naming the
+    field when its size does not fit this model's vocabulary."""
+    if not data:
+        return None
+    words = mask_words(vocab_size)
+    if len(data) != 4 * words:
+        raise ValueError(f"token_mask has {len(data)} bytes; this model's vocabulary of "
+                         f"{vocab_size} takes {4 * words} ({words} int32 words)")
+    return np.frombuffer(data, np.int32).reshape(1, words)
 
 
 def sampling_from_json(text: str) -> SamplingParams:
@@ -55,10 +68,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                 "prefill worker is draining" if self.ready else
                                 "prefill worker is warming up")
         try:
+            if request.score_only and not request.prompt_logprobs:
+                raise ValueError("score_only goes with prompt_logprobs")
+            if request.prompt_logprobs and not hasattr(self.runner.engine, "prompt_logprobs"):
+                raise ValueError("prompt_logprobs: this worker's engine cannot score prompts")
             job = PrefillJob(request_id=request.request_id,
                              token_ids=np.asarray(request.token_ids, np.int32),
                              sampling=sampling_from_json(request.sampling_json),
-                             receiver_devices=max(1, request.receiver_devices))
+                             receiver_devices=max(1, request.receiver_devices),
+                             token_mask=token_mask_from_bytes(request.token_mask,
+                                                              self.runner.engine.vocab_size),
+                             prompt_logprobs=(max(0, request.top_logprobs)
+                                              if request.prompt_logprobs else None),
+                             score_only=request.score_only)
             future = self.runner.submit(job)
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -75,14 +97,16 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb.PrefillResponse(
             first_row=done.first_row.astype(np.int32).tobytes(),
             first_columns=int(done.first_row.shape[0]), transfer_address=done.address,
-            uuid=done.uuid, prefix_json=json.dumps(done.meta), queue_depth=self.runner.depth())
+            uuid=done.uuid, prefix_json=json.dumps(done.meta), queue_depth=self.runner.depth(),
+            prompt_logprobs_json=("" if done.prompt_logprobs is None
+                                  else json.dumps(done.prompt_logprobs)))
 
     def _free_unwanted(self, future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self.runner.sender.ack(future.result().uuid)
+        if not future.cancelled() and future.exception() is None and future.result().uuid:
+            self.runner.ack(future.result().uuid)
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
-        return pb.AckResponse(freed=self.runner.sender.ack(request.uuid))
+        return pb.AckResponse(freed=self.runner.ack(request.uuid))
 
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:
         e = self.runner.engine

@@ -8,6 +8,13 @@ as many devices as the receiver has (`wire_layout`: a prefix over more is gather
 one device first), and the receiver rebuilds those shardings on its devices
 (`pull_specs`) before it regroups and moves the prefix into its own layout.
 
+A prefix made by an engine over several processes (`--role prefill --coordinator`) is
+not gathered anywhere: each process offers its own blocks of each leaf from its own
+transfer server (`local_pieces`), one block per distinct index (`owned_pieces`: the
+lowest-id device holding it), and the description lists every block's leaf, index and
+source process (`describe_pieces`); the receiver pulls each source's blocks and puts the
+leaves back together on one device (`assemble`).
+
 Before any byte moves the receiver compares the sender's signature (model dimensions,
 dtype, pytree structure) with its own engine's (`check`): a prefix of another model or
 dtype is refused with a `PrefixMismatch` naming the field, never written into a cache.
@@ -19,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -130,3 +138,59 @@ def pull_specs(meta: dict, devices: Sequence[jax.Device]) -> list[jax.ShapeDtype
                                         sharding=sharding))
     return out
 
+
+
+def owned_pieces(x: jax.Array) -> list[tuple[jax.Device, list[list[int]]]]:
+    """(device, [[start, stop] per dim]) for each distinct block of `x`, held by the
+    lowest-id device that has it: every process computes the same list, in that order."""
+    owners: dict[tuple, jax.Device] = {}
+    placed = sorted(x.sharding.devices_indices_map(x.shape).items(), key=lambda kv: kv[0].id)
+    for d, index in placed:
+        key = tuple(sl.indices(n)[:2] for sl, n in zip(index, x.shape, strict=True))
+        owners.setdefault(key, d)
+    return [(d, [list(b) for b in key]) for key, d in owners.items()]
+
+
+def describe_pieces(prefix: Any, engine: Any, sources: Sequence[str]) -> dict:
+    """The description of a prefix offered block by block from each process's transfer
+    server (`sources[process_index]`), see module doc."""
+    leaves, pieces = [], []
+    for i, x in enumerate(jax.tree.leaves(prefix)):
+        leaves.append({"shape": list(x.shape), "dtype": np.dtype(x.dtype).name})
+        pieces += [{"leaf": i, "source": d.process_index, "index": index}
+                   for d, index in owned_pieces(x)]
+    return {"leaves": leaves, "pieces": pieces, "sources": list(sources),
+            "signature": signature(engine)}
+
+
+def local_pieces(prefix: Any) -> list[jax.Array]:
+    """This process's blocks of `prefix`, in `describe_pieces` order (single-device
+    arrays, for its transfer server)."""
+    me = jax.process_index()
+    out = []
+    for x in jax.tree.leaves(prefix):
+        mine = {s.device: s.data for s in x.addressable_shards}
+        out += [mine[d] for d, _ in owned_pieces(x) if d.process_index == me]
+    return out
+
+
+def piece_specs(meta: dict, source: int, device: jax.Device) -> list[jax.ShapeDtypeStruct]:
+    """What to pull from process `source`: its blocks, each onto `device`."""
+    one = SingleDeviceSharding(device)
+    return [jax.ShapeDtypeStruct(tuple(b - a for a, b in p["index"]),
+                                 np.dtype(meta["leaves"][p["leaf"]]["dtype"]), sharding=one)
+            for p in meta["pieces"] if p["source"] == source]
+
+
+def assemble(meta: dict, pulled: dict[int, list[jax.Array]], device: jax.Device
+             ) -> list[jax.Array]:
+    """The described leaves on `device`, put together from each source's pulled blocks
+    (`pulled[source]`, in `piece_specs` order)."""
+    taken = {source: iter(blocks) for source, blocks in pulled.items()}
+    out = [jnp.zeros(tuple(r["shape"]), np.dtype(r["dtype"]), device=device)
+           for r in meta["leaves"]]
+    for p in meta["pieces"]:
+        block = next(taken[p["source"]])
+        where = tuple(slice(a, b) for a, b in p["index"])
+        out[p["leaf"]] = out[p["leaf"]].at[where].set(block)
+    return out

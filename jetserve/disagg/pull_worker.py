@@ -8,19 +8,18 @@ acknowledged (the worker frees it) and put in the generate backlog. A pull that 
 because the worker went away sends the request back to be prefilled again on another
 worker (as a preempted request is: its tokens so far are kept, the next one streams as
 if decoded), at most `max_retries` times; so does a pull that takes longer than the
-receiver's timeout (a worker that hangs); a prefix that does not fit this engine
+receiver's timeout (a worker that hangs: the receiver gives up on it and the pull
+thread ends, see kv_transfer.py); a prefix that does not fit this engine
 (PrefixMismatch) ends its request with that error. Figures for metrics: `TransferStats`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from jetserve.disagg import prefix_wire
 from jetserve.disagg.kv_transfer import KVReceiver
@@ -137,7 +136,8 @@ class PullWorker(TransferWorker):
             return
         t0 = time.monotonic()
         try:
-            prefix = self._pull_within(ticket, self.receiver.timeout_s)
+            prefix = self.receiver.pull(ticket.address, ticket.uuid, ticket.meta,
+                                        f"prefill worker {ticket.worker.address}")
         except prefix_wire.PrefixMismatch as e:
             self.stats.failed(retried=False)
             self._end(live, ticket, "error", e)
@@ -150,26 +150,6 @@ class PullWorker(TransferWorker):
         self.workers.ack(ticket.worker, ticket.uuid)
         if not self.target.backlog.put((live, prefix), self.stopping, self.poll_s):
             self._end(live, None, "cancelled")
-
-    def _pull_within(self, ticket: Ticket, timeout_s: float) -> Any:
-        """The pulled prefix; TimeoutError after timeout_s. The transfer's own deadline
-        does not end a pull whose peer hangs (stopped, not gone), so the pull runs on a
-        thread of its own, left behind if it never returns."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-
-        def body() -> None:
-            try:
-                done.set_result(self.receiver.pull(ticket.address, ticket.uuid, ticket.meta,
-                                                   f"prefill worker {ticket.worker.address}"))
-            except BaseException as e:  # noqa: BLE001 -- raised again in the waiting thread
-                done.set_exception(e)
-
-        threading.Thread(target=body, daemon=True, name="jetserve-pull-io").start()
-        try:
-            return done.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"no prefix from {ticket.worker.address} after "
-                               f"{timeout_s:g} s") from None
 
     def _retry(self, live: LiveRequest, ticket: Ticket, e: Exception) -> None:
         self.workers.mark_down(ticket.worker)

@@ -8,6 +8,10 @@ once and hands the held prefix (a `Ticket`) to the pull stage. A worker that fai
 times out is marked down and the request goes to another; only when every worker failed
 does the request end with an error. Nothing streams before a prefill succeeded, and a
 recomputed request streams its next token only: every token reaches the client once.
+Echo / scoring: the worker scores the prompt on its first prefill and sends the log-probs
+back with the token (a scoring-only request ends there). Structured output: the request's
+grammar lives here; the worker is sent the mask of the
+one token it samples, and the generate thread masks the rest as in one process.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from engines.engine_api import ResultTokens
 from jetserve.disagg.prefill_client import PrefillWorkers, Worker
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
-from jetserve.orchestrator.prefill_worker import PrefillWorker
+from jetserve.orchestrator.prefill_loop import PrefillLoop
 from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_masks import first_mask
 from protos import prefill_worker_pb2 as pb
 
 log = logging.getLogger("jetserve.disagg")
@@ -44,21 +49,18 @@ class Ticket:
     meta: dict
 
 
-class RemotePrefillWorker(PrefillWorker):
-    """A prefill thread whose prefill runs on a worker: PrefillWorker's loop (recompute
+class RemotePrefillWorker(PrefillLoop):
+    """A prefill thread whose prefill runs on a worker: the prefill loop (recompute
     before new admissions, one request at a time, an exception ends only its request)
     around a remote `_serve`."""
 
     def __init__(self, index: int, workers: PrefillWorkers, admission: FairQueue,
                  resume: queue.Queue, readback: ReadBack, stopping: threading.Event,
                  poll_s: float, *, receiver_devices: int):
-        self.index = index
-        self.workers, self.admission, self.resume = workers, admission, resume
-        self.readback, self.stopping, self.poll_s = readback, stopping, poll_s
+        super().__init__(index, admission, resume, readback, stopping, poll_s)
+        self.workers = workers
         self.receiver_devices = receiver_devices
         self.route: Any = None  # offer(live, ticket) -> bool, set by the orchestrator
-        self.busy = False
-        self.prefills = 0
         self.retries = 0
 
     def _serve(self, live: LiveRequest) -> None:
@@ -68,10 +70,18 @@ class RemotePrefillWorker(PrefillWorker):
         if live.preemptions == 0:
             live.timing.prefill_start = t0
         tokens = live.sequence()
-        got = self._ask(live, tokens)
+        req = live.request
+        scoring = live.preemptions == 0 and req.prompt_logprobs  # once, on the prompt
+        got = self._ask(live, tokens, scoring)
         if got is None:
             return
         worker, out = got
+        if scoring:
+            live.prompt_logprobs = _scored(out.prompt_logprobs_json)
+            if req.max_tokens == 0:  # scoring only: the worker held nothing
+                live.timing.prefill_end = time.monotonic()
+                self.readback.end(live, "length")
+                return
         row = np.frombuffer(out.first_row, np.int32).reshape(1, out.first_columns)
         ended = self.readback.first_token(live, ResultTokens(data=row), t0, len(tokens))
         self.prefills += 1
@@ -83,14 +93,17 @@ class RemotePrefillWorker(PrefillWorker):
             self.workers.ack(worker, out.uuid)
             self.readback.end(live, "cancelled")
 
-    def _ask(self, live: LiveRequest, tokens: list[int]
+    def _ask(self, live: LiveRequest, tokens: list[int], scoring: bool
              ) -> tuple[Worker, pb.PrefillRequest] | None:
-        """(worker, its answer) from the first worker that prefills `tokens`; None when
-        the request ended meanwhile (it is ended here)."""
+        """(worker, its answer) from the first worker that prefills `tokens` (and scores
+        them, with `scoring`); None when the request ended meanwhile (it is ended here)."""
+        req = live.request
         request = pb.PrefillRequest(
             request_id=live.request_id, token_ids=tokens,
-            sampling_json=json.dumps(dataclasses.asdict(live.request.sampling)),
-            receiver_devices=self.receiver_devices)
+            sampling_json=json.dumps(dataclasses.asdict(req.sampling)),
+            receiver_devices=self.receiver_devices, token_mask=_first_mask(live),
+            prompt_logprobs=scoring, top_logprobs=req.logprobs or 0,
+            score_only=scoring and req.max_tokens == 0)
         tried: set[str] = set()
         errors = []
         while True:
@@ -118,3 +131,18 @@ class RemotePrefillWorker(PrefillWorker):
                 if not live.done:
                     self.readback.end(live, why)
                 return None
+
+
+def _first_mask(live: LiveRequest) -> bytes:
+    """The allowed set of the token the worker samples next, from this request's grammar
+    (over the tokens taken so far: a recomputed request's next token), as PrefillRequest
+    carries it; empty for an unconstrained request."""
+    mask = first_mask(live).get("token_mask")
+    return b"" if mask is None else np.ascontiguousarray(mask, np.int32).tobytes()
+
+
+def _scored(text: str) -> tuple[list, list]:
+    """A worker's prompt_logprobs_json as prefill_worker.prompt_logprobs gives it:
+    (log-probs, alternatives as (id, log-prob) pairs)."""
+    values, alts = json.loads(text)
+    return values, [[tuple(pair) for pair in row] for row in alts]

@@ -9,6 +9,12 @@ deployment.
 --role both (default): prefill and generate in this process, as before.
 SIGTERM drains either role: a prefill worker refuses new prompts (the decode side sends
 them elsewhere) and exits once its held prefixes were pulled or expired.
+
+--role prefill may span several processes (--coordinator HOST:PORT --num-processes N
+--process-id I, the same other arguments on each): one prefill engine over the devices of
+all of them, run in lock step (prefill_lockstep.py); process 0 serves the worker on
+--grpc-port, and the decode side pulls each prefix's blocks from every process. SIGTERM
+process 0: the others stop with it. --role decode is one process for now.
 """
 
 from __future__ import annotations
@@ -56,16 +62,18 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefill-workers goes with --role decode, not --role {role}")
     if role == "both":
         return
+    from jetserve.commands.common import prefix_cache_budgets, refuse_prefix_cache_over_processes
+
     if args.coordinator is not None:
-        raise ValueError(f"--role {role}: one process per role for now; leave out "
-                         "--coordinator")
+        if role == "decode":
+            raise ValueError("--role decode: one process for now; leave out --coordinator "
+                             "(a --role prefill worker may span several processes)")
+        refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     if (args.prefill_devices is not None or args.generate_devices is not None
             or args.interleaved):
         raise ValueError(f"--role {role}: one engine spans this process's devices (--devices "
                          "N takes the first N); leave out --prefill-devices, "
                          "--generate-devices and --interleaved")
-    from jetserve.commands.common import prefix_cache_budgets
-
     if role == "decode" and any(prefix_cache_budgets(args).values()):
         raise ValueError("--role decode: the prefix cache is the prefill workers' "
                          "(--prefix-cache-hbm-mb / --prefix-cache-host-mb on --role prefill)")
@@ -106,15 +114,30 @@ def build_decode(args: argparse.Namespace, devices, config):
 
 
 def run_prefill(args: argparse.Namespace, devices) -> int:
-    """Serves a prefill worker until SIGTERM, then drains."""
+    """Serves a prefill worker until SIGTERM, then drains (process 0 of several: the
+    others follow its turns until it stops)."""
+    import jax
+
     from jetserve.disagg.kv_transfer import KVSender
+    from jetserve.disagg.prefill_lockstep import LockStepPrefillRunner
     from jetserve.disagg.prefill_runner import PrefillRunner
 
     engine = _engine(args, devices, args.prefill_sharding)
     sender = KVSender(engine, host=args.transfer_host, hold_s=args.prefix_hold_timeout)
-    runner = PrefillRunner(engine, engine.load_params(), sender,
-                           max_queued=args.max_queued_requests,
-                           **_prefix_cache(args, engine))
+    if jax.process_count() > 1:
+        runner = LockStepPrefillRunner(engine, engine.load_params(), sender,
+                                       max_queued=args.max_queued_requests)
+        if jax.process_index() != 0:
+            print(f"jetserve serve: process {jax.process_index()} follows process 0's "
+                  "prefills", file=sys.stderr, flush=True)
+            runner.follow()
+            print(f"jetserve serve: stopped ({sender.registered()} prefixes still held)",
+                  file=sys.stderr, flush=True)
+            return 0
+    else:
+        runner = PrefillRunner(engine, engine.load_params(), sender,
+                               max_queued=args.max_queued_requests,
+                               **_prefix_cache(args, engine))
     runner.start()
     try:
         asyncio.run(_serve_prefill(args, runner))

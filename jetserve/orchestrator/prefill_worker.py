@@ -25,7 +25,6 @@ its pages into the slot and adopts the prompt's pages (page store).
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -37,12 +36,11 @@ import numpy as np
 from engines.engine_api import Engine
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
+from jetserve.orchestrator.prefill_loop import PrefillLoop
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.step_masks import first_mask
 from jetserve.orchestrator.timing import Listeners
-
-log = logging.getLogger(__name__)
 
 # route(live, prefix) hands a prefilled request on; False when the orchestrator stopped.
 # A lookup waits at most this many poll intervals for an earlier request's pages to be
@@ -51,65 +49,23 @@ ADOPT_WAIT_POLLS = 5
 Route = Callable[[LiveRequest, Any], bool]
 
 
-class PrefillWorker:
+class PrefillWorker(PrefillLoop):
+    """A prefill thread over a local engine (see the module docstring)."""
+
     def __init__(self, index: int, engine: Engine, params: Any, admission: FairQueue,
                  outbox: queue.Queue, listeners: Listeners, stopping: threading.Event,
                  poll_s: float, *, resume: queue.Queue | None = None,
                  chunk: int | None = None, cache: PrefixCache | None = None,
                  cache_key: str = ""):
-        self.index = index
-        self.resume: queue.Queue[LiveRequest] = resume if resume is not None else queue.Queue()
+        super().__init__(index, admission, resume, ReadBack(index, outbox, listeners),
+                         stopping, poll_s)
         self.chunk = chunk or engine.max_prefill_length
         self.between_chunks: Callable[[], None] = lambda: None  # set by the driver
         self.waiting_between_chunks = False
         self.cache, self.cache_key = cache, cache_key
         self.engine = engine
         self.params = params
-        self.admission = admission
-        self.readback = ReadBack(index, outbox, listeners)  # first tokens, ends
-        self.stopping = stopping
-        self.poll_s = poll_s
         self.route: Route | None = None  # set by the driver
-        self.busy = False
-        self.prefills = 0
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            live, admitted = self._next()
-            if live is None:
-                continue
-            self.busy = True
-            try:
-                self._serve(live)
-            except Exception as e:  # this request only
-                log.exception("prefill of request %s failed", live.request_id)
-                self.readback.end(live, "error", e)
-            finally:
-                self.busy = False
-                if admitted:
-                    self.admission.task_done()
-
-    def _next(self) -> tuple[LiveRequest | None, bool]:
-        """A preempted request if one waits, else the next admitted; (None, _) if idle."""
-        try:
-            return self.resume.get_nowait(), False
-        except queue.Empty:
-            pass
-        try:
-            return self.admission.get(timeout=self.poll_s), True
-        except queue.Empty:
-            return None, False
-
-    def _ended_before_prefill(self, live: LiveRequest) -> bool:
-        """Whether `live` needs no prefill: already done, or abandoned while it waited
-        (cancelled, past its deadline), in which case it is ended here."""
-        if live.done:
-            return True
-        why = live.abandoned(time.monotonic())
-        if why is not None:
-            self.readback.end(live, why)
-            return True
-        return False
 
     def _serve(self, live: LiveRequest) -> None:
         if self._ended_before_prefill(live):

@@ -1,7 +1,9 @@
 """The split deployment on 127.0.0.1: two `jetserve serve --role prefill` workers (tp over
 4 fake devices with a prefix cache; replicated on 2) and one `--role decode` process
 (tp_kv_batch over 4), KV caches pulled with jax.experimental.transfer. Concurrent streams over gRPC and the
-openai SDK give what `jetserve generate` gives; SIGKILL of a prefill worker mid-run loses
+openai SDK give what `jetserve generate` gives; constrained samples match their structure;
+echo and scoring carry the prompt's log-probs;
+SIGKILL of a prefill worker mid-run loses
 no stream and repeats no token; afterwards the surviving worker holds no prefix and every
 decode slot is free. Bad worker addresses are start-up errors naming them.
 """
@@ -97,16 +99,20 @@ def split(tmp_path_factory):
             f.close()
 
 
-@pytest.fixture(scope="module")
-def want():
-    """`jetserve generate --json` of every prompt, greedy, in this process."""
+def generate(prompts: list[list[int]]) -> list[dict]:
+    """`jetserve generate --json` of `prompts`, greedy, in this process."""
     argv = ["generate", *ENGINE[:8], "--json", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
-    for p in PROMPTS:
+    for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert jetserve_main(argv) == 0
     return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def want():
+    return generate(PROMPTS)
 
 
 def _grpc(port: int, prompt: list[int], first: threading.Event) -> list[int]:
@@ -191,6 +197,71 @@ def test_split_deployment_matches_generate(split, want):
     assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(PROMPTS)
     assert _metric(ports["HTTP"], "jetserve_kv_transfer_bytes") > 0
     assert _metric(ports["HTTP"], "jetserve_prefill_worker_up") == 2
+
+
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["red", "green", "blue"]
+
+
+@pytest.mark.slow
+def test_structured_output_on_the_decode_side(split):
+    """The worker samples the first token within the grammar's mask, the decode side the
+    rest: at temperature 1 (where an unmasked token would break the structure), every
+    sample matches."""
+    procs, ports, _ = split
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    out = client.completions.create(model=MODEL, prompt=[1, 7, 9], max_tokens=12, n=6,
+                                    temperature=1.0, seed=5,
+                                    extra_body={"guided_regex": REGEX})
+    assert [re.fullmatch(REGEX, c.text) is not None for c in out.choices] == [True] * 6
+    assert {c.finish_reason for c in out.choices} == {"stop"}
+    with grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}") as ch:
+        req = pb.DecodeRequest(max_tokens=12, temperature=1.0, seed=3, num_samples=4,
+                               token_content=pb.DecodeRequest.TokenContent(token_ids=[1, 4]),
+                               choice=pb.DecodeRequest.Choices(choices=CHOICES))
+        texts = [""] * 4
+        for m in pb_grpc.OrchestratorStub(ch).Decode(req, timeout=300):
+            for i, sample in enumerate(m.stream_content.samples):
+                texts[i] += sample.text
+    assert all(t in CHOICES for t in texts), texts
+
+
+def _scored_here(prompt: list[int], n: int):
+    """prompt_logprobs of `prompt` on random:tiny in this process (one device)."""
+    import jax
+    import numpy as np
+
+    from engines import EngineConfig
+    from jetserve.model_loading import build_engine
+    from jetserve.orchestrator.prefill_worker import prompt_logprobs
+
+    engine = build_engine(MODEL, devices=jax.devices()[:1], engine_config=EngineConfig(
+        max_seq_len=64, max_prefill_length=32, max_concurrent_decodes=8))
+    return prompt_logprobs(engine, engine.load_params(), np.asarray(prompt, np.int32), n)
+
+
+@pytest.mark.slow
+def test_echo_and_scoring_on_the_decode_side(split, want):
+    """A worker scores the prompt on its prefill: echo with logprobs, and scoring alone
+    (max_tokens 0), give the log-probs of one process; the generated part is generate's."""
+    procs, ports, _ = split
+    prompt = PROMPTS[3]
+    values, alts = _scored_here(prompt, 2)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    for max_tokens in (0, MAX_TOKENS):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                        echo=True, logprobs=2, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        lp = out.choices[0].logprobs
+        got = lp.token_logprobs[:len(prompt)]
+        assert got[0] is None and got[1:] == pytest.approx(values[1:], abs=1e-4)
+        assert len(lp.token_logprobs) == len(prompt) + max_tokens
+        # Each prompt token's alternatives (and the token itself): the best is the same.
+        assert [max(t.values()) for t in lp.top_logprobs[1:len(prompt)]] == pytest.approx(
+            [a[0][1] for a in alts[1:]], abs=1e-4)
+    assert out.choices[0].text.endswith(want[3]["text"])
 
 
 @pytest.mark.slow

@@ -1,14 +1,17 @@
 """Prefixes pulled from another process (jax.experimental.transfer on 127.0.0.1): the
 decode engine generates from them exactly what it generates from its own prefill, across
 presets; a prefix of another model is refused before any pull; held prefixes are freed by
-an ack or a timeout."""
+an ack or a timeout; a pull from a sender that hangs is given up on time, leaving no
+thread behind."""
 
 import copy
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 
 from jetserve.disagg import prefix_wire
-from jetserve.disagg.kv_transfer import KVReceiver, KVSender
+from jetserve.disagg.kv_transfer import KVReceiver, KVSender, PullTimeout
 from jetserve.model_loading import build_engine
 from tests.jetserve.disagg.prefix_sender import ENGINE
 
@@ -120,3 +123,24 @@ def test_sender_checks_its_hold_time():
     engine = build_engine("random:tiny", devices=jax.devices()[:1], engine_config=ENGINE)
     with pytest.raises(ValueError, match="hold_s must be > 0"):
         KVSender(engine, hold_s=0)
+
+
+def test_pull_from_a_hung_sender_is_abandoned_without_a_thread_left_behind(sender):
+    engine = build_engine("random:tiny", devices=jax.devices()[4:6], sharding="replicated",
+                          engine_config=ENGINE)
+    receiver = KVReceiver(engine, timeout_s=1.0)
+    sent = sender.ask(prompt=PROMPTS[0], receiver_devices=2)
+    threads = threading.active_count()
+    sender.proc.send_signal(signal.SIGSTOP)  # hangs: stopped, its sockets still open
+    try:
+        with pytest.raises(PullTimeout, match="no prefix from worker-a after 1 s"):
+            receiver.pull(sent["address"], sent["uuid"], sent["meta"], "worker-a")
+        assert threading.active_count() == threads  # nothing is still waiting on it
+    finally:
+        sender.proc.send_signal(signal.SIGCONT)
+    # The sender answers again: a new pull reconnects and gets its prefix.
+    again = sender.ask(prompt=PROMPTS[0], receiver_devices=2)
+    pulled = receiver.pull(again["address"], again["uuid"], again["meta"], "worker-a")
+    assert int(pulled.token) == again["first"]
+    assert sender.ask(ack=sent["uuid"])["freed"] is True
+    assert sender.ask(ack=again["uuid"]) == {"freed": True, "registered": 0}

@@ -1,6 +1,7 @@
 """The prefill worker's gRPC service in this process (random:tiny on one fake device):
-refusals while warming up and draining, named errors for bad requests, and a prefix held
-from Prefill until Ack."""
+refusals while warming up and draining, named errors for bad requests, a prefix held
+from Prefill until Ack, the first token sampled within the mask a request carries, and
+the prompt's log-probs when asked (alone, for scoring)."""
 
 import asyncio
 import json
@@ -12,10 +13,12 @@ import numpy as np
 import pytest
 
 from engines import SamplingParams
+from engines.engine_api import HostResults
 from jetserve.disagg.kv_transfer import KVSender
 from jetserve.disagg.prefill_runner import PrefillRunner
 from jetserve.disagg.prefill_service import PrefillServer
 from jetserve.model_loading import build_engine
+from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from protos import prefill_worker_pb2 as pb
 from protos import prefill_worker_pb2_grpc as pb_grpc
 from tests.jetserve.disagg.prefix_sender import ENGINE
@@ -74,6 +77,38 @@ def test_prefill_worker_service(worker):
     assert stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
     assert not stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
     assert stub.Load(pb.LoadRequest(), timeout=30).registered == 0
+
+    # Structured output: the worker samples its one token within the mask it is sent.
+    code, msg = _code(stub, token_ids=[1, 2], token_mask=b"\xff" * 4)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg == "token_mask has 4 bytes; this model's vocabulary of 256 takes 32 (8 int32 words)"
+    for only in (77, 200):
+        mask = np.zeros(8, np.int32)
+        mask[only // 32] = np.int32(1 << (only % 32)) if only % 32 < 31 else np.int32(-2**31)
+        out = stub.Prefill(pb.PrefillRequest(token_ids=[1, 5, 9], receiver_devices=1,
+                                             token_mask=mask.tobytes()), timeout=60)
+        row = np.frombuffer(out.first_row, np.int32).reshape(1, out.first_columns)
+        assert HostResults(row).token(0) == only
+        assert stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
+
+    # Echo / scoring: the prompt's log-probs come back with the token, or alone.
+    want = prompt_logprobs(server.runner.engine, server.runner.params,
+                           np.asarray([1, 5, 9, 14], np.int32), 2)
+    for score_only in (False, True):
+        out = stub.Prefill(pb.PrefillRequest(token_ids=[1, 5, 9, 14], receiver_devices=1,
+                                             prompt_logprobs=True, top_logprobs=2,
+                                             score_only=score_only), timeout=60)
+        values, alts = json.loads(out.prompt_logprobs_json)
+        assert values[0] is None and len(values) == 4 and [len(a) for a in alts] == [0, 2, 2, 2]
+        np.testing.assert_allclose(values[1:], want[0][1:], rtol=1e-6)
+        assert [[p[0] for p in a] for a in alts] == [[p[0] for p in a] for a in want[1]]
+        assert (out.first_columns == 0) == score_only and (out.uuid == 0) == score_only
+        assert stub.Load(pb.LoadRequest(), timeout=30).registered == int(not score_only)
+        if not score_only:
+            assert stub.Ack(pb.AckRequest(uuid=out.uuid), timeout=30).freed
+    code, msg = _code(stub, token_ids=[1, 2], score_only=True)
+    assert (code, msg) == (grpc.StatusCode.INVALID_ARGUMENT,
+                           "score_only goes with prompt_logprobs")
 
     assert call(server.drain(timeout_s=30))
     assert _code(stub, token_ids=[1, 2]) == (grpc.StatusCode.UNAVAILABLE,

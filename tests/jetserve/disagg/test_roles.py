@@ -22,8 +22,12 @@ def _args(*argv: str) -> argparse.Namespace:
     (["--role", "decode"], "--role decode needs --prefill-workers"),
     (["--prefill-workers", "h:1"], "--prefill-workers goes with --role decode, not --role both"),
     (["--role", "prefill", "--prefill-workers", "h:1"], "not --role prefill"),
+    (["--role", "decode", "--prefill-workers", "h:1", "--coordinator", "h:1",
+      "--num-processes", "2", "--process-id", "0"], "--role decode: one process for now; "
+     "leave out --coordinator"),
     (["--role", "prefill", "--coordinator", "h:1", "--num-processes", "2",
-      "--process-id", "0"], "leave out --coordinator"),
+      "--process-id", "0", "--prefix-cache-hbm-mb", "8"],
+     "the prefix cache does not run over several processes"),
     (["--role", "decode", "--prefill-workers", "h:1", "--prefill-devices", "2"],
      "leave out --prefill-devices"),
     (["--role", "prefill", "--generate-devices", "2"], "--devices N takes the first N"),
@@ -38,6 +42,11 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_flags_that_do_not_go_with_the_role(argv, message):
     with pytest.raises(ValueError, match=message):
         roles.check_arguments(_args(*argv))
+
+
+def test_a_prefill_worker_may_span_several_processes():
+    roles.check_arguments(_args("--role", "prefill", "--coordinator", "h:1",
+                                "--num-processes", "2", "--process-id", "1"))
 
 
 def test_role_both_is_the_default():

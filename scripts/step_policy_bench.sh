@@ -5,21 +5,14 @@
 #
 #   scripts/step_policy_bench.sh OUT_DIR
 #
-# Environment: MODEL (default random:llama-156m), RATES (default 4), NREQ (requests per
-# rate, default 24), PLEN / OLEN (prompt / output tokens, default 128 / 64), SLOTS (default
-# 8), WARMUP (requests sent before the sweep and not counted, default 8), BUDGET
-# (--max-num-batched-tokens of the third run, default 72: 64-token chunks beside 8 decodes).
+# 8 slots, 128-token prompts, 64 new tokens, 8 warm-up requests. Environment: MODEL
+# (default random:llama-156m), RATES (default 4), NREQ (requests per rate, default 24),
+# BUDGET (--max-num-batched-tokens of the third run, default 72: 64-token chunks beside 8
+# decode tokens).
 set -euo pipefail
 
 OUT=${1:?usage: scripts/step_policy_bench.sh OUT_DIR}
-MODEL=${MODEL:-random:llama-156m}
-RATES=${RATES:-4}
-NREQ=${NREQ:-24}
-PLEN=${PLEN:-128}
-OLEN=${OLEN:-64}
-SLOTS=${SLOTS:-8}
-WARMUP=${WARMUP:-8}
-BUDGET=${BUDGET:-72}
+MODEL=${MODEL:-random:llama-156m} RATES=${RATES:-4} NREQ=${NREQ:-24} BUDGET=${BUDGET:-72}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 
@@ -30,12 +23,12 @@ run() {  # NAME, then the serve flags of that policy
   shift
   port=$(free_port)
   "$PY" -m jetserve serve --model "$MODEL" --interleaved --host 127.0.0.1 \
-    --grpc-port "$port" --http-port -1 --max-concurrent-decodes "$SLOTS" --max-seq-len 256 \
+    --grpc-port "$port" --http-port -1 --max-concurrent-decodes 8 --max-seq-len 256 \
     "$@" > "$OUT/server_$name.txt" 2>&1 &
   local server=$!
   "$PY" -m jetserve bench serve --url "grpc://127.0.0.1:$port" --rates "$RATES" \
-    --num-requests "$NREQ" --lengths fixed --prompt-len "$PLEN" --output-len "$OLEN" \
-    --max-total 256 --warmup "$WARMUP" --slo ttft_ms=1000,tpot_ms=100 --label "$name" \
+    --num-requests "$NREQ" --lengths fixed --prompt-len 128 --output-len 64 \
+    --max-total 256 --warmup 8 --slo ttft_ms=1000,tpot_ms=100 --label "$name" \
     --out "$OUT/$name.json" | tee "$OUT/$name.txt" || { kill "$server"; exit 1; }
   kill "$server"
   wait "$server" || true

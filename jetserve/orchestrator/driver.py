@@ -32,7 +32,9 @@ in flight (under a lock).
 
 Interleaved mode: the same engine object (and params) in both lists; its prefill thread
 feeds its own generate thread directly, and that generate thread waits rather than steps
-while it has free slots and prefill work pending (prefill has priority). Disaggregated
+while it has free slots and prefill work pending (prefill has priority), or, under
+decode-first (jetserve/scheduling/policy.py), steps at once and lets at most
+max_num_batched_tokens of prefill run before each step (step_budget.py). Disaggregated
 mode: prefill and generate engines are different objects, normally on disjoint slices.
 
 KV pages (a paged generate engine): its generate thread admits from the backlog only what

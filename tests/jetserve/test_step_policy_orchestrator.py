@@ -129,3 +129,14 @@ def test_config_refuses_bad_values_before_any_engine():
         OrchestratorConfig(step_policy="fifo")
     with pytest.raises(ValueError, match=r"max_num_seqs \(--max-num-seqs\).*got 0"):
         OrchestratorConfig(max_num_seqs=0)
+
+
+def test_lock_step_refuses_the_knobs_it_does_not_schedule_by():
+    from jetserve.orchestrator.lockstep import LockStepOrchestrator
+
+    engine = MockEngine(devices=jax.devices()[:1])
+    for config, named in ((OrchestratorConfig(step_policy="decode-first"), "step_policy"),
+                          (OrchestratorConfig(max_num_seqs=2), "max_num_seqs")):
+        with pytest.raises(ValueError, match=rf"{named}.*lock step over several processes"):
+            LockStepOrchestrator(engine, engine.load_params(), config=config, primary=True,
+                                 broadcast=lambda x: x)

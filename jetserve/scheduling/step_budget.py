@@ -6,13 +6,19 @@ this call's, plus the decode tokens of the step that closes the window must stay
 `max_num_batched_tokens`; otherwise it waits for that step (`step`), which opens a fresh
 window. The step's decode tokens are counted before it runs, as an upper bound: the
 sequences running or waiting for a slot now, plus one when this call ends its prompt (it
-joins them), at most max_num_seqs. The count only falls until the prefill thread, the
-only one adding to it, runs again, so the bound holds. A chunk always fits a fresh window
-(policy.py caps it at the budget less a full batch of decode tokens), so every window
+joins them). The count only falls until the prefill thread, the only one adding to it,
+runs again, so the bound holds. A chunk always fits a fresh window (policy.py caps it at
+the budget less a full batch of decode tokens), so every window with a sequence free
 lets at least one prefill call through.
 
 When nothing runs or waits for a slot there is no step to protect: the window starts over
 at that call, so a long prompt on an idle engine prefills chunk after chunk.
+
+A prompt is prefilled only while fewer than max_num_seqs sequences run or wait for a slot,
+as vLLM schedules a prompt only into a free sequence: prefilled ahead of a free slot, it
+would stream its first token and then wait for a slot, a gap between its first and second
+token as long as a running sequence's whole decode, and its prefill would have delayed
+the running steps for nothing yet.
 
 Concurrency: the prefill thread and the generate thread of one engine. Both hold the
 budget's lock while they dispatch, so a prefill checked against one window cannot run
@@ -54,13 +60,15 @@ class StepBudget:
         self.waits = 0  # prefill calls that waited for a step
 
     def fits(self, tokens: int, ends_prompt: bool) -> bool:
-        """Whether a `tokens`-token prefill call may run in the open window (the caller
-        holds the lock); a window with nothing to protect starts over here."""
+        """Whether a `tokens`-token prefill call may run in the open window, with a sequence
+        free for its prompt (the caller holds the lock); a window with nothing to protect
+        starts over here."""
         live = self._decodes()
         if live == 0:
             self.spent = 0
-        decodes = min(self.max_num_seqs, live + int(ends_prompt))
-        return self.spent + tokens + decodes <= self.max_num_batched_tokens
+        decodes = live + int(ends_prompt)
+        return (live < self.max_num_seqs
+                and self.spent + tokens + decodes <= self.max_num_batched_tokens)
 
     @contextlib.contextmanager
     def prefill(self, tokens: int, ends_prompt: bool) -> Iterator[None]:

@@ -120,9 +120,16 @@ def test_a_window_holds_the_decode_tokens_and_at_most_the_rest_in_prefill():
     assert not b.fits(8, ends_prompt=False)
     with b.step():  # the step closes the window
         pass
-    assert b.spent == 0 and b.windows == 1 and b.fits(16, ends_prompt=False)
-    live.n = 9  # decodes count at most max_num_seqs
-    assert b.fits(16, ends_prompt=True) and not b.fits(17, ends_prompt=False)
+    assert b.spent == 0 and b.windows == 1 and b.fits(16, ends_prompt=True)  # 16 + 4
+    assert not b.fits(17, ends_prompt=True)
+
+
+def test_a_prompt_is_prefilled_only_with_a_sequence_free_for_it():
+    live = Live(4)  # max_num_seqs sequences run or wait for a slot
+    b = budget(live)
+    assert not b.fits(1, ends_prompt=False) and not b.fits(1, ends_prompt=True)
+    live.n = 3  # one finished: the next prompt may go in
+    assert b.fits(12, ends_prompt=True)
 
 
 def test_with_nothing_running_the_window_starts_over_at_each_call():

@@ -45,10 +45,12 @@ from jetserve.batch.durable import OutputError, describe
 from jetserve.commands.common import (
     add_model_arguments,
     add_scheduling_arguments,
+    add_step_policy_arguments,
     add_tool_parser_argument,
     engine_config,
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
+    step_policy_fields,
 )
 from jetserve.lora_adapters import load_modules, parse_modules
 
@@ -81,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admission bound: jobs submitted ahead of a free slot "
                         "(default: 4 x --max-concurrent-decodes, at least 32)")
     add_scheduling_arguments(p)
+    add_step_policy_arguments(p)
     p.add_argument("--window", type=int, default=4096,
                    help="rows read, tokenized and ordered at a time")
     p.add_argument("--summary", default=None, metavar="PATH",
@@ -184,7 +187,7 @@ def _orchestrator(args: argparse.Namespace, devices):
     load_modules([engine], args.lora_modules)
     config = orchestrated.config(engine, max_queued=args.max_queued,
                                  prefill_chunk=args.prefill_chunk,
-                                 **prefix_cache_budgets(args))
+                                 **prefix_cache_budgets(args), **step_policy_fields(args))
     if jax.process_count() > 1:
         refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
         return LockStepOrchestrator(engine, engine.load_params(), config=config)

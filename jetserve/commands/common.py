@@ -12,6 +12,7 @@ from engines import EngineConfig, quantization
 from engines.engine_config import LAYER_MODES, parse_speculative
 from jetserve import compile_cache, context_length, distributed, lora_adapters
 from jetserve.model_loading import model_config
+from jetserve.scheduling.policy import PREFILL_FIRST, STEP_POLICIES
 from jetserve.server.tool_formats import DEFAULT_PARSER, PARSERS
 
 DEFAULT_SLOTS = 8  # --max-concurrent-decodes when not given
@@ -87,7 +88,7 @@ def engine_config(args: argparse.Namespace,
         parse_speculative(args.speculative)
     except ValueError as e:
         raise ValueError(f"--speculative: {e}") from None
-    return EngineConfig(max_concurrent_decodes=args.max_concurrent_decodes,
+    return EngineConfig(max_concurrent_decodes=decode_slots(args),
                         max_prefill_length=prefill, max_seq_len=seq,
                         dtype=args.dtype, kv_layout=args.kv_layout,
                         page_size=args.page_size, num_pages=args.num_pages,
@@ -96,8 +97,17 @@ def engine_config(args: argparse.Namespace,
                         layers=args.layers, **lora_adapters.engine_fields(args))
 
 
-def _default_max_seq_len(args: argparse.Namespace, devices: list) -> tuple[int, str]:
+def decode_slots(args: argparse.Namespace) -> int:
+    """--max-concurrent-decodes; where it is left out (serve, batch), --max-num-seqs sizes
+    the slots, else DEFAULT_SLOTS."""
     slots = args.max_concurrent_decodes
+    if slots is None:
+        slots = getattr(args, "max_num_seqs", None) or DEFAULT_SLOTS
+    return slots
+
+
+def _default_max_seq_len(args: argparse.Namespace, devices: list) -> tuple[int, str]:
+    slots = decode_slots(args)
     if not isinstance(slots, int) or slots < 1:
         raise ValueError(f"--max-concurrent-decodes must be a positive integer, got {slots!r}")
     platform = devices[0].platform
@@ -118,6 +128,32 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
                         "sharing a prefix prefill only the rest (0: none)")
     p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
                    help="prefix cache: host memory tier for KV evicted from the device")
+
+
+def add_step_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """The knobs of jetserve/scheduling/policy.py, for the commands that serve through the
+    threaded orchestrator (serve, batch)."""
+    p.set_defaults(max_concurrent_decodes=None)  # then --max-num-seqs sizes the slots
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="the most sequences decoding at once (default: every slot); "
+                        "alone, it also sets --max-concurrent-decodes; with it, at most that")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="token budget of one decode step: its decode tokens plus the prefill "
+                        "run since the step before (interleaved); prefill chunks are at most "
+                        "N - max-num-seqs (default: no budget)")
+    p.add_argument("--step-policy", default=PREFILL_FIRST, choices=STEP_POLICIES,
+                   help="prefill-first (the default: lowest TTFT, free slots wait for the "
+                        "prompts on their way) or decode-first (steady TPOT: a step runs as "
+                        "soon as it can, after at most the budget's prefill; default budget "
+                        "one chunk)")
+
+
+def step_policy_fields(args: argparse.Namespace) -> dict:
+    """OrchestratorConfig fields from --max-num-seqs, --max-num-batched-tokens and
+    --step-policy (checked against the engine when the orchestrator is built)."""
+    return dict(max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                step_policy=args.step_policy)
 
 
 def refuse_prefix_cache_over_processes(budgets: dict) -> None:

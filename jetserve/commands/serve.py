@@ -32,10 +32,12 @@ from jetserve import distributed, lora_adapters
 from jetserve.commands.common import (
     add_model_arguments,
     add_scheduling_arguments,
+    add_step_policy_arguments,
     add_tool_parser_argument,
     engine_config,
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
+    step_policy_fields,
 )
 from jetserve.disagg import roles
 from jetserve.server.auth import read_api_key_file
@@ -87,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_limit_arguments(p)
     add_scheduling_arguments(p)
     add_tool_parser_argument(p)
+    add_step_policy_arguments(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once instead of compiling every prefill bucket, "
                         "insert and generate first (then the first requests compile)")
@@ -167,7 +170,8 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     default = args.sharding
     config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
                                 max_queued_per_client=_per_client(args),
-                                prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args))
+                                prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args),
+                                **step_policy_fields(args))
     if (args.lora_modules or args.max_loras) and jax.process_count() > 1:
         raise ValueError("--lora-modules / --max-loras: LoRA adapters are served by one "
                          "process, for now")
@@ -300,6 +304,9 @@ def run(args: argparse.Namespace) -> int:
     # Before anything touches a device: join the other processes, pick the devices.
     devices = distributed.setup(args)
     if args.role == "prefill":  # the internal service only, on --grpc-port (process 0)
+        from jetserve.orchestrator import OrchestratorConfig
+
+        OrchestratorConfig(**step_policy_fields(args)).refuse_step_policy("--role prefill")
         if distributed.is_primary():
             check_free(config.host, {"--grpc-port": config.grpc_port})
         return roles.run_prefill(args, devices)

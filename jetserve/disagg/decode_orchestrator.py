@@ -51,6 +51,7 @@ class DecodeOrchestrator(Orchestrator):
                  max_bytes_in_flight: int = 256 << 20, transfer_host: str = "127.0.0.1"):
         check_engines([engine], [engine], [params], [params])
         config = self._init_intake([engine], [engine], config)
+        config.refuse_step_policy("--role decode")
         engine = self.generate_engines[0]
         self.prefill_engines = [_RemotePrefill(engine)]
         poll = config.poll_interval_s

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jetserve.scheduling.policy import PREFILL_FIRST, check_knobs
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OrchestratorConfig:
@@ -31,6 +33,10 @@ class OrchestratorConfig:
       prefix_cache_block: tokens per cached block; a hit reuses whole blocks. A paged
         engine that prefills and generates caches its KV pages: its block is the page size.
       prefix_cache_key: what the cached KV depends on (prefix_cache.model_cache_key).
+      max_num_seqs / max_num_batched_tokens / step_policy: the scheduling knobs
+        (jetserve/scheduling/policy.py): the most sequences decoding at once (None: every
+        slot), the token budget of one decode step (None: none) and prefill-first or
+        decode-first; checked against the engines when the orchestrator is built.
     """
 
     max_queued_requests: int = 256
@@ -44,6 +50,9 @@ class OrchestratorConfig:
     prefix_cache_host_bytes: int = 0
     prefix_cache_block: int = 16
     prefix_cache_key: str = ""
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    step_policy: str = PREFILL_FIRST
 
     def __post_init__(self):
         for name in ("max_queued_requests", "transfer_queue_size", "detokenize_queue_size"):
@@ -70,6 +79,22 @@ class OrchestratorConfig:
         b = self.prefix_cache_block
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise ValueError(f"prefix_cache_block must be an integer >= 1, got {b!r}")
+        check_knobs(max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    step_policy=self.step_policy)
         p = self.poll_interval_s
         if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"poll_interval_s must be in (0, 1] seconds, got {p!r}")
+
+    def refuse_step_policy(self, where: str) -> None:
+        """For a driver that does not schedule by max_num_seqs, max_num_batched_tokens and
+        step_policy (`where` names it): a knob set there is refused, not ignored."""
+        given = [name for name, on in (
+            ("max_num_seqs (--max-num-seqs)", self.max_num_seqs is not None),
+            ("max_num_batched_tokens (--max-num-batched-tokens)",
+             self.max_num_batched_tokens is not None),
+            (f"step_policy={self.step_policy} (--step-policy)",
+             self.step_policy != PREFILL_FIRST)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)}: {where} does not schedule by these "
+                             "knobs; leave them out")

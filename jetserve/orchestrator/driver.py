@@ -32,7 +32,9 @@ in flight (under a lock).
 
 Interleaved mode: the same engine object (and params) in both lists; its prefill thread
 feeds its own generate thread directly, and that generate thread waits rather than steps
-while it has free slots and prefill work pending (prefill has priority). Disaggregated
+while it has free slots and prefill work pending (prefill has priority), or, under
+decode-first (jetserve/scheduling/policy.py), steps at once and lets at most
+max_num_batched_tokens of prefill run before each step (step_budget.py). Disaggregated
 mode: prefill and generate engines are different objects, normally on disjoint slices.
 
 KV pages (a paged generate engine): its generate thread admits from the backlog only what
@@ -66,6 +68,7 @@ from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Event, Listeners, RequestFinished, RequestTiming
 from jetserve.orchestrator.transfer_worker import TransferWorker
 from jetserve.orchestrator.wiring import (
+    budget_between,
     build_prefix_cache,
     check_engines,
     direct_route,
@@ -73,6 +76,7 @@ from jetserve.orchestrator.wiring import (
     page_stats,
     pending_for,
     step_between,
+    step_policy,
 )
 from jetserve.request import Delta, ModelLimits, Overloaded, Request, check_request
 from jetserve.scheduling.page_planner import with_pages
@@ -96,10 +100,11 @@ class Orchestrator:
         config = self._init_intake(prefill_engines, generate_engines, config)
         prefill_engines, generate_engines = self.prefill_engines, self.generate_engines
         poll = config.poll_interval_s
+        self.policy = step_policy(config, prefill_engines, generate_engines)
         self._generate = [
             GenerateWorker(i, e, p, self._outbox, self._listeners, self._stopping,
                            backlog_size=config.backlog_size or e.max_concurrent_decodes,
-                           poll_s=poll)
+                           poll_s=poll, policy=self.policy)
             for i, (e, p) in enumerate(zip(generate_engines, generate_params, strict=True))
         ]
         for g in self._generate:
@@ -107,7 +112,9 @@ class Orchestrator:
         own = {id(g.engine): g for g in self._generate}
         self._prefill = [
             PrefillWorker(i, e, p, self._admission, self._outbox, self._listeners,
-                          self._stopping, poll, resume=self._resume, chunk=config.prefill_chunk,
+                          self._stopping, poll, resume=self._resume,
+                          chunk=self.policy.prefill_chunk if config.max_num_batched_tokens
+                          else config.prefill_chunk,
                           cache=build_prefix_cache(e, config, own.get(id(e))),
                           cache_key=config.prefix_cache_key)
             for i, (e, p) in enumerate(zip(prefill_engines, prefill_params, strict=True))
@@ -174,6 +181,7 @@ class Orchestrator:
                 p.route = direct_route(g, self._stopping, self.config.poll_interval_s)
                 g.prefill_pending = pending_for(p, self._admission, self._resume)
                 p.between_chunks = step_between(g)  # running requests step between chunks
+                budget_between(p, g, self.policy, self._stopping, self.config.poll_interval_s)
             else:
                 p.route = least_loaded_route(self._generate, transfers)
         return transfers

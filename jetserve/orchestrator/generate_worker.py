@@ -29,12 +29,15 @@ the pages of the request's cache hit, then lets the cache adopt the prompt's who
 
 Token ids are checked here (stop ids, length); text is left to the detokenize thread.
 In interleaved mode (the engine also prefills) the loop waits rather than steps while it
-has free slots and prefill work is pending for it: prefill has priority.
+has free slots and prefill work is pending for it: prefill has priority. Under
+decode-first (`policy`, jetserve/scheduling/policy.py) it steps whenever a slot is in use,
+and each step closes the prefill budget's window (`step_window`, step_budget.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -52,6 +55,7 @@ from jetserve.orchestrator.step_masks import mask_kwargs, must_sync, step_mask
 from jetserve.orchestrator.timing import Listeners
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Turn, Waiting
+from jetserve.scheduling.policy import StepPolicy
 from jetserve.scheduling.scheduler import Scheduler
 from jetserve.scheduling.slots import SlotTable
 
@@ -124,7 +128,7 @@ class Backlog:
 class GenerateWorker:
     def __init__(self, index: int, engine: Engine, params: Any, outbox: queue.Queue,
                  listeners: Listeners, stopping: threading.Event, *, backlog_size: int,
-                 poll_s: float):
+                 poll_s: float, policy: StepPolicy | None = None):
         self.index = index
         self.engine = engine
         self.params = params
@@ -134,8 +138,9 @@ class GenerateWorker:
         # Decides admission, preemption and prefill priority; the prefix cache, when the
         # driver sets one over this engine's pages (`cache`), counts in its page answers.
         self.sched: Scheduler[LiveRequest] = Scheduler(
-            engine.max_concurrent_decodes, KVCacheManager(self.pages),
-            client=lambda live: live.request.client)
+            policy.max_num_seqs if policy else engine.max_concurrent_decodes,
+            KVCacheManager(self.pages), client=lambda live: live.request.client,
+            decode_first=bool(policy and policy.decode_first))
         self.readback = ReadBack(index, outbox, listeners, finished=self._finished,
                                  read_failed=lambda e, lives: self._fail_all(e, extra=lives))
         self.backlog = Backlog(backlog_size)
@@ -150,6 +155,8 @@ class GenerateWorker:
         # and is it paused between chunks (waiting for this engine to step)?
         self.prefill_pending: Callable[[], tuple[bool, bool]] = lambda: (False, False)
         self.transfer_pending: Callable[[], int] = lambda: 0
+        # Set by the driver under decode-first: held around each generate dispatch.
+        self.step_window: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.steps = 0
         self._lengths: dict[int, tuple[Any, int]] = {}  # id(prefix) -> (prefix, its length)
 
@@ -307,7 +314,7 @@ class GenerateWorker:
         try:
             mask, paused = step_mask(rows, self.engine.max_concurrent_decodes,
                                      self.engine.vocab_size, pause=self.pages is None)
-            with self.state_lock:
+            with self.step_window(), self.state_lock:
                 self.state, res = self.engine.generate(self.params, self.state,
                                                        **mask_kwargs(mask))
             res.copy_to_host_async()

@@ -83,6 +83,7 @@ class LockStepOrchestrator(Orchestrator):
                  primary: bool | None = None, broadcast: Broadcast | None = None,
                  idle_wait_s: float = 0.25):
         self._init_intake([engine], [engine], config)
+        self.config.refuse_step_policy("lock step over several processes")
         engine = self.engine = self.generate_engines[0]  # a paged one with its page planner
         self.params = params
         self.primary = distributed.is_primary() if primary is None else primary

@@ -14,7 +14,8 @@ prefilled again and the next token streams as if decoded.
 Chunked prefill: a sequence longer than `chunk` tokens is prefilled in chunks, each
 continuing the last (`existing_prefix`); between chunks `between_chunks()` lets the
 generate thread of the same engine run a step, so running requests keep streaming while
-a long prompt arrives.
+a long prompt arrives. Under decode-first, `budget` (step_budget.py) instead holds each
+prefill call until it fits the token budget of the engine's next decode step.
 
 Prefix cache (`cache`, prefix_cache.py): before prefilling, the longest cached whole-block
 prefix of the sequence is looked up and only the rest is prefilled on top of it. Its new
@@ -25,6 +26,7 @@ its pages into the slot and adopts the prompt's pages (page store).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -62,6 +64,9 @@ class PrefillWorker(PrefillLoop):
         self.chunk = chunk or engine.max_prefill_length
         self.between_chunks: Callable[[], None] = lambda: None  # set by the driver
         self.waiting_between_chunks = False
+        # budget(tokens, ends_prompt): held around each prefill call (set by the driver).
+        self.budget: Callable[[int, bool], contextlib.AbstractContextManager] = (
+            lambda tokens, ends_prompt: contextlib.nullcontext())
         self.cache, self.cache_key = cache, cache_key
         self.engine = engine
         self.params = params
@@ -134,12 +139,13 @@ class PrefillWorker(PrefillLoop):
                     return None
             piece = tokens[start:start + self.chunk]
             # The cache's prefix is shared (copied); any other is this loop's alone.
-            prefix, first = self.engine.prefill(self.params, piece, len(piece),
-                                                sampling=live.request.sampling,
-                                                existing_prefix=prefix,
-                                                donate=not done or start > done,
-                                                **first_mask(live),
-                                                **live.request.prefill_kwargs())
+            with self.budget(len(piece), start + len(piece) == len(tokens)):
+                prefix, first = self.engine.prefill(self.params, piece, len(piece),
+                                                    sampling=live.request.sampling,
+                                                    existing_prefix=prefix,
+                                                    donate=not done or start > done,
+                                                    **first_mask(live),
+                                                    **live.request.prefill_kwargs())
         return prefix, first
 
 

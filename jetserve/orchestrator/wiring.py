@@ -1,7 +1,8 @@
 """How the orchestrator's workers are wired to each other and to the engines: which
 generate worker a prefill hands its prefix to, when a prefill thread counts as having work,
-what an interleaved prefill does between its chunks, and the checks and prefix caches that
-`Orchestrator.__init__` builds."""
+what an interleaved prefill does between its chunks (one step, or decode-first's token
+budget), and the checks, scheduling knobs and prefix caches that `Orchestrator.__init__`
+builds."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.prefill_worker import PrefillWorker
 from jetserve.orchestrator.prefix_cache import ArrayStore, PageStore, PrefixCache
 from jetserve.orchestrator.transfer_worker import TransferWorker
+from jetserve.scheduling.policy import StepPolicy, resolve
+from jetserve.scheduling.step_budget import StepBudget
 
 
 def build_prefix_cache(engine: Engine, config: OrchestratorConfig,
@@ -114,3 +117,30 @@ def step_between(g: GenerateWorker) -> Callable[[], None]:
         g.wait_for_step()
 
     return between
+
+
+def step_policy(config: OrchestratorConfig, pe, ge) -> StepPolicy:
+    """The scheduling knobs of `config` against the engines (policy.resolve); every
+    generate engine gets the same cap, so the smallest engine bounds it."""
+    return resolve(slots=min(e.max_concurrent_decodes for e in ge),
+                   max_prefill_length=min(e.max_prefill_length for e in pe),
+                   chunked_prefill=all(getattr(e, "chunked_prefill", False) for e in pe),
+                   shares_devices={id(e) for e in pe} <= {id(e) for e in ge},
+                   max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   prefill_chunk=config.prefill_chunk, step_policy=config.step_policy)
+
+
+def budget_between(p: PrefillWorker, g: GenerateWorker, policy: StepPolicy,
+                   stopping: threading.Event, poll_s: float) -> None:
+    """Decode-first on an interleaved engine: its prefill calls and decode steps share one
+    token budget per step (step_budget.py), which replaces the one step between chunks."""
+    if not policy.decode_first:
+        return
+    # The backlog is read first: an insert takes its slot before it leaves the backlog, so
+    # a request moving between them is counted twice at worst, never missed.
+    budget = StepBudget(policy.max_num_batched_tokens, policy.max_num_seqs,
+                        lambda: len(g.backlog) + g.slots.in_use,
+                        stopping=stopping, poll_s=poll_s)
+    p.budget, g.step_window = budget.prefill, budget.step
+    p.between_chunks = lambda: None

@@ -5,6 +5,11 @@ Three layers, in the vLLM v1 shape:
   scheduler.py         policy of the threaded executor: admission (fair per client), page
                        fit, preemption for recompute, prefill-before-decode priority with
                        chunks of a long prompt between decode steps
+  policy.py            the knobs users know from vLLM (max_num_seqs,
+                       max_num_batched_tokens, prefill-first or decode-first), checked
+                       and resolved against an engine
+  step_budget.py       decode-first's token budget between two decode steps of an
+                       interleaved engine
   turn_planner.py      policy of the lock-step executor: each turn's releases and
                        admissions under whole-sequence page reservations, as a StepPlan
   kv_cache_manager.py  the page questions: does a prefix fit with the next step, does a

@@ -11,7 +11,9 @@ The executors ask; the scheduler decides:
   - prefill before decode: with a free slot and nothing waiting, a generate engine that
     also prefills waits for the prefill rather than stepping, unless that prefill is
     between two of its chunks, waiting for this very step (`yield_to_prefill`): chunks of
-    a long prompt interleave with decode steps.
+    a long prompt interleave with decode steps. Under decode-first (policy.py) it never
+    waits: every step runs as soon as it can, and step_budget.py bounds the prefill
+    before it.
 
 `plan` makes these calls into one `Turn` for the threaded executor, which only runs it.
 Whole-sequence page promises (lock-step, offline) are `KVCacheManager.reserve`.
@@ -70,11 +72,14 @@ class Scheduler(Generic[R]):
       slots: the engine's decode slots.
       kv: its page questions (KVCacheManager).
       client: who sent a request (fair share counts slots per client).
+      decode_first: never wait for prefill rather than step (policy.DECODE_FIRST).
     """
 
     def __init__(self, slots: int, kv: KVCacheManager, *,
-                 client: Callable[[R], Hashable] = lambda request: None):
+                 client: Callable[[R], Hashable] = lambda request: None,
+                 decode_first: bool = False):
         self.slots: SlotTable[R] = SlotTable(slots)
+        self.decode_first = decode_first
         self.kv = kv
         self._client = client
         self._order: dict[int, int] = {}  # slot -> insert order (the newest is preempted)
@@ -152,6 +157,7 @@ class Scheduler(Generic[R]):
     def yield_to_prefill(self, waiting: int, prefill_work: bool, between_chunks: bool) -> bool:
         """Whether an engine that also prefills should wait rather than step: it has a
         free slot, nothing `waiting` to fill it, and prefill work on its way that is not
-        paused between chunks (that prefill waits for this engine's next step)."""
-        return (self.slots.has_free and waiting == 0 and prefill_work
+        paused between chunks (that prefill waits for this engine's next step). Never
+        under decode-first."""
+        return (not self.decode_first and self.slots.has_free and waiting == 0 and prefill_work
                 and not between_chunks)

@@ -69,7 +69,8 @@ def test_the_package_never_imports_jax():
             "import jetserve.scheduling, jetserve.scheduling.scheduler, "
             "jetserve.scheduling.kv_cache_manager, jetserve.scheduling.plan, "
             "jetserve.scheduling.slots, jetserve.scheduling.page_pool, "
-            "jetserve.scheduling.page_planner\n"
+            "jetserve.scheduling.page_planner, jetserve.scheduling.policy, "
+            "jetserve.scheduling.step_budget\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'engines')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True, env={"PYTHONPATH": str(ROOT)})

@@ -61,7 +61,7 @@ def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False
             mask[slot] = 0
             paused.add(slot)
         else:
-            g.fill(mask, slot)
+            g.fill(mask, slot, remaining=live.budget - live.generated)
     return mask, paused
 
 
@@ -97,4 +97,4 @@ def check_constrainable(field: str, engines: Sequence[Any], tokenizer: Any) -> N
 def first_mask(live: Any) -> dict:
     """prefill's keyword arguments for a request's first token: its grammar's mask."""
     g = live.grammar
-    return {} if g is None else {"token_mask": g.mask_row()}
+    return {} if g is None else {"token_mask": g.mask_row(remaining=live.budget - live.generated)}

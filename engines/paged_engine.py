@@ -54,14 +54,16 @@ POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
 def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
                     state: PagedDecodeState, table, token_mask=None):
     """One decode step; table i32[B, W] is each slot's first W pages (trash-padded);
-    token_mask None or i32[B, W'] allowed tokens (engines/token_mask.py)."""
+    token_mask None or i32[B, W'] allowed tokens (engines/token_mask.py). A slot whose row
+    allows nothing sits the step out (token_mask.hold_paused); the page planner, which
+    sees the same mask on the host, keeps its length (SlotPages.after_step)."""
     S = max_seq_len
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,)
     kv = PagedDecodeKV(state, table, pos, valid, impl)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     slot, results = step_slot_fields(state, logits, valid, top_n, model.backend.cpu_kernels,
-                                     token_mask)
+                                     token_mask, pause=True)
     return PagedDecodeState(k=tuple(kv.k), v=tuple(kv.v), **slot), results
 
 

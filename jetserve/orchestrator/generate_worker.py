@@ -305,15 +305,15 @@ class GenerateWorker:
 
     def _step(self) -> None:
         self._make_room()
-        if must_sync(self.slots.rows(), can_pause=self.pages is None):
-            self.readback.read()  # constrained slots' next masks need their last tokens
+        if must_sync(self.slots.rows()):
+            self.readback.sync()  # constrained slots' next masks need their last tokens
         if not self.slots.in_use:
             return
         rows = self.slots.rows()
         t = time.monotonic()
         try:
             mask, paused = step_mask(rows, self.engine.max_concurrent_decodes,
-                                     self.engine.vocab_size, pause=self.pages is None)
+                                     self.engine.vocab_size, pause=True)
             with self.step_window(), self.state_lock:
                 self.state, res = self.engine.generate(self.params, self.state,
                                                        **mask_kwargs(mask))

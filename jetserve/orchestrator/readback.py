@@ -50,10 +50,20 @@ class ReadBack:
         self.read_failed = read_failed or self.fail
         self.pending: tuple[ResultTokens, Rows, float] | None = None
         self.tokens = self.drafted = self.accepted = 0  # drafts: speculative decoding
+        # Structured output (step_masks.py): steps dispatched only after the one before
+        # was read (the device idled), and slots that sat a step out.
+        self.syncs = self.sat_out = 0
         self._last_read = 0.0
 
     def counts(self) -> dict:
-        return {"tokens": self.tokens, "drafted": self.drafted, "accepted": self.accepted}
+        return {"tokens": self.tokens, "drafted": self.drafted, "accepted": self.accepted,
+                "syncs": self.syncs, "sat_out": self.sat_out}
+
+    def sync(self) -> None:
+        """Reads the pending step before the next is dispatched (the loop needs its
+        tokens first): counted in `syncs` when a step was pending."""
+        self.syncs += self.pending is not None
+        self.read()
 
     def dispatched(self, res: ResultTokens, rows: Rows, t_dispatch: float) -> None:
         """A step was dispatched (its host copy started): reads the one before it."""
@@ -81,8 +91,10 @@ class ReadBack:
             if finish is not None:
                 live.done = True
                 self.finished(slot, live)
-            if n or finish is not None:  # n 0: the slot sat the step out (step_masks.py)
+            if n or finish is not None:
                 out.append((live, slot, n, finish))
+            else:  # the slot sat the step out (step_masks.py)
+                self.sat_out += 1
         self.tokens += sum(n for _, _, n, _ in out)
         for slot, _ in rows:
             drafted, accepted = host.drafts(slot)

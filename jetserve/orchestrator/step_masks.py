@@ -4,16 +4,17 @@ A constrained slot's mask for step N depends on the token step N - 1 gave it, wh
 generate loop reads only after dispatching step N (one step late, so the device always
 has a step queued). Two ways out, chosen per step:
 
-- with an unconstrained request in the batch (and a contiguous KV cache), nobody waits:
-  a constrained slot whose last token is not read yet gets an all-zero mask row and sits
-  the step out (engines/token_mask.hold_paused: no token, no key or length change); its
-  token is read while that step runs, its grammar takes it and its mask is ready for
-  the next. Constrained requests then get a token every other step, free ones every step.
-- when every request in the batch is constrained (or the cache is paged, whose host-side
-  page plan assumes every live slot advances), the loop syncs (`must_sync`): it reads
+- with an unconstrained request in the batch, nobody waits: a constrained slot whose
+  last token is not read yet gets an all-zero mask row and sits the step out
+  (engines/token_mask.hold_paused: no token, no key or length change; on a paged cache
+  the page planner sees the same row and keeps the slot's length). Its token is read
+  while that step runs, its grammar takes it and its mask is ready for the next.
+  Constrained requests then get a token every other step, free ones every step.
+- when every request in the batch is constrained, the loop syncs (`must_sync`): it reads
   step N - 1 back first, then writes the masks and dispatches step N. The device idles
   for the read-back wait plus the mask work (tens of microseconds per slot for a JSON
-  schema); `jetserve bench structured` measures it.
+  schema); `jetserve bench structured` measures it. The read-back counts these waits
+  (`syncs`) and the slots that sat a step out (`sat_out`).
 
 A batch without a constrained request keeps the program compiled without a mask.
 
@@ -37,11 +38,9 @@ def any_constrained(rows: Rows) -> bool:
     return any(live.grammar is not None and not live.done for _, live in rows)
 
 
-def must_sync(rows: Rows, can_pause: bool) -> bool:
+def must_sync(rows: Rows) -> bool:
     """Whether the loop reads the previous step back before this one (see module doc)."""
-    if not any_constrained(rows):
-        return False
-    return not can_pause or all(live.grammar is not None for _, live in rows)
+    return any_constrained(rows) and all(live.grammar is not None for _, live in rows)
 
 
 def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False
@@ -62,7 +61,7 @@ def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False
             mask[slot] = 0
             paused.add(slot)
         else:
-            g.fill(mask, slot)
+            g.fill(mask, slot, remaining=live.budget - live.generated)
     return mask, paused
 
 
@@ -98,4 +97,4 @@ def check_constrainable(field: str, engines: Sequence[Any], tokenizer: Any) -> N
 def first_mask(live: Any) -> dict:
     """prefill's keyword arguments for a request's first token: its grammar's mask."""
     g = live.grammar
-    return {} if g is None else {"token_mask": g.mask_row()}
+    return {} if g is None else {"token_mask": g.mask_row(remaining=live.budget - live.generated)}

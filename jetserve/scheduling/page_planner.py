@@ -67,7 +67,8 @@ class PagePlanner:
     def generate(self, params: Any, decode_state: Any, **kw: Any) -> tuple[Any, Any]:
         """engine.generate over the pages this step writes (raises OutOfPages, taking
         none and running nothing, when the pool cannot cover the step); `kw` (a token
-        mask) goes on to the engine."""
+        mask) goes on to the engine. A slot whose mask row allows nothing sits the step
+        out on the device (engines/token_mask.hold_paused), so its length stays."""
         pages = self.kv_pages
         if pages.lookahead:
             # How far the last step really got is known on the device only: wait for it
@@ -76,7 +77,9 @@ class PagePlanner:
         width = pages.before_step()
         table = pages.table[:, :width].copy()  # the device may read it later
         out = self.engine.generate(params, decode_state, table, **kw)
-        pages.after_step()
+        mask = kw.get("token_mask")
+        pages.after_step(held=() if mask is None else
+                         np.flatnonzero(~np.asarray(mask).any(axis=1)).tolist())
         return out
 
     def free_slot(self, slot: int) -> None:

@@ -18,7 +18,7 @@ the plain-int counters (`free_count`) for stats.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -209,11 +209,13 @@ class SlotPages:
         widest = max((len(p) for p in self._pages.values()), default=1)
         return width_bucket(widest, self.max_pages)
 
-    def after_step(self) -> None:
+    def after_step(self, held: Collection[int] = ()) -> None:
         """Each live slot gained one token, or with lookahead K at most K + 1 (a full slot
-        stays full, as on the device)."""
+        stays full, as on the device); the `held` slots sat the step out and gained none
+        (the position they wrote is written again when they next step)."""
         for s, n in self._len.items():
-            self._len[s] = min(n + self.lookahead + 1, self.max_seq_len)
+            if s not in held:
+                self._len[s] = min(n + self.lookahead + 1, self.max_seq_len)
 
     def sync(self, lengths) -> None:
         """Speculative steps: each live slot's length as the device has it (lengths[slot],

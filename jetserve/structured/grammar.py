@@ -9,25 +9,33 @@ the next one (`fill`).
 
 EOS is in a mask only where the grammar may end (llguidance adds the tokenizer's EOS ids
 then); a grammar that can take nothing more allows only EOS, so a complete structure ends
-"stop". One cut by max_tokens ends "length", like any other request.
+"stop". One cut by max_tokens ends "length", like any other request, except json_object,
+whose mask is narrowed near the end of the budget so the object closes in time
+(json_budget.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
 from jetserve.structured.constraint import Constraint
+from jetserve.structured.json_budget import GrowthTable, JsonBudget
 from jetserve.structured.vocabulary import ll_tokenizer
 
 log = logging.getLogger(__name__)
 
 # JSON without optional whitespace: a model cannot pad it with spaces and newlines.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# id(LLTokenizer) -> (it, its GrowthTable): built once per vocabulary (LLTokenizer takes
+# no weak reference; held here, its id stays its own).
+_growth: dict[int, tuple[llguidance.LLTokenizer, GrowthTable]] = {}
+_growth_lock = threading.Lock()
 
 
 def grammar_text(c: Constraint) -> str:
@@ -69,15 +77,25 @@ def compile_constraint(c: Constraint, tokenizer, vocab_size: int) -> TokenGramma
     if matcher.is_error():
         raise ValueError(f"{c.field}: invalid {c.kind.replace('_', ' ')}: "
                          f"{matcher.get_error().strip()}")
-    return TokenGrammar(matcher, c.field, vocab_size, lt.vocab_size)
+    budget = JsonBudget(_growth_table(lt), vocab_size) if c.kind == "json_object" else None
+    return TokenGrammar(matcher, c.field, vocab_size, lt.vocab_size, budget)
+
+
+def _growth_table(lt: llguidance.LLTokenizer) -> GrowthTable:
+    with _growth_lock:
+        if id(lt) not in _growth:
+            table = GrowthTable([lt.decode_bytes([i]) for i in range(lt.vocab_size)])
+            _growth[id(lt)] = (lt, table)
+        return _growth[id(lt)][1]
 
 
 class TokenGrammar:
     """One request's grammar state (llguidance.LLMatcher) over the tokens it took."""
 
     def __init__(self, matcher: llguidance.LLMatcher, field: str, vocab_size: int,
-                 ll_vocab_size: int):
+                 ll_vocab_size: int, budget: JsonBudget | None = None):
         self.matcher = matcher
+        self.budget = budget  # json_object: closes within max_tokens (json_budget.py)
         self.field = field
         self.vocab_size = vocab_size  # the model's V; llguidance's may be larger (padding)
         self._scratch = llguidance.numpy.allocate_token_bitmask(
@@ -92,6 +110,8 @@ class TokenGrammar:
             log.warning("%s: the grammar refused token %d: %s", self.field, token,
                         self.matcher.get_error())
             return False
+        if self.budget is not None:
+            self.budget.take(int(token))
         return True
 
     @property
@@ -99,14 +119,17 @@ class TokenGrammar:
         """The grammar is complete and takes nothing more (EOS taken, or no token left)."""
         return self.matcher.is_stopped()
 
-    def fill(self, mask: np.ndarray, row: int) -> None:
+    def fill(self, mask: np.ndarray, row: int, remaining: int | None = None) -> None:
         """Writes the next token's allowed set into row `row` of i32[B, W] (W of the
-        model's vocabulary)."""
+        model's vocabulary); remaining: the tokens the request may still generate, this
+        one included (json_object closes within them)."""
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._scratch, 0)
         mask[row] = self._scratch[0, : mask.shape[1]]
+        if self.budget is not None and remaining is not None:
+            self.budget.narrow(mask[row], remaining)
 
-    def mask_row(self) -> np.ndarray:
+    def mask_row(self, remaining: int | None = None) -> np.ndarray:
         """The next token's allowed set as i32[1, W] (a prefill's first token)."""
         mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
-        self.fill(mask, 0)
+        self.fill(mask, 0, remaining)
         return mask

@@ -22,8 +22,22 @@ def test_cli_bench_structured_json(capsys):
     assert out["tokenizer"].startswith("the bundled model's")
 
 
+def test_cli_bench_structured_on_the_paged_layout(capsys):
+    rc = cli.main(["bench", "structured", "--model", "random:tiny-v4096", "--batch", "2",
+                   "--context", "8", "--steps", "3", "--repeats", "1", "--kv-layout", "paged",
+                   "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    row, = out["rows"]
+    assert out["kv_layout"] == "paged" and row["mixed_step_ms"] > 0
+    assert row["ratio_mixed_to_free"] == pytest.approx(
+        row["mixed_step_ms"] / row["free_step_ms"], rel=0.01)
+
+
 def test_config_names_the_bad_field():
     with pytest.raises(ValueError, match="^batches"):
         StructuredBenchConfig(batches=(0,))
     with pytest.raises(ValueError, match="^repeats"):
         StructuredBenchConfig(repeats=0)
+    with pytest.raises(ValueError, match="^kv_layout"):
+        StructuredBenchConfig(kv_layout="ring")

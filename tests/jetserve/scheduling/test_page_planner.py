@@ -93,3 +93,32 @@ def test_a_contiguous_engine_is_left_alone():
         PagePlanner(eng)
     planner = PagePlanner(_Engine())
     assert with_pages(planner) is planner and planner.kept == 1  # the engine's attributes
+
+
+class _MaskedEngine(_Engine):
+    """As _Engine, taking a token mask: a slot whose row allows nothing gains nothing
+    (engines/token_mask.hold_paused)."""
+
+    def generate(self, params, state, page_table, token_mask):
+        self.calls.append(("generate", page_table.tolist()))
+        live = (state.lengths > 0) & token_mask.any(axis=1)
+        state.lengths[live] += self.kept
+        return state, None
+
+
+def test_a_slot_that_sits_a_step_out_keeps_its_length_and_pages():
+    eng = _MaskedEngine()
+    planner = PagePlanner(eng)
+    state = planner.insert(_prefix(7), planner.init_decode_state(), 0)
+    state = planner.insert(_prefix(3), state, 1)
+    held_out = np.array([[-1], [0]], np.int32)  # slot 1 sits out
+    for _ in range(3):
+        state, _ = planner.generate(None, state, token_mask=held_out)
+    assert [planner.kv_pages.length(s) for s in (0, 1)] == [10, 3] == state.lengths.tolist()
+    assert planner.kv_pages.pages_of(1) == [2]  # position 3 is still page 2's
+    planner.kv_pages.check()
+    state, _ = planner.generate(None, state, token_mask=np.full((2, 1), -1, np.int32))
+    assert [planner.kv_pages.length(s) for s in (0, 1)] == [11, 4] == state.lengths.tolist()
+    state, _ = planner.generate(None, state, token_mask=np.full((2, 1), -1, np.int32))
+    assert planner.kv_pages.pages_of(1) == [2, 4]  # writing position 4 took a page
+    planner.kv_pages.check()

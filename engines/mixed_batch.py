@@ -73,11 +73,16 @@ class MixedInputs:
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """The padded token counts a mixed step compiles for: powers of two from MIN_TOKENS
-    up to the first that holds max_tokens."""
-    out = [MIN_TOKENS]
-    while out[-1] < max_tokens:
-        out.append(out[-1] * 2)
-    return tuple(out)
+    below max_tokens, then max_tokens rounded up to a multiple of 8. The top bucket is
+    the common full step (a whole chunk beside every decode row: 128 + 8), which the next
+    power of two would pad to almost twice its work."""
+    top = -(-max_tokens // 8) * 8
+    out = []
+    b = MIN_TOKENS
+    while b < top:
+        out.append(b)
+        b *= 2
+    return (*out, top)
 
 
 def _sampling_rows(B: int, rows: Sequence[MixedRow]) -> SlotSampling:

@@ -39,8 +39,11 @@ def _bucket(engine, tokens: int) -> int:
 
 
 def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: int,
-              arrive_every: int = 2, sampling: SamplingParams | None = None) -> MixedRun:
-    """Prompt i arrives at step i * arrive_every; every sequence gets max_tokens tokens."""
+              arrive_every: int = 2, sampling: SamplingParams | None = None,
+              widest: bool = False) -> MixedRun:
+    """Prompt i arrives at step i * arrive_every; every sequence gets max_tokens tokens.
+    `widest`: every step takes the whole page table (one width: fewer programs to
+    compile), else the width the pages held need (as generate's planner)."""
     g = engine.page_geometry
     pool = PagePool(g.num_pages)
     max_pages = pages_for(g.max_seq_len, g.page_size)
@@ -79,7 +82,8 @@ def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: i
                 (page,) = pool.alloc(1)
                 table[s, len(q.pages)] = page
                 q.pages.append(page)
-        width = width_bucket(max(len(q.pages) for q in slots.values()), max_pages)
+        width = max_pages if widest else width_bucket(
+            max(len(q.pages) for q in slots.values()), max_pages)
         tokens = sum(max(len(r.chunk), 1) for r in rows)
         run.shapes.add((_bucket(engine, tokens), width))
         run.mixed_steps += any(r.decode for r in rows) and any(r.chunk for r in rows)

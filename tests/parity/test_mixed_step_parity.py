@@ -38,6 +38,7 @@ def test_mixed_steps_equal_transformers(hf_dirs, family):
     params = eng.load_params()
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
-    run = run_mixed(eng, params, prompts, max_tokens=MAX_TOKENS, chunk=6, budget=9)
+    run = run_mixed(eng, params, prompts, max_tokens=MAX_TOKENS, chunk=6, budget=9,
+                    widest=True)
     assert run.mixed_steps >= 5
     assert run.outputs == [_hf_greedy(model, p, MAX_TOKENS) for p in prompts]

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from engines.kv_cache import window_sizes
 from engines.sampling import SamplingParams, SlotSampling
 
 MODE_IDLE, MODE_DECODE, MODE_CHUNK = 0, 1, 2
@@ -76,13 +77,7 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     below max_tokens, then max_tokens rounded up to a multiple of 8. The top bucket is
     the common full step (a whole chunk beside every decode row: 128 + 8), which the next
     power of two would pad to almost twice its work."""
-    top = -(-max_tokens // 8) * 8
-    out = []
-    b = MIN_TOKENS
-    while b < top:
-        out.append(b)
-        b *= 2
-    return (*out, top)
+    return window_sizes(-(-max_tokens // 8) * 8, MIN_TOKENS)
 
 
 def _sampling_rows(B: int, rows: Sequence[MixedRow]) -> SlotSampling:

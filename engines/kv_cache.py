@@ -201,10 +201,11 @@ def grow_prefix(prefix: Prefix, capacity: int) -> Prefix:
                                draft_v=tuple(map(pad, prefix.draft_v)))
 
 
-def window_sizes(S: int) -> tuple[int, ...]:
-    """The decode read windows of a cache of S entries: MIN_WINDOW, doubling, then S."""
+def window_sizes(S: int, first: int = MIN_WINDOW) -> tuple[int, ...]:
+    """The decode read windows of a cache of S entries: `first`, doubling, then S
+    (as well: a mixed step's token buckets, engines/mixed_batch.py)."""
     sizes = []
-    w = MIN_WINDOW
+    w = first
     while w < S:
         sizes.append(w)
         w *= 2

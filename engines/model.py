@@ -202,7 +202,8 @@ class ScanBlock(Block):
 
 
 class Decoder(nn.Module):
-    """tokens [B, T] at positions [B, T] -> logits f32[B, T, V] (or only at `last`); `lora`
+    """tokens [B, T] at positions [B, T] -> logits f32[B, T, V] (or only at `last`: [B]
+    indices, one row each, or [B, R], R rows each, the mixed step's); `lora`
     (engines/lora.py LoraBatch) adds each row's adapter to the projections."""
 
     cfg: ModelConfig
@@ -231,8 +232,9 @@ class Decoder(nn.Module):
             x = constrain(x, _RESIDUAL_ACT, f"layer {i} output")
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         w_norm = _param(self, "norm", (D,), (axes.EMBED,), self.dtype, ones)
-        if last is not None:  # only the rows whose logits are needed: [B] indices into T
-            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # (B, 1, D)
+        if last is not None:  # only the rows whose logits are needed: i32[B] or [B, R]
+            idx = last[:, None] if last.ndim == 1 else last  # indices into T
+            x = jnp.take_along_axis(x, idx[..., None], axis=1)  # (B, 1 or R, D)
         x = rms_norm(x, w_norm, c.rms_norm_eps, c.norm_plus_one)
         head = embed if c.tie_word_embeddings else _kernel(
             self, "lm_head", (V, D), (axes.VOCAB, axes.EMBED), self.dtype)

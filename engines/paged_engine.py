@@ -10,6 +10,10 @@ Programs: prefill as the contiguous engine (one per bucket); insert one per pref
 generate one per page-table width W (the planner uses powers of two up to
 ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
 
+`mixed_step` runs decode rows and chunks of prompts as one ragged step over the pages
+(engines/mixed_step.py documents the call): one program per token bucket
+(`mixed_token_buckets`) and page-table width.
+
 With speculative decoding (`EngineConfig.speculative`) generate is the verify step of
 engines/speculative.py over the gathered pages (never the TPU kernel, which takes one
 query per slot). The page table of a step covers positions up to length + K of each
@@ -35,6 +39,8 @@ import numpy as np
 
 from engines.engine_api import PageGeometry, ResultTokens, pack_results
 from engines.kv_cache import Prefix, empty_slot_fields, step_slot_fields
+from engines.mixed_batch import MixedRow, pack_rows, token_buckets
+from engines.mixed_step import mixed_step
 from engines.model import Decoder
 from engines.paged_kv import (
     PagedDecodeKV,
@@ -155,6 +161,15 @@ class PagedTransformerEngine(TransformerEngine):
             donate_argnums=(1,),
         )
         self._blocks_of_pages_jit = jax.jit(blocks_of_pages)
+        self.traces["mixed"] = 0
+        # The TPU kernel where the decode step takes its own; else the XLA path.
+        ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
+        self._mixed_jit = jax.jit(
+            self._counted("mixed", laid_out(functools.partial(
+                mixed_step, self.model, top_n, self.config.max_seq_len, ragged))),
+            in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
+            donate_argnums=(1,),
+        )
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -201,6 +216,29 @@ class PagedTransformerEngine(TransformerEngine):
         token_mask as TransformerEngine.generate's."""
         return self._generate_jit(params, decode_state, page_table, token_mask,
                                   *self._draft_args())
+
+    def mixed_step(self, params, decode_state: PagedDecodeState, page_table: np.ndarray,
+                   rows: Sequence[MixedRow]) -> tuple[PagedDecodeState, ResultTokens]:
+        """One ragged step of decode rows and prompt chunks (engines/mixed_step.py);
+        page_table i32[B, W] as generate's, covering every position the rows write."""
+        if self.config.spec.enabled:
+            raise ValueError(f"mixed_step does not run with speculative "
+                             f"{self.config.speculative!r}; use prefill / generate")
+        table = np.asarray(page_table, np.int32)
+        g = self.page_geometry
+        max_w = -(-g.max_seq_len // g.page_size)
+        if table.ndim != 2 or table.shape[0] != g.slots or not 1 <= table.shape[1] <= max_w:
+            raise ValueError(f"page_table must be i32[{g.slots}, W] with 1 <= W <= {max_w}, "
+                             f"got shape {table.shape}")
+        inputs = pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
+                           buckets=self.mixed_token_buckets)
+        return self._mixed_jit(params, decode_state, table, inputs)
+
+    @property
+    def mixed_token_buckets(self) -> tuple[int, ...]:
+        """The token counts a mixed step is padded to: up to a full prefill chunk beside
+        a decode token for every slot."""
+        return token_buckets(self.config.max_prefill_length + self.config.max_concurrent_decodes)
 
     @property
     def page_geometry(self) -> PageGeometry:

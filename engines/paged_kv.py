@@ -70,7 +70,7 @@ def resolve_attention(impl: str, platform: str, sliding_window: int | None,
     return impl
 
 
-def _write(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array) -> jax.Array:
+def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array) -> jax.Array:
     """pool [K, P+1, ps, H]; new [n, K, H] goes to (pages[i], offsets[i]); out-of-range
     page indices are dropped."""
     return pool.at[:, pages, offsets].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype),
@@ -124,8 +124,8 @@ class PagedDecodeKV:
             flat = lambda x: x.reshape((-1,) + x.shape[2:])
             page, off, k, v = map(flat, (self.write_page, self.write_off, k, v))
             last = self.pos[:, -1]
-        k_pool = _write(self.state.k[layer], page, off, k)
-        v_pool = _write(self.state.v[layer], page, off, v)
+        k_pool = write_pages(self.state.k[layer], page, off, k)
+        v_pool = write_pages(self.state.v[layer], page, off, v)
         self.k.append(k_pool)
         self.v.append(v_pool)
         k_all = gather_pages(k_pool, self.table)
@@ -179,7 +179,7 @@ def insert_paged(prefix: Prefix, state: PagedDecodeState, slot: jax.Array,
     off = safe % ps
 
     return PagedDecodeState(
-        k=tuple(_write(c, page, off, n[0]) for c, n in zip(state.k, prefix.k, strict=True)),
-        v=tuple(_write(c, page, off, n[0]) for c, n in zip(state.v, prefix.v, strict=True)),
+        k=tuple(write_pages(c, page, off, n[0]) for c, n in zip(state.k, prefix.k, strict=True)),
+        v=tuple(write_pages(c, page, off, n[0]) for c, n in zip(state.v, prefix.v, strict=True)),
         **insert_slot_fields(state, prefix, slot),
     )

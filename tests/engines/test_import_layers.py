@@ -23,12 +23,13 @@ ENGINE_LAYERS = (
     # configs, the Engine API, attention / sampling / quantization / expert math
     ("config", "engine_config", "engine_api", "attention", "sampling", "quantization",
      "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend",
-     "token_mask", "layer_scan"),
+     "token_mask", "layer_scan", "ragged_attention"),
     # the model and the KV stores (and checkpoint files, the mock engine)
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
-     "kv_heads", "lora_loading", "lora_registry", "lora"),
+     "kv_heads", "lora_loading", "lora_registry", "lora", "mixed_batch"),
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)
-    ("device_functions", "speculative", "param_loading", "prompt_scoring", "prefill_program"),
+    ("device_functions", "speculative", "param_loading", "prompt_scoring", "prefill_program",
+     "mixed_step"),
     # the engines: shardings and jit wiring
     ("transformer_engine", "paged_engine", "lora_engine"),
     # the choice between them, and the package's public names

@@ -1,0 +1,157 @@
+"""The mixed step: decode rows and chunks of prompts in one jitted step over paged KV.
+
+Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
+
+    mixed_step(params, decode_state, page_table, rows) -> (decode_state, ResultTokens)
+
+  - rows: `engines.mixed_batch.MixedRow`s, at most one per slot: decode rows (one token,
+    the slot's last sampled one, read from the state on the device) and prefill rows (a
+    chunk of a prompt at given positions; the chunk that ends the prompt samples its
+    first token). Slots in no row are left bit-identical.
+  - page_table i32[B, W]: each slot's first W pages in position order, covering every
+    position this step writes (chunk positions, and a decode row's length); the host's
+    KV-cache manager (jetserve/scheduling) decides them, as for generate. W a power of
+    two up to ceil(max_seq_len / page_size), as generate's widths.
+  - The step writes every token's K/V into its row's pages, each token attends causally
+    over its row's pages (engines/ragged_attention.py), and each sampling row gets one
+    token. ResultTokens as generate's: a row's count is 1 where it sampled (decode rows,
+    last chunks), else 0; its length column is prompt + generated tokens, as prefill's
+    and generate's.
+  - The decode state is donated. A slot mid-prompt (chunks sent, not the last) reads as
+    not live to `generate` (length max_seq_len, as an empty slot), so plain generate
+    steps may run between mixed steps; once its last chunk has run the slot is exactly
+    what prefill + insert make (length, first token, sampling row with its key advanced
+    past that token, prompt mask, token counts), so generate and mixed steps continue it
+    alike.
+  - Compiles once per (token bucket, page-table width): `engine.mixed_token_buckets` x
+    the planner's widths (trace counts under "mixed").
+  - Not with speculative decoding, a draft model, or token masks (structured output):
+    those are refused by the engine.
+
+Device-side derivations from the per-row inputs (engines/mixed_batch.py): a token's row
+is found from the cumulative query lengths (rows laid out in slot order), its position is
+the row's base (a decode row's length, a chunk's start) plus its offset in the row.
+
+Letters: B slots (rows), T tokens, W pages per row, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from engines.engine_api import pack_results
+from engines.mixed_batch import MODE_CHUNK, MODE_DECODE, MixedInputs
+from engines.model import Decoder
+from engines.paged_kv import PagedDecodeState, write_pages
+from engines.ragged_attention import pallas_ragged_attention, ragged_paged_attention
+from engines.sampling import sample, token_logprobs
+
+
+@dataclasses.dataclass
+class RaggedLayout:
+    """Where each of T tokens goes: its row, position (-1: padding or a full slot), id."""
+
+    rows: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    tokens: jax.Array  # i32[T]
+    q_len: jax.Array  # i32[B] tokens each row runs
+    last: jax.Array  # i32[B] index of each row's last token (its logits sample)
+    decode_live: jax.Array  # bool[B] decode rows with room (lengths < S)
+
+
+def ragged_layout(inp: MixedInputs, state: PagedDecodeState, max_seq_len: int) -> RaggedLayout:
+    T = inp.tokens.shape[0]
+    B = inp.mode.shape[0]
+    decode = inp.mode == MODE_DECODE
+    decode_live = decode & (state.lengths < max_seq_len)
+    q_len = jnp.where(decode, 1, jnp.where(inp.mode == MODE_CHUNK, inp.q_len, 0))
+    cu = jnp.cumsum(q_len)  # (B,) end of each row's tokens
+    begin = cu - q_len
+    t = jnp.arange(T)
+    rows = jnp.minimum(jnp.searchsorted(cu, t, side="right"), B - 1).astype(jnp.int32)
+    base = jnp.where(decode, state.lengths, inp.start)
+    pos = base[rows] + t - begin[rows]
+    runs = (t < cu[-1]) & (~decode[rows] | decode_live[rows])
+    tokens = jnp.where(decode[rows], state.tokens[rows], inp.tokens)
+    return RaggedLayout(rows=rows, positions=jnp.where(runs, pos, -1).astype(jnp.int32),
+                        tokens=tokens, q_len=q_len, last=jnp.maximum(cu - 1, 0),
+                        decode_live=decode_live)
+
+
+class RaggedPagedKV:
+    """KVStore of the mixed step: writes each token's k, v into its row's page, then
+    attends over its row's pages (`attend`; what `update` returns is unused)."""
+
+    def __init__(self, state: PagedDecodeState, table: jax.Array, layout: RaggedLayout,
+                 impl: str):
+        self.state, self.table, self.layout, self.impl = state, table, layout, impl
+        _, P1, ps, _ = state.k[0].shape
+        W = table.shape[1]
+        pos = layout.positions
+        idx = jnp.where(pos >= 0, pos // ps, 0)
+        page = table[layout.rows, jnp.minimum(idx, W - 1)]
+        self.write_page = jnp.where((pos >= 0) & (idx < W), page, P1 - 1)  # else: trash
+        self.write_off = jnp.where(pos >= 0, pos % ps, 0)
+        self.k: list[jax.Array] = []
+        self.v: list[jax.Array] = []
+
+    def update(self, layer, k, v):  # k, v [1, T, K, H]
+        self.k.append(write_pages(self.state.k[layer], self.write_page, self.write_off, k[0]))
+        self.v.append(write_pages(self.state.v[layer], self.write_page, self.write_off, v[0]))
+        return k, v, self.layout.positions[None]
+
+    def attend(self, layer, q, positions, sliding_window):  # q [1, T, N, H]
+        del positions  # the layout's, with padding at -1
+        lay = self.layout
+        if self.impl == "pallas_tpu":
+            kv_lens = jnp.where(lay.q_len > 0, jnp.max(jnp.where(
+                lay.rows[None, :] == jnp.arange(self.table.shape[0])[:, None],
+                lay.positions[None, :] + 1, 0), axis=1), 0)
+            out = pallas_ragged_attention(q[0], self.k[layer], self.v[layer], self.table,
+                                          lay.q_len, kv_lens, sliding_window)
+        else:
+            out = ragged_paged_attention(q[0], self.k[layer], self.v[layer], self.table,
+                                         lay.rows, lay.positions, sliding_window)
+        return out[None]
+
+
+def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
+               state: PagedDecodeState, table: jax.Array, inp: MixedInputs):
+    """The step of the module doc: (new state, ResultTokens)."""
+    S = max_seq_len
+    lay = ragged_layout(inp, state, S)
+    kv = RaggedPagedKV(state, table, lay, impl)
+    positions = jnp.maximum(lay.positions, 0)[None]
+    logits = model.apply({"params": params}, lay.tokens[None], positions, kv,
+                         last=lay.last[None])[0]  # (B, V)
+    B, V = logits.shape
+    chunk = inp.mode == MODE_CHUNK
+    fresh = chunk & inp.fresh
+    emit = jnp.where(inp.mode == MODE_DECODE, lay.decode_live, chunk & inp.sample)
+    sampling = jax.tree.map(
+        lambda new, old: jnp.where(fresh.reshape((B,) + (1,) * (old.ndim - 1)), new, old),
+        inp.sampling, state.sampling)
+    # The prompt mask gathers each chunk's tokens (repetition penalty, as prefill's).
+    mask_rows = jnp.where(chunk[lay.rows] & (lay.positions >= 0), lay.rows, B)  # B: dropped
+    prompt_mask = jnp.where(fresh[:, None], False, state.prompt_mask)
+    prompt_mask = prompt_mask.at[mask_rows, lay.tokens].set(True, mode="drop")
+    counts = jnp.where(fresh[:, None], 0, state.counts)
+    cpu = model.backend.cpu_kernels
+    tok, next_keys = sample(logits, sampling, prompt_mask, counts, cpu_kernels=cpu)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu)
+    # A chunk that does not end its prompt leaves the slot not live to generate.
+    lengths = jnp.where(inp.mode == MODE_DECODE, state.lengths + emit,
+                        jnp.where(chunk, jnp.where(inp.sample, inp.start + lay.q_len, S),
+                                  state.lengths))
+    sampling = dataclasses.replace(
+        sampling, key=jnp.where(emit[:, None], next_keys, sampling.key))
+    new_state = PagedDecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), lengths=lengths.astype(jnp.int32),
+        tokens=jnp.where(emit, tok, state.tokens), sampling=sampling,
+        prompt_mask=prompt_mask,
+        counts=counts.at[jnp.arange(B), tok].add(emit.astype(counts.dtype)),
+        history=state.history, draft_k=state.draft_k, draft_v=state.draft_v)
+    return new_state, pack_results(tok, emit, lengths + 1, lp, top_ids, top_lp)

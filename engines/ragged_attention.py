@@ -1,0 +1,197 @@
+"""Attention of a ragged batch over a paged KV cache: every query token belongs to a row
+(a decode slot) at a position, and attends causally over that row's pages.
+
+A mixed step (engines/mixed_step.py) runs decode rows of one token and prefill rows of a
+chunk of a prompt as one flat batch of T tokens. Each layer first writes every token's
+key and value into its row's page (engines/paged_kv.py's pools, [K, P + 1, ps, H]), then
+each token attends over the keys at positions 0..its own in the pages of its row. Since a
+row's pages are in position order, key j of a row's page table is position j, and the
+causal mask needs positions only (as engines/attention.py): no per-row lengths.
+
+Implementations:
+  - "xla" (`ragged_paged_attention`): runs everywhere. Queries go in tiles of `block_q`
+    tokens; for each tile a loop over blocks of the key pages (about `block_k` keys)
+    keeps an online softmax (as engines/blockwise_attention.py). A tile whose tokens are
+    all of one row (most tiles of a chunk) gathers that row's pages of a block once; a
+    tile of several rows (decode tokens, the edges of chunks) gathers, for every token,
+    its own row's pages, which costs tokens x keys of memory traffic, so tiles are
+    small. A tile loops only up to the block that holds its furthest position (and,
+    with a sliding window, from the first block its nearest position can see), so a
+    chunk at the start of a prompt reads little.
+  - "pallas_tpu" (`pallas_ragged_attention`): jax's Pallas TPU ragged paged attention
+    kernel (jax.experimental.pallas.ops.tpu.ragged_paged_attention), which reads pages in
+    place. It takes keys and values interleaved in one pool [P + 1, ps, 2K, H]; ours are
+    two pools [K, P + 1, ps, H] (the layout the decode kernel and insert share), so each
+    layer's pools are re-laid-out per call: a copy of the pool, which a shared pool
+    layout would remove (TODO(#26)). Rows must be laid out in slot order (cu_q_lens).
+
+Padding tokens have position -1: they see no key and come out 0. Letters: T tokens,
+R rows, W pages per row, N, K, G = N/K, H as in engines/attention.py, ps page size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+RAGGED_ATTENTION = ("xla", "pallas_tpu")
+
+
+def _pad_rows(x: jax.Array, size: int, value) -> jax.Array:
+    pad = [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _key_block_range(pos: jax.Array, keys: int, nk: int,
+                     sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
+    """The key blocks [lo, hi) some live token of a tile (positions pos i32[bq]) can see."""
+    live = pos >= 0
+    hi = jnp.minimum((jnp.max(pos) + keys) // keys, nk)  # max -1 (all padding): 0
+    if sliding_window is None:
+        return jnp.int32(0), hi.astype(jnp.int32)
+    nearest = jnp.min(jnp.where(live, pos, jnp.iinfo(jnp.int32).max))
+    lo = jnp.maximum(nearest - sliding_window + 1, 0) // keys
+    return jnp.minimum(lo, hi).astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_window):
+    """Online softmax of tile q [bq, K, G, H] (positions pos i32[bq]) over key blocks
+    lo..hi-1; blocks(j) -> block j's (k, v): [K, keys, H] the tile's one row's when
+    `shared`, else [K, bq, keys, H] each token's own -> f32 (acc [bq, K, G, H], sums)."""
+    bq, K, G, H = q.shape
+    scale = 1.0 / math.sqrt(H)
+    qp = pos[:, None]  # (bq, 1)
+    qk, pv_eq = (("tkgh,ksh->tkgs", "tkgs,ksh->tkgh") if shared else
+                 ("tkgh,ktsh->tkgs", "tkgs,ktsh->tkgh"))
+
+    def step(j, carry):
+        m, total, acc = carry  # (bq, K, G), (bq, K, G), (bq, K, G, H)
+        kj, vj = blocks(j)
+        s = jnp.einsum(qk, q, kj, preferred_element_type=jnp.float32)
+        kp = j * keys + jnp.arange(keys)[None, :]  # (1, keys) key positions
+        visible = (qp >= 0) & (kp <= qp)
+        if sliding_window is not None:
+            visible &= kp > qp - sliding_window
+        s = jnp.where(visible[:, None, None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key seen yet: exp -> 0
+        p = jnp.exp(s - shift[..., None])
+        corr = jnp.exp(m - shift)
+        total = total * corr + jnp.sum(p, axis=-1)
+        pv = jnp.einsum(pv_eq, p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+        return m_new, total, acc * corr[..., None] + pv
+
+    m0 = jnp.full((bq, K, G), -jnp.inf, jnp.float32)
+    init = (m0, jnp.zeros((bq, K, G), jnp.float32), jnp.zeros((bq, K, G, H), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(lo, hi, step, init)
+    return acc / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window):
+    """One tile: q [bq, K, G, H] at positions pos i32[bq] of rows i32[bq]; table
+    i32[R, nk * c] -> [bq, K, G, H] in v's dtype. A tile whose live tokens are all of
+    one row (most of a chunk's) gathers that row's pages once; a tile of several rows
+    (decode tokens, a chunk's edge) gathers each token's own."""
+    bq, K, G, H = q.shape
+    ps = k_pool.shape[2]
+    keys = c * ps
+    live = pos >= 0
+    first = rows[jnp.argmax(live)]
+    lo, hi = _key_block_range(pos, keys, nk, sliding_window)
+
+    def one_row(q):
+        pages = table[first]  # (nk * c,)
+
+        def blocks(j):
+            blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c)
+            return tuple(jnp.take(p, blk, axis=1).reshape(K, keys, H) for p in (k_pool, v_pool))
+
+        return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window)
+
+    def per_token(q):
+        pages = jnp.take(table, rows, axis=0)  # (bq, nk * c)
+
+        def blocks(j):
+            blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c, axis=1)  # (bq, c)
+            return tuple(jnp.take(p, blk, axis=1).reshape(K, bq, keys, H)
+                         for p in (k_pool, v_pool))
+
+        return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window)
+
+    single = jnp.all(~live | (rows == first))
+    return jax.lax.cond(single, one_row, per_token, q).astype(v_pool.dtype)
+
+
+def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           table: jax.Array, rows: jax.Array, positions: jax.Array,
+                           sliding_window: int | None, *, block_q: int = 16,
+                           block_k: int = 256) -> jax.Array:
+    """q [T, N, H]; pools [K, P + 1, ps, H]; table i32[R, W] each row's pages in position
+    order; rows i32[T] each token's row; positions i32[T] (-1: padding) -> [T, N, H].
+
+    Every key a token may see (positions 0..its own of its row) must already be in the
+    pools: a step writes its tokens' keys before attending."""
+    T, N, H = q.shape
+    K, P1, ps, _ = k_pool.shape
+    G = N // K
+    W = table.shape[1]
+    c = max(1, min(W, block_k // ps))  # pages per key block
+    nk = -(-W // c)
+    # Columns past W point at the trash page; their positions are past every query's.
+    table = jnp.pad(table, [(0, 0), (0, nk * c - W)], constant_values=P1 - 1)
+    bq = min(block_q, T)
+    nq = -(-T // bq)
+    Tp = nq * bq
+    qb = _pad_rows(q, Tp, 0).reshape(nq, bq, K, G, H)
+    pos = _pad_rows(positions, Tp, -1).reshape(nq, bq)
+    rws = _pad_rows(rows, Tp, 0).reshape(nq, bq)
+
+    def one(args):
+        qt, pt, rt = args
+        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window)
+
+    out = jax.lax.map(one, (qb, pos, rws))  # (nq, bq, K, G, H)
+    return out.reshape(Tp, N, H)[:T]
+
+
+def combined_pages(k_pool: jax.Array, v_pool: jax.Array) -> jax.Array:
+    """Our two pools [K, P + 1, ps, H] as the kernel's one [P + 1, ps, 2K, H], keys of
+    head i at 2i and values at 2i + 1."""
+    K, P1, ps, H = k_pool.shape
+    kv = jnp.stack([k_pool, v_pool], axis=1)  # (K, 2, P1, ps, H)
+    return jnp.transpose(kv, (2, 3, 0, 1, 4)).reshape(P1, ps, 2 * K, H)
+
+
+def pallas_ragged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                            table: jax.Array, q_lens: jax.Array, kv_lens: jax.Array,
+                            sliding_window: int | None, *, reference: bool = False,
+                            blocks: tuple[int, int] | None = None):
+    """The Pallas TPU kernel over our pools: q [T, N, H] with each row's tokens
+    contiguous and rows in order (row r's q_lens[r] tokens at cumsum(q_lens)[r - 1]..),
+    kv_lens i32[R] keys each row holds after this step (its last position + 1)
+    -> [T, N, H] (entries of padding tokens are unspecified).
+
+    `reference`: the kernel module's own plain-jnp reference of the same contract
+    instead (jax ships it beside the kernel), which runs on any platform (eagerly).
+    `blocks`: (kv pages, queries) per kernel block; None: the kernel's tuned table,
+    which it reads for the TPU it runs on (so off a TPU, interpret mode, give them)."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    R = table.shape[0]
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens).astype(jnp.int32)])
+    args = (q, combined_pages(k_pool, v_pool), kv_lens.astype(jnp.int32),
+            table.astype(jnp.int32), cu, jnp.full((1,), R, jnp.int32))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if reference:
+        out = rpa.ref_ragged_paged_attention(*args, sm_scale=scale,
+                                             sliding_window=sliding_window)
+    else:
+        pages, queries = blocks or (None, None)
+        out = rpa.ragged_paged_attention(*args, sm_scale=scale, sliding_window=sliding_window,
+                                         num_kv_pages_per_block=pages,
+                                         num_queries_per_block=queries)
+    if reference:  # the reference returns the live tokens only
+        out = _pad_rows(out, q.shape[0], 0)
+    return out.astype(q.dtype)

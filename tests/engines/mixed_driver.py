@@ -1,0 +1,105 @@
+"""A host loop over mixed steps, for tests: prompts arrive over time and are prefilled in
+chunks while the sequences already admitted decode, in one ragged step each time.
+
+It plays the scheduler's part in the simplest way (decode rows first, then chunks up to
+a token budget) and keeps pages in a jetserve.scheduling PagePool, each slot's in
+position order, as the KV-cache manager would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from engines.mixed_batch import MixedRow
+from engines.sampling import SamplingParams
+from jetserve.scheduling.page_pool import PagePool, pages_for, width_bucket
+
+
+@dataclasses.dataclass
+class _Seq:
+    index: int
+    prompt: list[int]
+    sent: int = 0
+    out: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class MixedRun:
+    outputs: list[list[int]]  # each prompt's generated tokens, in prompt order
+    shapes: set[tuple[int, int]]  # (token bucket, page-table width) of every step
+    steps: int
+    mixed_steps: int  # steps with both decode rows and a chunk
+
+
+def _bucket(engine, tokens: int) -> int:
+    return min(b for b in engine.mixed_token_buckets if b >= tokens)
+
+
+def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: int,
+              arrive_every: int = 2, sampling: SamplingParams | None = None,
+              widest: bool = False) -> MixedRun:
+    """Prompt i arrives at step i * arrive_every; every sequence gets max_tokens tokens.
+    `widest`: every step takes the whole page table (one width: fewer programs to
+    compile), else the width the pages held need (as generate's planner)."""
+    g = engine.page_geometry
+    pool = PagePool(g.num_pages)
+    max_pages = pages_for(g.max_seq_len, g.page_size)
+    table = np.full((g.slots, max_pages), g.num_pages, np.int32)  # num_pages: trash
+    slots: dict[int, _Seq] = {}
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    waiting = list(range(len(prompts)))
+    state = engine.init_decode_state()
+    run = MixedRun(outputs=[], shapes=set(), steps=0, mixed_steps=0)
+    while waiting or slots:
+        for s in range(g.slots):  # admit what has arrived into free slots
+            if s not in slots and waiting and waiting[0] * arrive_every <= run.steps:
+                i = waiting.pop(0)
+                slots[s] = _Seq(i, list(prompts[i]))
+        rows, reach, left = [], {}, budget
+        for s, q in sorted(slots.items()):  # decode first
+            if q.sent == len(q.prompt):
+                rows.append(MixedRow(slot=s))
+                reach[s] = len(q.prompt) + len(q.out) - 1
+                left -= 1
+        for s, q in sorted(slots.items()):
+            n = min(chunk, len(q.prompt) - q.sent, left)
+            if q.sent < len(q.prompt) and n > 0:
+                rows.append(MixedRow(slot=s, chunk=q.prompt[q.sent:q.sent + n], start=q.sent,
+                                     last=q.sent + n == len(q.prompt),
+                                     sampling=(sampling or SamplingParams()) if q.sent == 0
+                                     else None, seed=q.index))
+                reach[s] = q.sent + n - 1
+                left -= n
+        if not rows:
+            run.steps += 1
+            continue
+        for s, pos in reach.items():  # pages through every position this step writes
+            q = slots[s]
+            while len(q.pages) * g.page_size <= pos:
+                (page,) = pool.alloc(1)
+                table[s, len(q.pages)] = page
+                q.pages.append(page)
+        width = max_pages if widest else width_bucket(
+            max(len(q.pages) for q in slots.values()), max_pages)
+        tokens = sum(max(len(r.chunk), 1) for r in rows)
+        run.shapes.add((_bucket(engine, tokens), width))
+        run.mixed_steps += any(r.decode for r in rows) and any(r.chunk for r in rows)
+        state, res = engine.mixed_step(params, state, table[:, :width].copy(), rows)
+        host = res.to_host()
+        for r in rows:
+            q = slots[r.slot]
+            q.sent += len(r.chunk)
+            assert host.valid(r.slot) == (r.decode or r.last)
+            if host.valid(r.slot):
+                q.out.append(host.token(r.slot))
+            if len(q.out) == max_tokens:
+                outputs[q.index] = q.out
+                pool.decref(q.pages)
+                table[r.slot] = g.num_pages
+                del slots[r.slot]
+        run.steps += 1
+    run.outputs = outputs
+    return run

@@ -1,0 +1,96 @@
+"""A decode role over two processes (`jetserve serve --role decode --coordinator`, 2 x 2
+fake CPU devices, jax.distributed with gloo on 127.0.0.1: one tp_kv_batch generate engine
+over all 4) fed by a `--role prefill` process (tp over 2): process 0 pulls each prefix and
+spreads it over both processes before the insert. Concurrent gRPC and openai-SDK streams
+give what `jetserve generate` gives; afterwards the worker holds no prefix and no slot is
+in use, and SIGTERM to process 0 stops both decode processes.
+"""
+
+import asyncio
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.serve_process import wait_listening
+from tests.e2e.test_split_serve import (
+    PROMPTS,
+    _drain,
+    _free_port,
+    _grpc,
+    _http,
+    _load,
+    _metric,
+    _settles,
+    _start,
+    generate,
+)
+from tests.e2e.test_split_serve_processes import _log
+
+# Short prompts, and the two longer than a prefill (chunked on the worker).
+PROMPTS_HERE = [PROMPTS[i] for i in (0, 3, 5, 8, 11, 14, 15)]
+HALF = 3  # over gRPC; the rest over HTTP
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("split-decode-processes")
+    files = [open(logs / f"{n}.stderr", "w+") for n in ("prefill", "d0", "d1")]  # noqa: SIM115
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = []
+    try:
+        procs.append(_start(["--role", "prefill", "--grpc-port", "0", "--sharding", "tp"], 2,
+                            files[0]))
+        worker = wait_listening(procs[0], 1)["gRPC"]
+        _drain(procs[0])
+        for i in range(2):
+            procs.append(_start(["--role", "decode", "--prefill-workers", f"127.0.0.1:{worker}",
+                                 "--sharding", "tp_kv_batch", "--grpc-port", "0",
+                                 "--http-port", "0", "--coordinator", coordinator,
+                                 "--num-processes", "2", "--process-id", str(i)], 2, files[i + 1]))
+        ports = wait_listening(procs[1], 2)
+        _drain(procs[1])
+        _drain(procs[2])
+        yield procs, files, worker, ports
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in files:
+            f.close()
+
+
+@pytest.fixture(scope="module")
+def want():
+    return generate(PROMPTS_HERE)
+
+
+@pytest.mark.slow
+def test_decode_role_over_two_processes_matches_generate(deployment, want):
+    procs, files, worker, ports = deployment
+    prompts = PROMPTS_HERE
+    first = threading.Event()
+    with ThreadPoolExecutor(HALF) as pool:
+        calls = [pool.submit(_grpc, ports["gRPC"], p, first) for p in prompts[:HALF]]
+        http = asyncio.run(_http(ports["HTTP"], prompts[HALF:]))
+        got = [c.result(timeout=300) for c in calls]
+    assert got == [w["token_ids"] for w in want[:HALF]]
+    assert http == [(w["text"], "length") for w in want[HALF:]]
+    assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(prompts)
+    assert _settles(lambda: _load(worker).registered == 0)
+    assert _settles(lambda: _metric(ports["HTTP"], "jetserve_slots_in_use") == 0)
+
+    procs[1].send_signal(signal.SIGTERM)  # process 1 follows it out
+    procs[0].send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+    logs = [_log(f) for f in files]
+    assert codes == [0, 0, 0], [log[-3000:] for log in logs]
+    assert "follows process 0's steps" in logs[2]
+    assert "jetserve serve: stopped" in logs[2]
+    assert not any("Traceback" in log for log in logs), [log[-3000:] for log in logs]
+    # Every prefix reached both processes the first time (none prefilled again).
+    assert "did not receive its part" not in logs[1], logs[1][-3000:]

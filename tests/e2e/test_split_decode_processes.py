@@ -3,15 +3,18 @@ fake CPU devices, jax.distributed with gloo on 127.0.0.1: one tp_kv_batch genera
 over all 4) fed by a `--role prefill` process (tp over 2): process 0 pulls each prefix and
 spreads it over both processes before the insert. Concurrent gRPC and openai-SDK streams
 give what `jetserve generate` gives; afterwards the worker holds no prefix and no slot is
-in use, and SIGTERM to process 0 stops both decode processes.
+in use, structured output is refused by name, and SIGTERM to process 0 stops both decode processes.
 """
 
+import openai
 import pytest
 
 from tests.e2e.serve_process import wait_listening
 from tests.e2e.split_processes import logged, sigterm_all_exit_cleanly, streams_match
 from tests.e2e.test_split_serve import (
+    MODEL,
     PROMPTS,
+    REGEX,
     _drain,
     _free_port,
     _load,
@@ -52,6 +55,13 @@ def test_decode_role_over_two_processes_matches_generate(deployment):
     procs, files, worker, ports = deployment
     assert _settles(lambda: _load(worker).registered == 0)
     assert _settles(lambda: _metric(ports["HTTP"], "jetserve_slots_in_use") == 0)
+    # Structured output is refused by name (its per-step masks are not broadcast).
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    with pytest.raises(openai.BadRequestError, match="guided_regex: structured output is not "
+                       "available when several processes serve one model"):
+        client.completions.create(model=MODEL, prompt=[1, 7, 9], max_tokens=4,
+                                  extra_body={"guided_regex": REGEX})
 
     # Process 1 follows process 0 out; every process exits 0, no traceback.
     logs = sigterm_all_exit_cleanly(procs, files, [0, 1])

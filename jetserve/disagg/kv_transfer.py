@@ -121,13 +121,21 @@ class KVReceiver:
       engine: the generate engine the prefixes are inserted into.
       host: the address of this side's transfer server (pulls go out through it).
       timeout_s: the longest one pull may take.
+      destination: where pulled prefixes go (default: the engine's prefix layout; the
+        decode role over several processes pulls onto one device of process 0).
     """
 
-    def __init__(self, engine: Any, *, host: str = "127.0.0.1", timeout_s: float = 60.0):
+    def __init__(self, engine: Any, *, host: str = "127.0.0.1", timeout_s: float = 60.0,
+                 destination: Any = None):
         self.engine = engine
         self.timeout_s = timeout_s
-        self.devices = list(engine.mesh.devices.flat)
-        self.destination = engine.prefix_destination_sharding()
+        if destination is None:
+            self.devices = list(engine.mesh.devices.flat)
+            self.destination = engine.prefix_destination_sharding()
+        else:
+            held = set().union(*(s.device_set for s in jax.tree.leaves(destination)))
+            self.devices = sorted(held, key=lambda d: d.id)
+            self.destination = destination
         self.treedef = jax.tree.structure(self.destination)
         self.receive = getattr(engine, "receive_prefix", lambda prefix: prefix)
         self._server = _server(self.devices[0], host)

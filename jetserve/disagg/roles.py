@@ -14,7 +14,9 @@ them elsewhere) and exits once its held prefixes were pulled or expired.
 --process-id I, the same other arguments on each): one prefill engine over the devices of
 all of them, run in lock step (prefill_lockstep.py); process 0 serves the worker on
 --grpc-port, and the decode side pulls each prefix's blocks from every process. SIGTERM
-process 0: the others stop with it. --role decode is one process for now.
+process 0: the others stop with it. --role decode may span several processes too: one
+generate engine over all of them, process 0 serving the APIs and pulling each prefix,
+which it spreads over the others before every insert (decode_lockstep.py).
 """
 
 from __future__ import annotations
@@ -65,9 +67,6 @@ def check_arguments(args: argparse.Namespace) -> None:
     from jetserve.commands.common import prefix_cache_budgets, refuse_prefix_cache_over_processes
 
     if args.coordinator is not None:
-        if role == "decode":
-            raise ValueError("--role decode: one process for now; leave out --coordinator "
-                             "(a --role prefill worker may span several processes)")
         refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     if (args.prefill_devices is not None or args.generate_devices is not None
             or args.interleaved):
@@ -96,12 +95,23 @@ def _engine(args: argparse.Namespace, devices, sharding: str | None):
 
 
 def build_decode(args: argparse.Namespace, devices, config):
-    """The decode role's orchestrator, after checking every prefill worker."""
+    """The decode role's orchestrator, after checking every prefill worker (over several
+    processes: process 0's; the others get a DecodeFollower, whose `run` follows it)."""
+    import jax
+
+    from jetserve.disagg.decode_lockstep import DecodeFollower
     from jetserve.disagg.decode_orchestrator import DecodeOrchestrator
     from jetserve.disagg.prefill_client import PrefillWorkers, parse_addresses
+    from jetserve.disagg.prefix_spread import PrefixSpreader
+    from jetserve.scheduling.page_planner import with_pages
 
     addresses = parse_addresses(args.prefill_workers)
     engine = _engine(args, devices, args.generate_sharding)
+    spreader = None
+    if jax.process_count() > 1:
+        spreader = PrefixSpreader(engine, host=args.transfer_host)
+        if jax.process_index() != 0:
+            return DecodeFollower(with_pages(engine), engine.load_params(), spreader)
     workers = PrefillWorkers(addresses, rpc_timeout_s=args.prefill_timeout)
     try:
         workers.check(engine, args.prefill_connect_timeout)
@@ -110,7 +120,7 @@ def build_decode(args: argparse.Namespace, devices, config):
         raise
     return DecodeOrchestrator(engine=engine, params=engine.load_params(), workers=workers,
                               config=config, max_bytes_in_flight=args.max_transfer_bytes,
-                              transfer_host=args.transfer_host)
+                              transfer_host=args.transfer_host, spreader=spreader)
 
 
 def run_prefill(args: argparse.Namespace, devices) -> int:

@@ -7,25 +7,17 @@ afterwards no prefix is held on either process, and SIGTERM to
 process 0 stops both.
 """
 
-import asyncio
-import signal
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import openai
 import pytest
 
 from tests.e2e.serve_process import wait_listening
+from tests.e2e.split_processes import logged, sigterm_all_exit_cleanly, streams_match
 from tests.e2e.test_split_serve import (
     MODEL,
     PROMPTS,
     _drain,
     _free_port,
-    _grpc,
-    _http,
     _load,
-    _metric,
     _scored_here,
     _settles,
     _start,
@@ -40,10 +32,8 @@ HALF = 2  # over gRPC; the rest over HTTP
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     logs = tmp_path_factory.mktemp("split-serve-processes")
-    files = [open(logs / f"{n}.stderr", "w+") for n in ("p0", "p1", "decode")]  # noqa: SIM115
     coordinator = f"127.0.0.1:{_free_port()}"
-    procs = []
-    try:
+    with logged(logs, ["p0", "p1", "decode"]) as (procs, files):
         for i in range(2):
             procs.append(_start(["--role", "prefill", "--grpc-port", "0", "--sharding", "tp",
                                  "--coordinator", coordinator, "--num-processes", "2",
@@ -57,13 +47,6 @@ def deployment(tmp_path_factory):
         ports = wait_listening(procs[2], 2)
         _drain(procs[2])
         yield procs, files, worker, ports
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for f in files:
-            f.close()
 
 
 @pytest.fixture(scope="module")
@@ -71,23 +54,11 @@ def want():
     return generate(PROMPTS_HERE)
 
 
-def _log(f) -> str:
-    f.seek(0)
-    return f.read()
-
-
 @pytest.mark.slow
 def test_prefill_worker_over_two_processes_matches_generate(deployment, want):
     procs, files, worker, ports = deployment
     prompts = PROMPTS_HERE
-    first = threading.Event()
-    with ThreadPoolExecutor(HALF) as pool:
-        calls = [pool.submit(_grpc, ports["gRPC"], p, first) for p in prompts[:HALF]]
-        http = asyncio.run(_http(ports["HTTP"], prompts[HALF:]))
-        got = [c.result(timeout=300) for c in calls]
-    assert got == [w["token_ids"] for w in want[:HALF]]
-    assert http == [(w["text"], "length") for w in want[HALF:]]
-    assert _metric(ports["HTTP"], "jetserve_kv_transfers") >= len(prompts)
+    streams_match(ports, prompts, HALF, want)
     # Scoring runs on both processes too (one program over the 4 devices).
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
                            max_retries=0, timeout=300)
@@ -98,14 +69,9 @@ def test_prefill_worker_over_two_processes_matches_generate(deployment, want):
                                                                           abs=1e-4)
     assert _settles(lambda: _load(worker).registered == 0)
 
-    procs[2].send_signal(signal.SIGTERM)
-    procs[0].send_signal(signal.SIGTERM)  # process 1 follows it out
-    deadline = time.monotonic() + 120
-    codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
-    logs = [_log(f) for f in files]
-    assert codes == [0, 0, 0], [log[-3000:] for log in logs]
+    # Process 1 follows process 0 out; every process exits 0, no traceback.
+    logs = sigterm_all_exit_cleanly(procs, files, [2, 0])
     # Process 1 freed its blocks of every prefix as process 0's turns passed the acks on.
     assert "follows process 0's prefills" in logs[1]
     assert "stopped (0 prefixes still held)" in logs[1]
-    assert not any("Traceback" in log for log in logs), [log[-3000:] for log in logs]
 

@@ -23,8 +23,8 @@ def _args(*argv: str) -> argparse.Namespace:
     (["--prefill-workers", "h:1"], "--prefill-workers goes with --role decode, not --role both"),
     (["--role", "prefill", "--prefill-workers", "h:1"], "not --role prefill"),
     (["--role", "decode", "--prefill-workers", "h:1", "--coordinator", "h:1",
-      "--num-processes", "2", "--process-id", "0"], "--role decode: one process for now; "
-     "leave out --coordinator"),
+      "--num-processes", "2", "--process-id", "0", "--prefix-cache-hbm-mb", "8"],
+     "the prefix cache does not run over several processes"),
     (["--role", "prefill", "--coordinator", "h:1", "--num-processes", "2",
       "--process-id", "0", "--prefix-cache-hbm-mb", "8"],
      "the prefix cache does not run over several processes"),
@@ -47,6 +47,12 @@ def test_flags_that_do_not_go_with_the_role(argv, message):
 def test_a_prefill_worker_may_span_several_processes():
     roles.check_arguments(_args("--role", "prefill", "--coordinator", "h:1",
                                 "--num-processes", "2", "--process-id", "1"))
+
+
+def test_a_decode_role_may_span_several_processes():
+    roles.check_arguments(_args("--role", "decode", "--prefill-workers", "h:1",
+                                "--coordinator", "h:1", "--num-processes", "2",
+                                "--process-id", "1"))
 
 
 def test_role_both_is_the_default():

@@ -143,8 +143,11 @@ async def measure(engine, params, args: argparse.Namespace, proc, ports: dict, l
             load = os.getloadavg()[0]
             b = bare_round(engine, params, args)
             s = await serve_round(client, args, proc.pid, seed=i)
+            bare_cpu = b["xla_cpu_ms_per_token"] + b["host_cpu_ms_per_token"]
+            serve_cpu = (s["xla_cpu_ms_per_token"] + s["host_cpu_ms_per_token"]
+                         + s["client_cpu_ms_per_token"])
             rounds.append({"bare": b, "serve": s, "ratio": s["tok_s"] / b["tok_s"],
-                           "load_1m": round(load, 2)})
+                           "cpu_ratio": bare_cpu / serve_cpu, "load_1m": round(load, 2)})
             log(f"round {i + 1}: bare {b['tok_s']:.1f} tok/s   serve {s['tok_s']:.1f} tok/s   "
                 f"ratio {rounds[-1]['ratio']:.3f}   (TPOT p50 {s['tpot_p50_ms']:.2f} ms, bare "
                 f"step {1e3 * args.batch / b['tok_s']:.2f} ms; CPU ms/token XLA + host: bare "
@@ -207,12 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     ratio = statistics.median(r["ratio"] for r in rounds)
+    cpu_ratio = statistics.median(r["cpu_ratio"] for r in rounds)
     log(f"serve / bare tokens/s: median {ratio:.3f} over {len(rounds)} rounds "
         f"(min {min(r['ratio'] for r in rounds):.3f}, max {max(r['ratio'] for r in rounds):.3f})")
+    # What the ratio is where both are bound by the same cores: CPU per token, bare over
+    # server plus its clients.
+    log(f"CPU per token, bare / (server + clients): median {cpu_ratio:.3f}")
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch, "protocol": args.protocol,
                           "prompt_len": args.prompt_len, "output_len": args.output_len,
-                          "rounds": rounds, "median_ratio": round(ratio, 4)}))
+                          "rounds": rounds, "median_ratio": round(ratio, 4),
+                          "median_cpu_ratio": round(cpu_ratio, 4)}))
     return 0
 
 

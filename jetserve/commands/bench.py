@@ -214,6 +214,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        add_help=False, prefix_chars="+")
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(_bench=lambda a: importlib.import_module("jetserve.bench.transfer").main(a.rest))
+    sp = sub.add_parser("serve-path", help="a served batch against the bare generate step "
+                        "(jetserve/bench/serve_path.py; its own flags)", add_help=False,
+                        prefix_chars="+")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(_bench=lambda a: importlib.import_module("jetserve.bench.serve_path").main(a.rest))
 
     if importlib.util.find_spec(OVERHEAD_MODULE) is not None:
         # Every argument goes to the module's own parser; "+" as the prefix keeps this one

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from engines.engine_api import HostResults
 from jetserve.orchestrator.detokenize import TextStream
+from jetserve.orchestrator.handle import Wakes
 from jetserve.orchestrator.live import EndRequest, LiveRequest, StepOutput
 from jetserve.orchestrator.stopping import Finish
 from jetserve.request import Delta
@@ -45,18 +46,22 @@ class DetokenizeWorker:
 
     def _step(self, msg: StepOutput) -> None:
         h = HostResults(msg.data)
-        for live, row, n, finish in msg.rows:
-            if live.finalized:
-                continue
-            try:
-                self._tokens(live, h, row, n, finish, msg.time)
-            except Exception as e:  # this request only
-                log.exception("detokenizing request %s failed", live.request_id)
-                self._emit(live, Delta(token_ids=[], text=""), ("error", None),
-                           error=f"{type(e).__name__}: {e}")
+        wakes = Wakes()  # the step's readers are woken together, once per event loop
+        try:
+            for live, row, n, finish in msg.rows:
+                if live.finalized:
+                    continue
+                try:
+                    self._tokens(live, h, row, n, finish, msg.time, wakes)
+                except Exception as e:  # this request only
+                    log.exception("detokenizing request %s failed", live.request_id)
+                    self._emit(live, Delta(token_ids=[], text=""), ("error", None),
+                               error=f"{type(e).__name__}: {e}", wakes=wakes)
+        finally:
+            wakes.flush()
 
     def _tokens(self, live: LiveRequest, h: HostResults, row: int, n: int,
-                finish: Finish | None, t: float) -> None:
+                finish: Finish | None, t: float, wakes: Wakes) -> None:
         """The first n tokens of a row as one delta; `finish` ends the request at the
         n-th, and a stop string ends it at the token that completes it (later ones are
         dropped)."""
@@ -89,7 +94,7 @@ class DetokenizeWorker:
         if stop_string is not None:
             live.done = True  # the generate thread frees the slot on its next step
             finish = ("stop", stop_string)
-        self._emit(live, delta, finish)
+        self._emit(live, delta, finish, wakes=wakes)
 
     def _end(self, msg: EndRequest) -> None:
         live = msg.live
@@ -106,7 +111,8 @@ class DetokenizeWorker:
             delta.logprobs, delta.top_logprobs = [], []
         self._emit(live, delta, (msg.reason, None), error=msg.error)
 
-    def _emit(self, live: LiveRequest, delta: Delta, finish, *, error: str | None = None):
+    def _emit(self, live: LiveRequest, delta: Delta, finish, *, error: str | None = None,
+              wakes: Wakes | None = None):
         if not live.first_sent:
             live.first_sent = True
             if live.prompt_logprobs is not None:
@@ -121,4 +127,4 @@ class DetokenizeWorker:
             # Bookkeeping first, so a caller who sees the last delta sees it gone from
             # stats() too.
             self.on_finished(live, delta.finish_reason)
-        live.handle._push(delta, final)
+        live.handle._push(delta, final, wakes)

@@ -3,7 +3,8 @@
 The detokenize thread is the only writer (`_push`); any number of readers iterate from
 the start of the stream (each iterator keeps its own cursor over the list of deltas).
 Sync readers wait on a condition variable; async readers register a future that the
-writer completes with `loop.call_soon_threadsafe`, so no thread is blocked per request.
+writer completes with `loop.call_soon_threadsafe`, so no thread is blocked per request
+(the detokenize thread wakes each loop once per step for all its handles: `Wakes`).
 
 An async reader that stops early (its `stream()` generator is closed or its task
 cancelled before the final delta: the client disconnected) cancels the request, which frees
@@ -84,7 +85,9 @@ class RequestHandle:
 
     # ---- writer side (detokenize thread) -------------------------------------------------
 
-    def _push(self, delta: Delta, final: bool) -> None:
+    def _push(self, delta: Delta, final: bool, wakes: Wakes | None = None) -> None:
+        """Appends a delta; its async readers are woken now, or by `wakes.flush()` when
+        given (one wake-up per event loop for a whole step's deltas)."""
         with self._cond:
             if self._done:
                 return
@@ -92,11 +95,12 @@ class RequestHandle:
             self._done = final
             self._cond.notify_all()
             waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            try:
-                loop.call_soon_threadsafe(_resolve, fut)
-            except RuntimeError:  # the reader's loop is closed: nobody is waiting any more
-                pass
+        if wakes is None:
+            wakes = Wakes()
+            wakes.add(waiters)
+            wakes.flush()
+        else:
+            wakes.add(waiters)
 
     # ---- readers -------------------------------------------------------------------------
 
@@ -147,6 +151,29 @@ class RequestHandle:
         return Completion.join(deltas, self.timing, self.request.logprobs is not None)
 
 
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
+class Wakes:
+    """Async readers to wake, gathered by event loop: the writer pushes a step's deltas
+    to every handle, then `flush` crosses into each reader loop once (one
+    call_soon_threadsafe, one self-pipe write, one loop iteration) rather than once per
+    handle, which on a busy host is most of what streaming a token costs."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+
+    def add(self, waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+        for loop, fut in waiters:
+            self._by_loop.setdefault(loop, []).append(fut)
+
+    def flush(self) -> None:
+        by_loop, self._by_loop = self._by_loop, {}
+        for loop, futs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, futs)
+            except RuntimeError:  # the reader's loop is closed: nobody is waiting any more
+                pass
+
+
+def _resolve(futs: list[asyncio.Future]) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_result(None)

@@ -157,7 +157,8 @@ async def merge(handles: Sequence[Any], *,
                     batch.append((i, d))
             if batch:
                 yield batch
-            await asyncio.sleep(0)
+            if m.ready:  # more is ready: suspend anyway (with nothing ready, wait() does)
+                await asyncio.sleep(0)
     finally:
         if cut is not None:
             cut._wakers.discard(m.wake.set)

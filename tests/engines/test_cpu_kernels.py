@@ -156,6 +156,53 @@ def test_decode_attention_bad_operands_are_named():
         cpu_kernels.decode_attention(q, k, jnp.ones((2, 2, 8, 16)), jnp.zeros(2, jnp.int32), None)
 
 
+# ---- a layer of a stack, read in place (a scanned decoder's weights and cache) ---------
+
+
+def test_indexed_matmul_equals_the_sliced_one(kernel):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 40), dtype=np.float32)
+    w = rng.standard_normal((3, 24, 40), dtype=np.float32)
+    fn = jax.jit(cpu_kernels.matmul_nt)
+    assert cpu_kernels.TARGET in _lowered(fn, x, w, jnp.int32(1))
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(fn(x, w, jnp.int32(i))),
+                                      np.asarray(fn(x, w[i])))
+    # the whole stack goes in: no slice of it is copied out before the call
+    compiled = fn.lower(x, w, jnp.int32(1)).compile().as_text()
+    assert cpu_kernels.TARGET in compiled and "dynamic-slice" not in compiled
+
+
+def test_indexed_decode_attention_equals_the_sliced_one(kernel):
+    rng = np.random.default_rng(8)
+    L, B, N, K, H, S = 3, 2, 4, 2, 16, 40
+    q = rng.standard_normal((B, 1, N, H), dtype=np.float32)
+    k = rng.standard_normal((L, B, K, H, S), dtype=np.float32)
+    v = rng.standard_normal((L, B, K, S, H), dtype=np.float32)
+    pos = np.array([7, S - 1], np.int32)
+    fn = jax.jit(lambda q, k, v, i: cpu_kernels.decode_attention(q, k, v, pos, 16, layer=i))
+    for i in range(L):
+        want = cpu_kernels.decode_attention(q, k[i], v[i], pos, 16)
+        np.testing.assert_array_equal(np.asarray(fn(q, k, v, jnp.int32(i))), np.asarray(want))
+
+
+def test_a_layer_outside_the_stack_is_refused(kernel):
+    x, w = jnp.ones((4, 8)), jnp.ones((3, 5, 8))
+    with pytest.raises(ValueError, match=r"layer 3 is outside \[0, 3\)"):
+        cpu_kernels.matmul_nt(x, w, 3)
+    with pytest.raises(ValueError, match="stacked"):
+        cpu_kernels.matmul_nt(x, w[0], 0)
+    # a traced index is checked by the kernel, which fails the step instead of reading
+    for i in (3, -1):
+        with pytest.raises(Exception, match=f"layer {i} is outside"):
+            jax.block_until_ready(jax.jit(cpu_kernels.matmul_nt)(x, w, jnp.int32(i)))
+    q, k, v = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 2, 2, 8, 16)), jnp.ones((2, 2, 2, 16, 8))
+    attend = jax.jit(lambda i: cpu_kernels.decode_attention(q, k, v, jnp.zeros(2, jnp.int32),
+                                                            None, layer=i))
+    with pytest.raises(Exception, match="layer 2 is outside"):
+        jax.block_until_ready(attend(jnp.int32(2)))
+
+
 # ---- the greedy token and the log-probs of a step's logits ---------------------------
 
 

@@ -36,19 +36,75 @@ from sharding import axes
 CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")
 
 
-def run(body, cfg, dtype, backend, x, positions, inv_freq, kv):
+def run(body, cfg, dtype, backend, x, positions, inv_freq, kv, initializing: bool):
     """x through the cfg.num_layers layers of `body` (a ScanBlock class) over store kv;
     called inside the decoder's compact method, so the layers' parameters sit under its
-    scope as "layers", each [L, ...]."""
-    scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+    scope as "layers", each [L, ...].
+
+    The parameters enter the loop whole (broadcast, never sliced by the scan): the body
+    declares each one stacked and reads its layer through `Layer`, so the matmul kernels
+    take the stack and the index and read the layer in place (`LayerWeight`), where the
+    scan's own slicing made XLA copy every layer's weights out on the CPU. Flax checks
+    that a broadcast parameter does not depend on the loop only while `initializing`
+    (the extra trace creates them); applying skips it."""
+    scanned = nn.scan(body, variable_broadcast="params", split_rngs={"params": False},
                       in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-                      length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: axes.LAYERS})
+                      length=cfg.num_layers, check_constancy_invariants=initializing)
     carry, xs = kv.scan_init()
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, carry), ys = scanned(cfg, dtype, 0, backend, name="layers")(
         (x, carry), (layers, xs), positions, inv_freq, kv)
     kv.scan_finish(carry, ys)
     return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """The layer a scanned block runs: `index` (i32[]) of `count`. Its parameters are
+    declared for all layers, [count, ...] on the logical axis `layers`, and read here."""
+
+    index: jax.Array
+    count: int
+
+    def take(self, stack: jax.Array) -> jax.Array:
+        """This layer's slice of stack [L, ...]."""
+        return jax.lax.dynamic_index_in_dim(stack, self.index, keepdims=False)
+
+
+def param(mod: nn.Module, name: str, init, shape: tuple[int, ...], names: tuple, dtype,
+          at: Layer | None = None, whole: bool = False):
+    """Parameter `name` of `mod` with logical axis names; in a scanned layer (`at`),
+    declared stacked [L, *shape] and read at the layer's index: its slice, or with
+    `whole` a LayerWeight (the stack, read in place by the kernels that take an index)."""
+    if at is None:
+        return mod.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+    stack = param(mod, name, init, (at.count, *shape), (axes.LAYERS, *names), dtype)
+    return LayerWeight(stack, at.index) if whole else at.take(stack)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeight:
+    """One layer of a stacked matmul kernel, kept as the whole stack [L, ...] and the
+    layer's index i32[]: engines.backend.Backend.linear hands both to the CPU matmul
+    kernel, which reads the layer in place; `value()` is the slice, for XLA's dot."""
+
+    stack: jax.Array
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def reshape(self, *shape: int) -> LayerWeight:
+        """The same layer of the stack with each layer reshaped (free: no data moves)."""
+        return LayerWeight(self.stack.reshape(self.stack.shape[0], *shape), self.index)
+
+    def value(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
 
 
 def use_scan(config, platform: str) -> bool:

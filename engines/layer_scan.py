@@ -107,14 +107,17 @@ class LayerWeight:
         return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
 
 
-def use_scan(config, platform: str) -> bool:
-    """Whether an engine with EngineConfig `config` on `platform` scans its layers:
-    "auto" scans on accelerators and keeps the loop on the CPU, where XLA copies each
-    layer's weights and cache out of the stacks before the kernels read them (a decode
-    step 2.3-4x slower on llama-156m, docs/BENCHMARKS.md), and with paged KV (not
-    carried through a scan yet), and with LoRA adapters (their hook is per layer)."""
+def use_scan(config, platform: str, cpu_kernels: bool) -> bool:
+    """Whether an engine with EngineConfig `config` on `platform` scans its layers.
+
+    "auto" scans on accelerators, and on the CPU where the CPU kernels run (one device,
+    float32 weights: `cpu_kernels`), since they read each layer of the stacked weights
+    and cache in place (docs/BENCHMARKS.md, "The scan at loop speed on the CPU"). It
+    keeps the loop on a CPU without them, where XLA would copy every layer's weights out
+    of the stack on each step; with paged KV (not carried through a scan yet); and with
+    LoRA adapters (their hook is per layer)."""
     if config.layers == "auto":
-        return (platform != "cpu" and config.kv_layout == "contiguous"
+        return ((platform != "cpu" or cpu_kernels) and config.kv_layout == "contiguous"
                 and not config.max_loras)
     return config.layers == "scan"
 

@@ -2,7 +2,9 @@
 against numpy for every kind of shape tail, where the engine uses them and where it must
 not, and their fallbacks."""
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +21,10 @@ from jetserve.scheduling.page_planner import with_pages
 
 CFG = ModelConfig(vocab_size=99, hidden_size=36, intermediate_size=70, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=10)
-ENGINE = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
+# The unrolled layers: the engines below share one set of weights with an engine without
+# the kernels, which keeps the loop (the scanned layers: test_a_scanned_layer_...).
+ENGINE = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48,
+                      layers="loop")
 
 
 @pytest.fixture(scope="module")
@@ -345,6 +350,31 @@ def test_greedy_tokens_and_logits_equal_xla(engines):
     logits = [np.asarray(e.model.apply({"params": params}, seq, pos, PrefillKV(pos, None)))
               for e in (on, off)]
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_scanned_layer_reads_its_weights_and_cache_in_place(kernel):
+    """Under the scan (layers "auto" picks it with the kernels) even a one-row matmul takes
+    the kernel, reading the stacked weights at the layer's index; nothing is copied out."""
+    eng = create_engine(CFG, config=dataclasses.replace(ENGINE, layers="auto"),
+                        devices=jax.devices()[:1], seed=3)
+    assert eng.model_config.scan_layers
+    params = eng.load_params()
+    assert _uses_kernel(eng.model, params, 1)
+    state = eng.init_decode_state()
+    compiled = eng._generate_jit.lower(params, state, None).compile()
+    text = compiled.as_text()
+    assert cpu_kernels.TARGET in text and cpu_kernels.ATTENTION_TARGET in text
+    # Slices left: a layer's norm weights and index scalars, never a matmul kernel's
+    # [N, K] nor the cache's; the temporaries exceed the loop's by far less than one
+    # layer's weights (a copied-out layer would add all of them).
+    sliced = re.findall(r"= f32\[([\d,]*)\]\S* dynamic-slice\(", text)
+    assert all(len(dims.split(",")) <= 2 and dims.startswith("1,") for dims in sliced)
+    loop = create_engine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
+    loop_temp = loop._generate_jit.lower(jax.eval_shape(loop.load_params),
+                                         loop.init_decode_state(), None).compile()
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) // CFG.num_layers
+    assert (compiled.memory_analysis().temp_size_in_bytes
+            < loop_temp.memory_analysis().temp_size_in_bytes + layer_bytes / 4)
 
 
 def test_a_sharded_mesh_never_uses_the_kernel(kernel):

@@ -20,6 +20,10 @@ build is -march=native); `JETSERVE_CPU_KERNELS=0` turns them off. Where
 the compiler is missing or the build fails, one warning names the reason and the model
 keeps XLA's ops: the kernels are an optimisation, never a reason for a job to fail.
 
+The matmul and the attention also take a stack of layers and a layer index (a scanned
+decoder's weights [L, N, K] and cache [L, ...], engines/layer_scan.py) and read that
+layer where it lies, so the scan's body copies no layer out of the stack.
+
 The engine decides whether its model uses them (`max_rows`): only on a one-device CPU mesh
 (a sharded operand would make XLA's partitioner gather it around the custom call), with
 plain float32 weights; the matmul for at most `MAX_ROWS` rows (decode, speculative

@@ -6,7 +6,10 @@ with the layer count (docs/BENCHMARKS.md, "One compiled layer body"). Parameters
 leading layer axis, named by the logical axis `layers` (unsplit by every preset);
 checkpoints keep per-layer names and are stacked at load (engines/param_loading.py,
 `stack_layers`), random weights too, so a seed gives the loop's weights. Prefixes keep
-their per-layer tuples; only the decode cache is stacked.
+their per-layer tuples; only the decode cache is stacked. The stacks enter the body
+whole, with the layer's index (`Layer`, `LayerWeight`): the CPU kernels read a layer of
+the weights and of the cache where it lies; what XLA's ops read instead (norms, biases,
+quantized and expert weights, an int8 cache) is sliced out inside the step.
 
 A KV store takes part in the scan through three methods (`run` calls them):
 

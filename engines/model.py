@@ -65,7 +65,8 @@ def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, 
 
 
 def _kernel(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
-            dtype: Any, at: layer_scan.Layer | None = None, in_place: bool = False):
+            dtype: Any, at: layer_scan.Layer | None = None,
+            in_place: bool = False) -> jax.Array | layer_scan.LayerWeight:
     """A matmul kernel: a plain param, or stored quantized (cfg.weight_quant) and
     dequantized here, inside the jitted step, right before its matmul. `in_place`: a
     float kernel of a scanned layer comes whole with its index (layer_scan.LayerWeight),

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from engines import attention_kernels, cpu_kernels
+from engines import attention_kernels, cpu_kernels, layer_scan
 from engines.attention import attention
 from engines.blockwise_attention import blockwise_attention
 
@@ -73,17 +73,23 @@ class Backend:
         """Whether the decode step uses the CPU kernels (attention, argmax, log-probs)."""
         return self.cpu_matmul_rows > 0
 
-    def linear(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+    def linear(self, x: jax.Array, w: jax.Array | layer_scan.LayerWeight, **kw) -> jax.Array:
         """x [..., in] times a kernel stored [out, in] (as HF stores linear weights).
 
         Kernels are kept output-major because XLA's CPU matmul (YNNPACK) runs this form
         faster than [in, out] at the few rows of a decode step (1-32; the whole step
         1.1-1.25x) and no slower at prefill sizes; see docs/BENCHMARKS.md. Steps of 2 to
         cpu_matmul_rows tokens use our kernel for this form instead, faster still there.
-        At one row both stream the weights at the same speed, and XLA's dot stays."""
+        At one row both stream the weights at the same speed, and XLA's dot stays, except
+        for a scanned layer's kernel (layer_scan.LayerWeight): our kernel reads the layer
+        in the stack where XLA's dot would read a copy of it sliced out."""
         rows = math.prod(x.shape[:-1])  # static at trace time
-        if 1 < rows <= self.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
-            return cpu_kernels.matmul_nt(x, w)
+        stacked = isinstance(w, layer_scan.LayerWeight)
+        fewest = 1 if stacked else 2  # rows from which the kernel takes the matmul
+        if fewest <= rows <= self.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
+            return (cpu_kernels.matmul_nt(x, w.stack, w.index) if stacked
+                    else cpu_kernels.matmul_nt(x, w))
+        w = w.value() if stacked else w
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,

@@ -20,6 +20,10 @@ build is -march=native); `JETSERVE_CPU_KERNELS=0` turns them off. Where
 the compiler is missing or the build fails, one warning names the reason and the model
 keeps XLA's ops: the kernels are an optimisation, never a reason for a job to fail.
 
+The matmul and the attention also take a stack of layers and a layer index (a scanned
+decoder's weights [L, N, K] and cache [L, ...], engines/layer_scan.py) and read that
+layer where it lies, so the scan's body copies no layer out of the stack.
+
 The engine decides whether its model uses them (`max_rows`): only on a one-device CPU mesh
 (a sharded operand would make XLA's partitioner gather it around the custom call), with
 plain float32 weights; the matmul for at most `MAX_ROWS` rows (decode, speculative
@@ -192,51 +196,84 @@ def max_rows(mesh: Mesh, dtype: Any, weight_quant: str) -> int:
     return MAX_ROWS if available() else 0
 
 
-def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x f32[..., K] times w f32[N, K] transposed -> f32[..., N].
+def matmul_nt(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
+    """x f32[..., K] times w f32[N, K] transposed -> f32[..., N]; with `layer` (an i32[]
+    index), w is a stack f32[L, N, K] and its layer `layer` is read in place (a scanned
+    decoder's weights: a slice would be copied out of the stack first).
 
     By the kernel when `available()` and lowered for a CPU, else by XLA's dot (the same
     result up to rounding).
     """
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"matmul_nt takes float32 operands, got x {x.dtype} and w {w.dtype}")
-    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+    w, layer = _stacked("matmul_nt", "w", w, 2, layer)
+    if x.ndim < 1 or x.shape[-1] != w.shape[2]:
         raise ValueError(f"matmul_nt takes x [..., K] and w [N, K], got x {x.shape} and "
-                         f"w {w.shape}")
-    def dot(x, w):
+                         f"w {w.shape[1:]}")
+
+    def dot(x, w, layer):
+        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
     if not available():
-        return dot(x, w)
-    lead, (N, K) = x.shape[:-1], w.shape
+        return dot(x, w, layer)
+    lead, (N, K) = x.shape[:-1], w.shape[1:]
     M = math.prod(lead)
     kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32),
                               vmap_method="sequential")
     # The target is registered for the CPU only: lowered for another backend, XLA's dot.
-    y = _cpu_only(kernel, dot, x.reshape(M, K), w)
+    y = _cpu_only(kernel, dot, x.reshape(M, K), w, layer)
     return y.reshape(*lead, N)
 
 
+def _stacked(kernel: str, name: str, a: jax.Array, ndim: int,
+             layer: jax.Array | int | None) -> tuple[jax.Array, jax.Array]:
+    """(a as a stack [L, ...] of layers of rank ndim, an i32[] index into it): a one-layer
+    array becomes [1, ...] and index 0 (a free reshape). A concrete index is checked here;
+    a traced one by the kernel, which fails the step rather than read outside the stack."""
+    if layer is None:
+        if a.ndim != ndim:
+            raise ValueError(f"{kernel}: {name} must have rank {ndim}, got {a.shape}")
+        return a[None], jnp.zeros((), jnp.int32)
+    if a.ndim != ndim + 1:
+        raise ValueError(f"{kernel}: a layer index needs {name} stacked [L, ...] (rank "
+                         f"{ndim + 1}), got {a.shape}")
+    if isinstance(layer, int) and not 0 <= layer < a.shape[0]:
+        raise ValueError(f"{kernel}: layer {layer} is outside [0, {a.shape[0]}) of {name} "
+                         f"{a.shape}")
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"{kernel}: layer must be an integer scalar, got {layer.shape} "
+                         f"{layer.dtype}")
+    return a, layer.astype(jnp.int32)
+
+
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
-                     sliding_window: int | None) -> jax.Array:
+                     sliding_window: int | None,
+                     layer: jax.Array | int | None = None) -> jax.Array:
     """One decode step's attention over a contiguous float32 cache -> [B, 1, N, H].
 
     q [B, 1, N, H]; keys [B, K, H, S] and values [B, K, S, H] as engines.kv_cache keeps
     them, entry j at position j; pos i32[B]: each slot's position (it sees entries up to
-    it, within the sliding window), or -1 for a slot that is not live (zeros out).
-    Callers check `available()` first.
+    it, within the sliding window), or -1 for a slot that is not live (zeros out). With
+    `layer` (an i32[] index), keys and values are stacks [L, ...] of which that layer is
+    read in place (a scanned decoder's cache). Callers check `available()` first.
     """
     B, T, N, H = q.shape
     if T != 1 or q.dtype != jnp.float32 or k.dtype != jnp.float32 or v.dtype != jnp.float32:
         raise ValueError(f"decode_attention takes one float32 token per slot, got q {q.shape} "
                          f"{q.dtype}, keys {k.dtype}, values {v.dtype}")
-    K, S = k.shape[1], k.shape[3]
-    if k.shape != (B, K, H, S) or v.shape != (B, K, S, H) or pos.shape != (B,) or N % K:
+    k, _ = _stacked("decode_attention", "keys", k, 4, layer)
+    v, layer = _stacked("decode_attention", "values", v, 4, layer)
+    K, S = k.shape[2], k.shape[4]
+    if (k.shape[1:] != (B, K, H, S) or v.shape[1:] != (B, K, S, H) or v.shape[0] != k.shape[0]
+            or pos.shape != (B,) or N % K):
         raise ValueError(f"decode_attention: q {q.shape}, keys {k.shape}, values {v.shape} "
                          f"and pos {pos.shape} do not agree")
     out = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, N, H), jnp.float32),
                            vmap_method="sequential")(
-        q.reshape(B, N, H), k, v, pos.astype(jnp.int32), window=np.int64(sliding_window or 0))
+        q.reshape(B, N, H), k, v, layer, pos.astype(jnp.int32),
+        window=np.int64(sliding_window or 0))
     return out.reshape(B, 1, N, H)
 
 

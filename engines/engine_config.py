@@ -96,8 +96,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     # The decoder's layers (engines/layer_scan.py): "loop" (unrolled, one copy per layer
     # in each program), "scan" (one compiled body, parameters and cache stacked) or
-    # "auto": scan on accelerators, loop on the CPU, where the scanned decode step is
-    # slower (docs/BENCHMARKS.md).
+    # "auto": scan on accelerators and on a CPU running the CPU kernels, loop elsewhere
+    # on the CPU and with paged KV or LoRA (engines/layer_scan.py use_scan).
     layers: str = "auto"
 
     def __post_init__(self):

@@ -232,6 +232,9 @@ class DecodeKV:
         self.v: list[jax.Array] = []
         self.k_scale: list[jax.Array] = []
         self.v_scale: list[jax.Array] = []
+        # Under a scan over layers: i32[] the layer this store serves; its cache fields
+        # are then the stacks [L, ...], written and read at that layer in place.
+        self.at: jax.Array | None = None
         S = state.k[0].shape[-1]
         j = jnp.arange(S)[None, :]
         last = pos if pos.ndim == 1 else pos[:, -1]
@@ -252,20 +255,24 @@ class DecodeKV:
             k, v, drop = k[:, 0], v[:, 0], {}
         else:  # [B, T] positions: the new entries index as [B, T, ...]
             rows, drop = rows[:, None], {"mode": "drop"}
+        at = () if self.at is None else (self.at,)  # a stack's layer, written in place
+        every = slice(None)
+        k_at, v_at = (*at, rows, every, every, self.pos), (*at, rows, every, self.pos)
         if st.k_scale:  # int8 cache: store quantized, attend over the dequantized window
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(kq, **drop))
-            self.v.append(st.v[layer].at[rows, :, self.pos].set(vq, **drop))
-            self.k_scale.append(st.k_scale[layer].at[rows, :, self.pos].set(ks, **drop))
-            self.v_scale.append(st.v_scale[layer].at[rows, :, self.pos].set(vs, **drop))
+            self.k.append(st.k[layer].at[k_at].set(kq, **drop))
+            self.v.append(st.v[layer].at[v_at].set(vq, **drop))
+            self.k_scale.append(st.k_scale[layer].at[v_at].set(ks, **drop))
+            self.v_scale.append(st.v_scale[layer].at[v_at].set(vs, **drop))
         else:
-            self.k.append(st.k[layer].at[rows, :, :, self.pos].set(k, **drop))  # (B, K, H, S)
-            self.v.append(st.v[layer].at[rows, :, self.pos].set(v, **drop))  # (B, K, S, H)
+            self.k.append(st.k[layer].at[k_at].set(k, **drop))  # (B, K, H, S)
+            self.v.append(st.v[layer].at[v_at].set(v, **drop))  # (B, K, S, H)
         k_all, v_all = self._read(layer, self.sizes[-1], k.dtype)
         return jnp.transpose(k_all, (0, 3, 1, 2)), jnp.transpose(v_all, (0, 2, 1, 3)), self.k_pos
 
     # Under a scan over layers (engines/layer_scan.py) the stacked cache [L, ...] is the
-    # loop's carry: layer i's store works on its slice and writes it back in place.
+    # loop's carry: layer i's store writes its entries into the stack at layer i and the
+    # CPU attention kernel reads them there, so no layer is sliced out of the stack.
     def scan_init(self):
         st = self.state
         if not layer_scan.is_stacked(st.k, 4):
@@ -276,15 +283,13 @@ class DecodeKV:
     def scan_layer(self, carry, xs, i):
         del xs
         one = copy.copy(self)
-        one.state = dataclasses.replace(self.state, **{f: (c[i],) for f, c in carry.items()})
+        one.state = dataclasses.replace(self.state, **{f: (c,) for f, c in carry.items()})
         one.k, one.v, one.k_scale, one.v_scale = [], [], [], []
-        one.scan_at = (carry, i)
+        one.at = i
         return one
 
     def scan_carry(self):
-        carry, i = self.scan_at
-        return {f: jax.lax.dynamic_update_index_in_dim(c, getattr(self, f)[0], i, 0)
-                for f, c in carry.items()}
+        return {f: getattr(self, f)[0] for f in layer_scan.CACHE_FIELDS if getattr(self, f)}
 
     def scan_ys(self):
         return None
@@ -296,17 +301,24 @@ class DecodeKV:
 
     def _read(self, layer, w, dtype):
         """The first w entries of this layer's keys [B, K, H, w] and values [B, K, w, H]."""
-        k, v = self.k[layer][..., :w], self.v[layer][:, :, :w]
+        k, v = self._layer(self.k, layer)[..., :w], self._layer(self.v, layer)[:, :, :w]
         if self.k_scale:
-            k = (k.astype(jnp.float32) * self.k_scale[layer][:, :, None, :w]).astype(dtype)
-            v = dequantize_kv(v, self.v_scale[layer][:, :, :w], dtype)
+            k_scale, v_scale = self._layer(self.k_scale, layer), self._layer(self.v_scale, layer)
+            k = (k.astype(jnp.float32) * k_scale[:, :, None, :w]).astype(dtype)
+            v = dequantize_kv(v, v_scale[:, :, :w], dtype)
         return k, v
+
+    def _layer(self, field: list[jax.Array], layer) -> jax.Array:
+        """A cache field's array of `layer`: its slice of the stack under a scan."""
+        if self.at is None:
+            return field[layer]
+        return jax.lax.dynamic_index_in_dim(field[0], self.at, keepdims=False)
 
     def attend(self, layer, q, positions, sliding_window):
         if (self.cpu_attention and self.live_pos is not None and not self.k_scale
                 and q.dtype == self.k[layer].dtype == jnp.float32):
             return cpu_kernels.decode_attention(q, self.k[layer], self.v[layer], self.live_pos,
-                                                sliding_window)
+                                                sliding_window, layer=self.at)
 
         def within(w):
             def branch(q):

@@ -6,7 +6,10 @@ with the layer count (docs/BENCHMARKS.md, "One compiled layer body"). Parameters
 leading layer axis, named by the logical axis `layers` (unsplit by every preset);
 checkpoints keep per-layer names and are stacked at load (engines/param_loading.py,
 `stack_layers`), random weights too, so a seed gives the loop's weights. Prefixes keep
-their per-layer tuples; only the decode cache is stacked.
+their per-layer tuples; only the decode cache is stacked. The stacks enter the body
+whole, with the layer's index (`Layer`, `LayerWeight`): the CPU kernels read a layer of
+the weights and of the cache where it lies; what XLA's ops read instead (norms, biases,
+quantized and expert weights, an int8 cache) is sliced out inside the step.
 
 A KV store takes part in the scan through three methods (`run` calls them):
 
@@ -36,13 +39,20 @@ from sharding import axes
 CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")
 
 
-def run(body, cfg, dtype, backend, x, positions, inv_freq, kv):
+def run(body, cfg, dtype, backend, x, positions, inv_freq, kv, initializing: bool):
     """x through the cfg.num_layers layers of `body` (a ScanBlock class) over store kv;
     called inside the decoder's compact method, so the layers' parameters sit under its
-    scope as "layers", each [L, ...]."""
-    scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+    scope as "layers", each [L, ...].
+
+    The parameters enter the loop whole (broadcast, never sliced by the scan): the body
+    declares each one stacked and reads its layer through `Layer`, so the matmul kernels
+    take the stack and the index and read the layer in place (`LayerWeight`), where the
+    scan's own slicing made XLA copy every layer's weights out on the CPU. Flax checks
+    that a broadcast parameter does not depend on the loop only while `initializing`
+    (the extra trace creates them); applying skips it."""
+    scanned = nn.scan(body, variable_broadcast="params", split_rngs={"params": False},
                       in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-                      length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: axes.LAYERS})
+                      length=cfg.num_layers, check_constancy_invariants=initializing)
     carry, xs = kv.scan_init()
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, carry), ys = scanned(cfg, dtype, 0, backend, name="layers")(
@@ -51,14 +61,66 @@ def run(body, cfg, dtype, backend, x, positions, inv_freq, kv):
     return x
 
 
-def use_scan(config, platform: str) -> bool:
-    """Whether an engine with EngineConfig `config` on `platform` scans its layers:
-    "auto" scans on accelerators and keeps the loop on the CPU, where XLA copies each
-    layer's weights and cache out of the stacks before the kernels read them (a decode
-    step 2.3-4x slower on llama-156m, docs/BENCHMARKS.md), and with paged KV (not
-    carried through a scan yet), and with LoRA adapters (their hook is per layer)."""
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """The layer a scanned block runs: `index` (i32[]) of `count`. Its parameters are
+    declared for all layers, [count, ...] on the logical axis `layers`, and read here."""
+
+    index: jax.Array
+    count: int
+
+    def take(self, stack: jax.Array) -> jax.Array:
+        """This layer's slice of stack [L, ...]."""
+        return jax.lax.dynamic_index_in_dim(stack, self.index, keepdims=False)
+
+
+def param(mod: nn.Module, name: str, init, shape: tuple[int, ...], names: tuple, dtype,
+          at: Layer | None = None, whole: bool = False):
+    """Parameter `name` of `mod` with logical axis names; in a scanned layer (`at`),
+    declared stacked [L, *shape] and read at the layer's index: its slice, or with
+    `whole` a LayerWeight (the stack, read in place by the kernels that take an index)."""
+    if at is None:
+        return mod.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+    stack = param(mod, name, init, (at.count, *shape), (axes.LAYERS, *names), dtype)
+    return LayerWeight(stack, at.index) if whole else at.take(stack)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeight:
+    """One layer of a stacked matmul kernel, kept as the whole stack [L, ...] and the
+    layer's index i32[]: engines.backend.Backend.linear hands both to the CPU matmul
+    kernel, which reads the layer in place; `value()` is the slice, for XLA's dot."""
+
+    stack: jax.Array
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def reshape(self, *shape: int) -> LayerWeight:
+        """The same layer of the stack with each layer reshaped (free: no data moves)."""
+        return LayerWeight(self.stack.reshape(self.stack.shape[0], *shape), self.index)
+
+    def value(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+
+
+def use_scan(config, platform: str, cpu_kernels: bool) -> bool:
+    """Whether an engine with EngineConfig `config` on `platform` scans its layers.
+
+    "auto" scans on accelerators, and on the CPU where the CPU kernels run (one device,
+    float32 weights: `cpu_kernels`), since they read each layer of the stacked weights
+    and cache in place (docs/BENCHMARKS.md, "The scan at loop speed on the CPU"). It
+    keeps the loop on a CPU without them, where XLA would copy every layer's weights out
+    of the stack on each step; with paged KV (not carried through a scan yet); and with
+    LoRA adapters (their hook is per layer)."""
     if config.layers == "auto":
-        return (platform != "cpu" and config.kv_layout == "contiguous"
+        return ((platform != "cpu" or cpu_kernels) and config.kv_layout == "contiguous"
                 and not config.max_loras)
     return config.layers == "scan"
 

@@ -58,18 +58,23 @@ def _adapted(lora, module: str, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
-           dtype: Any, init=None) -> jax.Array:
-    init = init or nn.initializers.normal(0.02)
-    return mod.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+           dtype: Any, init=None, at: layer_scan.Layer | None = None) -> jax.Array:
+    """A parameter; in a scanned layer (`at`) stacked for all layers, this layer's slice."""
+    return layer_scan.param(mod, name, init or nn.initializers.normal(0.02), shape, names,
+                            dtype, at)
 
 
 def _kernel(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
-            dtype: Any) -> jax.Array:
+            dtype: Any, at: layer_scan.Layer | None = None,
+            in_place: bool = False) -> jax.Array | layer_scan.LayerWeight:
     """A matmul kernel: a plain param, or stored quantized (cfg.weight_quant) and
-    dequantized here, inside the jitted step, right before its matmul."""
+    dequantized here, inside the jitted step, right before its matmul. `in_place`: a
+    float kernel of a scanned layer comes whole with its index (layer_scan.LayerWeight),
+    which Backend.linear reads in place."""
     if mod.cfg.weight_quant == "none":
-        return _param(mod, name, shape, names, dtype)
-    return quantization.quantized_kernel(mod, name, shape, names, dtype)
+        return layer_scan.param(mod, name, nn.initializers.normal(0.02), shape, names, dtype,
+                                at, whole=in_place)
+    return quantization.quantized_kernel(mod, name, shape, names, dtype, at)
 
 
 class Attention(nn.Module):
@@ -79,13 +84,14 @@ class Attention(nn.Module):
     backend: Backend  # the engine's choice of attention implementation
 
     @nn.compact
-    def __call__(self, x, positions, inv_freq, kv: KVStore, lora=None):
+    def __call__(self, x, positions, inv_freq, kv: KVStore, lora=None, at=None):
         c = self.cfg
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        wq = _kernel(self, "q_proj", (N, H, D), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
-        wk = _kernel(self, "k_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
-        wv = _kernel(self, "v_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED), self.dtype)
-        wo = _kernel(self, "o_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), self.dtype)
+        kernel = functools.partial(_kernel, self, dtype=self.dtype, at=at, in_place=True)
+        wq = kernel("q_proj", (N, H, D), (axes.HEADS, axes.HEAD_DIM, axes.EMBED))
+        wk = kernel("k_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED))
+        wv = kernel("v_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED))
+        wo = kernel("o_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
         B, T = x.shape[:2]
         lin = self.backend.linear
         q = _adapted(lora, "q_proj", x, lin(x, wq.reshape(N * H, D))).reshape(B, T, N, H)
@@ -93,9 +99,10 @@ class Attention(nn.Module):
         v = _adapted(lora, "v_proj", x, lin(x, wv.reshape(K * H, D))).reshape(B, T, K, H)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
-            q = q + _param(self, "q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM), self.dtype, zeros)
-            k = k + _param(self, "k_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM), self.dtype, zeros)
-            v = v + _param(self, "v_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM), self.dtype, zeros)
+            bias = functools.partial(_param, self, dtype=self.dtype, init=zeros, at=at)
+            q = q + bias("q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM))
+            k = k + bias("k_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM))
+            v = v + bias("v_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM))
         # Heads stay split over the model axis from projection to o_proj (one all-reduce
         # per block, after o_proj), rather than XLA gathering them around the cache.
         q = constrain(rope(q, positions, inv_freq), _HEADS_ACT, "attention q")
@@ -124,11 +131,12 @@ class Mlp(nn.Module):
     backend: Backend  # the dense layers' matmul
 
     @nn.compact
-    def __call__(self, x, lora=None):
+    def __call__(self, x, lora=None, at=None):
         D, F = self.cfg.hidden_size, self.cfg.intermediate_size
-        wg = _kernel(self, "gate_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
-        wu = _kernel(self, "up_proj", (F, D), (axes.MLP, axes.EMBED), self.dtype)
-        wd = _kernel(self, "down_proj", (D, F), (axes.EMBED, axes.MLP), self.dtype)
+        kernel = functools.partial(_kernel, self, dtype=self.dtype, at=at, in_place=True)
+        wg = kernel("gate_proj", (F, D), (axes.MLP, axes.EMBED))
+        wu = kernel("up_proj", (F, D), (axes.MLP, axes.EMBED))
+        wd = kernel("down_proj", (D, F), (axes.EMBED, axes.MLP))
         lin = self.backend.linear
         gate = _adapted(lora, "gate_proj", x, lin(x, wg))
         h = _act(self.cfg, gate) * _adapted(lora, "up_proj", x, lin(x, wu))  # (B, T, F)
@@ -150,13 +158,14 @@ class MoeMlp(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, at=None):
         c = self.cfg
         D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
-        router = _param(self, "router", (D, E), (axes.EMBED, None), self.dtype)
-        w1 = _kernel(self, "w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
-        w3 = _kernel(self, "w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP), self.dtype)
-        w2 = _kernel(self, "w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED), self.dtype)
+        router = _param(self, "router", (D, E), (axes.EMBED, None), self.dtype, at=at)
+        kernel = functools.partial(_kernel, self, dtype=self.dtype, at=at)
+        w1 = kernel("w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
+        w3 = kernel("w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
+        w2 = kernel("w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED))
         return moe.moe(x, router, w1, w3, w2, c.num_experts_per_tok, functools.partial(_act, c),
                        routed=c.num_experts_per_tok < E)
 
@@ -171,33 +180,36 @@ class Block(nn.Module):
     def __call__(self, x, positions, inv_freq, kv: KVStore, lora=None):
         return self.block(x, positions, inv_freq, kv, lora)
 
-    def block(self, x, positions, inv_freq, kv: KVStore, lora=None):
+    def block(self, x, positions, inv_freq, kv: KVStore, lora=None, at=None):
+        """at: the layer of the stacked parameters a scanned block runs (layer_scan.Layer)."""
         c = self.cfg
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
-        w_in = _param(self, "input_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones)
-        w_post = _param(
-            self, "post_attention_layernorm", (c.hidden_size,), (axes.EMBED,), self.dtype, ones
-        )
+        norm = functools.partial(_param, self, shape=(c.hidden_size,), names=(axes.EMBED,),
+                                 dtype=self.dtype, init=ones, at=at)
+        w_in, w_post = norm("input_layernorm"), norm("post_attention_layernorm")
         h = rms_norm(x, w_in, c.rms_norm_eps, c.norm_plus_one)
         attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")
-        x = x + attn(h, positions, inv_freq, kv, lora)
+        x = x + attn(h, positions, inv_freq, kv, lora, at)
         h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
-        mlp = MoeMlp(c, self.dtype, name="moe") if c.num_experts else Mlp(c, self.dtype, self.backend, name="mlp")
-        return x + (mlp(h) if c.num_experts else mlp(h, lora))
+        if c.num_experts:
+            return x + MoeMlp(c, self.dtype, name="moe")(h, at)
+        return x + Mlp(c, self.dtype, self.backend, name="mlp")(h, lora, at)
 
 
 class ScanBlock(Block):
     """Block as the body of the scan over layers (engines/layer_scan.py): carry (x, the
     store's stacked state), xs (layer index i, the store's per-layer inputs); its
-    parameters are one layer's slice of the stacked ones. `layer` is unused: the store
-    opened for layer i knows its layer."""
+    parameters are the stacked ones, read at layer i. `layer` is unused: the store opened
+    for layer i knows its layer."""
 
     @nn.compact
     def __call__(self, carry, xs, positions, inv_freq, kv):
         x, kv_carry = carry
         i, kv_xs = xs
         store = kv.scan_layer(kv_carry, kv_xs, i)
-        x = constrain(self.block(x, positions, inv_freq, store), _RESIDUAL_ACT, "layer output")
+        at = layer_scan.Layer(i, self.cfg.num_layers)
+        x = constrain(self.block(x, positions, inv_freq, store, at=at), _RESIDUAL_ACT,
+                      "layer output")
         return (x, store.scan_carry()), store.scan_ys()
 
 
@@ -224,7 +236,8 @@ class Decoder(nn.Module):
         inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
         if c.scan_layers:  # one compiled layer body, parameters stacked as "layers"
             # (LoRA adapters are refused with a scan: EngineConfig.layers)
-            x = layer_scan.run(ScanBlock, c, self.dtype, self.backend, x, positions, inv_freq, kv)
+            x = layer_scan.run(ScanBlock, c, self.dtype, self.backend, x, positions, inv_freq, kv,
+                               self.is_initializing())
         for i in range(0 if c.scan_layers else c.num_layers):
             hook = None if lora is None else lora.at_layer(i)
             x = Block(c, self.dtype, i, self.backend, name=f"layers_{i}")(x, positions, inv_freq, kv,

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engines import layer_scan
+
 SCHEMES = ("none", "int8", "int4")
 DEFAULT_GROUP = 32
 QVALUE, SCALE = "qvalue", "scale"
@@ -169,23 +171,27 @@ class QuantizedKernel(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self) -> jax.Array:
+    def __call__(self, at: layer_scan.Layer | None = None) -> jax.Array:
+        """at: in a scanned layer, qvalue and scale are stacked for all layers and only
+        this layer's slices are dequantized."""
         lay = layout(self.shape, self.names, self.in_axes, self.scheme, self.group,
                      self.name or "kernel")
-        q = self.param(QVALUE, nn.with_logical_partitioning(nn.initializers.zeros, self.names),
-                       lay.qshape, jnp.int8)
-        s = self.param(SCALE, nn.with_logical_partitioning(nn.initializers.ones, lay.snames),
-                       lay.sshape, jnp.float32)
+        q = layer_scan.param(self, QVALUE, nn.initializers.zeros, lay.qshape, self.names,
+                             jnp.int8, at)
+        s = layer_scan.param(self, SCALE, nn.initializers.ones, lay.sshape, lay.snames,
+                             jnp.float32, at)
         return dequantize(q, s, self.in_axes, self.scheme, self.group, self.dtype)
 
 
 def quantized_kernel(mod: nn.Module, name: str, shape: tuple[int, ...],
-                     names: tuple[str | None, ...], dtype: Any) -> jax.Array:
-    """For the decoder: kernel `name` of `mod`, stored as mod.cfg.weight_quant says."""
+                     names: tuple[str | None, ...], dtype: Any,
+                     at: layer_scan.Layer | None = None) -> jax.Array:
+    """For the decoder: kernel `name` of `mod`, stored as mod.cfg.weight_quant says (`at`:
+    the layer of a scanned block, engines/layer_scan.py)."""
     cfg = mod.cfg
     return QuantizedKernel(tuple(shape), tuple(names), KERNEL_INPUT_AXES[name],
                            cfg.weight_quant, cfg.quant_group_size, dtype, name=name,
-                           parent=mod)()
+                           parent=mod)(at)
 
 
 def with_weight_quant(cfg: Any, scheme: str, group: int) -> Any:

@@ -101,12 +101,12 @@ class TransformerEngine(Engine):
         # The weights as stored (what a checkpoint holds); model_config is what runs.
         self.source_config = model_config
         # Where it runs decides the CPU kernels and the layer scan; the model only reads them.
+        rows = cpu_kernels.max_rows(self._mesh, self.dtype, model_config.weight_quant)
         self.model_config = model_config = dataclasses.replace(
             model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat,
-            scan_layers=layer_scan.use_scan(self.config, devices[0].platform))
-        self.backend = dataclasses.replace(
-            backend or backend_for(devices, self.dtype),
-            cpu_matmul_rows=cpu_kernels.max_rows(self._mesh, self.dtype, model_config.weight_quant))
+            scan_layers=layer_scan.use_scan(self.config, devices[0].platform, rows > 0))
+        self.backend = dataclasses.replace(backend or backend_for(devices, self.dtype),
+                                           cpu_matmul_rows=rows)
         self.model = Decoder(model_config, dtype=self.dtype, backend=self.backend)
         self.abstract_params, self._logical = param_loading.trace_params(self.model)
         self.param_shardings = param_loading.param_shardings(

@@ -9,8 +9,12 @@
 // builds it and registers it as the XLA FFI target
 // "jetserve_decode_attention"; engines.kv_cache.DecodeKV uses it.
 //
-// Layouts, as engines.kv_cache keeps them: q [B, N, H], keys [B, K, H, S], values
-// [B, K, S, H], pos i32[B]. Entry j of a slot holds sequence position j, so a slot at
+// Layouts, as engines.kv_cache keeps them: q [B, N, H], keys [L, B, K, H, S], values
+// [L, B, K, S, H], layer i32[], pos i32[B]. The cache is a stack of L layers of which
+// `layer` picks one, read in place: a scanned decoder (engines/layer_scan.py) passes its
+// stacked cache whole with the layer's index, where a slice would make XLA copy the layer
+// out first; the loop passes one layer as [1, ...] and 0. An index outside [0, L) is an
+// error, never a read out of bounds. Entry j of a slot holds sequence position j, so a slot at
 // position p (clamped to S - 1) sees entries max(0, p - window + 1) .. p (window 0: no
 // sliding window); a slot at p < 0 is not live: its output is zeros and nothing of it is
 // read. The N query heads share kv heads in groups of N / K, as in the model.
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
@@ -212,20 +217,28 @@ void attend_group(const float* q, const float* k, const float* v, float* out, in
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos,
-                           ffi::ResultBuffer<ffi::F32> out, int64_t window) {
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                           int64_t window) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || pos.dimensions().size() != 1)
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || layer.element_count() != 1 ||
+      pos.dimensions().size() != 1)
     return ffi::Error::InvalidArgument(
-        "jetserve_decode_attention expects q [B, N, H], k [B, K, H, S], v [B, K, S, H], pos [B]");
-  const int64_t B = qd[0], N = qd[1], H = qd[2], K = kd[1], S = kd[3];
-  if (kd[0] != B || kd[2] != H || vd[0] != B || vd[1] != K || vd[2] != S || vd[3] != H ||
-      pos.dimensions()[0] != B || K == 0 || N % K != 0)
+        "jetserve_decode_attention expects q [B, N, H], k [L, B, K, H, S], "
+        "v [L, B, K, S, H], layer i32[], pos [B]");
+  const int64_t B = qd[0], N = qd[1], H = qd[2], L = kd[0], K = kd[2], S = kd[4];
+  if (kd[1] != B || kd[3] != H || vd[0] != L || vd[1] != B || vd[2] != K || vd[3] != S ||
+      vd[4] != H || pos.dimensions()[0] != B || K == 0 || N % K != 0)
     return ffi::Error::InvalidArgument("jetserve_decode_attention: shapes do not agree");
+  const int64_t i = layer.typed_data()[0];
+  if (i < 0 || i >= L)
+    return ffi::Error::InvalidArgument("jetserve_decode_attention: layer " +
+                                       std::to_string(i) + " is outside [0, " +
+                                       std::to_string(L) + ")");
   const int64_t G = N / K;
   const float* qp = q.typed_data();
-  const float* kp = k.typed_data();
-  const float* vp = v.typed_data();
+  const float* kp = k.typed_data() + i * B * K * H * S;
+  const float* vp = v.typed_data() + i * B * K * S * H;
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
   auto live = [=](int64_t t, int64_t* j0, int64_t* j1) {  // entries [j0, j1) of task t
@@ -257,6 +270,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JetserveDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window"));

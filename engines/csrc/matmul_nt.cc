@@ -18,7 +18,11 @@
 //    L2. Software prefetch of the weight rows made these tiles slower here.
 //
 // Layout: x, w and y are row-major and dense. Any M, N, K (tails of K below 8 and of N
-// below the tile width take narrower tiles or scalar paths).
+// below the tile width take narrower tiles or scalar paths). w is a stack [L, N, K] of
+// which the i32[] operand `layer` picks one: a scanned decoder (engines/layer_scan.py)
+// passes its stacked weights whole with the layer's index, so the kernel reads that layer
+// in place where a slice would make XLA copy the layer's weights out first; a plain call
+// passes [1, N, K] and 0. An index outside [0, L) is an error, never a read out of bounds.
 
 #include <immintrin.h>
 
@@ -26,6 +30,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
@@ -366,16 +371,20 @@ void pack(const float* x, int64_t M, int64_t K, float* xt) {
 }
 
 ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] ||
-      yd[0] != xd[0] || yd[1] != wd[0])
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || layer.element_count() != 1 ||
+      xd[1] != wd[2] || yd[0] != xd[0] || yd[1] != wd[1])
     return ffi::Error::InvalidArgument(
-        "jetserve_matmul_nt: expected x [M, K], w [N, K] and result [M, N]");
-  const int64_t M = xd[0], K = xd[1], N = wd[0];
+        "jetserve_matmul_nt: expected x [M, K], w [L, N, K], layer i32[] and result [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[1], L = wd[0];
+  const int64_t i = layer.typed_data()[0];
+  if (i < 0 || i >= L)
+    return ffi::Error::InvalidArgument("jetserve_matmul_nt: layer " + std::to_string(i) +
+                                       " is outside [0, " + std::to_string(L) + ")");
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const float* wp = w.typed_data() + i * N * K;
   float* yp = y->typed_data();
   const int64_t threads = std::clamp<int64_t>(pool.num_threads(), 1, jetserve::kMaxThreads);
   const bool packed = M >= kPackedMinRows;
@@ -418,4 +427,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JetserveMatmulNT, MatmulNT,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

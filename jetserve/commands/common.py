@@ -59,8 +59,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     lora_adapters.add_arguments(p)
     p.add_argument("--layers", default="auto", choices=LAYER_MODES,
                    help="the decoder's layers: loop (unrolled), scan (one compiled body, "
-                        "a compile that does not grow with the layer count) or auto (scan "
-                        "on TPU/GPU, loop on the CPU, where its decode step is faster)")
+                        "a compile that does not grow with the layer count) or auto (scan, "
+                        "except on a CPU without the CPU kernels (several devices, "
+                        "quantized weights) and with paged KV or LoRA)")
     compile_cache.add_argument(p)
 
 

@@ -2,7 +2,9 @@
 against numpy for every kind of shape tail, where the engine uses them and where it must
 not, and their fallbacks."""
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +21,10 @@ from jetserve.scheduling.page_planner import with_pages
 
 CFG = ModelConfig(vocab_size=99, hidden_size=36, intermediate_size=70, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=10)
-ENGINE = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
+# The unrolled layers: the engines below share one set of weights with an engine without
+# the kernels, which keeps the loop (the scanned layers: test_a_scanned_layer_...).
+ENGINE = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48,
+                      layers="loop")
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +159,53 @@ def test_decode_attention_bad_operands_are_named():
         cpu_kernels.decode_attention(jnp.ones((2, 3, 4, 8)), k, v, jnp.zeros(2, jnp.int32), None)
     with pytest.raises(ValueError, match="do not agree"):
         cpu_kernels.decode_attention(q, k, jnp.ones((2, 2, 8, 16)), jnp.zeros(2, jnp.int32), None)
+
+
+# ---- a layer of a stack, read in place (a scanned decoder's weights and cache) ---------
+
+
+def test_indexed_matmul_equals_the_sliced_one(kernel):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 40), dtype=np.float32)
+    w = rng.standard_normal((3, 24, 40), dtype=np.float32)
+    fn = jax.jit(cpu_kernels.matmul_nt)
+    assert cpu_kernels.TARGET in _lowered(fn, x, w, jnp.int32(1))
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(fn(x, w, jnp.int32(i))),
+                                      np.asarray(fn(x, w[i])))
+    # the whole stack goes in: no slice of it is copied out before the call
+    compiled = fn.lower(x, w, jnp.int32(1)).compile().as_text()
+    assert cpu_kernels.TARGET in compiled and "dynamic-slice" not in compiled
+
+
+def test_indexed_decode_attention_equals_the_sliced_one(kernel):
+    rng = np.random.default_rng(8)
+    L, B, N, K, H, S = 3, 2, 4, 2, 16, 40
+    q = rng.standard_normal((B, 1, N, H), dtype=np.float32)
+    k = rng.standard_normal((L, B, K, H, S), dtype=np.float32)
+    v = rng.standard_normal((L, B, K, S, H), dtype=np.float32)
+    pos = np.array([7, S - 1], np.int32)
+    fn = jax.jit(lambda q, k, v, i: cpu_kernels.decode_attention(q, k, v, pos, 16, layer=i))
+    for i in range(L):
+        want = cpu_kernels.decode_attention(q, k[i], v[i], pos, 16)
+        np.testing.assert_array_equal(np.asarray(fn(q, k, v, jnp.int32(i))), np.asarray(want))
+
+
+def test_a_layer_outside_the_stack_is_refused(kernel):
+    x, w = jnp.ones((4, 8)), jnp.ones((3, 5, 8))
+    with pytest.raises(ValueError, match=r"layer 3 is outside \[0, 3\)"):
+        cpu_kernels.matmul_nt(x, w, 3)
+    with pytest.raises(ValueError, match="stacked"):
+        cpu_kernels.matmul_nt(x, w[0], 0)
+    # a traced index is checked by the kernel, which fails the step instead of reading
+    for i in (3, -1):
+        with pytest.raises(Exception, match=f"layer {i} is outside"):
+            jax.block_until_ready(jax.jit(cpu_kernels.matmul_nt)(x, w, jnp.int32(i)))
+    q, k, v = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 2, 2, 8, 16)), jnp.ones((2, 2, 2, 16, 8))
+    attend = jax.jit(lambda i: cpu_kernels.decode_attention(q, k, v, jnp.zeros(2, jnp.int32),
+                                                            None, layer=i))
+    with pytest.raises(Exception, match="layer 2 is outside"):
+        jax.block_until_ready(attend(jnp.int32(2)))
 
 
 # ---- the greedy token and the log-probs of a step's logits ---------------------------
@@ -298,6 +350,31 @@ def test_greedy_tokens_and_logits_equal_xla(engines):
     logits = [np.asarray(e.model.apply({"params": params}, seq, pos, PrefillKV(pos, None)))
               for e in (on, off)]
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_scanned_layer_reads_its_weights_and_cache_in_place(kernel):
+    """Under the scan (layers "auto" picks it with the kernels) even a one-row matmul takes
+    the kernel, reading the stacked weights at the layer's index; nothing is copied out."""
+    eng = create_engine(CFG, config=dataclasses.replace(ENGINE, layers="auto"),
+                        devices=jax.devices()[:1], seed=3)
+    assert eng.model_config.scan_layers
+    params = eng.load_params()
+    assert _uses_kernel(eng.model, params, 1)
+    state = eng.init_decode_state()
+    compiled = eng._generate_jit.lower(params, state, None).compile()
+    text = compiled.as_text()
+    assert cpu_kernels.TARGET in text and cpu_kernels.ATTENTION_TARGET in text
+    # Slices left: a layer's norm weights and index scalars, never a matmul kernel's
+    # [N, K] nor the cache's; the temporaries exceed the loop's by far less than one
+    # layer's weights (a copied-out layer would add all of them).
+    sliced = re.findall(r"= f32\[([\d,]*)\]\S* dynamic-slice\(", text)
+    assert all(len(dims.split(",")) <= 2 and dims.startswith("1,") for dims in sliced)
+    loop = create_engine(CFG, config=ENGINE, devices=jax.devices()[:1], seed=3)
+    loop_temp = loop._generate_jit.lower(jax.eval_shape(loop.load_params),
+                                         loop.init_decode_state(), None).compile()
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) // CFG.num_layers
+    assert (compiled.memory_analysis().temp_size_in_bytes
+            < loop_temp.memory_analysis().temp_size_in_bytes + layer_bytes / 4)
 
 
 def test_a_sharded_mesh_never_uses_the_kernel(kernel):

@@ -17,9 +17,11 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [27, 18, 28], list(range(40, 70))]
 
 
 def _engine(kv_dtype, devices=1, sharding="replicated"):
+    # The unrolled layers, whose cache is per layer as the layout checks below read it
+    # (the stacked one of a scan: tests/engines/test_layer_scan.py).
     return create_engine(
         CFG, config=EngineConfig(max_concurrent_decodes=4, max_prefill_length=32,
-                                 max_seq_len=64, kv_dtype=kv_dtype),
+                                 max_seq_len=64, kv_dtype=kv_dtype, layers="loop"),
         devices=jax.devices()[:devices], sharding=load_preset(sharding), seed=5)
 
 

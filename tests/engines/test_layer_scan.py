@@ -119,10 +119,15 @@ def test_layer_modes_are_checked():
         dataclasses.replace(CFG, scan_layers="yes")
 
 
-def test_auto_keeps_the_loop_on_the_cpu():
-    # Measured: the scanned decode step is slower on the CPU (docs/BENCHMARKS.md).
-    assert not _engine("auto").model_config.scan_layers
+def test_auto_scans_where_the_cpu_kernels_read_layers_in_place():
+    # Measured: with the kernels reading the stacked layers in place, the scanned decode
+    # step is as fast as the loop on the CPU (docs/BENCHMARKS.md); without them XLA would
+    # copy each layer's weights out of the stack.
+    eng = _engine("auto")
+    assert eng.model_config.scan_layers == eng.backend.cpu_kernels
     assert not _engine("auto", kv_layout="paged").model_config.scan_layers
+    assert not _engine("auto", devices=2).model_config.scan_layers  # no kernels when sharded
+    assert not _engine("auto", quantize="int8").model_config.scan_layers
 
 
 def test_cli_layers_flag(capsys):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, create_engine, prefill_buckets
+from engines import EngineConfig, ModelConfig, create_engine, layer_scan, prefill_buckets
 from engines.kv_cache import PrefillKV, window_sizes
 from jetserve.offline import generate_many
 
@@ -30,7 +30,13 @@ def engine():
 
 
 def _np_state(state):
-    return jax.tree.map(lambda x: np.array(x), state)
+    """The state on the host; a stacked cache (scanned layers, [L, ...]) split into its
+    layers, so every leaf's first axis is the slot in either layout."""
+    state = jax.tree.map(lambda x: np.array(x), state)
+    if not layer_scan.is_stacked(state.k, 4):
+        return state
+    return dataclasses.replace(state, **{f: tuple(getattr(state, f)[0])
+                                         for f in layer_scan.CACHE_FIELDS if getattr(state, f)})
 
 
 def test_buckets_any_maximum():

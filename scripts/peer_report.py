@@ -130,16 +130,17 @@ def report(out_dir: str, servers: list[str], *, load_start: str | None = None,
     if versions:
         parts.append(f"Versions: {versions}.")
     w = results[0]["workload"]
+    slo = ", ".join(f"{k}={v:g}" for k, v in results[0]["slo"].items()) or "none"
     parts += ["", f"`jetserve bench serve` against each server, one at a time: {w['num_requests']} "
               f"requests per rate, {w['prompt_len']}-token prompts, {w['output_len']} new tokens, "
-              f"SLO {results[0]['slo']}.", "", serve_table(results, ref_rate)]
+              f"SLO {slo}.", "", serve_table(results, ref_rate)]
     llama_path = os.path.join(out_dir, "batched_bench.jsonl")
     js_path = os.path.join(out_dir, "decode_jetserve.json")
     if os.path.exists(llama_path) and os.path.exists(js_path):
         with open(llama_path) as fh:
             llama = parse_batched_bench(fh.read())
-        with open(js_path) as fh:
-            js = decode_rows(json.load(fh))
+        with open(js_path) as fh:  # its JSON is the last line of what it printed
+            js = decode_rows(json.loads(fh.read().strip().splitlines()[-1]))
         parts += ["", "Decode alone: `llama-batched-bench` (128 + 128 tokens) beside "
                   "`jetserve bench decode`:", "", decode_table(llama, js)]
     md = "\n".join(parts) + "\n"

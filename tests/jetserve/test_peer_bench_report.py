@@ -114,6 +114,7 @@ def test_report_writes_the_markdown_and_the_plot(tmp_path):
     assert "| jetserve serve --interleaved | 171 / 204 / 228 |" in md  # labels by server name
     assert "| vLLM-CPU | 180 / 211 / 212 |" in md
     assert "| 8 | 320 | 274 | 0.85x |" in md
+    assert "SLO ttft_ms=1000, tpot_ms=100." in md
     assert "3.1 2.0 1.5 at the start" in md and "Versions: vllm 0.32." in md
     assert (tmp_path / "peer_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

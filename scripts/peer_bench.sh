@@ -131,17 +131,19 @@ stop_server() {
 trap stop_server EXIT
 
 start_server() {  # NAME PORT; logs to OUT/server_NAME.log
+  # `exec`: the background subshell becomes the server, so SERVER_PID is the server's own
+  # pid and stop_server's kill reaches it (not a shell that would leave it running).
   local name=$1 port=$2
   case $name in
     jetserve)
-      "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
+      exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
         --max-seq-len "$MAX_TOTAL" --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
     vllm)
-      VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$PPY" -m vllm.entrypoints.openai.api_server \
+      VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} exec "$PPY" -m vllm.entrypoints.openai.api_server \
         --model "$HF" --skip-tokenizer-init --dtype float32 --max-num-seqs "$SLOTS" \
         --max-model-len "$MAX_TOTAL" --host 127.0.0.1 --port "$port" ;;
     llamacpp)
-      "$LCP_BIN/llama-server" -m "$GGUF" -np "$SLOTS" -c $((SLOTS * MAX_TOTAL)) -t "$THREADS" \
+      exec "$LCP_BIN/llama-server" -m "$GGUF" -np "$SLOTS" -c $((SLOTS * MAX_TOTAL)) -t "$THREADS" \
         --host 127.0.0.1 --port "$port" ;;
   esac > "$OUT/server_$name.log" 2>&1 &
   SERVER_PID=$!

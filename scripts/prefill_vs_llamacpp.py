@@ -64,15 +64,20 @@ _CONVERT = textwrap.dedent("""
 """)
 
 
-def make_gguf(llama_cpp_dir: str, preset: str, hf_dir: str, gguf_path: str) -> None:
-    """Writes the random HF checkpoint and its f32 GGUF (see the module docstring)."""
+def make_gguf(llama_cpp_dir: str, preset: str, hf_dir: str, gguf_path: str, *,
+              python: str = sys.executable) -> None:
+    """Writes the random HF checkpoint and its f32 GGUF (see the module docstring).
+
+    `python` runs the converter: it needs torch, transformers and numpy, which a separate
+    venv (scripts/peer_bench.sh's) may hold rather than jetserve's.
+    """
     if not os.path.isfile(os.path.join(llama_cpp_dir, "convert_hf_to_gguf.py")):
         raise SystemExit(f"--make-gguf {llama_cpp_dir!r} has no convert_hf_to_gguf.py")
     subprocess.run([sys.executable, "-m", "jetserve", "bench", "make-hf-model",
                     "--preset", preset, "--out", hf_dir], check=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.join(llama_cpp_dir, "gguf-py"), llama_cpp_dir]))
-    subprocess.run([sys.executable, "-c", _CONVERT, hf_dir, "--outtype", "f32",
+    subprocess.run([python, "-c", _CONVERT, hf_dir, "--outtype", "f32",
                     "--outfile", gguf_path], check=True, env=env)
 
 

@@ -173,7 +173,10 @@ class HttpClient:
     def __init__(self, base: str, api_key: str | None, model: str | None):
         import httpx
 
-        self.client = httpx.AsyncClient(base_url=base, timeout=None)
+        # A fresh connection per request: llama.cpp's server closed a kept-alive one just
+        # as the next request went out on it, which failed that request.
+        self.client = httpx.AsyncClient(base_url=base, timeout=None,
+                                        limits=httpx.Limits(max_keepalive_connections=0))
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
 

@@ -32,6 +32,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding import axes
@@ -161,11 +162,22 @@ def stack_layers(per_layer: dict, num_layers: int, shardings: dict) -> dict:
     columns = zip(*(jax.tree.leaves(p) for p in parts), strict=True)
     stacked = []
     for column, sh in zip(columns, jax.tree.leaves(shardings["layers"]), strict=True):
-        stacked.append(jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sh)(*column))
+        stacked.append(_stack(column, sh))
         for x in column:
             x.delete()
     out["layers"] = jax.tree.unflatten(treedef, stacked)
     return out
+
+
+def _stack(column: tuple, sharding) -> jax.Array:
+    """One leaf's per-layer arrays stacked on a new leading axis, placed with `sharding`.
+    Where every array is on this process's CPU devices the host memory is the device's,
+    so the stack is made there and placed: no program to compile (a jitted stack costs one
+    compile per leaf shape at every cold start). Elsewhere one jitted stack per shape."""
+    if all(x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+           for x in column):
+        return jax.device_put(np.stack([np.asarray(x) for x in column]), sharding)
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*column)
 
 
 def unstack_layers(params: dict) -> dict:

@@ -46,7 +46,13 @@ def merged_params(params, tensors, scale, cfg, shardings):
             if f"{key}.lora_A.weight" not in tensors:
                 continue
             d = scale * tensors[f"{key}.lora_B.weight"] @ tensors[f"{key}.lora_A.weight"]
-            w = host[f"layers_{layer}"][section][m]
+            # A scanned engine's layers are one stack (engines/layer_scan.py); a looped
+            # one's are named per layer.
+            stack = host["layers"][section] if "layers" in host else None
+            w = stack[m][layer] if stack is not None else host[f"layers_{layer}"][section][m]
             flat = w.reshape(d.shape) if m != "o_proj" else w.reshape(cfg.hidden_size, -1)
-            host[f"layers_{layer}"][section][m] = (flat + d).reshape(w.shape)
+            if stack is not None:
+                stack[m][layer] = (flat + d).reshape(w.shape)
+            else:
+                host[f"layers_{layer}"][section][m] = (flat + d).reshape(w.shape)
     return jax.device_put(host, shardings)

@@ -353,9 +353,9 @@ def test_greedy_tokens_and_logits_equal_xla(engines):
 
 
 def test_a_scanned_layer_reads_its_weights_and_cache_in_place(kernel):
-    """Under the scan (layers "auto" picks it with the kernels) even a one-row matmul takes
-    the kernel, reading the stacked weights at the layer's index; nothing is copied out."""
-    eng = create_engine(CFG, config=dataclasses.replace(ENGINE, layers="auto"),
+    """Under the scan (layers "scan") even a one-row matmul takes the kernel, reading the
+    stacked weights at the layer's index; nothing is copied out."""
+    eng = create_engine(CFG, config=dataclasses.replace(ENGINE, layers="scan"),
                         devices=jax.devices()[:1], seed=3)
     assert eng.model_config.scan_layers
     params = eng.load_params()

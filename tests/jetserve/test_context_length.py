@@ -89,7 +89,7 @@ def test_generate_takes_one_slot_per_prompt_unless_given():
     """A long default context costs slots x max_seq_len of KV: generate's default is one
     slot per prompt, at most DEFAULT_SLOTS; a given --max-concurrent-decodes stands."""
     from jetserve import cli
-    from jetserve.commands.common import DEFAULT_SLOTS
+    from jetserve.commands.common import DEFAULT_SLOTS, decode_slots
     from jetserve.commands.generate import slots_for
 
     parser = cli.build_parser()
@@ -99,5 +99,7 @@ def test_generate_takes_one_slot_per_prompt_unless_given():
     assert slots_for(many) == DEFAULT_SLOTS
     given = parser.parse_args(["generate", "--prompt", "a", "--max-concurrent-decodes", "5"])
     assert slots_for(given) == 5
+    # serve leaves the flag unset so that --max-num-seqs can size the slots alone.
     served = parser.parse_args(["serve"])
-    assert served.max_concurrent_decodes == DEFAULT_SLOTS
+    assert decode_slots(served) == DEFAULT_SLOTS
+    assert decode_slots(parser.parse_args(["serve", "--max-num-seqs", "3"])) == 3

@@ -133,6 +133,12 @@ def is_stacked(cache: tuple, layer_ndim: int) -> bool:
     return len(cache) == 1 and cache[0].ndim == layer_ndim + 1
 
 
+def cache_layers(cache: tuple, layer_ndim: int) -> tuple:
+    """A cache field as L per-layer arrays whichever layout holds it (a scanned model's
+    one stacked [L, ...] array split into its layers)."""
+    return tuple(cache[0]) if is_stacked(cache, layer_ndim) else tuple(cache)
+
+
 def stack_cache(state, scan: bool):
     """`state` (a DecodeState of arrays or of NamedShardings, its cache fields L-tuples)
     with each cache field as one stacked [L, ...] entry when `scan`; as is otherwise."""
@@ -151,31 +157,50 @@ def stack_cache(state, scan: bool):
     return dataclasses.replace(state, **{f: stack(f) for f in CACHE_FIELDS})
 
 
-def stack_layers(per_layer: dict, num_layers: int, shardings: dict) -> dict:
+def stack_layers(per_layer: dict, num_layers: int, shardings: dict, *,
+                 keep: bool = False) -> dict:
     """Parameters with per-layer names ("layers_0" .. "layers_{L-1}", as checkpoints
-    store them) -> the scanned decoder's, each layer leaf stacked on a leading axis under
-    "layers" and placed with `shardings` (the scanned model's). Leaf by leaf, each
-    per-layer copy dropped once stacked, so the load holds about one leaf twice."""
-    names = [f"layers_{i}" for i in range(num_layers)]
-    out = {k: v for k, v in per_layer.items() if k not in names}
-    parts = [per_layer[n] for n in names]
-    treedef = jax.tree.structure(parts[0])
-    columns = zip(*(jax.tree.leaves(p) for p in parts), strict=True)
+    store them; numpy or jax arrays) -> the scanned decoder's, each layer leaf stacked on
+    a leading axis under "layers" and placed with `shardings` (the scanned model's). Leaf
+    by leaf, each per-layer copy dropped once stacked, so the load holds about one leaf
+    twice; `keep` leaves the given arrays alone (they are the caller's)."""
+    out, treedef, columns = _layer_columns(per_layer, num_layers)
     stacked = []
     for column, sh in zip(columns, jax.tree.leaves(shardings["layers"]), strict=True):
         stacked.append(_stack(column, sh))
         for x in column:
-            x.delete()
+            if not keep and isinstance(x, jax.Array):
+                x.delete()
     out["layers"] = jax.tree.unflatten(treedef, stacked)
     return out
 
 
+def stack_layers_as(per_layer: dict, num_layers: int, xp=jnp) -> dict:
+    """stack_layers unplaced: each layer leaf stacked by `xp` (np on the host, jnp for
+    device arrays or under a trace), the given arrays kept."""
+    out, treedef, columns = _layer_columns(per_layer, num_layers)
+    out["layers"] = jax.tree.unflatten(treedef, [xp.stack(c) for c in columns])
+    return out
+
+
+def _layer_columns(per_layer: dict, num_layers: int) -> tuple[dict, object, list[tuple]]:
+    """(the entries that are no layer, the tree of one layer, each of its leaves' L
+    per-layer arrays)."""
+    names = [f"layers_{i}" for i in range(num_layers)]
+    rest = {k: v for k, v in per_layer.items() if k not in names}
+    parts = [per_layer[n] for n in names]
+    columns = list(zip(*(jax.tree.leaves(p) for p in parts), strict=True))
+    return rest, jax.tree.structure(parts[0]), columns
+
+
 def _stack(column: tuple, sharding) -> jax.Array:
     """One leaf's per-layer arrays stacked on a new leading axis, placed with `sharding`.
-    Where every array is on this process's CPU devices the host memory is the device's,
-    so the stack is made there and placed: no program to compile (a jitted stack costs one
-    compile per leaf shape at every cold start). Elsewhere one jitted stack per shape."""
-    if all(x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+    Where every array is on the host (numpy) or on this process's CPU devices the host
+    memory is the device's, so the stack is made there and placed: no program to compile
+    (a jitted stack costs one compile per leaf shape at every cold start). Elsewhere one
+    jitted stack per shape."""
+    if all(isinstance(x, np.ndarray) or (
+            x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices()))
            for x in column):
         return jax.device_put(np.stack([np.asarray(x) for x in column]), sharding)
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*column)

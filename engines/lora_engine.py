@@ -224,7 +224,7 @@ class LoraTransformerEngine(TransformerEngine):
         with self.adapters.lock:
             row = self._row(adapter, self.row_wait_s)
             prefix, first = self._prefill(
-                params, tokens, true_length, sampling=sampling,
+                self._in_layout(params), tokens, true_length, sampling=sampling,
                 existing_prefix=existing_prefix, seed=seed, donate=donate,
                 token_mask=token_mask,
                 extra=(self._pool, np.int32(row), np.int32(ident), *self._draft_args()))
@@ -238,9 +238,10 @@ class LoraTransformerEngine(TransformerEngine):
 
     def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None,
                       donate: bool = False):
-        return self._prefill.lower(params, tokens, true_length, existing_prefix=existing_prefix,
-                                   donate=donate, extra=(self._pool, np.int32(0), np.int32(0),
-                                                         *self._draft_args()))
+        return self._prefill.lower(self._in_layout(params), tokens, true_length,
+                                   existing_prefix=existing_prefix, donate=donate,
+                                   extra=(self._pool, np.int32(0), np.int32(0),
+                                          *self._draft_args()))
 
     def insert(self, prefix: LoraPrefix, decode_state, slot: int):
         if not isinstance(prefix, LoraPrefix):
@@ -264,6 +265,7 @@ class LoraTransformerEngine(TransformerEngine):
                 self.adapters.unpin(row)
 
     def generate(self, params, decode_state, token_mask=None):
+        params = self._in_layout(params)
         with self.adapters.lock:
             if not self._slot_rows:  # no slot holds an adapter: the base model's step
                 return self._generate_plain_jit(params, None, decode_state, token_mask,

@@ -214,8 +214,8 @@ class PagedTransformerEngine(TransformerEngine):
         """One step; page_table i32[B, W]: each slot's first W pages, the pages this step
         writes included (entries a slot does not hold point at the trash page);
         token_mask as TransformerEngine.generate's."""
-        return self._generate_jit(params, decode_state, page_table, token_mask,
-                                  *self._draft_args())
+        return self._generate_jit(self._in_layout(params), decode_state, page_table,
+                                  token_mask, *self._draft_args())
 
     def mixed_step(self, params, decode_state: PagedDecodeState, page_table: np.ndarray,
                    rows: Sequence[MixedRow]) -> tuple[PagedDecodeState, ResultTokens]:
@@ -232,7 +232,7 @@ class PagedTransformerEngine(TransformerEngine):
                              f"got shape {table.shape}")
         inputs = pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
                            buckets=self.mixed_token_buckets)
-        return self._mixed_jit(params, decode_state, table, inputs)
+        return self._mixed_jit(self._in_layout(params), decode_state, table, inputs)
 
     @property
     def mixed_token_buckets(self) -> tuple[int, ...]:

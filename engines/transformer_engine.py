@@ -26,6 +26,7 @@ from engines.engine_api import Engine, ResultTokens, Tokenizer
 from engines.engine_config import EngineConfig, resolve_dtype
 from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, insert_prefix
 from engines.model import Decoder
+from engines.param_layout import InLayout, ParamViews
 from engines.prefill_program import PrefillProgram
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
 from engines.prompt_scoring import score_in_chunks
@@ -41,7 +42,7 @@ SCALE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
 
 
-class TransformerEngine(Engine):
+class TransformerEngine(ParamViews, Engine):
     """One decoder on one slice of devices, laid out by a sharding preset.
 
     Args:
@@ -111,6 +112,8 @@ class TransformerEngine(Engine):
         self.abstract_params, self._logical = param_loading.trace_params(self.model)
         self.param_shardings = param_loading.param_shardings(
             self.sharding, self._mesh, self._logical, self.abstract_params)
+        self._in_layout = InLayout(self.abstract_params, self.param_shardings,
+                                                model_config.num_layers)
         self._draft = self._draft_engine(draft_config, draft_weights, devices)
         self._draft_params = None
         self._build_jits()
@@ -279,30 +282,6 @@ class TransformerEngine(Engine):
             mesh=self._mesh, shardings=self.param_shardings, abstract=self.abstract_params,
             kv_repeat=self.kv_repeat)
 
-    def checkpoint_params(self, params: dict) -> dict:
-        """`params` as a checkpoint stores them (for `source_config`): one copy of each
-        kv head, each layer under its own name."""
-        return layer_scan.unstack_layers(kv_heads.select_heads(params, self._logical, self.kv_repeat))
-
-    def params_from_checkpoint(self, stored: dict) -> dict:
-        """The inverse: a tree shaped as `checkpoint_abstract()` (numpy or jax arrays)
-        with each kv head repeated as this engine runs them; place it with
-        `param_shardings`."""
-        xp = np if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(stored)) else jnp
-        return kv_heads.repeat_heads(stored, self._logical, self.kv_repeat, xp)
-
-    def kv_head_tensors(self) -> list[str]:
-        """The parameters that hold one slice per kv head (engines/kv_heads.py)."""
-        return kv_heads.kv_head_paths(self._logical)
-
-    def checkpoint_abstract(self) -> dict:
-        """The shapes and dtypes of the parameters as stored (`source_config`)."""
-        if self.kv_repeat == 1:
-            return self.abstract_params
-        model = Decoder(kv_heads.stored_config(self.model_config, self.kv_repeat),
-                        dtype=self.dtype)
-        return param_loading.trace_params(model)[0]
-
     def receive_prefix(self, prefix: Prefix) -> Prefix:
         """A prefix made by another engine of this model (whose kv heads may be repeated
         otherwise: disaggregated slices on other presets or device counts), with this
@@ -342,7 +321,7 @@ class TransformerEngine(Engine):
         """tokens: the prompt padded to a bucket (or unpadded: it is padded here).
         `donate`: the caller never reads `existing_prefix` again, so its KV is updated in
         place (engines/prefill_program.py)."""
-        return self._prefill(params, tokens, true_length, sampling=sampling,
+        return self._prefill(self._in_layout(params), tokens, true_length, sampling=sampling,
                              existing_prefix=existing_prefix, seed=seed, donate=donate,
                              token_mask=token_mask, extra=self._draft_args())
 
@@ -351,8 +330,9 @@ class TransformerEngine(Engine):
                       donate: bool = False) -> jax.stages.Lowered:
         """The prefill program these arguments run, lowered (for its compiled memory and
         cost analyses; nothing runs)."""
-        return self._prefill.lower(params, tokens, true_length, existing_prefix=existing_prefix,
-                                   donate=donate, extra=self._draft_args())
+        return self._prefill.lower(self._in_layout(params), tokens, true_length,
+                                   existing_prefix=existing_prefix, donate=donate,
+                                   extra=self._draft_args())
 
     def empty_prefix(self, length: int) -> Prefix:
         """See Engine.empty_prefix (with room for a draft model's KV too)."""
@@ -396,7 +376,7 @@ class TransformerEngine(Engine):
         """Scores a prompt: host arrays of length true_length (see PromptLogprobs). One
         pass up to max_prefill_length tokens; a longer prompt (up to max_seq_len) in
         chunks of max_prefill_length, each attending over the KV of the ones before."""
-        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        tokens, params = np.asarray(tokens, np.int32).reshape(-1), self._in_layout(params)
         n = tokens.shape[0] if true_length is None else int(true_length)
         if not 1 <= n <= tokens.shape[0]:
             raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
@@ -417,7 +397,8 @@ class TransformerEngine(Engine):
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
     def generate(self, params, decode_state, token_mask=None) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_jit(params, decode_state, token_mask, *self._draft_args())
+        return self._generate_jit(self._in_layout(params), decode_state, token_mask,
+                                  *self._draft_args())
 
     # ---- properties --------------------------------------------------------------------
 

@@ -28,8 +28,9 @@ ENGINE_LAYERS = (
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "mock_engine",
      "kv_heads", "lora_loading", "lora_registry", "lora", "mixed_batch"),
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)
-    ("device_functions", "speculative", "param_loading", "prompt_scoring", "prefill_program",
-     "mixed_step"),
+    # and layouts (per layer or stacked)
+    ("device_functions", "speculative", "param_loading", "param_layout", "prompt_scoring",
+     "prefill_program", "mixed_step"),
     # the engines: shardings and jit wiring
     ("transformer_engine", "paged_engine", "lora_engine"),
     # the choice between them, and the package's public names

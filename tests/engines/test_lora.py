@@ -106,7 +106,9 @@ def test_adapter_tokens_equal_merged_weights(adapter, speculative):
     params = eng.load_params()
     plain = create_engine(CFG, config=dataclasses.replace(eng.config, max_loras=0), seed=5,
                           devices=jax.devices()[:1])
-    merged = lora_files.merged_params(params, tensors, 8 / 4, CFG, plain.param_shardings)
+    # In the LoRA engine's layout (the loop); `plain` may scan and converts what it is
+    # handed (engines/param_layout.py).
+    merged = lora_files.merged_params(params, tensors, 8 / 4, CFG, eng.param_shardings)
     prompts = _prompts()
     names = ["a", None, "a", None]  # adapter and base rows in one batch
     got = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True, adapters=names)

@@ -14,7 +14,7 @@ from engines.paged_kv import pallas_decode_attention, resolve_attention, xla_dec
 from jetserve.offline import generate_many
 from jetserve.scheduling.page_planner import PagePlanner
 from jetserve.scheduling.page_pool import OutOfPages, width_buckets
-from tests.sharding.families import FAMILIES, host_params, model_config
+from tests.sharding.families import FAMILIES, host_params, model_config, place
 
 # Prompts and lengths that cross several 4-token pages, and a sliding window (mistral: 16).
 PROMPTS = ([5, 17, 33, 2, 9], [100, 3, 3, 64, 12, 7, 90, 1, 45, 11, 8, 19, 4], [77, 6, 120],
@@ -35,16 +35,16 @@ def _engines(family, **paged):
 def test_paged_and_contiguous_give_identical_greedy_tokens(family):
     contiguous, paged = _engines(family)
     assert isinstance(paged.engine, PagedTransformerEngine)
-    host = host_params(contiguous)
+    host = host_params(contiguous)  # per layer, as stored; placed in each one's layout
     outs = []
     for eng in (contiguous, paged):
-        params = jax.device_put(host, eng.param_shardings)
+        params = place(eng, host)
         # 4 prompts on 3 slots: the fourth joins when a slot (and its pages) frees up.
         outs.append(generate_many(eng, params, PROMPTS, max_tokens=22, ignore_eos=True))
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    prompt, params = PROMPTS[1], jax.device_put(host, paged.param_shardings)
+    prompt, params = PROMPTS[1], place(paged, host)
 
     def decode(prefix, first):
         state = paged.insert(prefix, paged.init_decode_state(), 2)

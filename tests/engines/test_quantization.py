@@ -93,11 +93,13 @@ def test_hf_weights_quantized_at_load_time(hf_dir):
     cfg = load_hf_config(hf_dir)
     plain = create_engine(cfg, weights=hf_dir, config=EngineConfig(**ECFG),
                           devices=jax.devices()[:1])
-    float_params = plain.load_params()
+    # Compared as a checkpoint stores them (per layer), whichever layer layout each
+    # engine runs (the float one may scan, engines/layer_scan.py use_scan).
+    float_params = plain.checkpoint_params(plain.load_params())
     for scheme in ("int8", "int4"):
         eng = create_engine(cfg, weights=hf_dir, devices=jax.devices()[:1],
                             config=EngineConfig(quantize=scheme, **ECFG))
-        params = _np(eng.load_params())
+        params = _np(eng.checkpoint_params(eng.load_params()))
         want = _np(qz.quantize_params(_np(float_params), scheme, qz.DEFAULT_GROUP, np))
         assert jax.tree.structure(params) == jax.tree.structure(want)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
@@ -166,8 +168,9 @@ def test_every_family_quantizes_its_kernels(family, tmp_path):
                           devices=jax.devices()[:1])
     eng = create_engine(cfg, weights=d, config=EngineConfig(quantize="int4", **ECFG),
                         devices=jax.devices()[:1])
-    params = _np(eng.load_params())
-    want = _np(qz.quantize_params(_np(plain.load_params()), "int4", qz.DEFAULT_GROUP, np))
+    params = _np(eng.checkpoint_params(eng.load_params()))  # per layer, either layout
+    want = _np(qz.quantize_params(_np(plain.checkpoint_params(plain.load_params())), "int4",
+                                  qz.DEFAULT_GROUP, np))
     assert jax.tree.structure(params) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, SamplingParams, create_engine
+from engines import EngineConfig, ModelConfig, SamplingParams, create_engine, layer_scan
 from engines.engine_config import Speculative, parse_speculative
 from engines.kv_cache import PrefillKV
 from jetserve.commands.common import add_model_arguments, engine_config
@@ -216,9 +216,12 @@ def test_the_draft_cache_holds_exactly_the_kept_tokens(plain, noisy):
         pos = jnp.arange(n)[None]
         kv = PrefillKV(pos, None)
         draft.model.apply({"params": draft_params}, jnp.asarray([seq[:n]]), pos, kv)
+        # Per layer whichever layout the draft runs (a scan stacks its cache [L, ...]).
+        draft_k = layer_scan.cache_layers(state.draft_k, 4)
+        draft_v = layer_scan.cache_layers(state.draft_v, 4)
         for layer in range(CFG.num_layers):
-            k = np.asarray(state.draft_k[layer][slot, :, :, :n]).transpose(2, 0, 1)
-            v = np.asarray(state.draft_v[layer][slot, :, :n]).transpose(1, 0, 2)
+            k = np.asarray(draft_k[layer][slot, :, :, :n]).transpose(2, 0, 1)
+            v = np.asarray(draft_v[layer][slot, :, :n]).transpose(1, 0, 2)
             np.testing.assert_allclose(k, np.asarray(kv.k[layer][0]), atol=1e-4)
             np.testing.assert_allclose(v, np.asarray(kv.v[layer][0]), atol=1e-4)
 

@@ -35,8 +35,9 @@ def _np_state(state):
     state = jax.tree.map(lambda x: np.array(x), state)
     if not layer_scan.is_stacked(state.k, 4):
         return state
-    return dataclasses.replace(state, **{f: tuple(getattr(state, f)[0])
-                                         for f in layer_scan.CACHE_FIELDS if getattr(state, f)})
+    return dataclasses.replace(state, **{
+        f: layer_scan.cache_layers(getattr(state, f), 4 if f in ("k", "v") else 3)
+        for f in layer_scan.CACHE_FIELDS if getattr(state, f)})
 
 
 def test_buckets_any_maximum():

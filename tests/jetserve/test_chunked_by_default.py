@@ -14,7 +14,7 @@ from engines import EngineConfig, create_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, Request
 from jetserve.orchestrator.lockstep import LockStepOrchestrator
-from tests.sharding.families import host_params, model_config
+from tests.sharding.families import host_params, model_config, place
 
 SHAPES = dict(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=64)
 LENGTHS = (40, 23, 17, 5)
@@ -31,7 +31,7 @@ def setup():
     weights = host_params(whole)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in LENGTHS]
-    wp = jax.device_put(weights, whole.param_shardings)
+    wp = place(whole, weights)
     want = [r.token_ids for r in generate_many(whole, wp, prompts, max_tokens=6,
                                                ignore_eos=True)]
     scores = whole.prompt_logprobs(wp, prompts[0]).token_logprobs
@@ -42,7 +42,7 @@ def setup():
 def chunked(setup):
     """One engine (and its compiled programs) for every path: each builds its own state."""
     eng = _engine()
-    return eng, jax.device_put(setup[0], eng.param_shardings)
+    return eng, place(eng, setup[0])
 
 
 def _submit_all(orch, prompts):
@@ -65,7 +65,7 @@ def test_orchestrator_chunks_and_scores_long_prompts(setup, chunked, mode):
     pre, pre_params = gen, params
     if mode == "disaggregated":
         pre = _engine(device=1)
-        pre_params = jax.device_put(weights, pre.param_shardings)
+        pre_params = place(pre, weights)
     orch = Orchestrator(prefill_engines=[pre], generate_engines=[gen],
                         prefill_params=[pre_params], generate_params=[params])
     assert orch.max_prompt_length == 63

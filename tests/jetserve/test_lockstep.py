@@ -224,7 +224,7 @@ def test_lock_step_on_paged_engine_with_chunked_prefill():
     from engines import EngineConfig, create_engine
     from jetserve.offline import generate_many
     from jetserve.scheduling.page_planner import with_pages
-    from tests.sharding.families import host_params, model_config
+    from tests.sharding.families import host_params, model_config, place
 
     shapes = dict(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
 
@@ -236,10 +236,10 @@ def test_lock_step_on_paged_engine_with_chunked_prefill():
     weights = host_params(contiguous)
     prompts = [[(7 * i + j) % 120 + 3 for j in range(n)]
                for i, n in enumerate([3, 16, 9, 1, 14, 5, 12, 8])]
-    want = generate_many(contiguous, jax.device_put(weights, contiguous.param_shardings),
+    want = generate_many(contiguous, place(contiguous, weights),
                          prompts, max_tokens=12, ignore_eos=True)
     paged = engine(kv_layout="paged", page_size=4, num_pages=16)
-    orch = LockStepOrchestrator(paged, jax.device_put(weights, paged.param_shardings),
+    orch = LockStepOrchestrator(paged, place(paged, weights),
                                 config=OrchestratorConfig(prefill_chunk=8), primary=True,
                                 broadcast=lambda x: x, idle_wait_s=0.01)
     most = []

@@ -17,7 +17,7 @@ from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, StepDone
 from jetserve.orchestrator.prefix_cache import block_bytes
 from jetserve.scheduling.page_planner import with_pages
-from tests.sharding.families import host_params, model_config
+from tests.sharding.families import host_params, model_config, place
 
 MAX_TOKENS = 30
 SHAPES = dict(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
@@ -46,7 +46,7 @@ def prompts():
 def reference(weights, prompts):
     """Greedy continuations from a contiguous engine, one per distinct prompt."""
     eng = _engine()
-    out = generate_many(eng, jax.device_put(weights, eng.param_shardings), prompts,
+    out = generate_many(eng, place(eng, weights), prompts,
                         max_tokens=MAX_TOKENS, ignore_eos=True)
     return [r.token_ids for r in out]
 
@@ -83,7 +83,7 @@ def test_thousand_random_requests_with_cancels_and_preemption(weights, prompts, 
     block = block_bytes(eng, PAGED["page_size"])
     config = OrchestratorConfig(poll_interval_s=0.005, prefix_cache_hbm_bytes=6 * block,
                                 prefix_cache_host_bytes=8 * block, prefix_cache_key="soak")
-    orch = Orchestrator.from_engines(eng, params=jax.device_put(weights, eng.param_shardings),
+    orch = Orchestrator.from_engines(eng, params=place(eng, weights),
                                      config=config)
     checker = PageChecker(orch)
     orch.add_listener(checker)
@@ -127,7 +127,7 @@ def test_admission_waits_for_pages_and_preempted_requests_finish(weights, prompt
     """Four long requests on a pool that holds about one and a half of them: they take
     turns, some preempted and recomputed, and every one ends with its full greedy text."""
     eng = _engine(kv_layout="paged", page_size=4, num_pages=18)
-    orch = Orchestrator.from_engines(eng, params=jax.device_put(weights, eng.param_shardings))
+    orch = Orchestrator.from_engines(eng, params=place(eng, weights))
     checker = PageChecker(orch)
     orch.add_listener(checker)
     chosen = [i for i, p in enumerate(prompts) if len(p) >= 10][:4]
@@ -147,12 +147,12 @@ def test_chunked_prefill_same_tokens_and_running_requests_step_between_chunks(we
     the tokens of a one-pass prefill; a request already streaming gains tokens while a
     40-token prompt is prefilled in 5 chunks."""
     eng = _engine(kv_layout="paged", page_size=4, num_pages=32)  # no preemption here
-    params = jax.device_put(weights, eng.param_shardings)
+    params = place(eng, weights)
     whole = _engine(max_prefill_length=48)
     rng = random.Random(3)
     long_prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (40, 23, 17)]
     want = [r.token_ids for r in generate_many(
-        whole, jax.device_put(weights, whole.param_shardings), long_prompts, max_tokens=6,
+        whole, place(whole, weights), long_prompts, max_tokens=6,
         ignore_eos=True)]
     orch = Orchestrator.from_engines(eng, params=params,
                                      config=OrchestratorConfig(prefill_chunk=8))

@@ -24,7 +24,7 @@ from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.page_pool import SlotPages
 from jetserve.server.metrics import ServerMetrics
 from tests.jetserve.test_orchestrator_paged import PageChecker
-from tests.sharding.families import host_params, model_config
+from tests.sharding.families import host_params, model_config, place
 
 KB = 1024
 PS = 4  # tokens per page (= block) of the stand-in engine
@@ -234,7 +234,7 @@ def setup(request):
     cfg = EngineConfig(**SHAPES, kv_layout=layout, page_size=8)
     # A paged engine with its page planner: the test reads its pages after serving.
     eng = with_pages(create_engine(model_config(family), devices=jax.devices()[:1], config=cfg))
-    params = jax.device_put(host_params(eng), eng.param_shardings)
+    params = place(eng, host_params(eng))
     prompts = [SYSTEM + q for q in QUESTIONS]
     want = [r.token_ids for r in generate_many(eng, params, prompts, max_tokens=8,
                                                ignore_eos=True)]
@@ -277,7 +277,7 @@ def test_shared_pages_while_requests_are_cancelled_and_preempted():
     cfg = EngineConfig(**{**SHAPES, "max_concurrent_decodes": 4}, kv_layout="paged",
                        page_size=8, num_pages=14)
     eng = with_pages(create_engine(model_config("llama"), devices=jax.devices()[:1], config=cfg))
-    params = jax.device_put(host_params(eng), eng.param_shardings)
+    params = place(eng, host_params(eng))
     prompts = [SYSTEM + [i + 1] * (1 + i % 4) for i in range(6)]
     want = [r.token_ids for r in generate_many(eng, params, prompts, max_tokens=30,
                                                ignore_eos=True)]
@@ -316,7 +316,7 @@ def test_disaggregated_prefill_caches_blocks_on_its_own_slice():
     gen = create_engine(model_config("qwen2"), devices=devices[1:2],
                         config=EngineConfig(**SHAPES, kv_layout="paged", page_size=8))
     host = host_params(prefill)
-    pp, gp = (jax.device_put(host, e.param_shardings) for e in (prefill, gen))
+    pp, gp = (place(e, host) for e in (prefill, gen))
     prompts = [SYSTEM + q for q in QUESTIONS]
     want = [r.token_ids for r in generate_many(prefill, pp, prompts, max_tokens=8,
                                                ignore_eos=True)]

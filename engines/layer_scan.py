@@ -114,16 +114,19 @@ class LayerWeight:
 def use_scan(config, platform: str, cpu_kernels: bool) -> bool:
     """Whether an engine with EngineConfig `config` on `platform` scans its layers.
 
-    "auto" scans on accelerators. On the CPU it keeps the loop for now: where the CPU
-    kernels run (one device, float32 weights: `cpu_kernels`) they read each layer of the
-    stacked weights and cache in place and the scan decodes at the loop's speed
-    (docs/BENCHMARKS.md, "The scan at loop speed on the CPU"), so `--layers scan` is the
-    cold-start choice there; the default waits until every test that shares one engine's
-    parameters with another engine is layout-independent. Without the kernels XLA would
-    copy every layer's weights out of the stack on each step. The loop is also kept with
-    paged KV (not carried through a scan yet) and LoRA adapters (their hook is per layer)."""
+    "auto" scans on accelerators, and on the CPU where the CPU kernels run (one device,
+    float32 weights: `cpu_kernels`, engines/cpu_kernels.py max_rows), since they read
+    each layer of the stacked weights and cache in place and the scan decodes at the
+    loop's speed while its compile stops growing with the layer count (docs/BENCHMARKS.md,
+    "The scan at loop speed on the CPU" and "Issue 21: the scan as the CPU default"). It
+    keeps the loop on a CPU without them (several devices, quantized or bfloat16
+    weights), where XLA would copy every layer's weights out of the stack on each step;
+    with paged KV (not carried through a scan yet); and with LoRA adapters (their hook is
+    per layer). Engines of one model may so hold their parameters in different layouts:
+    each converts another's at its door (engines/param_layout.py)."""
     if config.layers == "auto":
-        return platform != "cpu" and config.kv_layout == "contiguous" and not config.max_loras
+        return ((platform != "cpu" or cpu_kernels) and config.kv_layout == "contiguous"
+                and not config.max_loras)
     return config.layers == "scan"
 
 

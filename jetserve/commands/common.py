@@ -60,8 +60,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", default="auto", choices=LAYER_MODES,
                    help="the decoder's layers: loop (unrolled), scan (one compiled body, "
                         "a compile that does not grow with the layer count; on the CPU at the "
-                        "loop's decode speed where the CPU kernels run) or auto (scan on "
-                        "accelerators, except with paged KV or LoRA; loop on the CPU)")
+                        "loop's decode speed where the CPU kernels run) or auto (scan, except "
+                        "on a CPU without the CPU kernels (several devices, quantized or "
+                        "non-float32 weights) and with paged KV or LoRA)")
     compile_cache.add_argument(p)
 
 

@@ -119,15 +119,19 @@ def test_layer_modes_are_checked():
         dataclasses.replace(CFG, scan_layers="yes")
 
 
-def test_auto_keeps_the_loop_on_the_cpu():
-    # The scan decodes at the loop's speed where the CPU kernels read the stacked layers
-    # in place (docs/BENCHMARKS.md); the CPU default stays the loop until every engine
-    # test is layout-independent (layer_scan.use_scan says why). `--layers scan` asks.
-    assert not _engine("auto").model_config.scan_layers
-    assert _engine("scan").model_config.scan_layers
+def test_auto_scans_where_the_cpu_kernels_read_layers_in_place():
+    # Measured: with the kernels reading the stacked layers in place, the scanned decode
+    # step is as fast as the loop on the CPU (docs/BENCHMARKS.md); without them XLA would
+    # copy each layer's weights out of the stack.
+    eng = _engine("auto")
+    assert eng.backend.cpu_kernels and eng.model_config.scan_layers
+    assert not _engine("loop").model_config.scan_layers
     assert not _engine("auto", kv_layout="paged").model_config.scan_layers
-    assert not _engine("auto", devices=2).model_config.scan_layers
+    assert not _engine("auto", devices=2).model_config.scan_layers  # no kernels when sharded
     assert not _engine("auto", quantize="int8").model_config.scan_layers
+    assert not _engine("auto", max_loras=2).model_config.scan_layers  # a hook per layer
+    assert layer_scan.use_scan(EngineConfig(), "cpu", cpu_kernels=True)
+    assert not layer_scan.use_scan(EngineConfig(), "cpu", cpu_kernels=False)
     assert layer_scan.use_scan(EngineConfig(), "tpu", cpu_kernels=False)
     assert not layer_scan.use_scan(EngineConfig(kv_layout="paged"), "tpu", cpu_kernels=False)
 

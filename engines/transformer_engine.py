@@ -112,8 +112,9 @@ class TransformerEngine(ParamViews, Engine):
         self.abstract_params, self._logical = param_loading.trace_params(self.model)
         self.param_shardings = param_loading.param_shardings(
             self.sharding, self._mesh, self._logical, self.abstract_params)
+        # Another engine's parameters (the other layer layout) are converted at the door.
         self._in_layout = InLayout(self.abstract_params, self.param_shardings,
-                                                model_config.num_layers)
+                                   model_config.num_layers)
         self._draft = self._draft_engine(draft_config, draft_weights, devices)
         self._draft_params = None
         self._build_jits()

@@ -122,10 +122,11 @@ def use_scan(config, platform: str, cpu_kernels: bool) -> bool:
     (docs/BENCHMARKS.md, "The scan at loop speed on the CPU"), so `--layers scan` is the
     cold-start choice there; the default waits until every test that shares one engine's
     parameters with another engine is layout-independent. Without the kernels XLA would
-    copy every layer's weights out of the stack on each step. The loop is also kept with
-    paged KV (not carried through a scan yet) and LoRA adapters (their hook is per layer)."""
+    copy every layer's weights out of the stack on each step. Either KV layout scans (the
+    paged pools are stacked and carried as the contiguous cache is); the loop is kept
+    with LoRA adapters (their hook is per layer)."""
     if config.layers == "auto":
-        return platform != "cpu" and config.kv_layout == "contiguous" and not config.max_loras
+        return platform != "cpu" and not config.max_loras
     return config.layers == "scan"
 
 

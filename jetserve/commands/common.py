@@ -61,7 +61,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decoder's layers: loop (unrolled), scan (one compiled body, "
                         "a compile that does not grow with the layer count; on the CPU at the "
                         "loop's decode speed where the CPU kernels run) or auto (scan on "
-                        "accelerators, except with paged KV or LoRA; loop on the CPU)")
+                        "accelerators, except with LoRA; loop on the CPU)")
     compile_cache.add_argument(p)
 
 

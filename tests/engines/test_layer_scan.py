@@ -113,8 +113,9 @@ def test_layer_modes_are_checked():
     assert LAYER_MODES == ("auto", "loop", "scan")
     with pytest.raises(ValueError, match=r"layers must be one of .*'unrolled'"):
         EngineConfig(layers="unrolled")
-    with pytest.raises(ValueError, match="layers 'scan' works with kv_layout contiguous"):
-        EngineConfig(layers="scan", kv_layout="paged")
+    assert EngineConfig(layers="scan", kv_layout="paged").layers == "scan"  # both layouts
+    with pytest.raises(ValueError, match=r"layers 'scan' does not serve LoRA.*max_loras"):
+        EngineConfig(layers="scan", max_loras=2)
     with pytest.raises(ValueError, match="scan_layers must be True or False"):
         dataclasses.replace(CFG, scan_layers="yes")
 
@@ -129,7 +130,9 @@ def test_auto_keeps_the_loop_on_the_cpu():
     assert not _engine("auto", devices=2).model_config.scan_layers
     assert not _engine("auto", quantize="int8").model_config.scan_layers
     assert layer_scan.use_scan(EngineConfig(), "tpu", cpu_kernels=False)
-    assert not layer_scan.use_scan(EngineConfig(kv_layout="paged"), "tpu", cpu_kernels=False)
+    # Paged KV scans wherever contiguous does (tests/engines/test_paged_scan.py).
+    assert layer_scan.use_scan(EngineConfig(kv_layout="paged"), "tpu", cpu_kernels=False)
+    assert not layer_scan.use_scan(EngineConfig(max_loras=1), "tpu", cpu_kernels=False)
 
 
 def test_cli_layers_flag(capsys):

@@ -16,6 +16,7 @@ from jetserve import cli
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from sharding import load_preset
+from tests.engines import programs
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=24)
@@ -81,11 +82,7 @@ def test_parameters_stack_at_load_and_checkpoints_keep_layer_names(tmp_path):
 
 def _generate_program(layers):
     eng = _engine("scan", dataclasses.replace(CFG, num_layers=layers))
-    params, state = eng.load_params(), eng.init_decode_state()
-    compiled = eng._generate_jit.lower(params, state, None).compile()
-    ops = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
-    cache = sum(x.nbytes for x in jax.tree.leaves((state.k, state.v)))
-    return ops, compiled.memory_analysis(), cache
+    return programs.generate_program(eng, eng.load_params(), eng.init_decode_state())
 
 
 def test_generate_program_is_one_layer_body_and_updates_the_cache_in_place():

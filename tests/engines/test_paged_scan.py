@@ -15,6 +15,7 @@ from engines import EngineConfig, ModelConfig, create_engine
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from jetserve.scheduling.page_planner import PagePlanner
+from tests.engines import programs
 from tests.engines.mixed_driver import run_mixed
 
 # A sliding window shorter than the longest sequence, pages of 4 tokens.
@@ -149,12 +150,9 @@ def test_speculative_verification_under_the_scan():
 
 def _generate_program(layers, mode="scan"):
     eng = _engine(mode, dataclasses.replace(CFG, num_layers=layers))
-    params, state = eng.load_params(), eng.init_decode_state()
     table = np.zeros((SHAPES["max_concurrent_decodes"], 4), np.int32)
-    compiled = eng.engine._generate_jit.lower(params, state, table, None).compile()
-    ops = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
-    pools = sum(x.nbytes for x in jax.tree.leaves((state.k, state.v)))
-    return ops, compiled.memory_analysis(), pools
+    return programs.generate_program(eng.engine, eng.load_params(), eng.init_decode_state(),
+                                     table)
 
 
 def test_generate_program_is_one_layer_body_and_writes_the_pools_in_place():

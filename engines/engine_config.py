@@ -97,7 +97,7 @@ class EngineConfig:
     # The decoder's layers (engines/layer_scan.py): "loop" (unrolled, one copy per layer
     # in each program), "scan" (one compiled body, parameters and cache stacked) or
     # "auto": scan on accelerators and on a CPU running the CPU kernels, loop elsewhere
-    # on the CPU and with paged KV or LoRA (engines/layer_scan.py use_scan).
+    # on the CPU and with LoRA (engines/layer_scan.py use_scan); either KV layout.
     layers: str = "auto"
 
     def __post_init__(self):
@@ -129,9 +129,6 @@ class EngineConfig:
         _check_lora(self)
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
-        if self.layers == "scan" and self.kv_layout == "paged":
-            # TODO(#21): paged pools stacked [L, ...] and carried through the scan.
-            raise ValueError("layers 'scan' works with kv_layout contiguous only, for now")
         if self.layers == "scan" and self.max_loras:
             raise ValueError("layers 'scan' does not serve LoRA adapters (max_loras > 0) "
                              "yet: use layers 'loop' or 'auto'")

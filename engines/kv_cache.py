@@ -20,7 +20,6 @@ the generate step dequantizes the window it attends over. Prefixes stay in the m
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
@@ -212,7 +211,7 @@ def window_sizes(S: int, first: int = MIN_WINDOW) -> tuple[int, ...]:
     return (*sizes, S)
 
 
-class DecodeKV:
+class DecodeKV(layer_scan.StackedStore):
     """Generate: write each slot's new k, v at its own position, attend over its row.
 
     Attention reads the first W entries of every slot, W the smallest of window_sizes(S)
@@ -232,9 +231,6 @@ class DecodeKV:
         self.v: list[jax.Array] = []
         self.k_scale: list[jax.Array] = []
         self.v_scale: list[jax.Array] = []
-        # Under a scan over layers: i32[] the layer this store serves; its cache fields
-        # are then the stacks [L, ...], written and read at that layer in place.
-        self.at: jax.Array | None = None
         S = state.k[0].shape[-1]
         j = jnp.arange(S)[None, :]
         last = pos if pos.ndim == 1 else pos[:, -1]
@@ -270,49 +266,19 @@ class DecodeKV:
         k_all, v_all = self._read(layer, self.sizes[-1], k.dtype)
         return jnp.transpose(k_all, (0, 3, 1, 2)), jnp.transpose(v_all, (0, 2, 1, 3)), self.k_pos
 
-    # Under a scan over layers (engines/layer_scan.py) the stacked cache [L, ...] is the
-    # loop's carry: layer i's store writes its entries into the stack at layer i and the
-    # CPU attention kernel reads them there, so no layer is sliced out of the stack.
-    def scan_init(self):
-        st = self.state
-        if not layer_scan.is_stacked(st.k, 4):
-            raise ValueError("a scanned model needs its decode cache stacked [L, ...] "
-                             "(engines.layer_scan.stack_cache)")
-        return {f: getattr(st, f)[0] for f in layer_scan.CACHE_FIELDS if getattr(st, f)}, None
-
-    def scan_layer(self, carry, xs, i):
-        del xs
-        one = copy.copy(self)
-        one.state = dataclasses.replace(self.state, **{f: (c,) for f, c in carry.items()})
-        one.k, one.v, one.k_scale, one.v_scale = [], [], [], []
-        one.at = i
-        return one
-
-    def scan_carry(self):
-        return {f: getattr(self, f)[0] for f in layer_scan.CACHE_FIELDS if getattr(self, f)}
-
-    def scan_ys(self):
-        return None
-
-    def scan_finish(self, carry, ys):
-        del ys
-        for f, c in carry.items():
-            setattr(self, f, [c])
+    # Under a scan over layers the stacked cache [L, ...] is the loop's carry
+    # (layer_scan.StackedStore): layer i's store writes its entries into the stack at
+    # layer i and the CPU attention kernel reads them there.
 
     def _read(self, layer, w, dtype):
         """The first w entries of this layer's keys [B, K, H, w] and values [B, K, w, H]."""
-        k, v = self._layer(self.k, layer)[..., :w], self._layer(self.v, layer)[:, :, :w]
+        k, v = self.layer_of(self.k, layer)[..., :w], self.layer_of(self.v, layer)[:, :, :w]
         if self.k_scale:
-            k_scale, v_scale = self._layer(self.k_scale, layer), self._layer(self.v_scale, layer)
+            k_scale = self.layer_of(self.k_scale, layer)
+            v_scale = self.layer_of(self.v_scale, layer)
             k = (k.astype(jnp.float32) * k_scale[:, :, None, :w]).astype(dtype)
             v = dequantize_kv(v, v_scale[:, :, :w], dtype)
         return k, v
-
-    def _layer(self, field: list[jax.Array], layer) -> jax.Array:
-        """A cache field's array of `layer`: its slice of the stack under a scan."""
-        if self.at is None:
-            return field[layer]
-        return jax.lax.dynamic_index_in_dim(field[0], self.at, keepdims=False)
 
     def attend(self, layer, q, positions, sliding_window):
         if (self.cpu_attention and self.live_pos is not None and not self.k_scale

@@ -20,13 +20,15 @@ A KV store takes part in the scan through three methods (`run` calls them):
       give the updated carry and the layer's outputs once the block has run.
   scan_finish(carry, ys): the store's results as the unrolled loop leaves them.
 
-A stacked decode cache is kept in DecodeState as a one-element tuple holding the
-[L, ...] array (`stack_cache`), so code that reads `state.k[0].shape` or rebuilds the
-state with `tuple(kv.k)` works on both layouts.
+A stacked decode cache is kept in the decode state (DecodeState, or PagedDecodeState's
+page pools) as a one-element tuple holding the [L, ...] array (`stack_cache`), so code
+that rebuilds the state with `tuple(kv.k)` works on both layouts. The decode-step stores
+of both KV layouts carry it the same way (`StackedStore`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import flax.linen as nn
@@ -120,14 +122,63 @@ def use_scan(config, platform: str, cpu_kernels: bool) -> bool:
     loop's speed while its compile stops growing with the layer count (docs/BENCHMARKS.md,
     "The scan at loop speed on the CPU" and "Issue 21: the scan as the CPU default"). It
     keeps the loop on a CPU without them (several devices, quantized or bfloat16
-    weights), where XLA would copy every layer's weights out of the stack on each step;
-    with paged KV (not carried through a scan yet); and with LoRA adapters (their hook is
-    per layer). Engines of one model may so hold their parameters in different layouts:
-    each converts another's at its door (engines/param_layout.py)."""
+    weights), where XLA would copy every layer's weights out of the stack on each step,
+    and with LoRA adapters (their hook is per layer). Either KV layout scans (the paged
+    pools are stacked and carried as the contiguous cache is). Engines of one model may
+    so hold their parameters in different layouts: each converts another's at its door
+    (engines/param_layout.py)."""
     if config.layers == "auto":
-        return ((platform != "cpu" or cpu_kernels) and config.kv_layout == "contiguous"
-                and not config.max_loras)
+        return (platform != "cpu" or cpu_kernels) and not config.max_loras
     return config.layers == "scan"
+
+
+class StackedStore:
+    """The scan methods of a decode-step KV store (engines.kv_cache.DecodeKV,
+    engines.paged_kv.PagedDecodeKV, engines.mixed_step.RaggedPagedKV) over a decode
+    state whose cache fields (those of CACHE_FIELDS it has; each layer's array of rank 4)
+    are stacked [L, ...]. The stacks are the loop's carry: the store opened for layer i
+    (`at` = i) writes its entries into each stack at layer i, so every write lands in
+    place in the donated buffer and no layer is rebuilt or copied out. The store keeps
+    `state` and, per cache field, the list of arrays it wrote (one stack under a scan)."""
+
+    # Under a scan over layers: i32[] the layer this store serves; None in the loop.
+    at: jax.Array | None = None
+
+    def _fields(self) -> tuple[str, ...]:
+        return tuple(f for f in CACHE_FIELDS if getattr(self.state, f, ()))
+
+    def scan_init(self):
+        if not is_stacked(self.state.k, 4):
+            raise ValueError("a scanned model needs its decode cache stacked [L, ...] "
+                             "(engines.layer_scan.stack_cache)")
+        return {f: getattr(self.state, f)[0] for f in self._fields()}, None
+
+    def scan_layer(self, carry, xs, i):
+        del xs
+        one = copy.copy(self)
+        one.state = dataclasses.replace(self.state, **{f: (c,) for f, c in carry.items()})
+        for f in self._fields():
+            setattr(one, f, [])
+        one.at = i
+        return one
+
+    def scan_carry(self):
+        return {f: getattr(self, f)[0] for f in self._fields()}
+
+    def scan_ys(self):
+        return None
+
+    def scan_finish(self, carry, ys):
+        del ys
+        for f, c in carry.items():
+            setattr(self, f, [c])
+
+    def layer_of(self, written: list[jax.Array], layer) -> jax.Array:
+        """This layer's array of a field the store wrote: its slice of the stack under a
+        scan (a copy of one layer, for readers that take no layer index)."""
+        if self.at is None:
+            return written[layer]
+        return jax.lax.dynamic_index_in_dim(written[0], self.at, keepdims=False)
 
 
 def is_stacked(cache: tuple, layer_ndim: int) -> bool:
@@ -143,8 +194,9 @@ def cache_layers(cache: tuple, layer_ndim: int) -> tuple:
 
 
 def stack_cache(state, scan: bool):
-    """`state` (a DecodeState of arrays or of NamedShardings, its cache fields L-tuples)
-    with each cache field as one stacked [L, ...] entry when `scan`; as is otherwise."""
+    """`state` (a DecodeState or PagedDecodeState of arrays or of NamedShardings, its
+    cache fields L-tuples) with each cache field as one stacked [L, ...] entry when
+    `scan`; as is otherwise."""
     if not scan:
         return state
 
@@ -157,7 +209,8 @@ def stack_cache(state, scan: bool):
             return (NamedSharding(s.mesh, PartitionSpec(None, *s.spec)),)
         return (jnp.stack(parts),)
 
-    return dataclasses.replace(state, **{f: stack(f) for f in CACHE_FIELDS})
+    fields = [f.name for f in dataclasses.fields(state) if f.name in CACHE_FIELDS]
+    return dataclasses.replace(state, **{f: stack(f) for f in fields})
 
 
 def stack_layers(per_layer: dict, num_layers: int, shardings: dict, *,

@@ -42,10 +42,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from engines import layer_scan
 from engines.engine_api import pack_results
 from engines.mixed_batch import MODE_CHUNK, MODE_DECODE, MixedInputs
 from engines.model import Decoder
-from engines.paged_kv import PagedDecodeState, write_pages
+from engines.paged_kv import PagedDecodeState, pool_shape, write_pages
 from engines.ragged_attention import pallas_ragged_attention, ragged_paged_attention
 from engines.sampling import sample, token_logprobs
 
@@ -81,14 +82,15 @@ def ragged_layout(inp: MixedInputs, state: PagedDecodeState, max_seq_len: int) -
                         decode_live=decode_live)
 
 
-class RaggedPagedKV:
+class RaggedPagedKV(layer_scan.StackedStore):
     """KVStore of the mixed step: writes each token's k, v into its row's page, then
-    attends over its row's pages (`attend`; what `update` returns is unused)."""
+    attends over its row's pages (`attend`; what `update` returns is unused). Under a
+    scan over layers the stacked pools are the loop's carry (layer_scan.StackedStore)."""
 
     def __init__(self, state: PagedDecodeState, table: jax.Array, layout: RaggedLayout,
                  impl: str):
         self.state, self.table, self.layout, self.impl = state, table, layout, impl
-        _, P1, ps, _ = state.k[0].shape
+        _, P1, ps, _ = pool_shape(state.k)
         W = table.shape[1]
         pos = layout.positions
         idx = jnp.where(pos >= 0, pos // ps, 0)
@@ -99,8 +101,9 @@ class RaggedPagedKV:
         self.v: list[jax.Array] = []
 
     def update(self, layer, k, v):  # k, v [1, T, K, H]
-        self.k.append(write_pages(self.state.k[layer], self.write_page, self.write_off, k[0]))
-        self.v.append(write_pages(self.state.v[layer], self.write_page, self.write_off, v[0]))
+        page, off = self.write_page, self.write_off
+        self.k.append(write_pages(self.state.k[layer], page, off, k[0], self.at))
+        self.v.append(write_pages(self.state.v[layer], page, off, v[0], self.at))
         return k, v, self.layout.positions[None]
 
     def attend(self, layer, q, positions, sliding_window):  # q [1, T, N, H]
@@ -110,11 +113,14 @@ class RaggedPagedKV:
             kv_lens = jnp.where(lay.q_len > 0, jnp.max(jnp.where(
                 lay.rows[None, :] == jnp.arange(self.table.shape[0])[:, None],
                 lay.positions[None, :] + 1, 0), axis=1), 0)
-            out = pallas_ragged_attention(q[0], self.k[layer], self.v[layer], self.table,
+            # The kernel takes no layer index: under a scan, the layer's pools sliced out.
+            out = pallas_ragged_attention(q[0], self.layer_of(self.k, layer),
+                                          self.layer_of(self.v, layer), self.table,
                                           lay.q_len, kv_lens, sliding_window)
         else:
             out = ragged_paged_attention(q[0], self.k[layer], self.v[layer], self.table,
-                                         lay.rows, lay.positions, sliding_window)
+                                         lay.rows, lay.positions, sliding_window,
+                                         layer=self.at)
         return out[None]
 
 

@@ -6,6 +6,10 @@ only (`page_geometry`); which pages each slot holds is decided on the host
 (jetserve/scheduling/page_pool.py, planned per call by jetserve/scheduling/page_planner.py)
 and passed in: insert takes the slot's pages, generate the page table of the step.
 
+With the layers under a scan (EngineConfig.layers, engines/layer_scan.py) each of k and
+v is one pool stacked [L, K, P + 1, ps, H], carried through the scan by generate, the
+mixed step and insert, which write their pages into it in place.
+
 Programs: prefill as the contiguous engine (one per bucket); insert one per prefix bucket;
 generate one per page-table width W (the planner uses powers of two up to
 ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engines import layer_scan
 from engines.engine_api import PageGeometry, ResultTokens, pack_results
 from engines.kv_cache import Prefix, empty_slot_fields, step_slot_fields
 from engines.mixed_batch import MixedRow, pack_rows, token_buckets
@@ -128,12 +133,12 @@ class PagedTransformerEngine(TransformerEngine):
     def decode_state_shardings(self) -> PagedDecodeState:
         base = super().decode_state_shardings()
         pool = self._named(POOL_AXES, self._pool_shape(), "kv page pool")
-        L = self.model_config.num_layers
-        return PagedDecodeState(k=(pool,) * L, v=(pool,) * L, lengths=base.lengths,
-                                tokens=base.tokens, sampling=base.sampling,
-                                prompt_mask=base.prompt_mask, counts=base.counts,
-                                history=base.history, draft_k=base.draft_k,
-                                draft_v=base.draft_v)
+        c = self.model_config
+        L = c.num_layers
+        return layer_scan.stack_cache(PagedDecodeState(
+            k=(pool,) * L, v=(pool,) * L, lengths=base.lengths, tokens=base.tokens,
+            sampling=base.sampling, prompt_mask=base.prompt_mask, counts=base.counts,
+            history=base.history, draft_k=base.draft_k, draft_v=base.draft_v), c.scan_layers)
 
     def _build_jits(self):
         super()._build_jits()  # prefill and prompt log-probs as the contiguous engine
@@ -181,11 +186,11 @@ class PagedTransformerEngine(TransformerEngine):
 
         def make():
             pool = jnp.zeros(shape, self.dtype)
-            return PagedDecodeState(
+            return layer_scan.stack_cache(PagedDecodeState(
                 k=(pool,) * c.num_layers, v=(pool,) * c.num_layers,
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
                 **self._empty_draft_cache(),
-            )
+            ), c.scan_layers)
 
         return jax.jit(make, out_shardings=self.decode_state_shardings())()
 

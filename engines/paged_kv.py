@@ -8,6 +8,11 @@ pages a slot holds is host bookkeeping (`jetserve.scheduling.page_pool.SlotPages
 the page table with every step, cut to the batch's widest live sequence W (a power of
 two), so a batch of short sequences gathers little and the step compiles once per W.
 
+With the layers under a scan (engines/layer_scan.py) the state holds one stacked pool
+per field, [L, K, P + 1, ps, H]; the stores write pages into it at their layer and
+gather from it there (`write_pages` / `gather_pages` with a layer index), so the scan
+carries the donated pools and no layer's pool is copied out or rebuilt.
+
 Attention in the decode step:
   - "xla": gather the slot's W pages (pool[:, table] -> [K, B, W, ps, H]) and run the
     model's own masked attention over them; runs everywhere.
@@ -24,8 +29,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from engines import layer_scan
 from engines.attention import attention
-from engines.kv_cache import Prefix, insert_slot_fields
+from engines.kv_cache import Prefix, insert_slot_fields, put_layers
 from engines.sampling import SlotSampling
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu")
@@ -36,8 +42,8 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu")
 class PagedDecodeState:
     """What the paged generate step reads and writes, for all B slots."""
 
-    k: tuple[jax.Array, ...]  # L x [K, P + 1, ps, H]
-    v: tuple[jax.Array, ...]  # L x [K, P + 1, ps, H]
+    k: tuple[jax.Array, ...]  # L x [K, P + 1, ps, H], or a scanned model's [L, K, P + 1, ps, H]
+    v: tuple[jax.Array, ...]  # the same for values
     lengths: jax.Array  # i32[B] tokens in each slot's cache (= position of `tokens`)
     tokens: jax.Array  # i32[B] last sampled token, fed to the next step
     sampling: SlotSampling
@@ -70,25 +76,41 @@ def resolve_attention(impl: str, platform: str, sliding_window: int | None,
     return impl
 
 
-def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array) -> jax.Array:
+def pool_shape(pools: tuple[jax.Array, ...]) -> tuple[int, int, int, int]:
+    """One layer's pool shape (K, P + 1, ps, H), whether the pools are stacked or not."""
+    K, P1, ps, H = pools[0].shape[-4:]
+    return K, P1, ps, H
+
+
+def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array,
+                layer: jax.Array | None = None) -> jax.Array:
     """pool [K, P+1, ps, H]; new [n, K, H] goes to (pages[i], offsets[i]); out-of-range
-    page indices are dropped."""
-    return pool.at[:, pages, offsets].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype),
-                                          mode="drop")
+    page indices are dropped. With `layer` (i32[]), pool is a stack [L, K, P+1, ps, H]
+    written at that layer: one scatter into the stack, which a scan carries in place."""
+    new = new.astype(pool.dtype)
+    if layer is None:
+        return pool.at[:, pages, offsets].set(jnp.swapaxes(new, 0, 1), mode="drop")
+    # The index arrays are apart (the K slice between), so n leads the update: [n, K, H].
+    return pool.at[layer, :, pages, offsets].set(new, mode="drop")
 
 
-def gather_pages(pool: jax.Array, table: jax.Array) -> jax.Array:
+def gather_pages(pool: jax.Array, table: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """pool [K, P+1, ps, H], table i32[B, W] -> [B, W * ps, K, H] (each slot's keys in
-    position order)."""
-    K, _, ps, H = pool.shape
+    position order). With `layer`, pool is a stack [L, K, P+1, ps, H] read at that layer
+    by one gather (no copy of the layer's pool)."""
+    K, _, ps, H = pool.shape[-4:]
     B, W = table.shape
-    g = jnp.take(pool, table, axis=1)  # (K, B, W, ps, H)
-    return jnp.transpose(g.reshape(K, B, W * ps, H), (1, 2, 0, 3))
+    if layer is None:
+        g = jnp.take(pool, table, axis=1)  # (K, B, W, ps, H)
+        return jnp.transpose(g.reshape(K, B, W * ps, H), (1, 2, 0, 3))
+    g = pool[layer, :, table]  # (B, W, K, ps, H): the index arrays' axes lead
+    return jnp.transpose(g, (0, 1, 3, 2, 4)).reshape(B, W * ps, K, H)
 
 
-class PagedDecodeKV:
+class PagedDecodeKV(layer_scan.StackedStore):
     """KVStore of the paged decode step: write each slot's new k, v into its page, then
-    attend over its live pages (gathered, or read in place by the kernel)."""
+    attend over its live pages (gathered, or read in place by the kernel). Under a scan
+    over layers the stacked pools are the loop's carry (layer_scan.StackedStore)."""
 
     def __init__(self, state: PagedDecodeState, table: jax.Array, pos: jax.Array,
                  live: jax.Array, impl: str):
@@ -98,7 +120,7 @@ class PagedDecodeKV:
         # slot (speculative verification, with the "xla" attention path only).
         self.pos = pos
         self.impl = impl
-        K, P1, ps, H = state.k[0].shape
+        K, P1, ps, H = pool_shape(state.k)
         self.page_size = ps
         trash = P1 - 1
         idx = pos // ps
@@ -124,12 +146,12 @@ class PagedDecodeKV:
             flat = lambda x: x.reshape((-1,) + x.shape[2:])
             page, off, k, v = map(flat, (self.write_page, self.write_off, k, v))
             last = self.pos[:, -1]
-        k_pool = write_pages(self.state.k[layer], page, off, k)
-        v_pool = write_pages(self.state.v[layer], page, off, v)
+        k_pool = write_pages(self.state.k[layer], page, off, k, self.at)
+        v_pool = write_pages(self.state.v[layer], page, off, v, self.at)
         self.k.append(k_pool)
         self.v.append(v_pool)
-        k_all = gather_pages(k_pool, self.table)
-        v_all = gather_pages(v_pool, self.table)
+        k_all = gather_pages(k_pool, self.table, self.at)
+        v_all = gather_pages(v_pool, self.table, self.at)
         j = jnp.arange(k_all.shape[1])[None, :]
         k_pos = jnp.where(j <= last[:, None], j, -1)  # (B, W * ps)
         return k_all, v_all, k_pos
@@ -138,8 +160,10 @@ class PagedDecodeKV:
         """Attention of this step's queries q [B, 1, N, H], read in place by the kernel
         (after `update(layer)`); the model calls it instead of its own attention."""
         del positions, sliding_window  # positions are pos; no window (resolve_attention)
-        return pallas_decode_attention(q, self.k[layer], self.v[layer], self.table,
-                                       self.pos + 1)
+        # Under a scan the kernel gets the layer's pools sliced out: it takes no layer
+        # index (TODO(#21): a pool layout the kernel can read at a layer in place).
+        return pallas_decode_attention(q, self.layer_of(self.k, layer),
+                                       self.layer_of(self.v, layer), self.table, self.pos + 1)
 
 
 def xla_decode_attention(q, k_pool, v_pool, table, lengths):
@@ -169,17 +193,20 @@ def pallas_decode_attention(q, k_pool, v_pool, table, lengths):
 def insert_paged(prefix: Prefix, state: PagedDecodeState, slot: jax.Array,
                  pages: jax.Array) -> PagedDecodeState:
     """Scatters a prefix into the pages the host gave its slot (pages i32[ceil(T/ps)],
-    in position order); other slots' pages and rows are untouched."""
-    ps = state.k[0].shape[2]
-    P1 = state.k[0].shape[1]
+    in position order); other slots' pages and rows are untouched. Stacked pools (a
+    scanned model's) take every layer in one batched scatter."""
+    _, P1, ps, _ = pool_shape(state.k)
     kp = prefix.k_pos[0]  # (T,)
     valid = kp >= 0
     safe = jnp.where(valid, kp, 0)
     page = jnp.where(valid, pages[jnp.minimum(safe // ps, pages.shape[0] - 1)], P1)  # P1: drop
     off = safe % ps
 
+    def put(pool, new):  # new [1, T, K, H]
+        return write_pages(pool, page, off, new[0])
+
     return PagedDecodeState(
-        k=tuple(write_pages(c, page, off, n[0]) for c, n in zip(state.k, prefix.k, strict=True)),
-        v=tuple(write_pages(c, page, off, n[0]) for c, n in zip(state.v, prefix.v, strict=True)),
+        k=put_layers(put, state.k, prefix.k),
+        v=put_layers(put, state.v, prefix.v),
         **insert_slot_fields(state, prefix, slot),
     )

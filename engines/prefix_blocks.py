@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from engines import layer_scan
 from engines.kv_cache import Prefix
 from engines.sampling import SlotSampling
 
@@ -42,9 +43,15 @@ def blocks_of_prefix(prefix: Prefix, first: jax.Array, n: int, b: int) -> jax.Ar
 
 def blocks_of_pages(k_pools: tuple[jax.Array, ...], v_pools: tuple[jax.Array, ...],
                     pages: jax.Array) -> jax.Array:
-    """Pools L x [K, P+1, ps, H] and pages i32[n] -> [n, L, 2, ps, K, H]."""
-    k = jnp.stack([jnp.take(p, pages, axis=1) for p in k_pools])  # (L, K, n, ps, H)
-    v = jnp.stack([jnp.take(p, pages, axis=1) for p in v_pools])
+    """Pools L x [K, P+1, ps, H] (or one stack [L, K, P+1, ps, H], a scanned model's)
+    and pages i32[n] -> [n, L, 2, ps, K, H]."""
+
+    def take(pools):  # -> (L, K, n, ps, H)
+        if layer_scan.is_stacked(pools, 4):
+            return jnp.take(pools[0], pages, axis=2)
+        return jnp.stack([jnp.take(p, pages, axis=1) for p in pools])
+
+    k, v = take(k_pools), take(v_pools)
     return jnp.transpose(jnp.stack([k, v], 1), (3, 0, 1, 4, 2, 5))  # (n, L, 2, ps, K, H)
 
 

@@ -25,6 +25,9 @@ Implementations:
     layer's pools are re-laid-out per call: a copy of the pool, which a shared pool
     layout would remove (TODO(#26)). Rows must be laid out in slot order (cu_q_lens).
 
+With `layer` the pools are a scanned model's stacks [L, K, P + 1, ps, H] and the pages
+are gathered from the stack at that layer (no copy of the layer's pool).
+
 Padding tokens have position -1: they see no key and come out 0. Letters: T tokens,
 R rows, W pages per row, N, K, G = N/K, H as in engines/attention.py, ps page size.
 """
@@ -37,6 +40,14 @@ import jax
 import jax.numpy as jnp
 
 RAGGED_ATTENTION = ("xla", "pallas_tpu")
+
+
+def _take_pages(pool: jax.Array, pages: jax.Array, layer: jax.Array | None) -> jax.Array:
+    """pool [K, P + 1, ps, H] (or a stack [L, ...] read at `layer`), pages i32[...]
+    -> [K, ..., ps, H]."""
+    if layer is None:
+        return jnp.take(pool, pages, axis=1)
+    return jnp.moveaxis(pool[layer, :, pages], pages.ndim, 0)  # pages' axes led
 
 
 def _pad_rows(x: jax.Array, size: int, value) -> jax.Array:
@@ -89,13 +100,13 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
     return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window):
+def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, layer):
     """One tile: q [bq, K, G, H] at positions pos i32[bq] of rows i32[bq]; table
     i32[R, nk * c] -> [bq, K, G, H] in v's dtype. A tile whose live tokens are all of
     one row (most of a chunk's) gathers that row's pages once; a tile of several rows
     (decode tokens, a chunk's edge) gathers each token's own."""
     bq, K, G, H = q.shape
-    ps = k_pool.shape[2]
+    ps = k_pool.shape[-2]
     keys = c * ps
     live = pos >= 0
     first = rows[jnp.argmax(live)]
@@ -106,7 +117,7 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window):
 
         def blocks(j):
             blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c)
-            return tuple(jnp.take(p, blk, axis=1).reshape(K, keys, H) for p in (k_pool, v_pool))
+            return tuple(_take_pages(p, blk, layer).reshape(K, keys, H) for p in (k_pool, v_pool))
 
         return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window)
 
@@ -115,7 +126,7 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window):
 
         def blocks(j):
             blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c, axis=1)  # (bq, c)
-            return tuple(jnp.take(p, blk, axis=1).reshape(K, bq, keys, H)
+            return tuple(_take_pages(p, blk, layer).reshape(K, bq, keys, H)
                          for p in (k_pool, v_pool))
 
         return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window)
@@ -127,14 +138,15 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window):
 def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            table: jax.Array, rows: jax.Array, positions: jax.Array,
                            sliding_window: int | None, *, block_q: int = 16,
-                           block_k: int = 256) -> jax.Array:
+                           block_k: int = 256, layer: jax.Array | None = None) -> jax.Array:
     """q [T, N, H]; pools [K, P + 1, ps, H]; table i32[R, W] each row's pages in position
-    order; rows i32[T] each token's row; positions i32[T] (-1: padding) -> [T, N, H].
+    order; rows i32[T] each token's row; positions i32[T] (-1: padding) -> [T, N, H];
+    `layer`: the pools are stacks [L, ...], read at that layer.
 
     Every key a token may see (positions 0..its own of its row) must already be in the
     pools: a step writes its tokens' keys before attending."""
     T, N, H = q.shape
-    K, P1, ps, _ = k_pool.shape
+    K, P1, ps, _ = k_pool.shape[-4:]
     G = N // K
     W = table.shape[1]
     c = max(1, min(W, block_k // ps))  # pages per key block
@@ -150,7 +162,7 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
     def one(args):
         qt, pt, rt = args
-        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window)
+        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window, layer)
 
     out = jax.lax.map(one, (qb, pos, rws))  # (nq, bq, K, G, H)
     return out.reshape(Tp, N, H)[:T]

@@ -1,7 +1,7 @@
 """Cold compile cost against the layer count: does a deeper model compile for longer?
 
     python scripts/layer_compile_bench.py --layers 4,32 [--model small] [--json]
-        [--layer-modes loop,scan]
+        [--layer-modes loop,scan] [--kv-layout paged]
 
 For each layer count L, a fresh process (no persistent compile cache, so every program
 compiles from scratch) builds the engine of `random:MODEL` with num_layers = L and the
@@ -15,7 +15,9 @@ within ~1.3x of 4), and their total (the three programs' cold start, within 1.6x
 `--layer-modes` runs each L under each EngineConfig.layers mode ("loop": the unrolled
 layers, "scan": one layer body, engines/layer_scan.py; "auto": the engine's choice), and
 reports XLA's memory analysis of the generate step: its temporaries beside the donated,
-aliased cache (a second copy of the cache per step would show there).
+aliased cache (a second copy of the cache per step would show there). `--kv-layout paged`
+measures the paged engine (its page pools stacked under the scan), generate's memory
+analysis at the widest page table.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 PHASES = ("prefill", "insert", "generate")
 
 
-def worker(model: str, layers: int, prompt_len: int, mode: str) -> dict:
+def worker(model: str, layers: int, prompt_len: int, mode: str, kv_layout: str) -> dict:
     import dataclasses
 
     import jax
@@ -41,13 +43,15 @@ def worker(model: str, layers: int, prompt_len: int, mode: str) -> dict:
     from engines.factory import create_engine
     from jetserve.compile_cache import CompileCounter
     from jetserve.model_loading import RANDOM_MODELS
+    from jetserve.scheduling.page_planner import with_pages
 
     cfg = dataclasses.replace(RANDOM_MODELS[model], num_layers=layers)
-    engine = create_engine(cfg, devices=jax.devices()[:1], config=EngineConfig(layers=mode))
+    engine = with_pages(create_engine(cfg, devices=jax.devices()[:1],
+                                      config=EngineConfig(layers=mode, kv_layout=kv_layout)))
     params = engine.load_params()
     state = engine.init_decode_state()
     prompt = np.arange(1, prompt_len + 1) % cfg.vocab_size
-    out = {"layers": layers, "mode": mode}
+    out = {"layers": layers, "mode": mode, "kv_layout": kv_layout}
     calls = {
         "prefill": lambda: engine.prefill(params, prompt, prompt_len),
         "insert": lambda: engine.insert(prefix, state, 0),
@@ -69,8 +73,14 @@ def worker(model: str, layers: int, prompt_len: int, mode: str) -> dict:
 
 def generate_program(engine, params, state) -> dict:
     """Instructions in the optimized HLO of the generate step (one more compile), and
-    its memory analysis in MiB: temporaries and the aliased (donated) decode state."""
-    compiled = engine._generate_jit.lower(params, state, None).compile()
+    its memory analysis in MiB: temporaries and the aliased (donated) decode state. A
+    paged engine (a PagePlanner) is lowered with its whole page table."""
+    from jetserve.scheduling.page_planner import PagePlanner
+
+    table = ()
+    if isinstance(engine, PagePlanner):
+        engine, table = engine.engine, (engine.kv_pages.table.copy(),)
+    compiled = engine._generate_jit.lower(params, state, *table, None).compile()
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     return {"generate_hlo_ops": sum(1 for line in text.splitlines()
@@ -79,9 +89,9 @@ def generate_program(engine, params, state) -> dict:
             "generate_aliased_mib": round(mem.alias_size_in_bytes / 2**20, 2)}
 
 
-def measure(model: str, layers: int, prompt_len: int, mode: str) -> dict:
+def measure(model: str, layers: int, prompt_len: int, mode: str, kv_layout: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--layers", str(layers),
-           "--prompt-len", str(prompt_len), "--layer-modes", mode]
+           "--prompt-len", str(prompt_len), "--layer-modes", mode, "--kv-layout", kv_layout]
     # The worker imports this checkout's packages, whatever else is installed.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root,
@@ -121,12 +131,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--layer-modes", default="auto",
                     help="EngineConfig.layers modes, comma-separated: auto, loop, scan")
+    ap.add_argument("--kv-layout", default="contiguous", choices=("contiguous", "paged"))
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.model, int(args.layers), args.prompt_len,
-                                args.layer_modes)), flush=True)
+                                args.layer_modes, args.kv_layout)), flush=True)
         return
     layers = sorted(int(x) for x in args.layers.split(","))
     if not layers or layers[0] < 1:
@@ -135,9 +146,11 @@ def main() -> None:
     bad = [m for m in modes if m not in ("auto", "loop", "scan")]
     if bad:
         raise SystemExit(f"--layer-modes takes auto, loop and scan, got {bad}")
-    rows = [measure(args.model, n, args.prompt_len, m) for m in modes for n in layers]
+    rows = [measure(args.model, n, args.prompt_len, m, args.kv_layout)
+            for m in modes for n in layers]
     if args.json:
-        print(json.dumps({"model": f"random:{args.model}", "rows": rows,
+        print(json.dumps({"model": f"random:{args.model}", "kv_layout": args.kv_layout,
+                          "rows": rows,
                           "load_average_1m": round(os.getloadavg()[0], 2)}))
     else:
         print("\n".join(report(rows)))

@@ -62,7 +62,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "a compile that does not grow with the layer count; on the CPU at the "
                         "loop's decode speed where the CPU kernels run) or auto (scan, except "
                         "on a CPU without the CPU kernels (several devices, quantized or "
-                        "non-float32 weights) and with paged KV or LoRA)")
+                        "non-float32 weights) and with LoRA)")
     compile_cache.add_argument(p)
 
 

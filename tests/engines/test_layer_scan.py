@@ -16,6 +16,7 @@ from jetserve import cli
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from sharding import load_preset
+from tests.engines import programs
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=24)
@@ -81,11 +82,7 @@ def test_parameters_stack_at_load_and_checkpoints_keep_layer_names(tmp_path):
 
 def _generate_program(layers):
     eng = _engine("scan", dataclasses.replace(CFG, num_layers=layers))
-    params, state = eng.load_params(), eng.init_decode_state()
-    compiled = eng._generate_jit.lower(params, state, None).compile()
-    ops = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
-    cache = sum(x.nbytes for x in jax.tree.leaves((state.k, state.v)))
-    return ops, compiled.memory_analysis(), cache
+    return programs.generate_program(eng, eng.load_params(), eng.init_decode_state())
 
 
 def test_generate_program_is_one_layer_body_and_updates_the_cache_in_place():
@@ -113,8 +110,9 @@ def test_layer_modes_are_checked():
     assert LAYER_MODES == ("auto", "loop", "scan")
     with pytest.raises(ValueError, match=r"layers must be one of .*'unrolled'"):
         EngineConfig(layers="unrolled")
-    with pytest.raises(ValueError, match="layers 'scan' works with kv_layout contiguous"):
-        EngineConfig(layers="scan", kv_layout="paged")
+    assert EngineConfig(layers="scan", kv_layout="paged").layers == "scan"  # both layouts
+    with pytest.raises(ValueError, match=r"layers 'scan' does not serve LoRA.*max_loras"):
+        EngineConfig(layers="scan", max_loras=2)
     with pytest.raises(ValueError, match="scan_layers must be True or False"):
         dataclasses.replace(CFG, scan_layers="yes")
 
@@ -133,7 +131,9 @@ def test_auto_scans_where_the_cpu_kernels_read_layers_in_place():
     assert layer_scan.use_scan(EngineConfig(), "cpu", cpu_kernels=True)
     assert not layer_scan.use_scan(EngineConfig(), "cpu", cpu_kernels=False)
     assert layer_scan.use_scan(EngineConfig(), "tpu", cpu_kernels=False)
-    assert not layer_scan.use_scan(EngineConfig(kv_layout="paged"), "tpu", cpu_kernels=False)
+    # Paged KV scans wherever contiguous does (tests/engines/test_paged_scan.py).
+    assert layer_scan.use_scan(EngineConfig(kv_layout="paged"), "tpu", cpu_kernels=False)
+    assert not layer_scan.use_scan(EngineConfig(max_loras=1), "tpu", cpu_kernels=False)
 
 
 def test_cli_layers_flag(capsys):

@@ -7,7 +7,8 @@ decode tokens attend through it) and gemma (head dim 24, its norms and activatio
 the prefill / insert / generate path is checked for every family in
 test_transformers_parity.py, and the mixed step against that path in
 tests/engines/test_mixed_step.py. Prompts arrive two steps apart into three slots, so
-most steps are mixed.
+most steps are mixed. Both layer modes run: the unrolled loop and one scanned body with
+the page pools stacked (EngineConfig.layers, engines/layer_scan.py).
 """
 
 import numpy as np
@@ -29,12 +30,14 @@ def _hf_greedy(model, prompt, steps):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("layers", ["loop", "scan"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_steps_equal_transformers(hf_dirs, family):
+def test_mixed_steps_equal_transformers(hf_dirs, family, layers):
     d, model = hf_dirs[family]
     cfg = EngineConfig(max_concurrent_decodes=3, max_prefill_length=16, max_seq_len=48,
-                       kv_layout="paged", page_size=16)
+                       kv_layout="paged", page_size=16, layers=layers)
     eng = create_engine(load_hf_config(d), weights=d, config=cfg)
+    assert eng.model_config.scan_layers == (layers == "scan")
     params = eng.load_params()
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]

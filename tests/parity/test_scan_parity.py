@@ -1,7 +1,8 @@
 """Every family with its layers under one scanned body (EngineConfig.layers "scan",
 engines/layer_scan.py) against Hugging Face transformers on the same files: the HF
 weights are stacked at load, and logits, greedy tokens and log-probs match as the
-unrolled decoder's do (tests/parity/test_transformers_parity.py)."""
+unrolled decoder's do (tests/parity/test_transformers_parity.py); with paged KV too, its
+page pools stacked and carried through the scan."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import torch
 from engines import EngineConfig, create_engine, load_hf_config
 from engines.kv_cache import PrefillKV
 from jetserve.offline import generate_many
+from jetserve.scheduling.page_planner import PagePlanner
 from tests.parity.hf_models import FAMILIES
 from tests.parity.test_transformers_parity import _hf_greedy, _prompts, _rel_err
 
@@ -51,3 +53,19 @@ def test_scanned_greedy_tokens_and_logprobs_match(family):
         logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
     want = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
     np.testing.assert_allclose(r.logprobs, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_paged_scanned_greedy_tokens_match(hf_dirs, name):
+    """Five prompts on four slots of pages of 8 (the 40-token prompt prefilled in three
+    chunks of 16, the last prompt joining when a slot and its pages free up)."""
+    d, model = hf_dirs[name]
+    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=64,
+                       kv_layout="paged", page_size=8, layers="scan")
+    eng = PagePlanner(create_engine(load_hf_config(d), weights=d, config=cfg))
+    assert eng.model_config.scan_layers and len(eng.init_decode_state().k) == 1
+    prompts = _prompts()
+    results = generate_many(eng, eng.load_params(), prompts, max_tokens=STEPS, ignore_eos=True)
+    for p, r in zip(prompts, results, strict=True):
+        assert r.token_ids == _hf_greedy(model, p, STEPS), name
+    assert eng.kv_pages.free_count == eng.kv_pages.pool.num_pages

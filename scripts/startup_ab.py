@@ -6,9 +6,10 @@ a warm start's imports go in each.
     python scripts/startup_ab.py /tmp/base . --imports 3      # the import-time breakdown
 
 Each start runs in its checkout's directory with PYTHONPATH pointing at it, so `python -m
-jetserve` imports that checkout. Rounds alternate A B, B A, ... so the other load on the
-machine hits both alike; every line printed is one `bench startup` JSON with the side, the
-round and the 1-minute load average before it. `--imports N` instead runs a warm `jetserve
+jetserve` imports that checkout; this checkout's jetserve/bench/startup.py times both (a
+cold start on a new cache directory, then a warm one, wall and CPU seconds). Rounds
+alternate A B, B A, ... so the other load on the machine hits both alike; every line printed
+is one JSON with the side, the round and the 1-minute load average before and after. `--imports N` instead runs a warm `jetserve
 generate --max-tokens 1` N times a side under `python -X importtime` and prints, per side,
 the median seconds of each top-level package that the start imports (the cumulative time of
 its outermost import), largest first.
@@ -22,10 +23,9 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 
-from jetserve.bench.startup import StartupConfig, command
+from jetserve.bench.startup import StartupConfig, command, one_start
 
 _IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| ( *)(\S+)")
 
@@ -35,13 +35,16 @@ def _env(tree: str) -> dict:
 
 
 def bench(tree: str, model: str | None) -> dict:
-    cmd = [sys.executable, "-m", "jetserve", "bench", "startup", "--json"]
-    cmd += ["--model", model] if model else []
-    r = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True,
-                       timeout=1800)
-    if r.returncode != 0:
-        raise RuntimeError(f"{tree}: bench startup exited {r.returncode}:\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """A cold then a warm start of `tree`'s `jetserve generate`, timed by this checkout's
+    jetserve/bench/startup.py (so both sides are measured alike, CPU seconds included)."""
+    cfg = StartupConfig(model=model)
+    with tempfile.TemporaryDirectory(prefix="startup-ab-") as cache_dir:
+        cold, warm = (one_start(cfg, cache_dir, label, cwd=tree, env=_env(tree))
+                      for label in ("cold", "warm"))
+    return {"model": model or "bundled", "cold": cold, "warm": warm,
+            "warm_over_cold": round(warm["first_token_s"] / cold["first_token_s"], 3),
+            "cpu_warm_over_cold": round(warm["cpu_s"] / cold["cpu_s"], 3),
+            "load_after": round(os.getloadavg()[0], 2)}
 
 
 def import_seconds(tree: str, model: str | None, cache_dir: str) -> dict[str, float]:

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from engines import ocdbt_reader
 from engines.config import ModelConfig
 
 ORBAX_PARAMS_DIR = "params"
@@ -271,9 +272,8 @@ def _v1_order(path: tuple) -> tuple[int, ...] | None:
 
 def read_orbax_params(model_dir: str, abstract_sharded: dict) -> dict:
     """Restores params straight onto the shardings given in `abstract_sharded`; a v1
-    checkpoint's dense kernels are restored in their stored order and transposed."""
-    import orbax.checkpoint as ocp
-
+    checkpoint's dense kernels are restored in their stored order and transposed. A small
+    checkpoint is read without orbax (engines/ocdbt_reader.py)."""
     path = os.path.abspath(os.path.join(model_dir, ORBAX_PARAMS_DIR))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} not found: not an Orbax checkpoint written by jetserve convert")
@@ -290,6 +290,14 @@ def read_orbax_params(model_dir: str, abstract_sharded: dict) -> dict:
         return jax.ShapeDtypeStruct(tuple(a.shape[j] for j in inv), a.dtype, sharding=sharding)
 
     target = jax.tree_util.tree_map_with_path(stored, abstract_sharded)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_sharded)
+    host = ocdbt_reader.read_small(path, target)
+    if host is not None:  # transposed on the host, then placed: no program to compile
+        if v1:
+            host = jax.tree_util.tree_map_with_path(_to_v2, host)
+        return jax.device_put(host, shardings)
+    import orbax.checkpoint as ocp
+
     try:
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(path, target)
@@ -297,11 +305,11 @@ def read_orbax_params(model_dir: str, abstract_sharded: dict) -> dict:
         raise ValueError(f"cannot restore Orbax checkpoint {path}: {e}") from e
     if not v1:
         return params
-
-    def to_v2(p, x):
-        order = _v1_order(p)
-        return x if order is None or x.ndim != len(order) else x.transpose(order)
-
-    shardings = jax.tree.map(lambda a: a.sharding, abstract_sharded)
-    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(to_v2, t),
+    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(_to_v2, t),
                    out_shardings=shardings, donate_argnums=0)(params)
+
+
+def _to_v2(path: tuple, x):
+    """A v1 leaf (a numpy array on the host or a jax array) in v2's axis order."""
+    order = _v1_order(path)
+    return x if order is None or x.ndim != len(order) else x.transpose(order)

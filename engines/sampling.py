@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import engines.cpu_kernels
 from engines.token_mask import apply_token_mask
@@ -81,17 +82,18 @@ class SlotSampling:
 
     @staticmethod
     def from_params(p: SamplingParams, seed: int) -> SlotSampling:
-        """A single-row SlotSampling (B=1) built on the host."""
-        f = lambda x: jnp.asarray([x], jnp.float32)
+        """A single-row SlotSampling (B=1) built on the host (numpy: each jax op here would
+        be one more program to trace and compile before a process's first token)."""
+        f = lambda x: np.asarray([x], np.float32)
         return SlotSampling(
             temperature=f(p.temperature),
-            top_k=jnp.asarray([p.top_k], jnp.int32),
+            top_k=np.asarray([p.top_k], np.int32),
             top_p=f(p.top_p),
             min_p=f(p.min_p),
             repetition_penalty=f(p.repetition_penalty),
             frequency_penalty=f(p.frequency_penalty),
             presence_penalty=f(p.presence_penalty),
-            key=jax.random.key_data(jax.random.key(seed))[None],
+            key=key_data(seed)[None],
         )
 
     @staticmethod
@@ -107,6 +109,14 @@ class SlotSampling:
             presence_penalty=z,
             key=jnp.zeros((batch, 2), jnp.uint32),
         )
+
+
+def key_data(seed: int) -> np.ndarray:
+    """u32[2]: jax.random.key_data(jax.random.key(seed)), on the host where that is plain:
+    jax's default threefry key of a seed below 2**32 is [0, seed]. Anything else asks jax."""
+    if jax.config.jax_default_prng_impl == "threefry2x32" and 0 <= seed < 1 << 32:
+        return np.array([0, seed], np.uint32)
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
 def apply_penalties(

@@ -33,7 +33,6 @@ from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.plan import chunks
 from jetserve.scheduling.scheduler import Scheduler
 from jetserve.structured import Constraint
-from jetserve.structured.grammar import compile_constraint
 
 GREEDY = SamplingParams()  # frozen: one shared default
 
@@ -85,6 +84,10 @@ def generate_many(
     longest = engine.max_seq_len - 1 if engine.chunked_prefill else engine.max_prefill_length
     constraints = list(constraints) if constraints is not None else [None] * len(prompts)
     if any(c is not None for c in constraints):
+        # Imported here: llguidance loads only where a prompt is constrained (and `c and`
+        # below calls it only then).
+        from jetserve.structured.grammar import compile_constraint
+
         check_constrainable("constraints", [engine], engine.tokenizer)
     for i, p in enumerate(prompts):
         if not p:

@@ -6,7 +6,9 @@ empty cache directory: the first run compiles every program and writes it to the
 its JSON line on stdout (the first and only token), so Python start, imports, the model
 load, tracing and compiling all count. The compile share is the seconds the process spent
 in XLA compiles (or cache reads) over that time, from the line `jetserve generate` prints
-on stderr (jetserve/compile_cache.py counts them).
+on stderr (jetserve/compile_cache.py counts them). Each start also reports its CPU seconds
+(user + system, the whole process): on a shared, loaded host the wall time stretches with
+the other load, the CPU time much less, so `cpu_warm_over_cold` is the steadier ratio.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -50,12 +53,15 @@ def command(cfg: StartupConfig, cache_dir: str) -> list[str]:
     return cmd + (["--model", cfg.model] if cfg.model else [])
 
 
-def one_start(cfg: StartupConfig, cache_dir: str, label: str) -> dict:
-    """Spawns one `jetserve generate`; seconds to its first token and its compile line."""
+def one_start(cfg: StartupConfig, cache_dir: str, label: str, *, cwd: str | None = None,
+              env: dict | None = None) -> dict:
+    """Spawns one `jetserve generate` (in `cwd`, with `env`: by default this process's);
+    seconds to its first token and its compile line."""
     err: list[str] = []
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the start is the one child reaped
     t0 = time.monotonic()
     proc = subprocess.Popen(command(cfg, cache_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
     reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
     reader.start()
     first = None
@@ -69,6 +75,8 @@ def one_start(cfg: StartupConfig, cache_dir: str, label: str) -> dict:
     finally:
         timer.cancel()
     reader.join(30)
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (now.ru_utime - used.ru_utime) + (now.ru_stime - used.ru_stime)
     m = next((m for m in map(_LINE.search, err) if m), None)
     if rc != 0 or first is None or m is None:
         tail = "".join(err[-20:])
@@ -77,7 +85,7 @@ def one_start(cfg: StartupConfig, cache_dir: str, label: str) -> dict:
     compile_s = float(m.group(2))
     return {"cache": label, "first_token_s": round(first, 3),
             "compile_s": compile_s, "compile_share": round(compile_s / first, 3),
-            "trace_s": float(m.group(4)), "programs": int(m.group(1)),
+            "trace_s": float(m.group(4)), "cpu_s": round(cpu_s, 3), "programs": int(m.group(1)),
             "from_cache": int(m.group(3))}
 
 
@@ -90,4 +98,5 @@ def run(cfg: StartupConfig, log: Callable[..., None] = print) -> dict:
     return {"model": cfg.model or "bundled", "prompt_len": cfg.prompt_len,
             "max_seq_len": cfg.max_seq_len, "cold": cold, "warm": warm,
             "warm_over_cold": round(warm["first_token_s"] / cold["first_token_s"], 3),
+            "cpu_warm_over_cold": round(warm["cpu_s"] / cold["cpu_s"], 3),
             "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}

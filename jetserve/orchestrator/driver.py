@@ -80,7 +80,6 @@ from jetserve.orchestrator.wiring import (
 )
 from jetserve.request import Delta, ModelLimits, Overloaded, Request, check_request
 from jetserve.scheduling.page_planner import with_pages
-from jetserve.structured.grammar import compile_constraint
 
 
 class Orchestrator:
@@ -337,13 +336,18 @@ class Orchestrator:
         return [live.handle for live in lives]
 
     def _live_request(self, request: Request) -> LiveRequest:
+        grammar = None
+        if request.constraint is not None:
+            # Imported here: llguidance loads only in a process that gets a constraint.
+            from jetserve.structured.grammar import compile_constraint
+
+            grammar = compile_constraint(request.constraint, self.tokenizer, self.vocab_size)
         live = LiveRequest(
             request=request, handle=None,  # type: ignore[arg-type]
             timing=RequestTiming(arrival=time.monotonic()),
             budget=token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len),
             stop_ids=stop_ids(self.eos_ids, request.stop_token_ids, request.ignore_eos),
-            grammar=None if request.constraint is None else compile_constraint(
-                request.constraint, self.tokenizer, self.vocab_size),
+            grammar=grammar,
         )
         live.handle = RequestHandle(request, live.timing, lambda: self._cancel(live))
         return live

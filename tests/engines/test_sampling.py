@@ -90,3 +90,14 @@ def test_temperature_one_follows_softmax_chi_square():
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 5, 2**40])
+def test_a_row_built_on_the_host_holds_jax_s_key_for_its_seed(seed):
+    # The prefill's sampling row is numpy (no programs to compile before the first token);
+    # its key must be the one jax.random.key(seed) makes, so seeded tokens stay the same.
+    row = SlotSampling.from_params(SamplingParams(temperature=0.7, top_k=5, seed=seed), seed)
+    assert row.key.dtype == np.uint32 and row.key.shape == (1, 2)
+    np.testing.assert_array_equal(row.key[0], jax.random.key_data(jax.random.key(seed)))
+    assert row.temperature.dtype == np.float32 and row.top_k.dtype == np.int32
+    assert float(row.temperature[0]) == np.float32(0.7) and int(row.top_k[0]) == 5

@@ -21,8 +21,11 @@ def test_json_has_a_cold_and_a_warm_start(capsys):
         for field in ("first_token_s", "compile_s", "compile_share", "trace_s"):
             assert isinstance(r[field], float) and r[field] >= 0, (key, field, r)
         assert r["first_token_s"] > 0 and r["programs"] > 0
+        assert isinstance(r["cpu_s"], float) and r["cpu_s"] > 0  # the child's, not ours
     assert out["cold"]["from_cache"] == 0 and out["warm"]["from_cache"] > 0
     assert isinstance(out["warm_over_cold"], float)
+    assert out["cpu_warm_over_cold"] == pytest.approx(
+        out["warm"]["cpu_s"] / out["cold"]["cpu_s"], abs=1e-3)
 
 
 def test_config_names_the_bad_field():

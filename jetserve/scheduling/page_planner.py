@@ -97,7 +97,7 @@ class PagePlanner:
         `prefilling`: the slots still in their prompt, whose pages were all taken by
         start_prompt and whose length does not grow with the step."""
         pages = self.kv_pages
-        width = pages.before_step()
+        width = pages.before_step(skip=prefilling)
         table = pages.table[:, :width].copy()  # the device may read it later
         out = self.engine.mixed_step(params, decode_state, table, rows)
         pages.after_step(held=prefilling)

@@ -298,8 +298,10 @@ async def _warm_up(orch, servers, halt: threading.Event) -> None:
             report(done.set_result, counted)
 
     steps = len(warmup.plan(orch))
-    print(f"jetserve serve: warming up ({steps} steps: every prefill bucket, insert and "
-          "generate); health NOT_SERVING / 503 until they compile", flush=True)
+    what = ("every mixed step's token bucket and page width" if hasattr(orch, "warmup_shapes")
+            else "every prefill bucket, insert and generate")
+    print(f"jetserve serve: warming up ({steps} steps: {what}); health NOT_SERVING / 503 "
+          "until they compile", flush=True)
     # A daemon thread, not the loop's executor: a SIGTERM need not wait for a compile.
     threading.Thread(target=body, name="jetserve-warmup", daemon=True).start()
     counted = await done

@@ -130,14 +130,14 @@ def test_preempted_and_cancelled_requests_give_their_pages_back(weights, prompts
     assert checker.errors == []
 
 
-def test_stop_ids_budget_and_seeded_sampling_as_in_turns(weights, prompts):
-    """A stop id ends a request where the turns driver ends it, and a seeded sampled
-    request streams the same tokens in both modes (the first token's key, then each
-    step's, advance alike)."""
+def test_stop_ids_seeded_sampling_and_prompt_logprobs_as_in_turns(weights, prompts):
+    """A stop id ends a request where the turns driver ends it, a seeded sampled request
+    streams the same tokens in both modes (the first token's key, then each step's,
+    advance alike), and prompt log-probs (score only, or before generating) agree."""
     sampled = Request(prompt_ids=prompts[3], max_tokens=10,
                       sampling=SamplingParams(temperature=0.9, top_k=20, seed=4),
                       ignore_eos=True)
-    results = {}
+    results, scored = {}, {}
     for mode in ("turns", "mixed"):
         eng = _paged()
         params = jax.device_put(weights, eng.param_shardings)
@@ -153,8 +153,16 @@ def test_stop_ids_budget_and_seeded_sampling_as_in_turns(weights, prompts):
                                           stop_token_ids=(stop,))).result(timeout=300)
             results[mode] = (free, stopped.token_ids, stopped.finish_reason,
                              orch.submit(sampled).result(timeout=300).token_ids)
+            scored[mode] = [orch.submit(Request(prompt_ids=prompts[1], max_tokens=n,
+                                                prompt_logprobs=True, logprobs=2,
+                                                ignore_eos=True)).result(timeout=300)
+                            for n in (0, 3)]
     assert results["mixed"] == results["turns"]
     assert results["mixed"][1][-1] == results["mixed"][0][4]
+    for mixed, turns in zip(scored["mixed"], scored["turns"], strict=True):
+        assert (mixed.token_ids, mixed.finish_reason) == (turns.token_ids, turns.finish_reason)
+        assert mixed.prompt_logprobs[0] is None and len(mixed.prompt_logprobs) == len(prompts[1])
+        assert mixed.prompt_logprobs[1:] == pytest.approx(turns.prompt_logprobs[1:], abs=1e-5)
 
 
 def test_what_mixed_steps_cannot_run_is_refused_by_name(weights):

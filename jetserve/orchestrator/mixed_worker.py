@@ -160,7 +160,7 @@ class MixedWorker(GenerateWorker):
                                                         for c in chunks]
         t = time.monotonic()
         try:
-            with self.step_window(), self.state_lock:
+            with self.state_lock:  # no prefill thread waits on the steps here
                 self.state, res = self.engine.mixed_step(self.params, self.state, rows,
                                                          prefilling=tuple(self._prompts))
             res.copy_to_host_async()
@@ -168,9 +168,7 @@ class MixedWorker(GenerateWorker):
             log.exception("mixed step failed on engine %d", self.index)
             self._fail_all(e)
             return
-        with self._step_cond:
-            self.steps += 1
-            self._step_cond.notify_all()
+        self.steps += 1
         sampled = [(s, owners[s]) for s in decoding]
         for s in decoding:
             owners[s].steps += 1

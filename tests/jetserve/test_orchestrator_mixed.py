@@ -176,3 +176,26 @@ def test_what_mixed_steps_cannot_run_is_refused_by_name(weights):
     with pytest.raises(ValueError, match="structured output"):
         orch.submit(Request(prompt_ids=[5, 6], constraint=Constraint(kind="regex", value="[ab]+")))
     orch.stop()
+
+
+def test_a_failed_step_ends_its_requests_with_the_error_and_serving_goes_on(
+        weights, prompts, reference):
+    eng = _paged()
+    orch = _orch(weights, eng)
+    real, calls = eng.engine.mixed_step, []
+
+    def failing_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real(*args, **kw)
+
+    eng.engine.mixed_step = failing_once
+    with orch:
+        failed = orch.submit(Request(prompt_ids=prompts[1], max_tokens=4)).result(timeout=300)
+        after = orch.submit(Request(prompt_ids=prompts[1], max_tokens=MAX_TOKENS,
+                                    ignore_eos=True)).result(timeout=300)
+        stats = orch.stats()["generate"][0]
+    assert failed.finish_reason == "error" and "device lost" in failed.error
+    assert after.token_ids == reference[1]
+    assert stats["kv_pages_free"] == 32

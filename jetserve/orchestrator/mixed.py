@@ -5,7 +5,8 @@ Admission, the registry of requests in flight, the detokenize thread, listeners,
 and stop are the threaded orchestrator's (driver.py); only the threads differ: one
 mixed generate thread takes admitted requests straight from the admission queue.
 
-Refused, each by name: a contiguous KV cache (mixed steps run on pages), speculative
+Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
+decode-first (every step runs every decoding sequence anyway), speculative
 decoding and the prefix cache at start; a request with structured output or a LoRA
 adapter when it arrives (a mixed step has no token masks, adapters or cached prefixes
 yet; LoRA engines are contiguous anyway); and devices split into prefill and generate
@@ -24,6 +25,7 @@ from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.mixed_worker import MixedWorker
 from jetserve.orchestrator.wiring import check_engines, step_policy
 from jetserve.request import Request
+from jetserve.scheduling.policy import PREFILL_FIRST
 
 
 def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
@@ -34,6 +36,9 @@ def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
     if engine.config.spec.enabled:
         raise ValueError(f"--scheduling mixed does not run speculative decoding "
                          f"(--speculative {engine.config.speculative}); leave one of them out")
+    if config.step_policy != PREFILL_FIRST:
+        raise ValueError(f"--step-policy {config.step_policy}: --scheduling mixed runs every "
+                         "decoding sequence in each step whatever the policy; leave it out")
     if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
         raise ValueError("--scheduling mixed has no prefix cache yet: leave out "
                          "--prefix-cache-hbm-mb / --prefix-cache-host-mb")

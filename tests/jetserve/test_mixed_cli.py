@@ -31,6 +31,8 @@ def test_scheduling_reaches_the_config_and_turns_is_the_default(monkeypatch):
      r"--scheduling mixed .* one slice: leave out --prefill-devices"),
     (("--kv-layout", "paged", "--speculative", "ngram:2"),
      r"--scheduling mixed does not run speculative decoding \(--speculative ngram:2\)"),
+    (("--kv-layout", "paged", "--step-policy", "decode-first"),
+     r"--step-policy decode-first: --scheduling mixed runs every decoding sequence"),
     (("--kv-layout", "paged", "--prefix-cache-hbm-mb", "4"),
      r"--scheduling mixed has no prefix cache yet"),
     (("--kv-layout", "paged", "--role", "decode", "--prefill-workers", "127.0.0.1:1"),

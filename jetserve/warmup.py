@@ -30,11 +30,16 @@ class Step:
     label: str  # what /health shows while it compiles
     prompt_len: int
     score: bool  # also score the prompt (prompt log-probs; one pass up to max_prefill_length)
+    shape: tuple[int, int] | None = None  # a mixed step's (tokens, pages), run alone
 
 
 def plan(orch: Any) -> list[Step]:
     """The warm-up's steps for this orchestrator: one per prefill bucket, then (paged KV)
-    one per generate width that no bucket's prompt reaches but some prompt can."""
+    one per generate width that no bucket's prompt reaches but some prompt can. Mixed
+    steps (orchestrator/mixed.py): one per (token bucket, page-table width)."""
+    if hasattr(orch, "warmup_shapes"):
+        return [Step(f"mixed step {t} tokens x {w} pages", 0, False, shape=(t, w))
+                for t, w in orch.warmup_shapes()]
     buckets = orch.prefill_engines[0].prefill_buckets()
     longest = min(orch.max_prompt_length, orch.max_seq_len - 1)  # room for a token
     scores = scores_prompts(orch)
@@ -84,7 +89,10 @@ def run(orch: Any, *, on_plan: Callable[[list[str]], None] = lambda steps: None,
             if stop is not None and stop.is_set():
                 break
             bar.set_postfix_str(s.label, refresh=True)
-            orch.warmup(prompt_lengths=(s.prompt_len,), prompt_logprobs=s.score)
+            if s.shape is not None:
+                orch.warm_shape(*s.shape)
+            else:
+                orch.warmup(prompt_lengths=(s.prompt_len,), prompt_logprobs=s.score)
             on_step()
             bar.update(1)
     return counted

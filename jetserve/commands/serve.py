@@ -40,6 +40,7 @@ from jetserve.commands.common import (
     step_policy_fields,
 )
 from jetserve.disagg import roles
+from jetserve.orchestrator.config import MIXED, SCHEDULING, TURNS
 from jetserve.server.auth import read_api_key_file
 from jetserve.server.config import ServerConfig
 from jetserve.server.ports import check_free
@@ -90,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_scheduling_arguments(p)
     add_tool_parser_argument(p)
     add_step_policy_arguments(p)
+    p.add_argument("--scheduling", default=TURNS, choices=SCHEDULING,
+                   help="turns (the default: prefill, insert and generate calls, prompts "
+                        "between decode steps) or mixed (one slice, --kv-layout paged: every "
+                        "step runs each decoding sequence's token and chunks of waiting "
+                        "prompts, up to --max-num-batched-tokens; chunks of --prefill-chunk)")
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once instead of compiling every prefill bucket, "
                         "insert and generate first (then the first requests compile)")
@@ -171,7 +177,10 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     config = OrchestratorConfig(max_queued_requests=args.max_queued_requests,
                                 max_queued_per_client=_per_client(args),
                                 prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args),
-                                **step_policy_fields(args))
+                                **step_policy_fields(args), scheduling=args.scheduling)
+    if args.scheduling == MIXED and (args.role != "both" or jax.process_count() > 1):
+        raise ValueError(f"--scheduling mixed serves from one process with --role both, not "
+                         f"--role {args.role} over {jax.process_count()} process(es)")
     if (args.lora_modules or args.max_loras) and jax.process_count() > 1:
         raise ValueError("--lora-modules / --max-loras: LoRA adapters are served by one "
                          "process, for now")
@@ -289,8 +298,10 @@ async def _warm_up(orch, servers, halt: threading.Event) -> None:
             report(done.set_result, counted)
 
     steps = len(warmup.plan(orch))
-    print(f"jetserve serve: warming up ({steps} steps: every prefill bucket, insert and "
-          "generate); health NOT_SERVING / 503 until they compile", flush=True)
+    what = ("every mixed step's token bucket and page width" if hasattr(orch, "warmup_shapes")
+            else "every prefill bucket, insert and generate")
+    print(f"jetserve serve: warming up ({steps} steps: {what}); health NOT_SERVING / 503 "
+          "until they compile", flush=True)
     # A daemon thread, not the loop's executor: a SIGTERM need not wait for a compile.
     threading.Thread(target=body, name="jetserve-warmup", daemon=True).start()
     counted = await done

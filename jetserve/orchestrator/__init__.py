@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 
 from engines import Engine, EngineConfig
-from jetserve.orchestrator.config import OrchestratorConfig
+from jetserve.orchestrator.config import MIXED, OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
 from jetserve.orchestrator.handle import Completion, RequestHandle
 from jetserve.orchestrator.prefix_cache import model_cache_key
@@ -93,6 +93,8 @@ def build(model: str | None = None, *, interleaved: bool = True,
     from jetserve.model_loading import build_engine
 
     p_devs, g_devs = split_devices(interleaved, prefill_devices, generate_devices, devices)
+    if config is not None and config.scheduling == MIXED:
+        return _mixed(model, interleaved, g_devs, generate_sharding, engine_config, config, seed)
     if interleaved:
         engine = build_engine(model, devices=g_devs, sharding=generate_sharding,
                               engine_config=engine_config, seed=seed)
@@ -105,3 +107,20 @@ def build(model: str | None = None, *, interleaved: bool = True,
     return Orchestrator(prefill_engines=[pe], generate_engines=[ge],
                         prefill_params=[pe.load_params()], generate_params=[ge.load_params()],
                         config=config)
+
+
+def _mixed(model, interleaved: bool, devices, sharding: str,
+           engine_config: EngineConfig | None, config: OrchestratorConfig, seed: int):
+    from jetserve.model_loading import build_engine
+    from jetserve.orchestrator.mixed import MixedOrchestrator
+
+    if not interleaved:
+        raise ValueError("--scheduling mixed runs prompts and decoding in one step on one "
+                         "slice: leave out --prefill-devices / --generate-devices (or add "
+                         "--interleaved)")
+    if engine_config is None or engine_config.kv_layout != "paged":
+        raise ValueError("--scheduling mixed runs its steps on the paged KV cache: add "
+                         "--kv-layout paged")
+    engine = build_engine(model, devices=devices, sharding=sharding,
+                          engine_config=engine_config, seed=seed)
+    return MixedOrchestrator.from_engines(engine, config=keyed(config, model, engine))

@@ -7,6 +7,9 @@ import math
 
 from jetserve.scheduling.policy import PREFILL_FIRST, check_knobs
 
+TURNS, MIXED = "turns", "mixed"
+SCHEDULING = (TURNS, MIXED)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OrchestratorConfig:
@@ -37,6 +40,9 @@ class OrchestratorConfig:
         (jetserve/scheduling/policy.py): the most sequences decoding at once (None: every
         slot), the token budget of one decode step (None: none) and prefill-first or
         decode-first; checked against the engines when the orchestrator is built.
+      scheduling: "turns" (prefill, insert and generate calls from their own threads) or
+        "mixed" (one paged engine whose decode steps run the prompts' chunks too:
+        mixed.py; `build` makes a MixedOrchestrator).
     """
 
     max_queued_requests: int = 256
@@ -53,6 +59,7 @@ class OrchestratorConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     step_policy: str = PREFILL_FIRST
+    scheduling: str = TURNS
 
     def __post_init__(self):
         for name in ("max_queued_requests", "transfer_queue_size", "detokenize_queue_size"):
@@ -82,6 +89,9 @@ class OrchestratorConfig:
         check_knobs(max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     step_policy=self.step_policy)
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling (--scheduling) must be one of "
+                             f"{', '.join(SCHEDULING)}; got {self.scheduling!r}")
         p = self.poll_interval_s
         if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"poll_interval_s must be in (0, 1] seconds, got {p!r}")

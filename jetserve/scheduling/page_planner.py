@@ -10,6 +10,10 @@ generate worker, the lock-step driver, offline generation, warm-up, benches, tes
                                               (SlotPages.before_step; OutOfPages before
                                               anything runs), then engine.generate with
                                               the table
+  start_prompt(slot, tokens)                  mixed steps: a prompt's pages, before
+                                              its chunks run (SlotPages.insert)
+  mixed_step(params, state, rows, prefilling=) before_step, engine.mixed_step, then the
+                                              slots still in their prompt keep their length
   free_slot(slot) / init_decode_state()       give the pages back
 
 Everything else is the engine's (attribute access passes through). With speculative
@@ -80,6 +84,23 @@ class PagePlanner:
         mask = kw.get("token_mask")
         pages.after_step(held=() if mask is None else
                          np.flatnonzero(~np.asarray(mask).any(axis=1)).tolist())
+        return out
+
+    def start_prompt(self, slot: int, tokens: int) -> None:
+        """Mixed steps: `slot` takes the pages of a whole `tokens`-token prompt now; its
+        chunks write them over the next steps (no insert)."""
+        self.kv_pages.insert(slot, tokens)
+
+    def mixed_step(self, params: Any, decode_state: Any, rows: Any, *,
+                   prefilling: Any = ()) -> tuple[Any, Any]:
+        """engine.mixed_step over the pages this step writes (OutOfPages as generate's);
+        `prefilling`: the slots still in their prompt, whose pages were all taken by
+        start_prompt and whose length does not grow with the step."""
+        pages = self.kv_pages
+        width = pages.before_step(skip=prefilling)
+        table = pages.table[:, :width].copy()  # the device may read it later
+        out = self.engine.mixed_step(params, decode_state, table, rows)
+        pages.after_step(held=prefilling)
         return out
 
     def free_slot(self, slot: int) -> None:

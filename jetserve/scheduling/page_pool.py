@@ -195,13 +195,15 @@ class SlotPages:
         self.table[slot, : len(pages)] = pages
         return pages
 
-    def before_step(self) -> int:
+    def before_step(self, skip: Collection[int] = ()) -> int:
         """Allocates the pages this step writes into; returns the gather width in pages
         (the batch's most live pages, rounded up to a power of two, at most max_pages).
+        `skip`: slots that write no new position this step (a mixed step's prompts,
+        whose pages they hold already).
 
         Raises OutOfPages, allocating nothing, when the pool cannot cover the step.
         """
-        need = [s for s in self._len for _ in range(self._step_pages(s))]
+        need = [s for s in self._len if s not in skip for _ in range(self._step_pages(s))]
         fresh = self.pool.alloc(len(need))
         for s, p in zip(need, fresh, strict=True):
             self.table[s, len(self._pages[s])] = p

@@ -1,0 +1,92 @@
+"""The orchestrator of `--scheduling mixed`: one paged engine, whose decode steps also run
+the prompts' chunks (mixed_worker.py), instead of prefill / insert / generate turns.
+
+Admission, the registry of requests in flight, the detokenize thread, listeners, stats
+and stop are the threaded orchestrator's (driver.py); only the threads differ: one
+mixed generate thread takes admitted requests straight from the admission queue.
+
+Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
+decode-first (every step runs every decoding sequence anyway), speculative
+decoding and the prefix cache at start; a request with structured output or a LoRA
+adapter when it arrives (a mixed step has no token masks, adapters or cached prefixes
+yet; LoRA engines are contiguous anyway); and devices split into prefill and generate
+slices (`build`: the mixed step is one slice's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engines import Engine
+from jetserve.orchestrator.config import MIXED, OrchestratorConfig
+from jetserve.orchestrator.driver import Orchestrator
+from jetserve.orchestrator.handle import RequestHandle
+from jetserve.orchestrator.mixed_worker import MixedWorker
+from jetserve.orchestrator.wiring import check_engines, step_policy
+from jetserve.request import Request
+from jetserve.scheduling.policy import PREFILL_FIRST
+
+
+def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
+    """What --scheduling mixed cannot serve on this engine, by name."""
+    if getattr(engine, "page_geometry", None) is None:
+        raise ValueError("--scheduling mixed runs its steps on the paged KV cache: add "
+                         "--kv-layout paged (got the contiguous layout)")
+    if engine.config.spec.enabled:
+        raise ValueError(f"--scheduling mixed does not run speculative decoding "
+                         f"(--speculative {engine.config.speculative}); leave one of them out")
+    if config.step_policy != PREFILL_FIRST:
+        raise ValueError(f"--step-policy {config.step_policy}: --scheduling mixed runs every "
+                         "decoding sequence in each step whatever the policy; leave it out")
+    if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
+        raise ValueError("--scheduling mixed has no prefix cache yet: leave out "
+                         "--prefix-cache-hbm-mb / --prefix-cache-host-mb")
+
+
+class MixedOrchestrator(Orchestrator):
+    """Serves Requests on one paged engine with mixed steps (see the module doc)."""
+
+    def __init__(self, engine: Engine, params: Any, config: OrchestratorConfig | None = None):
+        config = config or OrchestratorConfig(scheduling=MIXED)
+        check_engines([engine], [engine], [params], [params])
+        refuse_engine(engine, config)
+        config = self._init_intake([engine], [engine], config)
+        planned = self.generate_engines[0]
+        self.policy = policy = step_policy(config, [planned], [planned])
+        budget = min(policy.max_num_batched_tokens or policy.max_num_seqs + policy.prefill_chunk,
+                     planned.mixed_token_buckets[-1])
+        self._generate = [MixedWorker(
+            0, planned, params, self._outbox, self._listeners, self._stopping,
+            backlog_size=1, poll_s=config.poll_interval_s, policy=policy,
+            admission=self._admission, budget=budget, chunk=policy.prefill_chunk)]
+
+    @classmethod
+    def from_engines(cls, engine: Engine, *, params: Any = None,
+                     config: OrchestratorConfig | None = None) -> MixedOrchestrator:
+        return cls(engine, engine.load_params() if params is None else params, config)
+
+    def submit_many(self, requests: Sequence[Request]) -> list[RequestHandle]:
+        for r in requests:
+            if isinstance(r, Request) and r.constraint is not None:
+                raise ValueError("structured output (response_format, guided decoding, "
+                                 "tool_choice required / named) is not served with "
+                                 "--scheduling mixed yet; the server runs without it")
+            if isinstance(r, Request) and r.lora_adapter is not None:
+                raise ValueError(f"lora_adapter {r.lora_adapter!r}: --scheduling mixed "
+                                 "serves the base model only")
+        return super().submit_many(requests)
+
+    # ---- warm-up: one throwaway step per (token bucket, page-table width) --------------
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        return self._generate[0].warm_shapes()
+
+    def warm_shape(self, tokens: int, width: int, timeout: float | None = None) -> None:
+        """Compiles the mixed step of `tokens` tokens and `width` pages (started)."""
+        w = self._generate[0]
+        w.call(lambda: w.warm(tokens, width), timeout)
+
+    @property
+    def chunks_prompts(self) -> bool:
+        return True  # every prompt runs in chunks of the step

@@ -1,0 +1,121 @@
+"""`jetserve serve --scheduling mixed` on the bundled model: every step runs the decoding
+sequences' tokens and chunks of waiting prompts (16-token chunks here).
+
+Greedy tokens over the openai SDK (streamed and not) and the gRPC stub equal `jetserve
+generate`'s (turns, contiguous KV), for prompts shorter and longer than a chunk and for
+more requests at once than there are slots; a stream the client drops gives its slot and
+pages back; and no step program is traced after the warm-up (JAX_LOG_COMPILES logs each
+trace of the mixed step, `traced`, whether its compile then comes from the cache or not).
+"""
+
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from protos import jetstream_pb2 as pb
+from protos import jetstream_pb2_grpc as pb_grpc
+from tests.e2e.serve_process import READY, wait_listening
+
+SERVE = ["--scheduling", "mixed", "--kv-layout", "paged", "--max-seq-len", "128",
+         "--max-prefill-length", "32", "--prefill-chunk", "16", "--max-concurrent-decodes",
+         "4", "--page-size", "32"]
+PAGES = 16  # the default pool: 4 slots x 128 / 32
+PROMPTS = [[1, 450, 3996], [1, *range(300, 340)], [1, *range(500, 517)],
+           [1, *range(700, 760)], [1, 887, 338, 263, 1243], [1, *range(900, 933)]]
+MAX_TOKENS = 12
+COMPILE = re.compile(r"Finished tracing traced for jit")
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    cmd = [sys.executable, "-m", "jetserve", "serve", *SERVE, "--host", "127.0.0.1",
+           "--grpc-port", "0", "--http-port", "0"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines: list[str] = []
+    ports = wait_listening(proc, 2, lines=lines)
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    yield ports, lines
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """`jetserve generate` (prefill / insert / generate turns, contiguous KV) greedy ids."""
+    cmd = [sys.executable, "-m", "jetserve", "generate", "--max-tokens", str(MAX_TOKENS),
+           "--ignore-eos", "--json"]
+    for p in PROMPTS:
+        cmd += ["--prompt-ids", ",".join(map(str, p))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line)["token_ids"] for line in out.stdout.splitlines()]
+
+
+def _client(ports):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
+                         max_retries=0, timeout=300)
+
+
+def _complete(client, prompt, stream):
+    kw = dict(model="bundled_model", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+              logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    if not stream:
+        tokens = client.completions.create(**kw).choices[0].logprobs.tokens
+    else:
+        tokens = [t for chunk in client.completions.create(stream=True, **kw)
+                  for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def _metric(ports, name) -> float:
+    text = httpx.get(f"http://127.0.0.1:{ports['HTTP']}/metrics").text
+    return float(re.search(rf'{name}{{engine="0"}} ([0-9.]+)', text).group(1))
+
+
+@pytest.mark.slow
+def test_mixed_serve_streams_generates_tokens_concurrently_and_frees_cancelled_pages(
+        server, reference):
+    ports, lines = server
+    client = _client(ports)
+    # More requests than slots, streamed and not, at once: chunks of several prompts and
+    # decode rows share steps.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda a: _complete(client, *a),
+                            [(p, i % 2 == 0) for i, p in enumerate(PROMPTS)]))
+    assert got == reference
+    with grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}") as channel:
+        msgs = list(pb_grpc.OrchestratorStub(channel).Decode(pb.DecodeRequest(
+            max_tokens=MAX_TOKENS, has_bos=True, ignore_eos=True,
+            token_content=pb.DecodeRequest.TokenContent(token_ids=PROMPTS[3])), timeout=300))
+    assert [t for m in msgs for s in m.stream_content.samples for t in s.token_ids] == reference[3]
+    # A stream dropped mid-way: the server cancels it, its slot and pages come back.
+    stream = client.completions.create(model="bundled_model", prompt=PROMPTS[1],
+                                       max_tokens=80, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for _, _ in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 60
+    while (_metric(ports, "jetserve_kv_pages_free") != PAGES
+           or _metric(ports, "jetserve_slots_in_use")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(ports, "jetserve_kv_pages_free") == PAGES
+    assert _metric(ports, "jetserve_slots_in_use") == 0
+    ready = next(i for i, line in enumerate(lines) if READY in line)
+    # Buckets 8, 16, 32 (budget 4 + 16) by widths 1, 2, 4 pages; none compiles later.
+    assert len([x for x in lines[:ready] if COMPILE.search(x)]) == 9
+    assert [x for x in lines[ready:] if COMPILE.search(x)] == []

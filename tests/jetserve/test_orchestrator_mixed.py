@@ -1,0 +1,201 @@
+"""`scheduling="mixed"`: one paged engine whose steps run decode rows and prompt chunks.
+
+Greedy tokens are checked against a contiguous engine's one-pass prefill and decode on the
+same weights: prompts longer than the chunk, several at once, preempted and recomputed
+requests, cancelled ones; the page accounting holds after every step, every page comes
+back, and after the warm-up no step compiles a new program.
+"""
+
+import random
+import time
+
+import jax
+import pytest
+
+from engines import EngineConfig, SamplingParams, create_engine
+from jetserve.offline import generate_many
+from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, StepDone
+from jetserve.orchestrator.mixed import MixedOrchestrator
+from jetserve.scheduling.page_planner import with_pages
+from jetserve.structured import Constraint
+from jetserve.warmup import plan
+from jetserve.warmup import run as warm_up
+from tests.sharding.families import host_params, model_config
+
+MAX_TOKENS = 12
+SHAPES = dict(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
+MIXED = dict(scheduling="mixed", prefill_chunk=8, poll_interval_s=0.005)
+
+
+def _engine(**config):
+    return with_pages(create_engine(model_config("llama"), devices=jax.devices()[:1],
+                                    config=EngineConfig(**{**SHAPES, **config})))
+
+
+def _paged(num_pages=32):
+    return _engine(kv_layout="paged", page_size=4, num_pages=num_pages)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return host_params(_engine())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(5)  # 1 to 30 tokens: most longer than a chunk of 8
+    return [[rng.randrange(3, 128) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+
+
+@pytest.fixture(scope="module")
+def reference(weights, prompts):
+    eng = _engine(max_prefill_length=48)
+    out = generate_many(eng, jax.device_put(weights, eng.param_shardings), prompts,
+                        max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [r.token_ids for r in out]
+
+
+def _orch(weights, eng, **config) -> MixedOrchestrator:
+    return MixedOrchestrator.from_engines(
+        eng, params=jax.device_put(weights, eng.param_shardings),
+        config=OrchestratorConfig(**{**MIXED, **config}))
+
+
+class StepChecker:
+    """After every step, on the thread that owns the pages: the pool's counts match the
+    slots' pages, and the slots holding pages are the slots holding requests."""
+
+    def __init__(self, orch):
+        self.worker = orch._generate[0]
+        self.pages = self.worker.engine.kv_pages
+        self.errors: list[str] = []
+
+    def __call__(self, event) -> None:
+        if isinstance(event, StepDone):
+            try:
+                self.pages.check()
+                occupied = [s for s, _ in self.worker.slots.rows()]
+                assert self.pages.live_slots() == occupied, (self.pages.live_slots(), occupied)
+            except AssertionError as e:
+                self.errors.append(str(e))
+
+
+def test_mixed_steps_give_one_pass_greedy_tokens_and_compile_nothing_after_warmup(
+        weights, prompts, reference):
+    eng = _paged()
+    orch = _orch(weights, eng)
+    checker = StepChecker(orch)
+    orch.add_listener(checker)
+    with orch:
+        warm_up(orch, progress=False)
+        compiled = dict(eng.traces)
+        handles = [orch.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True))
+                   for p in prompts]
+        out = [h.result(timeout=300) for h in handles]
+        stats = orch.stats()["generate"][0]
+    assert [c.token_ids for c in out] == reference
+    assert {c.finish_reason for c in out} == {"length"}
+    # Budget 4 + 8 = 12 tokens: buckets 8 and 16, by widths 1, 2, 4, 8, 12 pages.
+    assert len(plan(orch)) == compiled["mixed"] == 2 * 5
+    assert eng.traces == compiled  # no program compiled while serving
+    assert compiled["prefill"] == compiled["generate"] == compiled["insert"] == 0
+    assert checker.errors == []
+    assert stats["kv_pages_free"] == 32 and stats["steps"] > 0
+
+
+def test_preempted_and_cancelled_requests_give_their_pages_back(weights, prompts, reference):
+    """A pool of 18 pages of 4 holds about one and a half full sequences: requests are
+    preempted (their chunks run again) and still stream the one-pass tokens; cancelled
+    ones, waiting or mid-stream, end "cancelled" and every page comes back."""
+    eng = _paged(num_pages=18)
+    orch = _orch(weights, eng)
+    checker = StepChecker(orch)
+    orch.add_listener(checker)
+    long = [i for i, p in enumerate(prompts) if len(p) > 8]
+    with orch:
+        handles = [orch.submit(Request(prompt_ids=prompts[i], max_tokens=MAX_TOKENS,
+                                       ignore_eos=True)) for i in long]
+        gone = orch.submit(Request(prompt_ids=prompts[0], max_tokens=40 - len(prompts[0]),
+                                   ignore_eos=True))
+        while not gone.timing.token_times:
+            time.sleep(0.002)
+        gone.cancel()
+        out = [h.result(timeout=300) for h in handles]
+        cancelled = gone.result(timeout=60)
+        stats = orch.stats()["generate"][0]
+    assert [c.token_ids for c in out] == [reference[i] for i in long]
+    assert cancelled.finish_reason == "cancelled"
+    assert stats["preemptions"] >= 1  # recompute really ran
+    assert stats["kv_pages_free"] == 18
+    assert checker.errors == []
+
+
+def test_stop_ids_seeded_sampling_and_prompt_logprobs_as_in_turns(weights, prompts):
+    """A stop id ends a request where the turns driver ends it, a seeded sampled request
+    streams the same tokens in both modes (the first token's key, then each step's,
+    advance alike), and prompt log-probs (score only, or before generating) agree."""
+    sampled = Request(prompt_ids=prompts[3], max_tokens=10,
+                      sampling=SamplingParams(temperature=0.9, top_k=20, seed=4),
+                      ignore_eos=True)
+    results, scored = {}, {}
+    for mode in ("turns", "mixed"):
+        eng = _paged()
+        params = jax.device_put(weights, eng.param_shardings)
+        config = OrchestratorConfig(scheduling=mode, prefill_chunk=8)
+        orch = (MixedOrchestrator.from_engines(eng, params=params, config=config)
+                if mode == "mixed" else Orchestrator.from_engines(eng, params=params,
+                                                                   config=config))
+        with orch:
+            free = orch.submit(Request(prompt_ids=prompts[1], max_tokens=MAX_TOKENS,
+                                       ignore_eos=True)).result(timeout=300).token_ids
+            stop = free[4]
+            stopped = orch.submit(Request(prompt_ids=prompts[1], max_tokens=MAX_TOKENS,
+                                          stop_token_ids=(stop,))).result(timeout=300)
+            results[mode] = (free, stopped.token_ids, stopped.finish_reason,
+                             orch.submit(sampled).result(timeout=300).token_ids)
+            scored[mode] = [orch.submit(Request(prompt_ids=prompts[1], max_tokens=n,
+                                                prompt_logprobs=True, logprobs=2,
+                                                ignore_eos=True)).result(timeout=300)
+                            for n in (0, 3)]
+    assert results["mixed"] == results["turns"]
+    assert results["mixed"][1][-1] == results["mixed"][0][4]
+    for mixed, turns in zip(scored["mixed"], scored["turns"], strict=True):
+        assert (mixed.token_ids, mixed.finish_reason) == (turns.token_ids, turns.finish_reason)
+        assert mixed.prompt_logprobs[0] is None and len(mixed.prompt_logprobs) == len(prompts[1])
+        assert mixed.prompt_logprobs[1:] == pytest.approx(turns.prompt_logprobs[1:], abs=1e-5)
+
+
+def test_what_mixed_steps_cannot_run_is_refused_by_name(weights):
+    with pytest.raises(ValueError, match="--kv-layout paged"):
+        MixedOrchestrator.from_engines(_engine(), params=weights)
+    with pytest.raises(ValueError, match="prefix cache"):
+        _orch(weights, _paged(), prefix_cache_hbm_bytes=1 << 20)
+    with pytest.raises(ValueError, match="scheduling"):
+        OrchestratorConfig(scheduling="fused")
+    orch = _orch(weights, _paged())
+    with pytest.raises(ValueError, match="structured output"):
+        orch.submit(Request(prompt_ids=[5, 6], constraint=Constraint(kind="regex", value="[ab]+")))
+    orch.stop()
+
+
+def test_a_failed_step_ends_its_requests_with_the_error_and_serving_goes_on(
+        weights, prompts, reference):
+    eng = _paged()
+    orch = _orch(weights, eng)
+    real, calls = eng.engine.mixed_step, []
+
+    def failing_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real(*args, **kw)
+
+    eng.engine.mixed_step = failing_once
+    with orch:
+        failed = orch.submit(Request(prompt_ids=prompts[1], max_tokens=4)).result(timeout=300)
+        after = orch.submit(Request(prompt_ids=prompts[1], max_tokens=MAX_TOKENS,
+                                    ignore_eos=True)).result(timeout=300)
+        stats = orch.stats()["generate"][0]
+    assert failed.finish_reason == "error" and "device lost" in failed.error
+    assert after.token_ids == reference[1]
+    assert stats["kv_pages_free"] == 32

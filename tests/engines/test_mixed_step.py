@@ -19,7 +19,7 @@ from jetserve.offline import generate_many
 from jetserve.scheduling.page_planner import PagePlanner
 from jetserve.scheduling.page_pool import width_buckets
 from tests.engines.mixed_driver import run_mixed
-from tests.sharding.families import host_params, model_config
+from tests.sharding.families import host_params, model_config, place
 
 PROMPTS = ([5, 17, 33, 2, 9], [100, 3, 3, 64, 12, 7, 90, 1, 45, 11, 8, 19, 4], [77, 6, 120],
            [9, 4] * 8, [31, 41, 59, 26, 53, 58, 97, 93, 23, 84, 62])
@@ -31,7 +31,7 @@ MAX_TOKENS = 12
 def _engine(family):
     eng = create_engine(model_config(family), devices=jax.devices()[:1],
                         config=EngineConfig(**SHAPES))
-    return eng, jax.device_put(host_params(eng), eng.param_shardings)
+    return eng, place(eng, host_params(eng))
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: sliding window 16

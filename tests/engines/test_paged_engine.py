@@ -96,7 +96,7 @@ def test_paged_and_contiguous_give_identical_greedy_tokens(family):
 def small():
     """A paged llama with a pool of 12 pages of 4 (3 slots of up to 40 tokens would need 30)."""
     _, eng = _engines("llama", num_pages=12)
-    return eng, jax.device_put(host_params(eng), eng.param_shardings)
+    return eng, place(eng, host_params(eng))
 
 
 def test_pages_follow_the_sequence_and_return_on_free(small):

@@ -11,6 +11,7 @@ import pytest
 
 from engines import EngineConfig, create_engine
 from engines.attention import attention
+from engines.layer_scan import cache_layers
 from engines.mixed_batch import MixedRow, token_buckets
 from engines.paged_kv import gather_pages
 from engines.ragged_attention import pallas_ragged_attention, ragged_paged_attention
@@ -95,7 +96,8 @@ def test_idle_slots_untouched_and_generate_between_mixed_steps():
     for f in ("lengths", "tokens", "prompt_mask", "counts"):  # slot 2 is idle
         np.testing.assert_array_equal(getattr(before, f)[2], getattr(after, f)[2])
     np.testing.assert_array_equal(before.sampling.key[2], after.sampling.key[2])
-    np.testing.assert_array_equal(before.k[0][:, trash - 1], after.k[0][:, trash - 1])
+    for k0, k1 in zip(cache_layers(before.k, 4), cache_layers(after.k, 4), strict=True):
+        np.testing.assert_array_equal(k0[:, trash - 1], k1[:, trash - 1])  # each layer
     # Slot 1 is mid-prompt: not live to generate, which decodes slot 0 alone.
     assert int(after.lengths[1]) == SHAPES["max_seq_len"]
     out = [res.to_host().token(0)]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engines import EngineConfig, TransformerEngine, create_engine
+from engines.layer_scan import cache_layers
 from engines.paged_engine import PagedTransformerEngine
 from engines.paged_kv import pallas_decode_attention, resolve_attention, xla_decode_attention
 from jetserve.offline import generate_many
@@ -123,10 +124,10 @@ def test_insert_leaves_other_slots_pages_bit_identical(small):
     state = eng.insert(p0, state, 0)
     state, _ = eng.generate(params, state)
     held = eng.kv_pages.pages_of(0)
-    before = [np.asarray(k)[:, held] for k in state.k]
+    before = [np.asarray(k)[:, held] for k in cache_layers(state.k, 4)]  # each layer
     p2, _ = eng.prefill(params, [8, 8, 8, 8, 8], 5)
     state = eng.insert(p2, state, 2)
-    after = [np.asarray(k)[:, held] for k in state.k]
+    after = [np.asarray(k)[:, held] for k in cache_layers(state.k, 4)]
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
     assert not set(held) & set(eng.kv_pages.pages_of(2))

@@ -33,22 +33,11 @@ from jetserve.server.readiness import Readiness
 from jetserve.server.validation import ModelLimits
 
 
-def _fast_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop where it is installed (orbax-checkpoint, a dependency, brings it on
-    Linux), else asyncio's: the HTTP server's per-chunk work (task steps, socket writes,
-    timers) is mostly event-loop overhead, which uvloop runs in C."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 class _LoopThread:
-    """An asyncio loop (`make_loop()`'s) running forever on a daemon thread of its own."""
+    """An asyncio loop running forever on a daemon thread of its own."""
 
-    def __init__(self, name: str, make_loop=asyncio.new_event_loop):
-        self.loop = make_loop()
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
@@ -91,7 +80,7 @@ class Servers:
             self.grpc = t.call(_build(lambda: GrpcServer(orch, self.limits, config,
                                                          self.readiness)))
         if config.http_port is not None:
-            self._loops["http"] = t = _LoopThread("jetserve-http", _fast_loop)
+            self._loops["http"] = t = _LoopThread("jetserve-http")
             self.http = t.call(_build(lambda: HttpServer(orch, self.limits, config,
                                                          self.metrics, self.readiness)))
 

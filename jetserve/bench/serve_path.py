@@ -2,9 +2,11 @@
 the same batch, in one program, back to back.
 
     jetserve bench serve-path [--model random:llama-156m] [--batch 8] [--output-len 256]
+                              [--protocol grpc|http|grpc,http]
 
 One `jetserve serve` child process (interleaved, `--batch` slots) is started and kept; this
-process builds the same engine itself. Then, `--rounds` times:
+process builds the same engine itself. Then, `--rounds` times, for each protocol in turn
+(each served half right after a bare half of its own):
 
   bare:  every slot filled with a `--prompt-len` prompt, then `output_len - 1`
          `engine.generate` steps dispatched back to back and blocked on at the end (what
@@ -54,9 +56,11 @@ def server_command(args: argparse.Namespace) -> list[str]:
             "--max-prefill-length", str(PREFILL), *args.serve_arg]
 
 
-def start_server(args: argparse.Namespace, timeout_s: float = 900) -> tuple[subprocess.Popen, dict]:
-    """The child `jetserve serve` and its {"gRPC": port, "HTTP": port}, once it is ready."""
-    proc = subprocess.Popen(server_command(args), stdout=subprocess.PIPE,
+def start_server(args: argparse.Namespace, timeout_s: float = 900,
+                 command: list[str] | None = None) -> tuple[subprocess.Popen, dict]:
+    """The child `jetserve serve` (or `command`, one that prints what serve prints) and
+    its {"gRPC": port, "HTTP": port}, once it is ready."""
+    proc = subprocess.Popen(command or server_command(args), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     ports, lines, deadline = {}, [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -130,32 +134,42 @@ async def serve_round(client, args: argparse.Namespace, pid: int, seed: int) -> 
             "client_cpu_ms_per_token": 1e3 * (c1 - c0) / tokens}
 
 
+def pair(b: dict, s: dict, protocol: str, load: float) -> dict:
+    """One round's bare and served halves side by side: the wall and the CPU ratio."""
+    bare_cpu = b["xla_cpu_ms_per_token"] + b["host_cpu_ms_per_token"]
+    serve_cpu = (s["xla_cpu_ms_per_token"] + s["host_cpu_ms_per_token"]
+                 + s["client_cpu_ms_per_token"])
+    return {"protocol": protocol, "bare": b, "serve": s, "ratio": s["tok_s"] / b["tok_s"],
+            "cpu_ratio": bare_cpu / serve_cpu, "load_1m": round(load, 2)}
+
+
 async def measure(engine, params, args: argparse.Namespace, proc, ports: dict, log) -> list:
-    url = (f"grpc://127.0.0.1:{ports['gRPC']}" if args.protocol == "grpc"
-           else f"http://127.0.0.1:{ports['HTTP']}")
-    client = serve.make_client(url, None, None)
+    """`rounds` rounds; in each, per protocol, a bare half then a served half."""
+    urls = {"grpc": f"grpc://127.0.0.1:{ports['gRPC']}",
+            "http": f"http://127.0.0.1:{ports['HTTP']}"}
+    clients = {p: serve.make_client(urls[p], None, None) for p in args.protocols}
     rounds = []
     try:
-        while not await client.ready():
-            await asyncio.sleep(0.2)
-        await serve_round(client, args, proc.pid, seed=10_000)  # not counted: warms clients
+        for client in clients.values():
+            while not await client.ready():
+                await asyncio.sleep(0.2)
+            await serve_round(client, args, proc.pid, seed=10_000)  # not counted: warm-up
         for i in range(args.rounds):
-            load = os.getloadavg()[0]
-            b = bare_round(engine, params, args)
-            s = await serve_round(client, args, proc.pid, seed=i)
-            bare_cpu = b["xla_cpu_ms_per_token"] + b["host_cpu_ms_per_token"]
-            serve_cpu = (s["xla_cpu_ms_per_token"] + s["host_cpu_ms_per_token"]
-                         + s["client_cpu_ms_per_token"])
-            rounds.append({"bare": b, "serve": s, "ratio": s["tok_s"] / b["tok_s"],
-                           "cpu_ratio": bare_cpu / serve_cpu, "load_1m": round(load, 2)})
-            log(f"round {i + 1}: bare {b['tok_s']:.1f} tok/s   serve {s['tok_s']:.1f} tok/s   "
-                f"ratio {rounds[-1]['ratio']:.3f}   (TPOT p50 {s['tpot_p50_ms']:.2f} ms, bare "
-                f"step {1e3 * args.batch / b['tok_s']:.2f} ms; CPU ms/token XLA + host: bare "
-                f"{b['xla_cpu_ms_per_token']:.3f} + {b['host_cpu_ms_per_token']:.3f}, server "
-                f"{s['xla_cpu_ms_per_token']:.3f} + {s['host_cpu_ms_per_token']:.3f}, clients "
-                f"{s['client_cpu_ms_per_token']:.3f}; load {load:.2f})")
+            for protocol, client in clients.items():
+                load = os.getloadavg()[0]
+                b = bare_round(engine, params, args)
+                s = await serve_round(client, args, proc.pid, seed=i)
+                rounds.append(pair(b, s, protocol, load))
+                log(f"round {i + 1} {protocol}: bare {b['tok_s']:.1f} tok/s   serve "
+                    f"{s['tok_s']:.1f} tok/s   ratio {rounds[-1]['ratio']:.3f}   (TPOT p50 "
+                    f"{s['tpot_p50_ms']:.2f} ms, bare step {1e3 * args.batch / b['tok_s']:.2f} "
+                    f"ms; CPU ms/token XLA + host: bare {b['xla_cpu_ms_per_token']:.3f} + "
+                    f"{b['host_cpu_ms_per_token']:.3f}, server {s['xla_cpu_ms_per_token']:.3f} "
+                    f"+ {s['host_cpu_ms_per_token']:.3f}, clients "
+                    f"{s['client_cpu_ms_per_token']:.3f}; load {load:.2f})")
     finally:
-        await client.close()
+        for client in clients.values():
+            await client.close()
     return rounds
 
 
@@ -167,13 +181,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--protocol", default="grpc", choices=["grpc", "http"])
+    p.add_argument("--protocol", default="grpc",
+                   help="grpc, http (the OpenAI streaming API) or both: grpc,http")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="both engines (default: prompt + output rounded up to 128)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for the child `jetserve serve` (repeatable)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    args.protocols = list(dict.fromkeys(x.strip() for x in args.protocol.split(",")))
+    if not args.protocols or any(x not in ("grpc", "http") for x in args.protocols):
+        raise ValueError(f"--protocol must be grpc, http or both (grpc,http), "
+                         f"got {args.protocol!r}")
     for name in ("batch", "prompt_len", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -209,18 +228,22 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    ratio = statistics.median(r["ratio"] for r in rounds)
-    cpu_ratio = statistics.median(r["cpu_ratio"] for r in rounds)
-    log(f"serve / bare tokens/s: median {ratio:.3f} over {len(rounds)} rounds "
-        f"(min {min(r['ratio'] for r in rounds):.3f}, max {max(r['ratio'] for r in rounds):.3f})")
-    # What the ratio is where both are bound by the same cores: CPU per token, bare over
-    # server plus its clients.
-    log(f"CPU per token, bare / (server + clients): median {cpu_ratio:.3f}")
+    medians = {}
+    for protocol in args.protocols:
+        mine = [r for r in rounds if r["protocol"] == protocol]
+        ratios = [r["ratio"] for r in mine]
+        medians[protocol] = {"ratio": round(statistics.median(ratios), 4),
+                             "cpu_ratio": round(statistics.median(r["cpu_ratio"] for r in mine), 4)}
+        log(f"{protocol}: serve / bare tokens/s: median {medians[protocol]['ratio']:.3f} over "
+            f"{len(mine)} rounds (min {min(ratios):.3f}, max {max(ratios):.3f})")
+        # What the ratio is where both are bound by the same cores: CPU per token, bare
+        # over server plus its clients.
+        log(f"{protocol}: CPU per token, bare / (server + clients): median "
+            f"{medians[protocol]['cpu_ratio']:.3f}")
     if args.json:
-        print(json.dumps({"model": args.model, "batch": args.batch, "protocol": args.protocol,
+        print(json.dumps({"model": args.model, "batch": args.batch, "protocols": args.protocols,
                           "prompt_len": args.prompt_len, "output_len": args.output_len,
-                          "rounds": rounds, "median_ratio": round(ratio, 4),
-                          "median_cpu_ratio": round(cpu_ratio, 4)}))
+                          "rounds": rounds, "medians": medians}))
     return 0
 
 

@@ -29,3 +29,11 @@ def test_bad_flags_are_named(argv, flag):
 def test_cpu_seconds_of_this_process_splits_xla_from_the_rest():
     xla, other = serve_path.cpu_seconds(os.getpid())
     assert xla >= 0 and other > 0  # this test's own thread has run
+
+
+def test_protocols_are_a_list_of_grpc_and_http():
+    assert serve_path.parse([]).protocols == ["grpc"]
+    assert serve_path.parse(["--protocol", "grpc,http"]).protocols == ["grpc", "http"]
+    assert serve_path.parse(["--protocol", "http,http"]).protocols == ["http"]
+    with pytest.raises(ValueError, match="--protocol must be grpc, http or both .* got 'grpc,h2'"):
+        serve_path.parse(["--protocol", "grpc,h2"])

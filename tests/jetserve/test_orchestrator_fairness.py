@@ -208,9 +208,12 @@ def a_inserts_ahead_of_b(mode, backlog_fifo: bool, monkeypatch) -> tuple[int, in
                             generate_params=[gen.load_params()], config=config)
     with orch:
         # Long enough (400 steps of >= 5 ms) that the backlog cannot drain while B's
-        # prefill waits for the CPU on a loaded machine.
-        a = orch.submit_many([Request(prompt_ids=[10 + i], max_tokens=400, ignore_eos=True,
-                                      client="A") for i in range(A_PROMPTS)])
+        # prefill waits for the CPU on a loaded machine. One token more for each later A:
+        # two A's never end in the same step, so no turn frees both slots at once (there A
+        # and B would both hold none, and the older A's tie-win would be counted "ahead"
+        # of B although B gets the other slot in that same turn).
+        a = orch.submit_many([Request(prompt_ids=[10 + i], max_tokens=400 + i,
+                                      ignore_eos=True, client="A") for i in range(A_PROMPTS)])
         wait_until(lambda: orch.stats()["generate"][0]["backlog"] >= 6, timeout=60)
         b = orch.submit(Request(prompt_ids=[B_PROMPT], max_tokens=2, client="B"))
         assert b.result(120).token_ids == expected([B_PROMPT], 2)
@@ -225,6 +228,8 @@ def a_inserts_ahead_of_b(mode, backlog_fifo: bool, monkeypatch) -> tuple[int, in
 
 # Once B's prefix is in the backlog, every slot that frees is B's first. Only A's already
 # picked for free slots before it went in (at most the 2 slots) are inserted ahead of it.
+# (A's end one step apart, so slots free one at a time; a turn that frees two gives one
+# to each client: tests/jetserve/scheduling/test_scheduler.py checks that tie.)
 SLOTS = 2
 
 

@@ -331,7 +331,8 @@ def test_only_steps_up_to_max_rows_use_the_kernels(engines):
         max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48, kv_layout="paged",
         page_size=8), devices=jax.devices()[:1], seed=3))
     table = paged.kv_pages.table[:, :paged.generate_widths()[0]]
-    lowered = paged._generate_jit.lower(params, paged.init_decode_state(), table, None)
+    lowered = paged._generate_jit.lower(paged.adopt_params(params), paged.init_decode_state(),
+                                        table, None)
     for target in (cpu_kernels.TARGET, cpu_kernels.ARGMAX_TARGET, cpu_kernels.LOG_PROBS_TARGET):
         assert target in lowered.as_text()  # the paged cache keeps XLA's attention
 

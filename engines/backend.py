@@ -83,14 +83,33 @@ class Backend:
         At one row both stream the weights at the same speed, and XLA's dot stays, except
         for a scanned layer's kernel (layer_scan.LayerWeight): our kernel reads the layer
         in the stack where XLA's dot would read a copy of it sliced out."""
-        rows = math.prod(x.shape[:-1])  # static at trace time
         stacked = isinstance(w, layer_scan.LayerWeight)
-        fewest = 1 if stacked else 2  # rows from which the kernel takes the matmul
-        if fewest <= rows <= self.cpu_matmul_rows and x.dtype == w.dtype == jnp.float32:
+        if self._on_kernel(x, w):
             return (cpu_kernels.matmul_nt(x, w.stack, w.index) if stacked
                     else cpu_kernels.matmul_nt(x, w))
         w = w.value() if stacked else w
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), **kw)
+
+    def linear_many(self, x: jax.Array,
+                    ws: Sequence[jax.Array | layer_scan.LayerWeight]) -> tuple[jax.Array, ...]:
+        """(self.linear(x, w) for w in ws): the projections that read the same x (q, k and
+        v; gate and up). Where the CPU kernel takes each of them, one call runs them all: x
+        is packed once and the threads share out their columns together, one parallel
+        section where separate calls made one each. Otherwise each goes its own way."""
+        if len(ws) > 1 and all(self._on_kernel(x, w) for w in ws):
+            if all(isinstance(w, layer_scan.LayerWeight) for w in ws):
+                if all(w.index is ws[0].index for w in ws):  # one scanned layer's stacks
+                    return cpu_kernels.matmul_nt_many(x, [w.stack for w in ws], ws[0].index)
+            elif not any(isinstance(w, layer_scan.LayerWeight) for w in ws):
+                return cpu_kernels.matmul_nt_many(x, ws)
+        return tuple(self.linear(x, w) for w in ws)
+
+    def _on_kernel(self, x: jax.Array, w: jax.Array | layer_scan.LayerWeight) -> bool:
+        """Whether linear(x, w) runs on the CPU matmul kernel."""
+        rows = math.prod(x.shape[:-1])  # static at trace time
+        fewest = 1 if isinstance(w, layer_scan.LayerWeight) else 2  # see linear
+        return (fewest <= rows <= self.cpu_matmul_rows
+                and x.dtype == w.dtype == jnp.float32)
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                   k_pos: jax.Array, sliding_window: int | None) -> jax.Array:

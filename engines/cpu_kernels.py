@@ -50,6 +50,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -204,26 +205,41 @@ def matmul_nt(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) 
     By the kernel when `available()` and lowered for a CPU, else by XLA's dot (the same
     result up to rounding).
     """
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"matmul_nt takes float32 operands, got x {x.dtype} and w {w.dtype}")
-    w, layer = _stacked("matmul_nt", "w", w, 2, layer)
-    if x.ndim < 1 or x.shape[-1] != w.shape[2]:
-        raise ValueError(f"matmul_nt takes x [..., K] and w [N, K], got x {x.shape} and "
-                         f"w {w.shape[1:]}")
+    return matmul_nt_many(x, (w,), layer)[0]
 
-    def dot(x, w, layer):
-        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
-        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+def matmul_nt_many(x: jax.Array, ws: Sequence[jax.Array],
+                   layer: jax.Array | int | None = None) -> tuple[jax.Array, ...]:
+    """(x . w^T for w in ws) in one kernel call: the projections that read the same x (q,
+    k and v; gate and up), x packed once and their columns shared out over the threads
+    together. Each w is f32[N_j, K], or with `layer` a stack f32[L, N_j, K] read at that
+    layer (the same layer of every stack). By XLA's dots where the kernel is unavailable
+    or lowered for another backend."""
+    if not ws:
+        raise ValueError("matmul_nt takes at least one weight")
+    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
+        raise ValueError(f"matmul_nt takes float32 operands, got x {x.dtype} and w "
+                         f"{', '.join(str(w.dtype) for w in ws)}")
+    stacks = [_stacked("matmul_nt", "w", w, 2, layer) for w in ws]
+    ws, layer = tuple(w for w, _ in stacks), stacks[0][1]
+    for w in ws:
+        if x.ndim < 1 or x.shape[-1] != w.shape[2]:
+            raise ValueError(f"matmul_nt takes x [..., K] and w [N, K], got x {x.shape} and "
+                             f"w {w.shape[1:]}")
+
+    def dot(x, layer, *ws):
+        return tuple(jax.lax.dot_general(x, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),
+                                         (((x.ndim - 1,), (1,)), ((), ()))) for w in ws)
 
     if not available():
-        return dot(x, w, layer)
-    lead, (N, K) = x.shape[:-1], w.shape[1:]
+        return dot(x, layer, *ws)
+    lead, K = x.shape[:-1], x.shape[-1]
     M = math.prod(lead)
-    kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32),
-                              vmap_method="sequential")
-    # The target is registered for the CPU only: lowered for another backend, XLA's dot.
-    y = _cpu_only(kernel, dot, x.reshape(M, K), w, layer)
-    return y.reshape(*lead, N)
+    kernel = jax.ffi.ffi_call(TARGET, tuple(jax.ShapeDtypeStruct((M, w.shape[1]), jnp.float32)
+                                            for w in ws), vmap_method="sequential")
+    # The target is registered for the CPU only: lowered for another backend, XLA's dots.
+    ys = _cpu_only(kernel, dot, x.reshape(M, K), layer, *ws)
+    return tuple(y.reshape(*lead, w.shape[1]) for y, w in zip(ys, ws, strict=True))
 
 
 def _stacked(kernel: str, name: str, a: jax.Array, ndim: int,

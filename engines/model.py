@@ -93,10 +93,11 @@ class Attention(nn.Module):
         wv = kernel("v_proj", (K, H, D), (axes.KV_HEADS, axes.HEAD_DIM, axes.EMBED))
         wo = kernel("o_proj", (D, N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
         B, T = x.shape[:2]
-        lin = self.backend.linear
-        q = _adapted(lora, "q_proj", x, lin(x, wq.reshape(N * H, D))).reshape(B, T, N, H)
-        k = _adapted(lora, "k_proj", x, lin(x, wk.reshape(K * H, D))).reshape(B, T, K, H)
-        v = _adapted(lora, "v_proj", x, lin(x, wv.reshape(K * H, D))).reshape(B, T, K, H)
+        q, k, v = self.backend.linear_many(
+            x, (wq.reshape(N * H, D), wk.reshape(K * H, D), wv.reshape(K * H, D)))
+        q = _adapted(lora, "q_proj", x, q).reshape(B, T, N, H)
+        k = _adapted(lora, "k_proj", x, k).reshape(B, T, K, H)
+        v = _adapted(lora, "v_proj", x, v).reshape(B, T, K, H)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             bias = functools.partial(_param, self, dtype=self.dtype, init=zeros, at=at)
@@ -137,11 +138,10 @@ class Mlp(nn.Module):
         wg = kernel("gate_proj", (F, D), (axes.MLP, axes.EMBED))
         wu = kernel("up_proj", (F, D), (axes.MLP, axes.EMBED))
         wd = kernel("down_proj", (D, F), (axes.EMBED, axes.MLP))
-        lin = self.backend.linear
-        gate = _adapted(lora, "gate_proj", x, lin(x, wg))
-        h = _act(self.cfg, gate) * _adapted(lora, "up_proj", x, lin(x, wu))  # (B, T, F)
-        h = constrain(h, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
-        return _adapted(lora, "down_proj", h, lin(h, wd))
+        gate, up = self.backend.linear_many(x, (wg, wu))
+        gate, up = _adapted(lora, "gate_proj", x, gate), _adapted(lora, "up_proj", x, up)
+        h = constrain(_act(self.cfg, gate) * up, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
+        return _adapted(lora, "down_proj", h, self.backend.linear(h, wd))  # h: (B, T, F)
 
 
 class MoeMlp(nn.Module):

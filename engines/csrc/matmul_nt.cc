@@ -18,11 +18,15 @@
 //    L2. Software prefetch of the weight rows made these tiles slower here.
 //
 // Layout: x, w and y are row-major and dense. Any M, N, K (tails of K below 8 and of N
-// below the tile width take narrower tiles or scalar paths). w is a stack [L, N, K] of
-// which the i32[] operand `layer` picks one: a scanned decoder (engines/layer_scan.py)
-// passes its stacked weights whole with the layer's index, so the kernel reads that layer
-// in place where a slice would make XLA copy the layer's weights out first; a plain call
-// passes [1, N, K] and 0. An index outside [0, L) is an error, never a read out of bounds.
+// below the tile width take narrower tiles or scalar paths). Operands: x, an i32[] `layer`,
+// then one or more weights, each a stack [L, N_j, K] read at that layer, with one result
+// [M, N_j] each. Several weights in one call are the projections that read the same x (q, k
+// and v; gate and up): x is packed once and their column chunks are shared out over the
+// threads together, one parallel section where separate calls made one each. A scanned
+// decoder (engines/layer_scan.py) passes its stacked weights whole with the layer's index,
+// so the kernel reads that layer in place where a slice would make XLA copy the layer's
+// weights out first; a plain call passes [1, N, K] and 0. An index outside [0, L) is an
+// error, never a read out of bounds.
 
 #include <immintrin.h>
 
@@ -370,22 +374,82 @@ void pack(const float* x, int64_t M, int64_t K, float* xt) {
   }
 }
 
-ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || layer.element_count() != 1 ||
-      xd[1] != wd[2] || yd[0] != xd[0] || yd[1] != wd[1])
+// One weight of a call and its result: y [M, N] = x . w^T, w one layer [N, K] of its stack.
+struct Part {
+  const float* w;
+  float* y;
+  int64_t N;
+};
+
+// The parts of a call from its operands, checked: every w a stack [L, N, K] holding layer
+// i, every result [M, N]. Sets *error and returns {} when an operand does not agree.
+std::vector<Part> parts_of(ffi::RemainingArgs ws, ffi::RemainingRets ys, int64_t M, int64_t K,
+                           int64_t i, std::string* error) {
+  std::vector<Part> parts;
+  if (ws.size() == 0 || ws.size() != ys.size()) {
+    *error = "expected as many results as weights, at least one";
+    return {};
+  }
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(j);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
+    if (!w.has_value() || !y.has_value()) {
+      *error = "weight " + std::to_string(j) + " or its result is not a float32 array";
+      return {};
+    }
+    auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 3 || yd.size() != 2 || wd[2] != K || yd[0] != M || yd[1] != wd[1]) {
+      *error = "weight " + std::to_string(j) + ": expected w [L, N, K] and result [M, N]";
+      return {};
+    }
+    if (i < 0 || i >= wd[0]) {
+      *error = "layer " + std::to_string(i) + " is outside [0, " + std::to_string(wd[0]) + ")";
+      return {};
+    }
+    parts.push_back({w->typed_data() + i * wd[1] * K, (*y)->typed_data(), wd[1]});
+  }
+  return parts;
+}
+
+// A task: output columns [n0, n1) of part j.
+struct Task {
+  int64_t j, n0, n1;
+};
+
+// The column chunks of every part, a multiple of the tile width `align` each, several per
+// thread so a late or interrupted thread still gets its share; the chunks of one call
+// (q, k and v, or gate and up) are shared out together, so a small part never waits
+// alone on a thread at the end of its own call.
+std::vector<Task> tasks_of(const std::vector<Part>& parts, int64_t M, int64_t K,
+                           int64_t threads, int64_t align, int64_t min_cols) {
+  int64_t total = 0;
+  for (const Part& p : parts) total += p.N;
+  int64_t chunks = std::min<int64_t>(threads * 8, std::max<int64_t>(1, total / min_cols));
+  if (threads == 1 || M * total * K < (1 << 18)) chunks = 1;
+  const int64_t per = ((total + chunks - 1) / chunks + align - 1) / align * align;
+  std::vector<Task> tasks;
+  for (int64_t j = 0; j < static_cast<int64_t>(parts.size()); ++j)
+    for (int64_t n0 = 0; n0 < parts[j].N; n0 += per)
+      tasks.push_back({j, n0, std::min(parts[j].N, n0 + per)});
+  return tasks;
+}
+
+// y_j = x . w_j^T for each weight w_j (a stack [L, N_j, K] read at layer i) and result
+// y_j [M, N_j]: the projections that read the same x (q, k and v; gate and up) in one call,
+// x packed once and their columns shared out over the threads together.
+ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                    ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "jetserve_matmul_nt: expected x [M, K], w [L, N, K], layer i32[] and result [M, N]");
-  const int64_t M = xd[0], K = xd[1], N = wd[1], L = wd[0];
-  const int64_t i = layer.typed_data()[0];
-  if (i < 0 || i >= L)
-    return ffi::Error::InvalidArgument("jetserve_matmul_nt: layer " + std::to_string(i) +
-                                       " is outside [0, " + std::to_string(L) + ")");
-  if (M == 0 || N == 0) return ffi::Error::Success();
+        "jetserve_matmul_nt: expected x [M, K], layer i32[], then weights [L, N, K] and "
+        "results [M, N]");
+  const int64_t M = xd[0], K = xd[1];
+  std::string error;
+  const std::vector<Part> parts = parts_of(ws, ys, M, K, layer.typed_data()[0], &error);
+  if (parts.empty()) return ffi::Error::InvalidArgument("jetserve_matmul_nt: " + error);
+  if (M == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + i * N * K;
-  float* yp = y->typed_data();
   const int64_t threads = std::clamp<int64_t>(pool.num_threads(), 1, jetserve::kMaxThreads);
   const bool packed = M >= kPackedMinRows;
   // The packed copy of x lives as long as any task that may still read it. 64-byte aligned,
@@ -398,23 +462,19 @@ ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                                "jetserve_matmul_nt: out of memory packing x");
     pack(xp, M, K, xt.get());
   }
-  // Column chunks of a multiple of the tile width, several per thread so a late or
-  // interrupted thread still gets its share.
-  const int64_t align = packed ? kPackedCols : 4;
   // A packed tile's 6 columns are 12 M K FLOPs, so its chunks can be a few tiles: at N / 64
   // chunks a [256, K] layer made 4 chunks of 11 tiles, too coarse to share between two
   // threads that start at different times.
-  int64_t chunks = std::min<int64_t>(threads * 8,
-                                     std::max<int64_t>(1, N / (packed ? 2 * kPackedCols : 64)));
-  if (threads == 1 || M * N * K < (1 << 18)) chunks = 1;
-  const int64_t per = ((N + chunks - 1) / chunks + align - 1) / align * align;
-  chunks = (N + per - 1) / per;
-  jetserve::parallel_for(pool, chunks, [=](int64_t c) {
-    const int64_t n0 = c * per, n1 = std::min<int64_t>(N, (c + 1) * per);
+  auto tasks = std::make_shared<const std::vector<Task>>(
+      tasks_of(parts, M, K, threads, packed ? kPackedCols : 4, packed ? 2 * kPackedCols : 64));
+  auto shared_parts = std::make_shared<const std::vector<Part>>(parts);
+  jetserve::parallel_for(pool, tasks->size(), [=](int64_t t) {
+    const Task& task = (*tasks)[t];
+    const Part& p = (*shared_parts)[task.j];
     if (packed) {
-      packed_cols(xt.get(), wp, yp, M, N, K, n0, n1);
+      packed_cols(xt.get(), p.w, p.y, M, p.N, K, task.n0, task.n1);
     } else {
-      matmul_cols(xp, wp, yp, M, N, K, n0, n1);
+      matmul_cols(xp, p.w, p.y, M, p.N, K, task.n0, task.n1);
     }
   });
   return ffi::Error::Success();
@@ -426,6 +486,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JetserveMatmulNT, MatmulNT,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from engines import EngineConfig, TransformerEngine
+from engines.engine_config import LAYER_MODES
 from jetserve.bench import bandwidth
 from jetserve.hardware import Hardware
 from jetserve.model_loading import build_engine
@@ -47,6 +48,7 @@ class DecodeBenchConfig:
     sharding: str = "replicated"
     quantize: str = "none"  # matmul weights: none | int8 | int4
     kv_dtype: str = "auto"  # auto | int8
+    layers: str = "auto"  # EngineConfig.layers: auto | loop | scan
 
     def __post_init__(self):
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
@@ -56,6 +58,8 @@ class DecodeBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the first step compiles), got {self.warmup}")
+        if self.layers not in LAYER_MODES:
+            raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
         need = self.context + self.warmup + self.steps
         if self.max_seq_len is not None and self.max_seq_len < need:
             raise ValueError(f"max_seq_len {self.max_seq_len} is below context + warmup + "
@@ -125,7 +129,8 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
                               engine_config=EngineConfig(
                                   max_concurrent_decodes=b, max_seq_len=cfg.seq_len,
                                   max_prefill_length=min(512, cfg.context), dtype=cfg.dtype,
-                                  quantize=cfg.quantize, kv_dtype=cfg.kv_dtype))
+                                  quantize=cfg.quantize, kv_dtype=cfg.kv_dtype,
+                                  layers=cfg.layers))
         if params is None:
             params = engine.load_params()
             spec = ModelSpec.from_config(engine.model_config)
@@ -163,7 +168,7 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
         })
     return {
         "model": cfg.model, "dtype": cfg.dtype, "quantize": cfg.quantize,
-        "kv_dtype": cfg.kv_dtype, "max_seq_len": cfg.seq_len,
+        "kv_dtype": cfg.kv_dtype, "layers": cfg.layers, "max_seq_len": cfg.seq_len,
         "bandwidth_gbps": round(bw_best / 1e9, 2),
         "bandwidth_probes_gbps": [round(bw0.gbps, 2), round(bw1.gbps, 2)],
         "bandwidth_method": bw0.method if bw0.best_bps >= bw1.best_bps else bw1.method,

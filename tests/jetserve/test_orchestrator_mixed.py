@@ -20,7 +20,7 @@ from jetserve.scheduling.page_planner import with_pages
 from jetserve.structured import Constraint
 from jetserve.warmup import plan
 from jetserve.warmup import run as warm_up
-from tests.sharding.families import host_params, model_config
+from tests.sharding.families import host_params, model_config, place
 
 MAX_TOKENS = 12
 SHAPES = dict(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
@@ -50,14 +50,14 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(weights, prompts):
     eng = _engine(max_prefill_length=48)
-    out = generate_many(eng, jax.device_put(weights, eng.param_shardings), prompts,
+    out = generate_many(eng, place(eng, weights), prompts,
                         max_tokens=MAX_TOKENS, ignore_eos=True)
     return [r.token_ids for r in out]
 
 
 def _orch(weights, eng, **config) -> MixedOrchestrator:
     return MixedOrchestrator.from_engines(
-        eng, params=jax.device_put(weights, eng.param_shardings),
+        eng, params=place(eng, weights),
         config=OrchestratorConfig(**{**MIXED, **config}))
 
 
@@ -140,7 +140,7 @@ def test_stop_ids_seeded_sampling_and_prompt_logprobs_as_in_turns(weights, promp
     results, scored = {}, {}
     for mode in ("turns", "mixed"):
         eng = _paged()
-        params = jax.device_put(weights, eng.param_shardings)
+        params = place(eng, weights)
         config = OrchestratorConfig(scheduling=mode, prefill_chunk=8)
         orch = (MixedOrchestrator.from_engines(eng, params=params, config=config)
                 if mode == "mixed" else Orchestrator.from_engines(eng, params=params,

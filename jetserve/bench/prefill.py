@@ -201,7 +201,7 @@ def measure_length(cfg: PrefillBenchConfig, length: int) -> dict:
     rss = max(peaks["run"], _peak_rss())
     return {"length": length, "chunk": min(cfg.chunk, length),
             "attention": engine.backend.prefill_attention, "passes": passes,
-            "seconds": round(run_s, 4), "tokens_per_s": round(length / run_s, 1),
+            "seconds": round(run_s, 6), "tokens_per_s": round(length / run_s, 1),
             "compile_s": round(compile_s, 2), "programs": len(temps),
             "temp_bytes": max(temps.values()), "peak_rss_bytes": rss,
             "load_peak_rss_bytes": load_peak, "compile_peak_rss_bytes": peaks["compile"],

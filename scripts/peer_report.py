@@ -26,7 +26,8 @@ import os
 import platform
 import sys
 
-LABELS = {"jetserve": "jetserve serve --interleaved", "vllm": "vLLM-CPU",
+LABELS = {"jetserve": "jetserve serve --interleaved",
+          "jetserve-mixed": "jetserve serve --scheduling mixed", "vllm": "vLLM-CPU",
           "llamacpp": "llama.cpp server"}
 
 

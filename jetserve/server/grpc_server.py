@@ -43,6 +43,7 @@ from jetserve.server.streams import (
 )
 from jetserve.server.structured_fields import constraint_of_proto
 from jetserve.server.wire_check import find_malformed
+from jetserve.server.write_deadline import WriteDeadline
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 
@@ -117,6 +118,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         except ValueError as e:  # the orchestrator's own checks; they name the field too
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         n = len(handles)
+        deadline = WriteDeadline(self.write_timeout)
         try:
             async with contextlib.aclosing(merge(handles, cut=self.cut)) as batches:
                 async for batch in batches:
@@ -125,8 +127,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                             await context.abort(grpc.StatusCode.INTERNAL, f"sample {i} failed: "
                                                 f"{d.error or 'internal error'}")
                     for msg in _messages(batch, n):
-                        async with asyncio.timeout(self.write_timeout):
-                            await context.write(msg)
+                        await deadline.write(context.write(msg))
         except ShuttingDown:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "server shutting down: the drain timeout ended this stream")
@@ -137,6 +138,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"the client read nothing for {self.write_timeout:g} s "
                                 "(write timeout); the request was cancelled")
+        finally:
+            deadline.close()
 
     def build_requests(self, r: pb.DecodeRequest, time_remaining: float | None,
                        client: str = "") -> list[Request]:

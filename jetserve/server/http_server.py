@@ -110,6 +110,18 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _sse_start(head: dict) -> str:
+    """What every chunk of a stream starts with, up to its choice: `data: {head,"choices":[`.
+    Serialized once per stream; `_sse_chunk` then writes what `_sse` would, byte for byte."""
+    return f"data: {json.dumps(head, separators=(',', ':'))[:-1]},\"choices\":["
+
+
+def _sse_chunk(start: str, choice: dict, usage: dict) -> str:
+    """`_sse({**head, "choices": [choice], **usage})` for `start` = `_sse_start(head)`."""
+    tail = f',"usage":{json.dumps(usage["usage"], separators=(",", ":"))}' if usage else ""
+    return f"{start}{json.dumps(choice, separators=(',', ':'))}]{tail}}}\n\n"
+
+
 _SHUTTING_DOWN = "server shutting down: the drain timeout ended this request; retry elsewhere"
 # After a drain cut's final chunks: why the stream ended (then usage, if asked, and [DONE]).
 _SHUTDOWN_EVENT = _sse({"error": {"message": _SHUTTING_DOWN, "type": "server_error",
@@ -318,13 +330,14 @@ class OpenAIApp:
         sent_chars = [0] * prep.choices
         started = [False] * prep.choices
         texts = [self.tt.texts(prep, i) for i in range(prep.choices)]  # across chunks
+        start = _sse_start(head)
 
         def chunk(i: int, part: Joined) -> str:
             choice = fmt.completion_choice(prep, self.tt, i, part, first=not started[i],
                                            base=sent_chars[i], texts=texts[i])
             started[i] = True
             sent_chars[i] += len(choice["text"])
-            return _sse({**head, "choices": [choice], **self._running_usage(prep, totals)})
+            return _sse_chunk(start, choice, self._running_usage(prep, totals))
 
         if handles is None:
             for i, j in enumerate(done or ()):
@@ -372,6 +385,7 @@ class OpenAIApp:
         totals = [Joined() for _ in handles]
         texts = [self.tt.texts(prep, i) for i in range(len(handles))]  # across chunks
         readers = [tool_output.ChoiceReader(prep.tools) for _ in handles]  # tool calls
+        start = _sse_start(head)
         for i in range(len(handles)):
             yield _sse({**head, "choices": [{"index": i, "delta": readers[i].opening(),
                                              "logprobs": None, "finish_reason": None}],
@@ -392,10 +406,9 @@ class OpenAIApp:
                         delta, finish = readers[i].delta(d.text, d.finish_reason)
                         if not (delta or finish or logprobs or prep.continuous_usage):
                             continue  # text held back while it may be a tool call
-                        yield _sse({**head, "choices": [{"index": i, "delta": delta,
-                                                         "logprobs": logprobs,
-                                                         "finish_reason": finish}],
-                                    **self._running_usage(prep, totals)})
+                        yield _sse_chunk(start, {"index": i, "delta": delta,
+                                                 "logprobs": logprobs, "finish_reason": finish},
+                                         self._running_usage(prep, totals))
         except ShuttingDown:
             for i in _unfinished(totals):
                 totals[i].finish_reason = "cancelled"

@@ -5,7 +5,7 @@ events generator, which merges the request's samples) beside a watcher that wait
 the client's disconnect; whichever ends first ends the response, and closing the
 generator cancels the requests, so their slots come free within one generate step.
 
-Slow readers: every send is bounded by the write timeout. uvicorn's send waits while the
+Slow readers: every send is bounded by the write timeout (one timer per stream). uvicorn's send waits while the
 connection's write buffer is over its high-water mark, i.e. while the client reads
 nothing; past the timeout the stream is given up, its requests are cancelled and the
 connection is aborted. Aborted, not closed: a close would wait, forever, to flush output
@@ -19,6 +19,8 @@ import logging
 from typing import Any
 
 from starlette.responses import StreamingResponse
+
+from jetserve.server.write_deadline import WriteDeadline
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +58,17 @@ class EventStream(StreamingResponse):
         super().__init__(content, **kw)
         self.write_timeout = write_timeout
 
-    async def _timed_send(self, send, message) -> None:
+    async def _timed_send(self, deadline: WriteDeadline, send, message) -> None:
         try:
-            async with asyncio.timeout(self.write_timeout):
-                await send(message)
+            await deadline.write(send(message))
         except TimeoutError:
             raise WriteTimedOut(f"the client read nothing for {self.write_timeout:g} s "
                                 "(write timeout)") from None
 
     async def __call__(self, scope, receive, send) -> None:
+        deadline = WriteDeadline(self.write_timeout)
         producer = asyncio.ensure_future(
-            self.stream_response(lambda message: self._timed_send(send, message)))
+            self.stream_response(lambda message: self._timed_send(deadline, send, message)))
         watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
             done, _ = await asyncio.wait({producer, watcher},
@@ -78,6 +80,7 @@ class EventStream(StreamingResponse):
                 elif exc is not None and not isinstance(exc, OSError):
                     raise exc
         finally:
+            deadline.close()
             producer.cancel()
             watcher.cancel()
             await asyncio.gather(producer, watcher, return_exceptions=True)

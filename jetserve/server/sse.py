@@ -5,8 +5,8 @@ events generator, which merges the request's samples) beside a watcher that wait
 the client's disconnect; whichever ends first ends the response, and closing the
 generator cancels the requests, so their slots come free within one generate step.
 
-Slow readers: every send is bounded by the write timeout (one timer per stream). uvicorn's send waits while the
-connection's write buffer is over its high-water mark, i.e. while the client reads
+Slow readers: every send is bounded by the write timeout (one timer per stream).
+uvicorn's send waits while the connection's write buffer is over its high-water mark, i.e. while the client reads
 nothing; past the timeout the stream is given up, its requests are cancelled and the
 connection is aborted. Aborted, not closed: a close would wait, forever, to flush output
 the client never reads, keeping the socket and its buffers.

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -54,7 +55,7 @@ _TARGETS = (cpu_kernels.TARGET, cpu_kernels.ATTENTION_TARGET, cpu_kernels.ARGMAX
 _directory: str | None = None
 _lock = threading.Lock()
 # What this process did, for tests and the start-up line: hits, misses (exported), errors.
-stats = {"hits": 0, "exports": 0, "errors": 0}
+stats = {"hits": 0, "exports": 0, "errors": 0, "json_hits": 0, "json_writes": 0}
 
 
 def set_directory(compile_cache_dir: str | None) -> None:
@@ -137,6 +138,34 @@ def key(name: str, context: str, jit_kwargs: dict, args) -> str:
     return f"{name}-{h.hexdigest()[:40]}"
 
 
+def cached_json(name: str, context: str, compute, encode, decode):
+    """`compute()`, or its value from `<cache>/exported/` (stored as JSON by `encode`,
+    read back by `decode`) under a key of `name`, `context`, the sources and the
+    environment; with the cache off, `compute()`. A miss or an unreadable entry computes
+    and stores it."""
+    if _directory is None:
+        return compute()
+    path = os.path.join(_directory, key(name, context, {}, ()) + ".json")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = None
+    if text is not None:
+        try:
+            value = decode(json.loads(text))
+            stats["json_hits"] += 1
+            return value
+        except Exception as e:  # noqa: BLE001 -- a corrupt entry is a miss, never a crash
+            stats["errors"] += 1
+            log.warning("cached %s %s is unreadable (%s: %s); computing it again",
+                        name, path, type(e).__name__, e)
+    value = compute()
+    _write(path, json.dumps(encode(value)).encode())
+    stats["json_writes"] += 1
+    return value
+
+
 def _load(path: str) -> jax.export.Exported | None:
     try:
         with open(path, "rb") as f:
@@ -152,19 +181,20 @@ def _load(path: str) -> jax.export.Exported | None:
         return None
 
 
-def _save(path: str, exported: jax.export.Exported) -> None:
+def _write(path: str, data: bytes) -> None:
+    """Atomically: a temporary file in the directory, renamed into place."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(exported.serialize())
+                f.write(data)
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
             raise
     except OSError as e:
-        log.warning("cannot save exported program %s: %s", path, e)
+        log.warning("cannot save %s: %s", path, e)
 
 
 def _matches(exported: jax.export.Exported, args) -> bool:
@@ -216,7 +246,7 @@ class CachedJit:
         else:
             exported = jax.export.export(self._plain, disabled_checks=[
                 jax.export.DisabledSafetyCheck.custom_call(t) for t in _TARGETS])(*args)
-            _save(path, exported)
+            _write(path, exported.serialize())
             stats["exports"] += 1
         return jax.jit(exported.call, **self._jit_kwargs)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import checkpoint, kv_heads, layer_scan
+from engines import checkpoint, exported_programs, kv_heads, layer_scan
 from engines.config import ModelConfig
 from engines.model import Decoder
 from engines.quantization import KERNEL_INPUT_AXES, QVALUE, SCALE, quantize, quantize_params
@@ -66,9 +66,37 @@ def _init(model: Decoder, key) -> dict:
 
 def trace_params(model: Decoder) -> tuple[dict, dict]:
     """(abstract parameters, their logical axis names as PartitionSpecs), without
-    computing any parameter."""
-    boxed = jax.eval_shape(lambda: _init(model, jax.random.key(0)))
-    return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+    computing any parameter; a warm start reads them from the exported-program cache
+    (tracing the model's init costs a few tenths of a second)."""
+
+    def compute():
+        boxed = jax.eval_shape(lambda: _init(model, jax.random.key(0)))
+        return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+    return exported_programs.cached_json("params", repr(model), compute, _encode_trace,
+                                         _decode_trace)
+
+
+def _encode_trace(trace: tuple[dict, dict]) -> list:
+    def one(a, spec):
+        if isinstance(a, dict):
+            return {k: one(a[k], spec[k]) for k in a}
+        return {"shape": list(a.shape), "dtype": str(a.dtype),
+                "spec": [list(x) if isinstance(x, tuple) else x for x in spec]}
+
+    return one(*trace)
+
+
+def _decode_trace(tree) -> tuple[dict, dict]:
+    def split(t):
+        if "dtype" in t and isinstance(t["dtype"], str):
+            return (jax.ShapeDtypeStruct(tuple(t["shape"]), jnp.dtype(t["dtype"])),
+                    PartitionSpec(*(tuple(x) if isinstance(x, list) else x
+                                    for x in t["spec"])))
+        pairs = {k: split(v) for k, v in t.items()}
+        return {k: a for k, (a, _) in pairs.items()}, {k: p for k, (_, p) in pairs.items()}
+
+    return split(tree)
 
 
 def param_shardings(sharding: ShardingConfig, mesh: Mesh, logical: dict,

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engines import exported_programs
 from engines.config import ModelConfig
 from engines.kv_cache import Prefix, grow_prefix
 from engines.prefix_blocks import stack_size
@@ -51,16 +52,22 @@ class PrefillProgram:
         `empty` prefixes.
       draft_config: a draft model's (speculative "draft:PATH:K"), whose KV of the prompt
         the prefix carries too; None without one.
+      context: what the exported-program cache keys the prefill on besides its arguments;
+        None: not through that cache (plain jax.jit).
     """
 
     def __init__(self, fn: Callable, *, in_shardings, out_shardings,
                  bucket_for: Callable[[int], int], max_seq_len: int, config: ModelConfig,
-                 dtype, draft_config: ModelConfig | None = None):
-        self._copying = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
+                 dtype, draft_config: ModelConfig | None = None, context: str | None = None):
+        # Through the exported-program cache (engines/exported_programs.py) under `context`.
+        self._copying = exported_programs.cached_jit(
+            fn, name="prefill", context=context, in_shardings=in_shardings,
+            out_shardings=out_shardings)
         # Only the leaves the program reads are taken over (k, v, k_pos, tokens and a
         # draft model's k, v): jit leaves unread leaves of a donated argument alone.
-        self._donating = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                                 donate_argnums=(EXISTING_ARG,))
+        self._donating = exported_programs.cached_jit(
+            fn, name="prefill_donating", context=context, in_shardings=in_shardings,
+            out_shardings=out_shardings, donate_argnums=(EXISTING_ARG,))
         self._grow = jax.jit(grow_prefix, static_argnums=(1,))
         self._empty = jax.jit(functools.partial(empty_prefix, config, draft_config, dtype),
                               static_argnums=(0,), out_shardings=out_shardings[0])

@@ -18,7 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engines import cpu_kernels, device_functions, kv_heads, layer_scan, param_loading, quantization
+from engines import (
+    cpu_kernels,
+    device_functions,
+    exported_programs,
+    kv_heads,
+    layer_scan,
+    param_loading,
+    quantization,
+)
 from engines.backend import Backend, backend_for
 from engines.config import ModelConfig
 from engines.device_functions import PromptLogprobs, ScoreCache
@@ -216,6 +224,10 @@ class TransformerEngine(ParamViews, Engine):
         draft_model = self._draft.model if self._draft else None
         # With a draft model its parameters come last (self._draft_args()).
         draft_sh = (self._draft.param_shardings,) if self._draft else ()
+        # What the exported-program cache keys these programs on besides their arguments.
+        context = repr((type(self).__name__, self.model_config, self.config, self.dtype,
+                        self.backend, self.sharding, dict(self._mesh.shape), top_n,
+                        self._draft.model_config if self._draft else None))
         self._prefill = PrefillProgram(
             self._counted("prefill", laid_out(functools.partial(
                 device_functions.prefill, self.model, top_n, draft_model=draft_model))),
@@ -223,7 +235,7 @@ class TransformerEngine(ParamViews, Engine):
                           *draft_sh),
             out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
             max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
-            draft_config=self._draft.model_config if self._draft else None)
+            draft_config=self._draft.model_config if self._draft else None, context=context)
         self._prompt_logprobs_jit = jax.jit(
             self._counted("prompt_logprobs", laid_out(functools.partial(
                 device_functions.prompt_logprobs, self.model, top_n))),
@@ -242,16 +254,17 @@ class TransformerEngine(ParamViews, Engine):
             functools.partial(device_functions.empty_score_cache, c.num_layers, c.num_kv_heads,
                               c.head_dim, self.dtype),
             static_argnums=(0,), out_shardings=score_sh)
-        self._insert_jit = jax.jit(
-            self._counted("insert", insert_prefix), in_shardings=(prefix_sh, state_sh, r),
+        self._insert_jit = exported_programs.cached_jit(
+            self._counted("insert", insert_prefix), name="insert", context=context,
+            in_shardings=(prefix_sh, state_sh, r),
             out_shardings=state_sh, donate_argnums=(1,),
         )
         spec = self.config.spec
         gen = (functools.partial(generate_speculative, self.model, top_n, spec.k, draft_model)
                if spec.enabled else
                functools.partial(device_functions.generate, self.model, top_n))
-        self._generate_jit = jax.jit(
-            self._counted("generate", laid_out(gen)),
+        self._generate_jit = exported_programs.cached_jit(
+            self._counted("generate", laid_out(gen)), name="generate", context=context,
             in_shardings=(self.param_shardings, state_sh, r, *draft_sh),  # r: token_mask
             out_shardings=(state_sh, r),
             donate_argnums=(1,),

@@ -84,6 +84,9 @@ def enable(flag: str | None) -> str | None:
             print(f"jetserve: compile cache {path} is unusable ({e.strerror}); compiling "
                   f"without it (set --compile-cache DIR or {ENV})", file=sys.stderr)
             path = None
+    from engines import exported_programs  # traced programs, next to the compiled ones
+
+    exported_programs.set_directory(path)
     if path is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -14,3 +16,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jetserve-test-jax-cache
 os.environ.setdefault("JETSERVE_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+@pytest.fixture(autouse=True)
+def _no_exported_program_cache_after_a_test():
+    """A test that runs a command in-process turns the exported-program cache on for the
+    process (jetserve/compile_cache.enable): off again after it, so a later test's engine
+    traces its programs (trace counts) rather than loading an earlier test's."""
+    yield
+    from engines import exported_programs
+
+    exported_programs.set_directory(None)

@@ -73,6 +73,8 @@ def test_a_restart_on_a_warm_cache_compiles_nothing_new(tmp_path):
     assert hits2 == programs2 == programs  # every program read back, none compiled
     # Torn entries (a writer killed mid-way, or another jax's files) are misses, not errors.
     for name in entries:
+        if name == "exported":  # the traced programs (tests/jetserve/test_exported_programs.py)
+            continue
         with open(os.path.join(cache, name), "r+b") as f:
             f.truncate(max(1, os.path.getsize(f.name) // 2))
     torn, _, hits3 = _generate("--compile-cache", cache)

@@ -39,6 +39,7 @@ import tempfile
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from engines import cpu_kernels
@@ -248,7 +249,25 @@ class CachedJit:
                 jax.export.DisabledSafetyCheck.custom_call(t) for t in _TARGETS])(*args)
             _write(path, exported.serialize())
             stats["exports"] += 1
-        return jax.jit(exported.call, **self._jit_kwargs)
+        return jax.jit(_reading_kept_only(exported), **self._jit_kwargs)
+
+
+def _reading_kept_only(exported: jax.export.Exported):
+    """`exported.call` that reads only the leaves its module keeps. `exported.call` takes
+    every leaf as an operand, so a leaf the program never reads would count as read: a
+    donated argument's unread leaves would be donated (jit of the function itself leaves
+    them alone), and a buffer passed both there and elsewhere fails to execute ("donate a
+    buffer which is also used by the same call"). Unread leaves become zeros of their
+    shape inside the trace, which the module drops."""
+    kept = frozenset(exported.module_kept_var_idx)
+
+    def call(*args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        leaves = [x if i in kept else jnp.zeros(a.shape, a.dtype)
+                  for i, (x, a) in enumerate(zip(leaves, exported.in_avals, strict=True))]
+        return exported.call(*jax.tree_util.tree_unflatten(tree, leaves))
+
+    return call
 
 
 def cached_jit(fn, *, name: str, context: str | None, **jit_kwargs):

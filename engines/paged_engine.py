@@ -16,7 +16,8 @@ ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
 
 `mixed_step` runs decode rows and chunks of prompts as one ragged step over the pages
 (engines/mixed_step.py documents the call): one program per token bucket
-(`mixed_token_buckets`) and page-table width.
+(`mixed_token_buckets`) and page-table width, and for decode rows alone generate's
+program masked to the rows (`_decode_rows_paged`), one per width.
 
 With speculative decoding (`EngineConfig.speculative`) generate is the verify step of
 engines/speculative.py over the gathered pages (never the TPU kernel, which takes one

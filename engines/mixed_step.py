@@ -24,7 +24,9 @@ Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
     past that token, prompt mask, token counts), so generate and mixed steps continue it
     alike.
   - Compiles once per (token bucket, page-table width): `engine.mixed_token_buckets` x
-    the planner's widths (trace counts under "mixed").
+    the planner's widths (trace counts under "mixed"). A step of decode rows alone (no
+    chunk) runs the paged generate step's program instead, masked to its rows (one per
+    width, also counted under "mixed"; warm-up's bucket 0).
   - Not with speculative decoding, a draft model, or token masks (structured output):
     those are refused by the engine.
 

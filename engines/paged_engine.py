@@ -16,7 +16,8 @@ ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
 
 `mixed_step` runs decode rows and chunks of prompts as one ragged step over the pages
 (engines/mixed_step.py documents the call): one program per token bucket
-(`mixed_token_buckets`) and page-table width.
+(`mixed_token_buckets`) and page-table width, and for decode rows alone generate's
+program masked to the rows (`_decode_rows_paged`), one per width.
 
 With speculative decoding (`EngineConfig.speculative`) generate is the verify step of
 engines/speculative.py over the gathered pages (never the TPU kernel, which takes one
@@ -76,6 +77,24 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
     slot, results = step_slot_fields(state, logits, valid, top_n, model.backend.cpu_kernels,
                                      token_mask, pause=True)
     return PagedDecodeState(k=tuple(kv.k), v=tuple(kv.v), **slot), results
+
+
+def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
+                       state: PagedDecodeState, table, rows):
+    """The mixed step of decode rows alone (rows bool[B]: the slots in a decode row): the
+    generate step over those slots, the same program and attention generate takes; the
+    slots in no row (their lengths read as full) are left bit-identical."""
+    S = max_seq_len
+    lengths = jnp.where(rows, state.lengths, S)
+    new, results = _generate_paged(model, top_n, S, impl, params,
+                                   dataclasses.replace(state, lengths=lengths), table)
+    ran = lengths < S
+    keep = lambda new_f, old_f: jnp.where(  # noqa: E731
+        ran.reshape((-1,) + (1,) * (old_f.ndim - 1)), new_f, old_f)
+    return dataclasses.replace(
+        new, lengths=keep(new.lengths, state.lengths), tokens=keep(new.tokens, state.tokens),
+        sampling=dataclasses.replace(new.sampling, key=keep(new.sampling.key,
+                                                            state.sampling.key))), results
 
 
 def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
@@ -175,6 +194,14 @@ class PagedTransformerEngine(TransformerEngine):
             in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+        # A step of decode rows alone: one program per width, counted with the mixed ones.
+        self._decode_rows_jit = jax.jit(
+            self._counted("mixed", laid_out(functools.partial(
+                _decode_rows_paged, self.model, top_n, self.config.max_seq_len,
+                self.attention_impl))),
+            in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
+            donate_argnums=(1,),
+        )
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -235,6 +262,12 @@ class PagedTransformerEngine(TransformerEngine):
         if table.ndim != 2 or table.shape[0] != g.slots or not 1 <= table.shape[1] <= max_w:
             raise ValueError(f"page_table must be i32[{g.slots}, W] with 1 <= W <= {max_w}, "
                              f"got shape {table.shape}")
+        if all(r.decode for r in rows):  # no chunk: the generate step's program
+            pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
+                      buckets=self.mixed_token_buckets)  # the same checks of the rows
+            live = np.zeros((g.slots,), bool)
+            live[[r.slot for r in rows]] = True
+            return self._decode_rows_jit(self._in_layout(params), decode_state, table, live)
         inputs = pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
                            buckets=self.mixed_token_buckets)
         return self._mixed_jit(self._in_layout(params), decode_state, table, inputs)

@@ -250,15 +250,18 @@ class MixedWorker(GenerateWorker):
 
     def warm_shapes(self) -> list[tuple[int, int]]:
         """Every (token bucket, page-table width) a step can take: the buckets up to the
-        first that holds the budget, by every width the page planner gives."""
+        first that holds the budget, by every width the page planner gives; bucket 0 is
+        the step of decode rows alone (the generate step's program, one per width)."""
         buckets = self.engine.mixed_token_buckets
         top = next((b for b in buckets if b >= self.budget), buckets[-1])
-        return [(T, W) for T in buckets if T <= top for W in self.engine.generate_widths()]
+        return [(T, W) for T in (0, *buckets) if T <= top
+                for W in self.engine.generate_widths()]
 
     def warm(self, tokens: int, width: int) -> None:
         """Compiles the step of `tokens` tokens and `width` pages (run it through `call`):
         chunks of throwaway tokens in free slots whose table is all trash, so no page is
-        written and the slots stay free (a chunk that does not end leaves them not live)."""
+        written and the slots stay free (a chunk that does not end leaves them not live);
+        tokens 0: a step of no rows, which compiles the decode-rows program."""
         g = self.engine.page_geometry
         table = np.full((g.slots, width), g.trash, np.int32)
         rows, left = [], tokens

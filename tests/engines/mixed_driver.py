@@ -34,7 +34,11 @@ class MixedRun:
     mixed_steps: int  # steps with both decode rows and a chunk
 
 
-def _bucket(engine, tokens: int) -> int:
+def _bucket(engine, rows) -> int:
+    """The step's token bucket; 0 for decode rows alone (the generate step's program)."""
+    if all(r.decode for r in rows):
+        return 0
+    tokens = sum(len(r.chunk) or 1 for r in rows)
     return min(b for b in engine.mixed_token_buckets if b >= tokens)
 
 
@@ -84,8 +88,7 @@ def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: i
                 q.pages.append(page)
         width = max_pages if widest else width_bucket(
             max(len(q.pages) for q in slots.values()), max_pages)
-        tokens = sum(max(len(r.chunk), 1) for r in rows)
-        run.shapes.add((_bucket(engine, tokens), width))
+        run.shapes.add((_bucket(engine, rows), width))
         run.mixed_steps += any(r.decode for r in rows) and any(r.chunk for r in rows)
         state, res = engine.mixed_step(params, state, table[:, :width].copy(), rows)
         host = res.to_host()

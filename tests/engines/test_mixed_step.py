@@ -66,12 +66,13 @@ def test_programs_are_a_fixed_small_set():
         shapes |= run_mixed(eng, params, PROMPTS, max_tokens=MAX_TOKENS, chunk=chunk,
                             budget=budget).shapes
     traced = eng.trace_counts()["mixed"]
-    allowed = {(b, w) for b in eng.mixed_token_buckets
+    allowed = {(b, w) for b in (0, *eng.mixed_token_buckets)  # 0: decode rows alone
                for w in width_buckets(SHAPES["max_seq_len"] // SHAPES["page_size"])}
     assert shapes <= allowed
     assert eng.mixed_token_buckets == token_buckets(16 + 3) == (8, 16, 24)
     # Every shape of those many steps compiled once.
     assert traced - before == len(shapes) >= 6
+    assert any(b == 0 for b, _ in shapes) and any(b > 0 for b, _ in shapes)
     run_mixed(eng, params, PROMPTS, max_tokens=MAX_TOKENS, chunk=5, budget=7)
     assert eng.trace_counts()["mixed"] == traced  # nothing new
 

@@ -11,9 +11,11 @@ import sys
 # Top-level packages `jetserve generate` never needs: the gRPC and HTTP servers and their
 # metrics, the parity and test tooling, the grammar engine (constrained requests only), and
 # orbax (the bundled model's checkpoint is read with tensorstore, engines/ocdbt_reader.py).
+# Not scipy: calling a cached exported program on the CPU makes jax initialize its LAPACK
+# kernels, which come from scipy (about 0.06 s; engines/exported_programs.py).
 NOT_FOR_GENERATE = ("grpc", "grpc_health", "grpc_reflection", "fastapi", "starlette",
                     "uvicorn", "prometheus_client", "torch", "transformers", "safetensors",
-                    "tokenizers", "scipy", "matplotlib", "httpx", "openai", "peft",
+                    "tokenizers", "matplotlib", "httpx", "openai", "peft",
                     "llguidance", "orbax")
 
 # Runs its argument (a statement), then prints the modules loaded, as JSON.

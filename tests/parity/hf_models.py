@@ -51,3 +51,14 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
+
+
+def hf_greedy(model, prompt, steps: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` (token ids), `steps` tokens, past any
+    end-of-sequence token (as ignore_eos)."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()

@@ -13,21 +13,14 @@ the page pools stacked (EngineConfig.layers, engines/layer_scan.py).
 
 import numpy as np
 import pytest
-import torch
 
 from engines import EngineConfig, create_engine, load_hf_config
 from tests.engines.mixed_driver import run_mixed
+from tests.parity.hf_models import hf_greedy
 
 FAMILIES = ("llama3", "mistral", "gemma")
 PROMPT_LENGTHS = (30, 7, 19, 12, 25)
 MAX_TOKENS = 10
-
-
-def _hf_greedy(model, prompt, steps):
-    model.generation_config.eos_token_id = None  # as ignore_eos
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("layers", ["loop", "scan"])
@@ -44,4 +37,4 @@ def test_mixed_steps_equal_transformers(hf_dirs, family, layers):
     run = run_mixed(eng, params, prompts, max_tokens=MAX_TOKENS, chunk=6, budget=9,
                     widest=True)
     assert run.mixed_steps >= 5
-    assert run.outputs == [_hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    assert run.outputs == [hf_greedy(model, p, MAX_TOKENS) for p in prompts]

@@ -15,8 +15,8 @@ from engines import EngineConfig, create_engine, load_hf_config
 from engines.kv_cache import PrefillKV
 from jetserve.offline import generate_many
 from sharding import load_preset
-from tests.parity.hf_models import make_hf_model
-from tests.parity.test_transformers_parity import _hf_greedy, _rel_err
+from tests.parity.hf_models import hf_greedy, make_hf_model
+from tests.parity.test_transformers_parity import _rel_err
 
 EXPERTS, TOP_K, STEPS = 8, 2, 24
 PROMPT_LENGTHS = (45, 9, 30)
@@ -57,4 +57,4 @@ def test_greedy_tokens_match_transformers(mixtral8, preset, n):
     results = generate_many(eng, eng.load_params(), prompts, max_tokens=STEPS,
                             ignore_eos=True)
     for p, r in zip(prompts, results, strict=True):
-        assert r.token_ids == _hf_greedy(model, p, STEPS)
+        assert r.token_ids == hf_greedy(model, p, STEPS)

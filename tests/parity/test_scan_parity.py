@@ -14,8 +14,8 @@ from engines import EngineConfig, create_engine, load_hf_config
 from engines.kv_cache import PrefillKV
 from jetserve.offline import generate_many
 from jetserve.scheduling.page_planner import PagePlanner
-from tests.parity.hf_models import FAMILIES
-from tests.parity.test_transformers_parity import _hf_greedy, _prompts, _rel_err
+from tests.parity.hf_models import FAMILIES, hf_greedy
+from tests.parity.test_transformers_parity import _prompts, _rel_err
 
 STEPS = 16
 
@@ -47,7 +47,7 @@ def test_scanned_greedy_tokens_and_logprobs_match(family):
     prompts = _prompts()
     results = generate_many(eng, params, prompts, max_tokens=STEPS, ignore_eos=True)
     for p, r in zip(prompts, results, strict=True):
-        assert r.token_ids == _hf_greedy(model, p, STEPS), name
+        assert r.token_ids == hf_greedy(model, p, STEPS), name
     p, r = prompts[2], results[2]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
@@ -67,5 +67,5 @@ def test_paged_scanned_greedy_tokens_match(hf_dirs, name):
     prompts = _prompts()
     results = generate_many(eng, eng.load_params(), prompts, max_tokens=STEPS, ignore_eos=True)
     for p, r in zip(prompts, results, strict=True):
-        assert r.token_ids == _hf_greedy(model, p, STEPS), name
+        assert r.token_ids == hf_greedy(model, p, STEPS), name
     assert eng.kv_pages.free_count == eng.kv_pages.pool.num_pages

@@ -7,12 +7,11 @@ the same vocabulary on every family, the target itself on two)."""
 import jax
 import numpy as np
 import pytest
-import torch
 
 from engines import EngineConfig, ModelConfig, create_engine, load_hf_config
 from jetserve.orchestrator import Orchestrator, Request
 from jetserve.scheduling.page_planner import with_pages
-from tests.parity.hf_models import FAMILIES
+from tests.parity.hf_models import FAMILIES, hf_greedy
 
 MAX_TOKENS = (28, 9, 20, 33, 14, 24)
 
@@ -25,13 +24,6 @@ def _prompts(seed=0):
         piece = rng.integers(3, 128, n).tolist()
         out.append(piece * (2 + i % 3) + rng.integers(3, 128, 3 + i).tolist())
     return out
-
-
-def _hf_greedy(model, prompt, steps):
-    model.generation_config.eos_token_id = None  # as ignore_eos
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 def _check(hf_dirs, name, speculative="ngram:3", draft=None, **layout):
@@ -52,7 +44,7 @@ def _check(hf_dirs, name, speculative="ngram:3", draft=None, **layout):
         results = [h.result(600) for h in handles]
         stats = orch.stats()["generate"][0]
     for p, n, r in zip(prompts, MAX_TOKENS, results, strict=True):
-        assert r.token_ids == _hf_greedy(model, p, n), name
+        assert r.token_ids == hf_greedy(model, p, n), name
     # Drafts were kept (a tiny random model's greedy text repeats itself; some families'
     # repeat one token, and then every draft is right).
     assert 0 < stats["accepted"] <= stats["drafted"] or draft is not None

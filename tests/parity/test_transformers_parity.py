@@ -17,7 +17,7 @@ from engines import EngineConfig, create_engine, load_hf_config
 from engines.kv_cache import DecodeKV, PrefillKV
 from jetserve import cli
 from jetserve.offline import generate_many
-from tests.parity.hf_models import FAMILIES
+from tests.parity.hf_models import FAMILIES, hf_greedy
 
 STEPS = 32
 PROMPT_LENGTHS = (40, 7, 23, 33, 12)  # five prompts, four slots: the last joins later
@@ -32,13 +32,6 @@ def _engine(model_dir, slots=4):
 def _prompts(seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
-
-
-def _hf_greedy(model, prompt, steps):
-    model.generation_config.eos_token_id = None  # as --ignore-eos
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 def _rel_err(a, b):
@@ -56,7 +49,7 @@ def test_prefill_and_decode_logits_match(family):
     name, d, model, eng, params = family
     prompt = _prompts()[0]
     with torch.no_grad():
-        ref_tokens = _hf_greedy(model, prompt, 6)
+        ref_tokens = hf_greedy(model, prompt, 6)
         ref = model(torch.tensor([prompt + ref_tokens])).logits[0].numpy()
     T = len(prompt)
     tokens = jnp.asarray([prompt], jnp.int32)
@@ -80,7 +73,7 @@ def test_greedy_tokens_match_transformers_generate(family):
     prompts = _prompts()
     results = generate_many(eng, params, prompts, max_tokens=STEPS, ignore_eos=True)
     for p, r in zip(prompts, results, strict=True):
-        assert r.token_ids == _hf_greedy(model, p, STEPS), name
+        assert r.token_ids == hf_greedy(model, p, STEPS), name
 
 
 def test_decode_logprobs_match_transformers(family):
@@ -116,7 +109,7 @@ def test_cli_generate_gives_the_same_tokens(family, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [r["prompt_ids"] for r in rows] == prompts
     for p, row in zip(prompts, rows, strict=True):
-        assert row["token_ids"] == _hf_greedy(model, p, STEPS), name
+        assert row["token_ids"] == hf_greedy(model, p, STEPS), name
         assert row["finish_reason"] == "length"
 
 
@@ -133,7 +126,7 @@ def test_cpu_kernels_match_transformers(hf_dirs, family):
     prompts = _prompts()
     results = generate_many(eng, params, prompts, max_tokens=STEPS, ignore_eos=True)
     for p, r in zip(prompts, results, strict=True):
-        assert r.token_ids == _hf_greedy(model, p, STEPS)
+        assert r.token_ids == hf_greedy(model, p, STEPS)
     p, r = prompts[2], results[2]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)

@@ -61,6 +61,40 @@ def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, samp
     return prefix, res
 
 
+def prefill_rows(model: Decoder, top_n: int, params, tokens, true_lengths, sampling,
+                 token_mask):
+    """Several whole prompts in one call, one row each: tokens i32[R, T] (padded),
+    true_lengths i32[R], sampling R rows, token_mask i32[R, W]. The weights are read once
+    for every row, which is what a prompt short enough to be bound by that read gains.
+    Returns (R prefixes, each what `prefill` makes of its row alone; ResultTokens of R
+    rows): the same KV, first token and advanced key as R calls of `prefill`."""
+    R, T = tokens.shape
+    idx = jnp.arange(T)[None, :]
+    positions = jnp.broadcast_to(idx, (R, T))
+    new_k_pos = jnp.where(idx < true_lengths[:, None], positions, -1)
+    kv = PrefillKV(new_k_pos, None, 0)
+    logits = model.apply({"params": params}, tokens, positions, kv,
+                         last=true_lengths - 1)[:, 0]  # (R, V)
+    V = logits.shape[-1]
+    rows = jnp.broadcast_to(jnp.arange(R)[:, None], (R, T))
+    seen = jnp.zeros((R, V), jnp.int32).at[rows, tokens].max((new_k_pos >= 0).astype(jnp.int32))
+    mask = seen > 0
+    tok, next_key = sample(logits, sampling, mask, jnp.zeros((R, V), jnp.int32),
+                           token_mask=token_mask)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
+    advanced = dataclasses.replace(sampling, key=next_key)
+
+    def row(i: int) -> Prefix:  # row i, keeping the prefix's batch axis of one
+        one = lambda x: x[i:i + 1]  # noqa: E731
+        return Prefix(k=tuple(map(one, kv.k)), v=tuple(map(one, kv.v)), k_pos=one(new_k_pos),
+                      tokens=one(tokens), length=true_lengths[i], token=tok[i],
+                      sampling=jax.tree.map(one, advanced), prompt_mask=one(mask))
+
+    prefixes = tuple(row(i) for i in range(R))
+    res = pack_results(tok, jnp.ones((R,), bool), true_lengths + 1, lp, top_ids, top_lp)
+    return prefixes, res
+
+
 def prompt_logprobs(model: Decoder, top_n: int, params, tokens, true_length):
     """Log-probs of each prompt token given the ones before it (echo / scoring)."""
     T = tokens.shape[1]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
@@ -223,6 +224,26 @@ class Engine(abc.ABC):
         requests share (the prefix cache's) is never donated.
         The transformer engines also take `token_mask=` (i32[1, W], engines/token_mask.py):
         the tokens the first one may be (structured output)."""
+
+    def prefill_rows(self, params: Any, prompts: Sequence[np.ndarray], *,
+                     samplings: Sequence[Any], seeds: Sequence[int | None] | None = None
+                     ) -> tuple[list[Any], ResultTokens]:
+        """Several fresh, whole prompts in one call (no existing prefix, no token mask):
+        one Prefix per prompt, each as `prefill` makes it alone, and ResultTokens with a row
+        per prompt. Takes as many prompts as `prefill_rows_for` says; engines that take
+        one prompt per call (`prefill_row_shapes()` empty) do not implement it."""
+        raise NotImplementedError(f"{type(self).__name__} prefills one prompt per call")
+
+    def prefill_row_shapes(self) -> list[tuple[int, int]]:
+        """Every (prompts, bucket) a `prefill_rows` call compiles; empty: one prompt per
+        prefill call."""
+        return []
+
+    def prefill_rows_for(self, waiting: int, longest: int) -> int:
+        """How many of `waiting` prompts, the longest `longest` tokens, one `prefill_rows`
+        call takes (1: a plain `prefill`)."""
+        del waiting, longest
+        return 1
 
     def empty_prefix(self, length: int) -> Any | None:
         """A prefix holding nothing, with room for a `length`-token prompt, for a chunk

@@ -99,6 +99,10 @@ class EngineConfig:
     # "auto": scan on accelerators and on a CPU running the CPU kernels, loop elsewhere
     # on the CPU and with LoRA (engines/layer_scan.py use_scan); either KV layout.
     layers: str = "auto"
+    # The most whole prompts one prefill call takes (engines/prefill_program.py
+    # PrefillRows): 1 is one prompt per call; N > 1 compiles calls of 2, 4, .. N prompts
+    # per prefill bucket (at most max_prefill_length tokens a call).
+    prefill_batch: int = 1
 
     def __post_init__(self):
         _check_kv_layout(self)
@@ -127,6 +131,7 @@ class EngineConfig:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         parse_speculative(self.speculative)
         _check_lora(self)
+        _check_prefill_batch(self)
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
         if self.layers == "scan" and self.max_loras:
@@ -146,6 +151,20 @@ def _check_lora(c: EngineConfig) -> None:
     if c.max_loras and c.kv_layout != "contiguous":  # TODO(#23): adapters with paged KV
         raise ValueError(f"max_loras={c.max_loras}: LoRA adapters are served with kv_layout "
                          f"'contiguous' only, for now, not {c.kv_layout!r}")
+
+
+def _check_prefill_batch(c: EngineConfig) -> None:
+    n = c.prefill_batch
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"prefill_batch (--prefill-batch) must be a positive integer, "
+                         f"got {n!r}")
+    if n > 1 and c.max_loras:
+        raise ValueError(f"prefill_batch={n}: several prompts per prefill call do not take "
+                         f"LoRA adapters (max_loras={c.max_loras}) yet; give prefill_batch 1")
+    if n > 1 and c.spec.kind == "draft":
+        raise ValueError(f"prefill_batch={n}: several prompts per prefill call do not carry "
+                         f"a draft model's KV (speculative {c.speculative!r}); give "
+                         f"prefill_batch 1")
 
 
 def _check_kv_layout(c: EngineConfig) -> None:

@@ -165,3 +165,92 @@ def empty_prefix(config: ModelConfig, draft_config: ModelConfig | None, dtype,
                   tokens=jnp.zeros((1, capacity), jnp.int32), length=jnp.zeros((), jnp.int32),
                   token=jnp.zeros((), jnp.int32), sampling=SlotSampling.empty(1),
                   prompt_mask=jnp.zeros((1, config.vocab_size), bool))
+
+
+class PrefillRows:
+    """Several whole prompts in one prefill call (device_functions.prefill_rows), for
+    prompts short enough that one call's cost is mostly reading the weights: R prompts
+    then cost about what one does.
+
+    Shapes: R rows, a power of two from 2 to `max_rows`, of a prefill bucket T, where
+    R * T <= max_prefill_length (a call runs no more tokens than one prefill of the
+    longest prompt, so its activations are bounded alike); one program per shape (`shapes`,
+    which the warm-up compiles), counted with prefill's. Fresh prompts only: no existing
+    prefix, no token mask, no draft model.
+
+    Args:
+      fn: device_functions.prefill_rows with its model bound.
+      param_shardings, sampling_sharding, prefix_sharding, replicated: the engine's.
+      buckets: the engine's prefill buckets, ascending (the last is max_prefill_length).
+      max_rows: the most prompts one call takes (EngineConfig.prefill_batch).
+      vocab_size: for the all-allowing token mask.
+    """
+
+    def __init__(self, fn: Callable, *, param_shardings, sampling_sharding, prefix_sharding,
+                 replicated, buckets: tuple[int, ...], max_rows: int, vocab_size: int):
+        self._fn = fn
+        self._in = (param_shardings, replicated, replicated, sampling_sharding, replicated)
+        self._prefix_sharding, self._replicated = prefix_sharding, replicated
+        self._buckets = buckets
+        self._vocab_size = vocab_size
+        self.row_counts = tuple(1 << i for i in range(1, max_rows.bit_length())
+                                if 1 << i <= max_rows)
+        self._jits: dict[int, Callable] = {}
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, bucket) a call may take."""
+        limit = self._buckets[-1]
+        return [(r, b) for b in self._buckets for r in self.row_counts if r * b <= limit]
+
+    def rows_for(self, waiting: int, longest: int) -> int:
+        """How many of `waiting` prompts (the longest `longest` tokens) one call takes: all
+        of them when a shape for their bucket holds them with at most a quarter of its rows
+        padding, else the most a shape holds without padding; 1 when no shape fits."""
+        bucket = next((b for b in self._buckets if longest <= b), None)
+        counts = [r for r, b in self.shapes() if b == bucket]
+        if any(waiting <= r and 4 * (r - waiting) <= r for r in counts):
+            return waiting
+        return max((r for r in counts if r <= waiting), default=1)
+
+    def __call__(self, params, prompts, samplings, seeds):
+        """(R prefixes, ResultTokens whose first R rows are theirs) for R prompts (host
+        token arrays) with their SamplingParams and seeds (None: the params' seed, else a
+        random one); the call runs the smallest row count >= R, padding rows of one token."""
+        R = len(prompts)
+        rows = next((r for r in self.row_counts if R <= r), None)
+        if R < 2 or rows is None:
+            raise ValueError(f"a prefill of several prompts takes 2 to {self.row_counts[-1]} "
+                             f"prompts, got {R}")
+        if not len(samplings) == len(seeds) == R:
+            raise ValueError(f"{R} prompts need {R} samplings and seeds, got "
+                             f"{len(samplings)} and {len(seeds)}")
+        arrays = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        longest = max(a.shape[0] for a in arrays)
+        if min(a.shape[0] for a in arrays) < 1:
+            raise ValueError("a prompt of a prefill of several prompts is empty")
+        bucket = next((b for b in self._buckets if longest <= b), None)
+        if bucket is None or rows * bucket > self._buckets[-1]:
+            raise ValueError(f"{R} prompts of up to {longest} tokens (bucket {bucket}) exceed "
+                             f"the {self._buckets[-1]} tokens one prefill call runs")
+        padded = np.zeros((rows, bucket), np.int32)
+        for i, a in enumerate(arrays):
+            padded[i, : a.shape[0]] = a
+        lengths = np.ones((rows,), np.int32)  # padding rows: one token
+        lengths[:R] = [a.shape[0] for a in arrays]
+        per_row = []
+        for s, seed in zip([*samplings, *[None] * (rows - R)], [*seeds, *[0] * (rows - R)],
+                           strict=True):
+            s = s or SamplingParams()
+            if seed is None:
+                seed = s.seed if s.seed is not None else secrets.randbits(31)
+            per_row.append(SlotSampling.from_params(s, seed))
+        sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *per_row)
+        prefixes, res = self._jit(rows)(params, padded, lengths, sampling,
+                                        allow_all(rows, self._vocab_size))
+        return list(prefixes[:R]), res
+
+    def _jit(self, rows: int) -> Callable:
+        if rows not in self._jits:
+            self._jits[rows] = jax.jit(self._fn, in_shardings=self._in, out_shardings=(
+                (self._prefix_sharding,) * rows, self._replicated))
+        return self._jits[rows]

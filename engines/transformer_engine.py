@@ -35,7 +35,7 @@ from engines.engine_config import EngineConfig, resolve_dtype
 from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, insert_prefix
 from engines.model import Decoder
 from engines.param_layout import InLayout, ParamViews
-from engines.prefill_program import PrefillProgram
+from engines.prefill_program import PrefillProgram, PrefillRows
 from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
 from engines.prompt_scoring import score_in_chunks
 from engines.sampling import SamplingParams, SlotSampling
@@ -236,6 +236,12 @@ class TransformerEngine(ParamViews, Engine):
             out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
             max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
             draft_config=self._draft.model_config if self._draft else None, context=context)
+        self._prefill_rows = PrefillRows(
+            self._counted("prefill", laid_out(functools.partial(
+                device_functions.prefill_rows, self.model, top_n))),
+            param_shardings=self.param_shardings, sampling_sharding=prefix_sh.sampling,
+            prefix_sharding=prefix_sh, replicated=r, buckets=self.prefill_buckets(),
+            max_rows=self.config.prefill_batch, vocab_size=self.model_config.vocab_size)
         self._prompt_logprobs_jit = jax.jit(
             self._counted("prompt_logprobs", laid_out(functools.partial(
                 device_functions.prompt_logprobs, self.model, top_n))),
@@ -338,6 +344,17 @@ class TransformerEngine(ParamViews, Engine):
         return self._prefill(self._in_layout(params), tokens, true_length, sampling=sampling,
                              existing_prefix=existing_prefix, seed=seed, donate=donate,
                              token_mask=token_mask, extra=self._draft_args())
+
+    def prefill_rows(self, params, prompts, *, samplings, seeds=None):
+        """Several whole prompts in one call (see Engine.prefill_rows)."""
+        seeds = [None] * len(prompts) if seeds is None else seeds
+        return self._prefill_rows(self._in_layout(params), prompts, samplings, seeds)
+
+    def prefill_row_shapes(self) -> list[tuple[int, int]]:
+        return self._prefill_rows.shapes()
+
+    def prefill_rows_for(self, waiting: int, longest: int) -> int:
+        return self._prefill_rows.rows_for(waiting, longest)
 
     def lower_prefill(self, params, tokens, true_length, *,
                       existing_prefix: Prefix | None = None,

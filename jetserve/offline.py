@@ -2,7 +2,9 @@
 across several processes (which must dispatch identical steps, so no threads).
 
 Prompts wait in order; whenever a slot is free the next prompt is prefilled (in chunks of
-max_prefill_length when longer) and inserted, so prompts join the batch at different steps. On a paged engine a prompt also waits until
+max_prefill_length when longer) and inserted, so prompts join the batch at different steps;
+prompts admitted together share prefill calls where the engine takes several a call
+(--prefill-batch). On a paged engine a prompt also waits until
 the pages its whole sequence may take (prompt + token budget) are not promised to the
 running ones (`KVCacheManager.reserve`), so a step never runs out of pages. Tokens are
 taken and requests finished by the read-back path the orchestrators use (readback.py);
@@ -117,16 +119,13 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
     waiting = deque(lives)
     state = engine.init_decode_state()
     while waiting or sched.slots.in_use:
-        while (waiting and sched.slots.has_free
+        admitted: list[LiveRequest] = []  # one per free slot, while their pages fit
+        while (waiting and len(admitted) < sched.slots.free_count
                and sched.kv.reserve(waiting[0], len(waiting[0].request.prompt_ids)
                                     + waiting[0].budget)):
-            live = waiting.popleft()
-            prompt = list(live.request.prompt_ids)
-            t0 = time.monotonic()
-            prefix, first = prefill_chunked(engine, params, prompt, live.request.sampling,
-                                            **first_mask(live),
-                                            **live.request.prefill_kwargs())
-            if readback.first_token(live, first, t0, len(prompt)):
+            admitted.append(waiting.popleft())
+        for live, prefix, first, row, t0 in _prefill_all(engine, params, admitted):
+            if readback.first_token(live, first, t0, len(live.request.prompt_ids), row=row):
                 sched.kv.unreserve(live)
                 continue
             state = engine.insert(prefix, state, sched.assign(live))
@@ -143,6 +142,39 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
                 sched.release(slot)
                 engine.free_slot(slot)
                 sched.kv.unreserve(live)
+
+
+def _prefill_all(engine: Engine, params, lives: list[LiveRequest]):
+    """(request, prefix, first-token results, its row there, start time) of each request,
+    in order: whole prompts of no grammar or adapter share prefill calls as the engine
+    takes them (`prefill_rows_for`, --prefill-batch), the rest are prefilled alone."""
+    i = 0
+    while i < len(lives):
+        run = 0  # how many requests from i on could share a call
+        while (i + run < len(lives) and _may_share(engine, lives[i + run])):
+            run += 1
+        n = engine.prefill_rows_for(run, max(len(x.request.prompt_ids)
+                                             for x in lives[i:i + run])) if run > 1 else 1
+        t0 = time.monotonic()
+        if n > 1:
+            group = lives[i:i + n]
+            prefixes, first = engine.prefill_rows(
+                params, [list(x.request.prompt_ids) for x in group],
+                samplings=[x.request.sampling for x in group])
+            for row, (live, prefix) in enumerate(zip(group, prefixes, strict=True)):
+                yield live, prefix, first, row, t0
+        else:
+            live = lives[i]
+            prefix, first = prefill_chunked(engine, params, list(live.request.prompt_ids),
+                                            live.request.sampling, **first_mask(live),
+                                            **live.request.prefill_kwargs())
+            yield live, prefix, first, 0, t0
+        i += n
+
+
+def _may_share(engine: Engine, live: LiveRequest) -> bool:
+    return (live.grammar is None and not live.request.prefill_kwargs()
+            and len(live.request.prompt_ids) <= engine.max_prefill_length)
 
 
 def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams,

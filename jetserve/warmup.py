@@ -6,7 +6,8 @@ engine scores prompts), insert, and generate (which is the verify step under spe
 decoding). A paged KV cache compiles one generate per gather width (pages): more steps,
 with prompts just past each width's half, cover the widths a prompt can reach; wider ones
 (sequences that grew past the longest prompt) still compile when first needed. The first
-step's prompt is one token, so the narrowest width is compiled too. Programs read from the persistent compile cache
+step's prompt is one token, so the narrowest width is compiled too. Where a prefill call
+takes several prompts (--prefill-batch), one step per (prompts, bucket) shape runs it. Programs read from the persistent compile cache
 (jetserve/compile_cache.py) count apart.
 
 Concurrency: `run` blocks its caller (`jetserve serve` runs it on a thread of its own
@@ -31,6 +32,7 @@ class Step:
     prompt_len: int
     score: bool  # also score the prompt (prompt log-probs; one pass up to max_prefill_length)
     shape: tuple[int, int] | None = None  # a mixed step's (tokens, pages), run alone
+    rows: tuple[int, int] | None = None  # a prefill call's (prompts, bucket), run alone
 
 
 def plan(orch: Any) -> list[Step]:
@@ -48,6 +50,8 @@ def plan(orch: Any) -> list[Step]:
         n = 1 if i == 0 else min(b, longest)
         if n not in {s.prompt_len for s in steps}:
             steps.append(Step(f"prompt bucket {b}", n, scores))
+    steps += [Step(f"prefill {r} prompts x {b}", 0, False, rows=(r, b))
+              for r, b in getattr(orch, "prefill_row_shapes", list)()]
     gen = orch.generate_engines[0]
     if not hasattr(gen, "generate_widths"):
         return steps
@@ -57,7 +61,7 @@ def plan(orch: Any) -> list[Step]:
         pages = -(-(n + 1) // ps)
         return next((w for w in widths if w >= pages), widths[-1])
 
-    covered = {width(s.prompt_len) for s in steps}
+    covered = {width(s.prompt_len) for s in steps if s.rows is None}
     for w in widths:
         n = (w // 2) * ps  # one token past w / 2 pages: the step's width is w
         if w not in covered and 1 <= n <= longest:
@@ -91,6 +95,8 @@ def run(orch: Any, *, on_plan: Callable[[list[str]], None] = lambda steps: None,
             bar.set_postfix_str(s.label, refresh=True)
             if s.shape is not None:
                 orch.warm_shape(*s.shape)
+            elif s.rows is not None:
+                orch.warm_prefill_rows(*s.rows)
             else:
                 orch.warmup(prompt_lengths=(s.prompt_len,), prompt_logprobs=s.score)
             on_step()

@@ -37,6 +37,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-length", type=int, default=None,
                    help="the prefill bucket: longer prompts are prefilled in chunks of it "
                         "(default: min(512, max-seq-len))")
+    p.add_argument("--prefill-batch", type=int, default=1,
+                   help="the most waiting prompts one prefill call takes (1: one a call); "
+                        "N > 1 compiles calls of 2, 4 .. N prompts per bucket, each at most "
+                        "--max-prefill-length tokens: short prompts, whose prefill mostly "
+                        "reads the weights, then cost about one call for several")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest prompt + generated tokens (default: the model's "
                         "max_position_embeddings, capped by what fits in memory)")
@@ -96,7 +101,8 @@ def engine_config(args: argparse.Namespace,
                         page_size=args.page_size, num_pages=args.num_pages,
                         quantize=args.quantize, quant_group_size=args.quant_group_size,
                         kv_dtype=args.kv_dtype, speculative=args.speculative,
-                        layers=args.layers, **lora_adapters.engine_fields(args))
+                        layers=args.layers, prefill_batch=args.prefill_batch,
+                        **lora_adapters.engine_fields(args))
 
 
 def decode_slots(args: argparse.Namespace) -> int:

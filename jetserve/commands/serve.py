@@ -300,6 +300,8 @@ async def _warm_up(orch, servers, halt: threading.Event) -> None:
     steps = len(warmup.plan(orch))
     what = ("every mixed step's token bucket and page width" if hasattr(orch, "warmup_shapes")
             else "every prefill bucket, insert and generate")
+    if shared := getattr(orch, "prefill_row_shapes", list)():
+        what += ", prefill calls of " + ", ".join(f"{r} prompts x {b}" for r, b in shared)
     print(f"jetserve serve: warming up ({steps} steps: {what}); health NOT_SERVING / 503 "
           "until they compile", flush=True)
     # A daemon thread, not the loop's executor: a SIGTERM need not wait for a compile.

@@ -399,7 +399,8 @@ class Orchestrator:
             "admission_clients": self._admission.clients(),
             "in_flight": in_flight,
             "detokenize_queue": self._outbox.qsize(),
-            "prefill": [{"engine": w.index, "busy": w.busy, "prefills": w.prefills}
+            "prefill": [{"engine": w.index, "busy": w.busy, "prefills": w.prefills,
+                         "row_calls": getattr(w, "row_calls", 0)}
                         for w in self._prefill],
             "transfer": [{"engine": t.target.index, "queue": t.pending(),
                           "transfers": t.transfers} for t in self._transfer],
@@ -426,6 +427,20 @@ class Orchestrator:
                    for k, L in enumerate(L for L in prompt_lengths for _ in range(n))]
         for h in handles:
             h.result(timeout)
+
+    def prefill_row_shapes(self) -> list[tuple[int, int]]:
+        """The (prompts, bucket) shapes of the several-prompt prefill calls the prefill
+        threads make (none where each call takes one prompt)."""
+        if all(getattr(p, "max_rows", 1) < 2 for p in self._prefill):
+            return []
+        return self.prefill_engines[0].prefill_row_shapes()
+
+    def warm_prefill_rows(self, rows: int, bucket: int) -> None:
+        """Compiles (and runs once, on throwaway prompts) the prefill of `rows` prompts of
+        `bucket` tokens on every prefill engine that makes such calls."""
+        for p in self._prefill:
+            if getattr(p, "max_rows", 1) >= rows:
+                p.warm_rows(rows, bucket)
 
     # ---- what the served model is --------------------------------------------------------
 

@@ -84,6 +84,9 @@ class LockStepOrchestrator(Orchestrator):
                  idle_wait_s: float = 0.25):
         self._init_intake([engine], [engine], config)
         self.config.refuse_step_policy("lock step over several processes")
+        if engine.prefill_row_shapes():
+            raise ValueError("--prefill-batch: lock step over several processes prefills one "
+                             "prompt a call; leave it out")
         engine = self.engine = self.generate_engines[0]  # a paged one with its page planner
         self.params = params
         self.primary = distributed.is_primary() if primary is None else primary

@@ -42,6 +42,10 @@ def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
     if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
         raise ValueError("--scheduling mixed has no prefix cache yet: leave out "
                          "--prefix-cache-hbm-mb / --prefix-cache-host-mb")
+    if engine.config.prefill_batch > 1:
+        raise ValueError(f"--prefill-batch {engine.config.prefill_batch}: --scheduling mixed "
+                         f"already runs the waiting prompts' chunks together in each step; "
+                         f"leave it out")
 
 
 class MixedOrchestrator(Orchestrator):

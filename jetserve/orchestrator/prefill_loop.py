@@ -3,6 +3,8 @@
 `PrefillLoop.run` takes a preempted request if one waits on the resume queue (before new
 admissions, so recomputed requests are not starved), else the next admitted one, and
 hands it to `_serve`, one request at a time; an exception there ends only that request.
+A subclass whose engine prefills several prompts per call takes more admitted requests at
+once (`_more`, without waiting) and serves them together (`_serve_many`).
 Subclasses say how a request is prefilled: on a local engine (prefill_worker.py) or on a
 remote prefill worker (jetserve/disagg/remote_prefill.py).
 """
@@ -51,15 +53,38 @@ class PrefillLoop:
             if live is None:
                 continue
             self.busy = True
+            more: list[LiveRequest] = []
             try:
-                self._serve(live)
-            except Exception as e:  # this request only
-                log.exception("prefill of request %s failed", live.request_id)
-                self.readback.end(live, "error", e)
+                more = self._more(live) if admitted else []
+                if more:
+                    self._serve_many([live, *more])
+                else:
+                    self._serve_one(live)
             finally:
                 self.busy = False
-                if admitted:
+                for _ in range(int(admitted) + len(more)):
                     self.admission.task_done()
+
+    def _serve_one(self, live: LiveRequest) -> None:
+        try:
+            self._serve(live)
+        except Exception as e:  # this request only
+            self._failed(live, e)
+
+    def _failed(self, live: LiveRequest, e: BaseException) -> None:
+        """Ends one request with the error its prefill raised (called while handling it)."""
+        log.exception("prefill of request %s failed", live.request_id)
+        self.readback.end(live, "error", e)
+
+    def _more(self, first: LiveRequest) -> list[LiveRequest]:
+        """Admitted requests to prefill together with `first` (a subclass whose engine
+        takes several prompts per call); none here."""
+        del first
+        return []
+
+    def _serve_many(self, lives: list[LiveRequest]) -> None:
+        for live in lives:
+            self._serve_one(live)
 
     def _serve(self, live: LiveRequest) -> None:
         raise NotImplementedError

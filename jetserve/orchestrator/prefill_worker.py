@@ -22,6 +22,13 @@ prefix of the sequence is looked up and only the rest is prefilled on top of it.
 blocks are cached after the prefill (array store), or, when the cache keeps its blocks in
 this engine's KV pages, the hit travels with the request and the generate thread links
 its pages into the slot and adopts the prompt's pages (page store).
+
+Several prompts a call (`--prefill-batch`, engine.prefill_rows): when the engine takes
+them, the thread takes every admitted request waiting with the one it got (`_more`, no
+wait), and the fresh, whole prompts without prompt scoring, grammar, adapter or cached
+prefix share calls, as many a call as the engine's shapes hold (`prefill_rows_for`); each
+then streams its first token and goes on to a slot as if prefilled alone. The rest are
+prefilled one by one, as above.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.engine_api import Engine
+from engines.engine_api import Engine, ResultTokens
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_loop import PrefillLoop
@@ -70,16 +77,41 @@ class PrefillWorker(PrefillLoop):
         self.cache, self.cache_key = cache, cache_key
         self.engine = engine
         self.params = params
+        # The most prompts one prefill call takes (engine.prefill_rows; 1: one a call);
+        # decode-first, whose budget counts one prompt a call, refuses more (wiring.py).
+        self.max_rows = max((r for r, _ in engine.prefill_row_shapes()), default=1)
+        self.row_calls = 0  # prefill calls that took several prompts
         self.route: Route | None = None  # set by the driver
 
     def _serve(self, live: LiveRequest) -> None:
-        if self._ended_before_prefill(live):
+        begun = self._begin(live)
+        if begun is not None:
+            self._serve_begun(live, *begun)
+
+    def _serve_begun(self, live: LiveRequest, tokens: np.ndarray, hit: Hit | None,
+                     t0: float) -> None:
+        """Prefills one begun request in its own calls and hands it on."""
+        try:
+            out = self._prefill(live, tokens, hit)
+        except BaseException:
+            if hit is not None:
+                hit.release()
+            raise
+        if out is None:  # ended between chunks
+            if hit is not None:
+                hit.release()
             return
+        self._hand_on(live, tokens, hit, *out, t0)
+
+    def _begin(self, live: LiveRequest) -> tuple[np.ndarray, Hit | None, float] | None:
+        """(the tokens to prefill, the prefix-cache hit, the start time), or None when the
+        request needs no prefill (it ended, or only scores its prompt: ended here)."""
+        if self._ended_before_prefill(live):
+            return None
         req = live.request
         t0 = time.monotonic()
-        resumed = live.preemptions > 0
         tokens = np.asarray(live.sequence(), np.int32)
-        if not resumed:
+        if live.preemptions == 0:
             live.timing.prefill_start = t0
             if req.prompt_logprobs:
                 live.prompt_logprobs = prompt_logprobs(self.engine, self.params, tokens,
@@ -87,21 +119,25 @@ class PrefillWorker(PrefillLoop):
             if req.max_tokens == 0:  # scoring only
                 live.timing.prefill_end = time.monotonic()
                 self.readback.end(live, "length")
-                return
-        cache = self.cache
+                return None
         hit = None
-        if cache is not None:
-            hit = cache.lookup(req.cache_key(self.cache_key), tokens, wait_s=ADOPT_WAIT_POLLS * self.poll_s)
+        if self.cache is not None:
+            hit = self.cache.lookup(req.cache_key(self.cache_key), tokens,
+                                    wait_s=ADOPT_WAIT_POLLS * self.poll_s)
+        return tokens, hit, t0
+
+    def _hand_on(self, live: LiveRequest, tokens: np.ndarray, hit: Hit | None, prefix: Any,
+                 first: ResultTokens, t0: float, row: int = 0) -> None:
+        """Streams the first token (row `row` of `first`), caches the prompt's blocks and
+        routes the prefix to a slot; `hit` is released here unless it goes on with the
+        request (to the generate thread, which adopts and releases it)."""
+        cache = self.cache
         try:
-            out = self._prefill(live, tokens, hit)
-            if out is None:
-                return  # ended between chunks
-            prefix, first = out
             if hit is not None and not cache.pages:
                 cache.insert(hit, prefix)
-            ended = self.readback.first_token(live, first, t0, len(tokens))  # streams now
+            ended = self.readback.first_token(live, first, t0, len(tokens), row=row)  # streams
             self.prefills += 1
-            if hit is not None and cache.pages:  # the generate thread adopts and releases it
+            if hit is not None and cache.pages:
                 if ended and len(tokens) // cache.block <= len(hit.pages):
                     return  # ended, and nothing new to cache
                 cache.hand_on(hit)
@@ -116,6 +152,93 @@ class PrefillWorker(PrefillLoop):
         finally:
             if hit is not None:
                 hit.release()
+
+    # ---- several prompts per prefill call (engine.prefill_rows) -------------------------
+
+    def _more(self, first: LiveRequest) -> list[LiveRequest]:
+        """Admitted requests to prefill with `first`, taken without waiting while the
+        engine takes several prompts per call and `first` can share one."""
+        if self.max_rows < 2 or not self._may_share(first):
+            return []
+        more: list[LiveRequest] = []
+        while len(more) < self.max_rows - 1:
+            try:
+                more.append(self.admission.get_nowait())
+            except queue.Empty:
+                break
+        return more
+
+    def warm_rows(self, rows: int, bucket: int) -> None:
+        """Compiles and runs once the call of `rows` throwaway prompts of `bucket` tokens."""
+        _, res = self.engine.prefill_rows(self.params, [np.zeros(bucket, np.int32)] * rows,
+                                          samplings=[None] * rows, seeds=[0] * rows)
+        res.to_host()
+
+    def _may_share(self, live: LiveRequest) -> bool:
+        """Whether a request can be one prompt of a several-prompt call: a fresh, whole
+        prompt (one chunk) with no prompt scoring, grammar or adapter."""
+        req = live.request
+        return (live.preemptions == 0 and not req.prompt_logprobs and req.max_tokens != 0
+                and live.grammar is None and not req.prefill_kwargs()
+                and len(req.prompt_ids) <= self.chunk)
+
+    def _serve_many(self, lives: list[LiveRequest]) -> None:
+        """Prefills the requests that can share calls in as few as the engine's shapes
+        allow (`prefill_rows_for`), in order; the others one by one (`_serve`)."""
+        shared: list[tuple[LiveRequest, np.ndarray, Hit | None, float]] = []
+        for live in lives:
+            if not self._may_share(live):
+                self._serve_one(live)
+                continue
+            try:
+                begun = self._begin(live)
+            except Exception as e:
+                self._failed(live, e)
+                continue
+            if begun is None:
+                continue
+            tokens, hit, t0 = begun
+            if hit is not None and hit.tokens:  # continues a cached prefix: a call of its own
+                try:
+                    self._serve_begun(live, tokens, hit, t0)
+                except Exception as e:
+                    self._failed(live, e)
+                continue
+            shared.append((live, tokens, hit, t0))
+        while shared:
+            n = self.engine.prefill_rows_for(len(shared), max(len(t) for _, t, _, _ in shared))
+            group, shared = shared[:n], shared[n:]
+            self._prefill_group(group)
+
+    def _prefill_group(self, group: list[tuple[LiveRequest, np.ndarray, Hit | None, float]]
+                       ) -> None:
+        """One call for the group's prompts (a plain prefill for a group of one), then each
+        request handed on; an exception of the call ends every request of the group."""
+        try:
+            if len(group) == 1:
+                live, tokens, hit, _ = group[0]
+                outs = [self._prefill(live, tokens, hit)]
+            else:
+                prefixes, first = self.engine.prefill_rows(
+                    self.params, [t for _, t, _, _ in group],
+                    samplings=[live.request.sampling for live, _, _, _ in group])
+                self.row_calls += 1
+                outs = [(p, first) for p in prefixes]
+        except Exception as e:
+            for live, _, hit, _ in group:
+                if hit is not None:
+                    hit.release()
+                self._failed(live, e)
+            return
+        for row, ((live, tokens, hit, t0), out) in enumerate(zip(group, outs, strict=True)):
+            if out is None:  # a group of one, ended between chunks
+                if hit is not None:
+                    hit.release()
+                continue
+            try:
+                self._hand_on(live, tokens, hit, *out, t0, row=row)
+            except Exception as e:
+                self._failed(live, e)
 
     def _prefill(self, live: LiveRequest, tokens: np.ndarray, hit: Hit | None):
         """(prefix, first token) for `tokens`, after the cached part of a hit, in chunks of

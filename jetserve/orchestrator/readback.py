@@ -108,16 +108,17 @@ class ReadBack:
             self.listeners.emit(StepDone(self.index, len(rows), step_time))
 
     def first_token(self, live: LiveRequest, first: ResultTokens, t0: float,
-                    prompt_tokens: int) -> bool:
-        """A prefill's sampled token streams now; True when it ends the request."""
+                    prompt_tokens: int, row: int = 0) -> bool:
+        """A prefill's sampled token (row `row` of `first`, when the call took several
+        prompts) streams now; True when it ends the request."""
         host = first.to_host()
         t1 = time.monotonic()
         if live.preemptions == 0:
             live.timing.prefill_end = t1
-        _, finish = live.take(host.tokens(0))
+        _, finish = live.take(host.tokens(row))
         if finish is not None:
             live.done = True
-        self.outbox.put(StepOutput(host.data, [(live, 0, 1, finish)], t1))
+        self.outbox.put(StepOutput(host.data, [(live, row, 1, finish)], t1))
         if self.listeners:
             self.listeners.emit(PrefillDone(self.index, prompt_tokens, t1 - t0))
         return finish is not None

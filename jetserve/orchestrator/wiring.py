@@ -17,7 +17,7 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.prefill_worker import PrefillWorker
 from jetserve.orchestrator.prefix_cache import ArrayStore, PageStore, PrefixCache
 from jetserve.orchestrator.transfer_worker import TransferWorker
-from jetserve.scheduling.policy import StepPolicy, resolve
+from jetserve.scheduling.policy import DECODE_FIRST, StepPolicy, resolve
 from jetserve.scheduling.step_budget import StepBudget
 
 
@@ -122,6 +122,9 @@ def step_between(g: GenerateWorker) -> Callable[[], None]:
 def step_policy(config: OrchestratorConfig, pe, ge) -> StepPolicy:
     """The scheduling knobs of `config` against the engines (policy.resolve); every
     generate engine gets the same cap, so the smallest engine bounds it."""
+    if config.step_policy == DECODE_FIRST and any(e.prefill_row_shapes() for e in pe):
+        raise ValueError("--prefill-batch with --step-policy decode-first: the step budget "
+                         "admits one prompt a prefill call; leave one of them out")
     return resolve(slots=min(e.max_concurrent_decodes for e in ge),
                    max_prefill_length=min(e.max_prefill_length for e in pe),
                    chunked_prefill=all(getattr(e, "chunked_prefill", False) for e in pe),

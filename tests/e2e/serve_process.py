@@ -34,3 +34,15 @@ def wait_listening(proc: subprocess.Popen, count: int, timeout_s: float = 600,
         proc.kill()
         raise AssertionError("jetserve serve did not start:\n" + "".join(lines))
     return ports
+
+
+def spawn(argv: list[str]) -> subprocess.Popen:
+    """`python -m jetserve serve ARGV` on the CPU with 8 fake devices, its stdout and
+    stderr in one text pipe (read it with `wait_listening`)."""
+    import os
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.Popen([sys.executable, "-m", "jetserve", "serve", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -209,16 +209,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     st.set_defaults(_bench=_startup)
     bench_structured.add_parser(sub)
 
-    t = sub.add_parser("transfer", help="KV bytes/s pulled between two processes vs "
-                       "device_put in one (jetserve/bench/transfer.py; its own flags)",
-                       add_help=False, prefix_chars="+")
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    t.set_defaults(_bench=lambda a: importlib.import_module("jetserve.bench.transfer").main(a.rest))
-    sp = sub.add_parser("serve-path", help="a served batch against the bare generate step "
-                        "(jetserve/bench/serve_path.py; its own flags)", add_help=False,
-                        prefix_chars="+")
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp.set_defaults(_bench=lambda a: importlib.import_module("jetserve.bench.serve_path").main(a.rest))
+    # Benchmarks whose modules parse their own flags ("+" as this parser's prefix keeps
+    # it from reading theirs).
+    for name, module, what in (
+            ("transfer", "transfer", "KV bytes/s pulled between two processes vs device_put "
+             "in one"),
+            ("serve-path", "serve_path", "a served batch against the bare generate step"),
+            ("prefill-rows", "prefill_rows", "several prompts in one prefill call against "
+             "one a call")):
+        own = sub.add_parser(name, help=f"{what} (jetserve/bench/{module}.py; its own flags)",
+                             add_help=False, prefix_chars="+")
+        own.add_argument("rest", nargs=argparse.REMAINDER)
+        own.set_defaults(_bench=lambda a, m=f"jetserve.bench.{module}":
+                         importlib.import_module(m).main(a.rest))
 
     if importlib.util.find_spec(OVERHEAD_MODULE) is not None:
         # Every argument goes to the module's own parser; "+" as the prefix keeps this one

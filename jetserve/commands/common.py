@@ -154,6 +154,11 @@ def add_step_policy_arguments(p: argparse.ArgumentParser) -> None:
                         "prompts on their way) or decode-first (steady TPOT: a step runs as "
                         "soon as it can, after at most the budget's prefill; default budget "
                         "one chunk)")
+    p.add_argument("--prefill-lookahead", type=int, default=0, metavar="STEPS",
+                   help="decode-first: prefill a waiting prompt up to STEPS decode steps "
+                        "before a running sequence's max_tokens ends, so its first token "
+                        "streams while that sequence finishes (default 0: only into a free "
+                        "sequence)")
 
 
 def step_policy_fields(args: argparse.Namespace) -> dict:
@@ -161,7 +166,7 @@ def step_policy_fields(args: argparse.Namespace) -> dict:
     --step-policy (checked against the engine when the orchestrator is built)."""
     return dict(max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                step_policy=args.step_policy)
+                step_policy=args.step_policy, prefill_lookahead=args.prefill_lookahead)
 
 
 def refuse_prefix_cache_over_processes(budgets: dict) -> None:

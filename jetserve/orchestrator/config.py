@@ -40,6 +40,8 @@ class OrchestratorConfig:
         (jetserve/scheduling/policy.py): the most sequences decoding at once (None: every
         slot), the token budget of one decode step (None: none) and prefill-first or
         decode-first; checked against the engines when the orchestrator is built.
+      prefill_lookahead: under decode-first, decode steps ahead of a running sequence's
+        known end that a waiting prompt may be prefilled for its slot (0: none).
       scheduling: "turns" (prefill, insert and generate calls from their own threads) or
         "mixed" (one paged engine whose decode steps run the prompts' chunks too:
         mixed.py; `build` makes a MixedOrchestrator).
@@ -59,6 +61,7 @@ class OrchestratorConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     step_policy: str = PREFILL_FIRST
+    prefill_lookahead: int = 0
     scheduling: str = TURNS
 
     def __post_init__(self):
@@ -88,7 +91,7 @@ class OrchestratorConfig:
             raise ValueError(f"prefix_cache_block must be an integer >= 1, got {b!r}")
         check_knobs(max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
-                    step_policy=self.step_policy)
+                    step_policy=self.step_policy, prefill_lookahead=self.prefill_lookahead)
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling (--scheduling) must be one of "
                              f"{', '.join(SCHEDULING)}; got {self.scheduling!r}")
@@ -104,7 +107,8 @@ class OrchestratorConfig:
             ("max_num_batched_tokens (--max-num-batched-tokens)",
              self.max_num_batched_tokens is not None),
             (f"step_policy={self.step_policy} (--step-policy)",
-             self.step_policy != PREFILL_FIRST)) if on]
+             self.step_policy != PREFILL_FIRST),
+            ("prefill_lookahead (--prefill-lookahead)", self.prefill_lookahead != 0)) if on]
         if given:
             raise ValueError(f"{', '.join(given)}: {where} does not schedule by these "
                              "knobs; leave them out")

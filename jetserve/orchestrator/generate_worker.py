@@ -31,7 +31,9 @@ Token ids are checked here (stop ids, length); text is left to the detokenize th
 In interleaved mode (the engine also prefills) the loop waits rather than steps while it
 has free slots and prefill work is pending for it: prefill has priority. Under
 decode-first (`policy`, jetserve/scheduling/policy.py) it steps whenever a slot is in use,
-and each step closes the prefill budget's window (`step_window`, step_budget.py).
+and each step closes the prefill budget's window (`step_window`, step_budget.py); after
+each step it publishes how many running sequences end within the policy's lookahead
+(`ending`), the slots a prompt may be prefilled ahead for.
 """
 
 from __future__ import annotations
@@ -158,6 +160,10 @@ class GenerateWorker:
         # Set by the driver under decode-first: held around each generate dispatch.
         self.step_window: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.steps = 0
+        # Decode-first's lookahead: how many running sequences end within this many steps
+        # (their token budgets say so), published after each step for the prefill budget.
+        self.lookahead = policy.prefill_lookahead if policy else 0
+        self.ending = 0
         self._lengths: dict[int, tuple[Any, int]] = {}  # id(prefix) -> (prefix, its length)
 
     @property
@@ -325,12 +331,16 @@ class GenerateWorker:
         with self._step_cond:
             self.steps += 1
             self._step_cond.notify_all()
+        ending = 0
         for slot, live in rows:
             if slot in paused:
                 continue  # sat this step out (step_masks.py)
             live.steps += 1
             if live.last_step_dispatched():
                 self._release(slot)  # its last token is in flight; the slot is free now
+            elif live.budget - 1 - live.steps <= self.lookahead:
+                ending += 1
+        self.ending = ending
         self.readback.dispatched(res, rows, t)
 
     # ---- helpers -------------------------------------------------------------------------

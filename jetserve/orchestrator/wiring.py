@@ -131,7 +131,8 @@ def step_policy(config: OrchestratorConfig, pe, ge) -> StepPolicy:
                    shares_devices={id(e) for e in pe} <= {id(e) for e in ge},
                    max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens,
-                   prefill_chunk=config.prefill_chunk, step_policy=config.step_policy)
+                   prefill_chunk=config.prefill_chunk, step_policy=config.step_policy,
+                   prefill_lookahead=config.prefill_lookahead)
 
 
 def budget_between(p: PrefillWorker, g: GenerateWorker, policy: StepPolicy,
@@ -144,6 +145,6 @@ def budget_between(p: PrefillWorker, g: GenerateWorker, policy: StepPolicy,
     # a request moving between them is counted twice at worst, never missed.
     budget = StepBudget(policy.max_num_batched_tokens, policy.max_num_seqs,
                         lambda: len(g.backlog) + g.slots.in_use,
-                        stopping=stopping, poll_s=poll_s)
+                        stopping=stopping, poll_s=poll_s, ending=lambda: g.ending)
     p.budget, g.step_window = budget.prefill, budget.step
     p.between_chunks = lambda: None

@@ -14,6 +14,10 @@
                           still lets one step run between its chunks) or decode-first (a
                           steady TPOT: every step runs as soon as it can, and at most the
                           budget's prefill runs before it; step_budget.py enforces it)
+  prefill_lookahead       decode-first only: a waiting prompt may be prefilled this many
+                          decode steps before a running sequence's token budget ends (its
+                          slot's end is known then), so its first token streams while that
+                          sequence finishes; 0: only into a free sequence
 
 Plain Python (no jax): the CLI, the orchestrator and the tests share these checks, and
 every refusal names the field, its flag, the value and the limit.
@@ -38,12 +42,15 @@ class StepPolicy:
       max_num_batched_tokens: decode plus prefill tokens per step window; None: no
         budget (prefill-first without --max-num-batched-tokens).
       step_policy: PREFILL_FIRST or DECODE_FIRST.
+      prefill_lookahead: decode steps ahead of a sequence's known end that a prompt may
+        be prefilled for its slot (decode-first; 0: none).
     """
 
     max_num_seqs: int
     prefill_chunk: int
     max_num_batched_tokens: int | None = None
     step_policy: str = PREFILL_FIRST
+    prefill_lookahead: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "prefill_chunk"):
@@ -56,6 +63,7 @@ class StepPolicy:
                     f"max_num_seqs={self.max_num_seqs} decode tokens and one prefill chunk "
                     f"of {self.prefill_chunk}")
         check_step_policy(self.step_policy)
+        check_lookahead(self.prefill_lookahead, self.step_policy)
 
     @property
     def decode_first(self) -> bool:
@@ -68,6 +76,16 @@ def check_step_policy(value: object) -> None:
                          f"{', '.join(STEP_POLICIES)}; got {value!r}")
 
 
+def check_lookahead(value: object, step_policy: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"prefill_lookahead (--prefill-lookahead) must be an integer >= 0, "
+                         f"got {value!r}")
+    if value and step_policy != DECODE_FIRST:
+        raise ValueError(f"prefill_lookahead={value} (--prefill-lookahead) applies to "
+                         f"--step-policy decode-first; {step_policy} already prefills every "
+                         f"waiting prompt at once")
+
+
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, "
@@ -75,19 +93,20 @@ def _check_positive(name: str, value: object) -> None:
 
 
 def check_knobs(*, max_num_seqs: int | None, max_num_batched_tokens: int | None,
-                step_policy: str) -> None:
+                step_policy: str, prefill_lookahead: int = 0) -> None:
     """The checks that need no engine (OrchestratorConfig runs them)."""
     for name, v in (("max_num_seqs", max_num_seqs),
                     ("max_num_batched_tokens", max_num_batched_tokens)):
         if v is not None:
             _check_positive(name, v)
     check_step_policy(step_policy)
+    check_lookahead(prefill_lookahead, step_policy)
 
 
 def resolve(*, slots: int, max_prefill_length: int, chunked_prefill: bool,
             shares_devices: bool, max_num_seqs: int | None = None,
             max_num_batched_tokens: int | None = None, prefill_chunk: int | None = None,
-            step_policy: str = PREFILL_FIRST) -> StepPolicy:
+            step_policy: str = PREFILL_FIRST, prefill_lookahead: int = 0) -> StepPolicy:
     """The knobs as given (None: not given) against an engine with `slots` decode slots
     whose prefill takes at most `max_prefill_length` tokens a call (and continues a prefix
     when `chunked_prefill`); `shares_devices`: prefill and decode run on the same devices
@@ -96,7 +115,7 @@ def resolve(*, slots: int, max_prefill_length: int, chunked_prefill: bool,
     Without a budget, decode-first lets one prefill chunk run between two steps.
     """
     check_knobs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                step_policy=step_policy)
+                step_policy=step_policy, prefill_lookahead=prefill_lookahead)
     seqs = slots if max_num_seqs is None else max_num_seqs
     if seqs > slots:
         raise ValueError(f"max_num_seqs={seqs} (--max-num-seqs) is more than the engine's "
@@ -131,4 +150,5 @@ def resolve(*, slots: int, max_prefill_length: int, chunked_prefill: bool,
     elif step_policy == DECODE_FIRST:
         budget = seqs + chunk
     return StepPolicy(max_num_seqs=seqs, prefill_chunk=chunk,
-                      max_num_batched_tokens=budget, step_policy=step_policy)
+                      max_num_batched_tokens=budget, step_policy=step_policy,
+                      prefill_lookahead=prefill_lookahead)

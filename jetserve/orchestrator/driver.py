@@ -400,7 +400,7 @@ class Orchestrator:
             "in_flight": in_flight,
             "detokenize_queue": self._outbox.qsize(),
             "prefill": [{"engine": w.index, "busy": w.busy, "prefills": w.prefills,
-                         "row_calls": getattr(w, "row_calls", 0)}
+                         "row_calls": w.row_calls}
                         for w in self._prefill],
             "transfer": [{"engine": t.target.index, "queue": t.pending(),
                           "transfers": t.transfers} for t in self._transfer],
@@ -431,7 +431,7 @@ class Orchestrator:
     def prefill_row_shapes(self) -> list[tuple[int, int]]:
         """The (prompts, bucket) shapes of the several-prompt prefill calls the prefill
         threads make (none where each call takes one prompt)."""
-        if all(getattr(p, "max_rows", 1) < 2 for p in self._prefill):
+        if all(p.max_rows < 2 for p in self._prefill):
             return []
         return self.prefill_engines[0].prefill_row_shapes()
 
@@ -439,7 +439,7 @@ class Orchestrator:
         """Compiles (and runs once, on throwaway prompts) the prefill of `rows` prompts of
         `bucket` tokens on every prefill engine that makes such calls."""
         for p in self._prefill:
-            if getattr(p, "max_rows", 1) >= rows:
+            if p.max_rows >= rows:
                 p.warm_rows(rows, bucket)
 
     # ---- what the served model is --------------------------------------------------------

@@ -338,7 +338,7 @@ class GenerateWorker:
             live.steps += 1
             if live.last_step_dispatched():
                 self._release(slot)  # its last token is in flight; the slot is free now
-            elif live.budget - 1 - live.steps <= self.lookahead:
+            elif self.lookahead and live.budget - 1 - live.steps <= self.lookahead:
                 ending += 1
         self.ending = ending
         self.readback.dispatched(res, rows, t)

@@ -46,6 +46,10 @@ class PrefillLoop:
         self.poll_s = poll_s
         self.busy = False
         self.prefills = 0
+        # The most prompts one prefill call takes (1: one a call; more where the engine
+        # takes several, Engine.prefill_rows), and the calls that took several.
+        self.max_rows = 1
+        self.row_calls = 0
 
     def run(self) -> None:
         while not self.stopping.is_set():

@@ -77,10 +77,9 @@ class PrefillWorker(PrefillLoop):
         self.cache, self.cache_key = cache, cache_key
         self.engine = engine
         self.params = params
-        # The most prompts one prefill call takes (engine.prefill_rows; 1: one a call);
-        # decode-first, whose budget counts one prompt a call, refuses more (wiring.py).
+        # As many prompts a call as the engine takes (decode-first, whose budget counts one
+        # prompt a call, refuses more: wiring.py).
         self.max_rows = max((r for r, _ in engine.prefill_row_shapes()), default=1)
-        self.row_calls = 0  # prefill calls that took several prompts
         self.route: Route | None = None  # set by the driver
 
     def _serve(self, live: LiveRequest) -> None:
@@ -158,7 +157,7 @@ class PrefillWorker(PrefillLoop):
     def _more(self, first: LiveRequest) -> list[LiveRequest]:
         """Admitted requests to prefill with `first`, taken without waiting while the
         engine takes several prompts per call and `first` can share one."""
-        if self.max_rows < 2 or not self._may_share(first):
+        if self.max_rows < 2 or not first.may_share_prefill(self.chunk):
             return []
         more: list[LiveRequest] = []
         while len(more) < self.max_rows - 1:
@@ -174,20 +173,12 @@ class PrefillWorker(PrefillLoop):
                                           samplings=[None] * rows, seeds=[0] * rows)
         res.to_host()
 
-    def _may_share(self, live: LiveRequest) -> bool:
-        """Whether a request can be one prompt of a several-prompt call: a fresh, whole
-        prompt (one chunk) with no prompt scoring, grammar or adapter."""
-        req = live.request
-        return (live.preemptions == 0 and not req.prompt_logprobs and req.max_tokens != 0
-                and live.grammar is None and not req.prefill_kwargs()
-                and len(req.prompt_ids) <= self.chunk)
-
     def _serve_many(self, lives: list[LiveRequest]) -> None:
         """Prefills the requests that can share calls in as few as the engine's shapes
         allow (`prefill_rows_for`), in order; the others one by one (`_serve`)."""
         shared: list[tuple[LiveRequest, np.ndarray, Hit | None, float]] = []
         for live in lives:
-            if not self._may_share(live):
+            if not live.may_share_prefill(self.chunk):
                 self._serve_one(live)
                 continue
             try:

@@ -147,7 +147,7 @@ def _steps_before_second_prefill(lookahead: int) -> int:
     """One slot: a running request with 30 tokens (29 steps after its prefill), then a
     second request; how many steps ran before the second one's prefill."""
     engine = Recording(devices=jax.devices()[:1], max_concurrent_decodes=1,
-                       max_prefill_length=16, step_delay_s=0.01)
+                       max_prefill_length=16, step_delay_s=0.02)
     config = OrchestratorConfig(step_policy="decode-first", prefill_lookahead=lookahead)
     with Orchestrator.from_engines(engine, config=config) as orch:
         first = orch.submit(Request(prompt_ids=[7] * 12, max_tokens=30, ignore_eos=True))

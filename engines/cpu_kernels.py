@@ -269,9 +269,11 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
                      layer: jax.Array | int | None = None) -> jax.Array:
     """One decode step's attention over a contiguous float32 cache -> [B, 1, N, H].
 
-    q [B, 1, N, H]; keys [B, K, H, S] and values [B, K, S, H] as engines.kv_cache keeps
-    them, entry j at position j; pos i32[B]: each slot's position (it sees entries up to
-    it, within the sliding window), or -1 for a slot that is not live (zeros out). With
+    q [B, 1, N, H]; keys [Bc, K, H, S] and values [Bc, K, S, H] as engines.kv_cache keeps
+    them, entry j at position j; Bc >= B: the queries are the first B slots' (a step over a
+    decode batch size below the cache's reads those rows in place); pos i32[B]: each slot's
+    position (it sees entries up to it, within the sliding window), or -1 for a slot that
+    is not live (zeros out). With
     `layer` (an i32[] index), keys and values are stacks [L, ...] of which that layer is
     read in place (a scanned decoder's cache). Callers check `available()` first.
     """
@@ -281,9 +283,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
                          f"{q.dtype}, keys {k.dtype}, values {v.dtype}")
     k, _ = _stacked("decode_attention", "keys", k, 4, layer)
     v, layer = _stacked("decode_attention", "values", v, 4, layer)
-    K, S = k.shape[2], k.shape[4]
-    if (k.shape[1:] != (B, K, H, S) or v.shape[1:] != (B, K, S, H) or v.shape[0] != k.shape[0]
-            or pos.shape != (B,) or N % K):
+    Bc, K, S = k.shape[1], k.shape[2], k.shape[4]
+    if (Bc < B or k.shape[1:] != (Bc, K, H, S) or v.shape[1:] != (Bc, K, S, H)
+            or v.shape[0] != k.shape[0] or pos.shape != (B,) or N % K):
         raise ValueError(f"decode_attention: q {q.shape}, keys {k.shape}, values {v.shape} "
                          f"and pos {pos.shape} do not agree")
     out = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, N, H), jnp.float32),

@@ -16,8 +16,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from engines.engine_api import pack_results
-from engines.kv_cache import DecodeKV, DecodeState, PrefillKV, Prefix, step_slot_fields
+from engines.engine_api import ResultTokens, pack_results
+from engines.kv_cache import (
+    DecodeKV,
+    DecodeState,
+    PrefillKV,
+    Prefix,
+    first_slots,
+    step_slot_fields,
+    with_first_slots,
+)
 from engines.model import Decoder
 from engines.sampling import sample, token_logprobs
 
@@ -145,10 +153,22 @@ def _next_token_rows(logits, nxt, top_n: int) -> PromptLogprobs:
                           top_logprobs=top_lp[:, :top_n], greedy=greedy)
 
 
-def generate(model: Decoder, top_n: int, params, state: DecodeState, token_mask=None):
+def generate(model: Decoder, top_n: int, params, state: DecodeState, token_mask=None, *,
+             rows: int | None = None):
     """One step; token_mask None, or i32[B, W] each slot's allowed tokens (a separate
     program: steps without constrained slots compile and run without it); a slot whose
-    row allows nothing sits the step out (token_mask.hold_paused)."""
+    row allows nothing sits the step out (token_mask.hold_paused).
+
+    rows: step only the first `rows` slots (a decode batch size below the state's B, a
+    program of its own; token_mask then has `rows` rows): their cache is written and read
+    in place, the other slots' fields and cache are untouched, and their result rows say
+    no token. The step's matmuls, sampling and read-back then scale with `rows`, not B."""
+    B = state.lengths.shape[0]
+    if rows is not None and rows < B:
+        new_state, results = generate(model, top_n, params, first_slots(state, rows),
+                                      token_mask)
+        return (with_first_slots(state, new_state),
+                ResultTokens(data=jnp.pad(results.data, ((0, B - rows), (0, 0)))))
     S = state.k[0].shape[-1]
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,) full slots rewrite their last entry

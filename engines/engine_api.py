@@ -266,7 +266,24 @@ class Engine(abc.ABC):
         takes the step's page table (i32[B, W], the pages it writes included). The
         transformer engines take `token_mask=` (None, or i32[B, W'] each slot's allowed
         tokens: engines/token_mask.py), compiled as a second program beside the one
-        without, so steps with no constrained slot cost what they did."""
+        without, so steps with no constrained slot cost what they did. An engine with
+        `decode_batch_sizes` below max_concurrent_decodes takes `rows=` (one of them):
+        the step runs the first `rows` slots only, the others untouched and without a
+        token in the results (their rows say none)."""
+
+    def move_slot(self, decode_state: Any, src: int, dst: int) -> Any:
+        """Copies slot `src` (its cache and sampling state) into the free slot `dst`, so a
+        running request goes on from there; src is the caller's to free. Engines with
+        several `decode_batch_sizes` implement it: moving requests down to free low slots
+        lets the step run fewer of them."""
+        raise NotImplementedError(f"{type(self).__name__} does not move slots")
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        """The slot counts a generate step is compiled for, ascending, the last
+        max_concurrent_decodes: a caller whose slots in use all lie below a smaller one
+        passes it as `rows=` and the step costs what that batch does."""
+        return (self.max_concurrent_decodes,)
 
     def free_slot(self, slot: int) -> None:
         """Returns the slot's host resources (its pages, in the page planner); the engine

@@ -60,6 +60,26 @@ def parse_speculative(text: str) -> Speculative:
     return Speculative(kind, k, path)
 
 
+def parse_decode_batch_sizes(text: str, slots: int) -> tuple[int, ...]:
+    """The decode_batch_sizes of a setting: 'none' (every step runs every slot), 'auto'
+    (1, 2, 4 .. below `slots`) or comma-separated slot counts, each below `slots`; a
+    ValueError names what was wrong."""
+    text = text.replace(" ", "")
+    if text in ("none", ""):
+        return ()
+    if text == "auto":
+        return tuple(1 << i for i in range(max(slots - 1, 0).bit_length()))
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x})
+    except ValueError:
+        raise ValueError(f"decode batch sizes must be 'none', 'auto' or comma-separated "
+                         f"integers, got {text!r}") from None
+    if any(not 1 <= n < slots for n in sizes):
+        raise ValueError(f"decode batch sizes must each be in [1, {slots}) (below the "
+                         f"slot count, whose step always exists), got {text!r}")
+    return tuple(sizes)
+
+
 KV_DTYPES = ("auto", "int8")
 
 LAYER_MODES = ("auto", "loop", "scan")
@@ -103,6 +123,11 @@ class EngineConfig:
     # PrefillRows): 1 is one prompt per call; N > 1 compiles calls of 2, 4, .. N prompts
     # per prefill bucket (at most max_prefill_length tokens a call).
     prefill_batch: int = 1
+    # Slot counts below max_concurrent_decodes the generate step is compiled for as well
+    # (engines/device_functions.py generate `rows`): a step whose slots in use all lie
+    # below one runs only those rows, and costs what that batch does. () : every step
+    # runs every slot.
+    decode_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self):
         _check_kv_layout(self)
@@ -132,6 +157,7 @@ class EngineConfig:
         parse_speculative(self.speculative)
         _check_lora(self)
         _check_prefill_batch(self)
+        _check_decode_batch_sizes(self)
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
         if self.layers == "scan" and self.max_loras:
@@ -165,6 +191,27 @@ def _check_prefill_batch(c: EngineConfig) -> None:
         raise ValueError(f"prefill_batch={n}: several prompts per prefill call do not carry "
                          f"a draft model's KV (speculative {c.speculative!r}); give "
                          f"prefill_batch 1")
+
+
+def _check_decode_batch_sizes(c: EngineConfig) -> None:
+    sizes, most = c.decode_batch_sizes, c.max_concurrent_decodes
+    if not isinstance(sizes, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        raise ValueError(f"decode_batch_sizes (--decode-batch-sizes) must be a tuple of "
+                         f"integers, got {sizes!r}")
+    if any(not 1 <= n < most for n in sizes) or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"decode_batch_sizes (--decode-batch-sizes) must be ascending, "
+                         f"distinct and each in [1, max_concurrent_decodes={most}), got "
+                         f"{sizes!r}")
+    if not sizes:
+        return
+    why = ("kv_layout 'paged' (only the contiguous cache steps a slot subset)"
+           if c.kv_layout != "contiguous" else
+           f"speculative decoding ({c.speculative!r})" if c.spec.enabled else
+           f"LoRA adapters (max_loras={c.max_loras})" if c.max_loras else None)
+    if why:
+        raise ValueError(f"decode_batch_sizes={sizes}: a step over fewer slots does not "
+                         f"work with {why} yet; leave decode_batch_sizes empty")
 
 
 def _check_kv_layout(c: EngineConfig) -> None:

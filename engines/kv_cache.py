@@ -271,11 +271,13 @@ class DecodeKV(layer_scan.StackedStore):
     # layer i and the CPU attention kernel reads them there.
 
     def _read(self, layer, w, dtype):
-        """The first w entries of this layer's keys [B, K, H, w] and values [B, K, w, H]."""
-        k, v = self.layer_of(self.k, layer)[..., :w], self.layer_of(self.v, layer)[:, :, :w]
+        """The first w entries of this layer's keys [B, K, H, w] and values [B, K, w, H]
+        (of the step's B slots: the first B of the cache's, engines.kv_cache.first_slots)."""
+        B = self.state.lengths.shape[0]
+        k, v = self.layer_of(self.k, layer)[:B, ..., :w], self.layer_of(self.v, layer)[:B, :, :w]
         if self.k_scale:
-            k_scale = self.layer_of(self.k_scale, layer)
-            v_scale = self.layer_of(self.v_scale, layer)
+            k_scale = self.layer_of(self.k_scale, layer)[:B]
+            v_scale = self.layer_of(self.v_scale, layer)[:B]
             k = (k.astype(jnp.float32) * k_scale[:, :, None, :w]).astype(dtype)
             v = dequantize_kv(v, v_scale[:, :, :w], dtype)
         return k, v
@@ -324,6 +326,44 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
         v_scale=v_scale,
         **insert_slot_fields(state, prefix, slot),
     )
+
+
+SLOT_FIELDS = ("lengths", "tokens", "sampling", "prompt_mask", "counts", "history")
+
+
+def first_slots(state: DecodeState, rows: int) -> DecodeState:
+    """A step's view of the first `rows` slots: their per-slot fields, and the whole cache
+    (DecodeKV writes and reads rows 0 .. rows - 1 of it in place)."""
+    return dataclasses.replace(state, **{
+        f: jax.tree.map(lambda a: a[:rows], getattr(state, f)) for f in SLOT_FIELDS})
+
+
+def with_first_slots(state: DecodeState, stepped: DecodeState) -> DecodeState:
+    """`state` after a step over its first slots (`stepped`, from first_slots): the
+    stepped cache, and the stepped per-slot fields written over the first rows."""
+    put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, 0)  # noqa: E731
+    return dataclasses.replace(stepped, **{
+        f: jax.tree.map(put, getattr(state, f), getattr(stepped, f)) for f in SLOT_FIELDS})
+
+
+# Each cache field's per-layer rank; a scanned model's stack [L, ...] has one more.
+CACHE_RANKS = {"k": 4, "v": 4, "k_scale": 3, "v_scale": 3, "draft_k": 4, "draft_v": 4}
+
+
+def move_slot(state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
+    """Slot `src`'s cache and fields copied into slot `dst` (src keeps its copy; the caller
+    frees it): a running sequence moved to a lower slot, so the slots in use stay few
+    and low and a step over the first ones holds them (first_slots)."""
+    def move(a, axis):
+        row = jax.lax.dynamic_slice_in_dim(a, src, 1, axis)
+        return jax.lax.dynamic_update_slice_in_dim(a, row, dst, axis)
+
+    fields = {f: jax.tree.map(lambda a: move(a, 0), getattr(state, f)) for f in SLOT_FIELDS}
+    for f, rank in CACHE_RANKS.items():
+        cache = getattr(state, f)
+        axis = 1 if layer_scan.is_stacked(cache, rank) else 0
+        fields[f] = tuple(move(a, axis) for a in cache)
+    return dataclasses.replace(state, **fields)
 
 
 def insert_slot_fields(state, prefix: Prefix, slot: jax.Array) -> dict:

@@ -7,12 +7,18 @@ trie node: on the device (these arrays, or a KV page of a paged engine, which ho
 same values as a [K, ps, H] slice of each layer's pool) or on the host (numpy, the same
 layout). Stacks of n blocks are [n, L, 2, b, K, H]; every function here is compiled for
 a power-of-two n (`stack_size`), so the programs stay few whatever the hit lengths.
+`PrefixBlocks` is the transformer engines' side of it (the Engine methods a prefix cache
+calls).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from engines import layer_scan
 from engines.kv_cache import Prefix
@@ -75,3 +81,46 @@ def prefix_of_blocks(blocks: jax.Array, length: jax.Array, prompt_mask: jax.Arra
         length=length.astype(jnp.int32), token=jnp.zeros((), jnp.int32),
         sampling=SlotSampling.empty(1), prompt_mask=prompt_mask,
     )
+
+
+class PrefixBlocks:
+    """The prefix-cache block methods of the transformer engines (a mixin of
+    engines/transformer_engine.py's TransformerEngine, which calls `_build_block_jits`
+    with its prefixes' shardings and has `_replicated`, `_draft` and `model_config`)."""
+
+    def _build_block_jits(self, prefix_sharding: Any) -> None:
+        self._blocks_of_prefix_jit = jax.jit(blocks_of_prefix, static_argnums=(2, 3))
+        self._stack_blocks_jit = jax.jit(stack_blocks)
+        self._prefix_of_blocks_jit = jax.jit(prefix_of_blocks, out_shardings=prefix_sharding)
+
+    def cache_blocks(self, prefix: Prefix, first: int, n: int, block: int) -> list[jax.Array]:
+        """Blocks first .. first + n - 1 (of `block` tokens) of a prefill's prefix, one
+        device array [L, 2, block, K, H] each."""
+        stack = self._blocks_of_prefix_jit(prefix, np.int32(first), stack_size(n), block)
+        return [stack[i] for i in range(n)]
+
+    def cache_block_sharding(self) -> jax.sharding.NamedSharding:
+        """Where a prefix cache keeps this engine's blocks on the device (whole on each)."""
+        return self._replicated()
+
+    def stack_blocks(self, blocks: Sequence[Any]) -> Any:
+        """Per-node blocks -> a stack of stack_size(n) blocks (zero padded): on the device
+        when every block is, else on the host (numpy)."""
+        m = stack_size(len(blocks))
+        if all(isinstance(b, jax.Array) for b in blocks):
+            pad = jnp.zeros_like(blocks[0])
+            return self._stack_blocks_jit(tuple(blocks) + (pad,) * (m - len(blocks)))
+        host = np.stack(jax.device_get(list(blocks)))
+        return np.concatenate([host, np.zeros((m - len(blocks), *host.shape[1:]), host.dtype)])
+
+    def prefix_from_blocks(self, stack: Any, tokens: Sequence[int]) -> Prefix:
+        """A stack of blocks whose first len(tokens) positions hold those tokens' KV ->
+        the Prefix that a prefill continues with `existing_prefix`."""
+        if self._draft is not None:
+            raise ValueError("speculative 'draft:PATH:K' (a draft model) does not work with "
+                             "the prefix cache")
+        mask = np.zeros((1, self.model_config.vocab_size), bool)
+        mask[0, np.asarray(tokens, np.int64)] = True
+        ids = np.zeros((1, stack.shape[0] * stack.shape[3]), np.int32)
+        ids[0, : len(tokens)] = tokens
+        return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask, ids)

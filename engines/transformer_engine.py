@@ -1,17 +1,15 @@
 """The Flax transformer engine: the decoder behind prefill / insert / generate.
 
-The three device functions are module-level pure functions
-(engines/device_functions.py), jitted once in the engine's constructor with explicit
-in/out shardings; insert and generate donate the decode state. prefill compiles once per
-bucket (its input shape), insert and generate once.
-"""
+The three device functions are module-level pure functions (engines/device_functions.py),
+jitted in the engine's constructor with explicit in/out shardings; insert and generate
+donate the decode state. prefill compiles once per bucket (its input shape), insert once,
+generate once per decode batch size (EngineConfig.decode_batch_sizes, and every slot)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +30,11 @@ from engines.config import ModelConfig
 from engines.device_functions import PromptLogprobs, ScoreCache
 from engines.engine_api import Engine, ResultTokens, Tokenizer
 from engines.engine_config import EngineConfig, resolve_dtype
-from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, insert_prefix
+from engines.kv_cache import DecodeState, Prefix, empty_slot_fields, insert_prefix, move_slot
 from engines.model import Decoder
 from engines.param_layout import InLayout, ParamViews
 from engines.prefill_program import PrefillProgram, PrefillRows
-from engines.prefix_blocks import blocks_of_prefix, prefix_of_blocks, stack_blocks, stack_size
+from engines.prefix_blocks import PrefixBlocks
 from engines.prompt_scoring import score_in_chunks
 from engines.sampling import SamplingParams, SlotSampling
 from engines.speculative import generate_speculative
@@ -50,7 +48,7 @@ SCALE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
 
 
-class TransformerEngine(ParamViews, Engine):
+class TransformerEngine(ParamViews, PrefixBlocks, Engine):
     """One decoder on one slice of devices, laid out by a sharding preset.
 
     Args:
@@ -269,15 +267,22 @@ class TransformerEngine(ParamViews, Engine):
         gen = (functools.partial(generate_speculative, self.model, top_n, spec.k, draft_model)
                if spec.enabled else
                functools.partial(device_functions.generate, self.model, top_n))
-        self._generate_jit = exported_programs.cached_jit(
+        # One program per decode batch size (device_functions.generate `rows`; the last,
+        # every slot, is the plain step).
+        self._generate_jits = {rows: exported_programs.cached_jit(
+            self._counted("generate", laid_out(functools.partial(gen, rows=rows))),
+            name=f"generate{rows}", context=context,
+            in_shardings=(self.param_shardings, state_sh, r, *draft_sh),  # r: token_mask
+            out_shardings=(state_sh, r), donate_argnums=(1,),
+        ) for rows in self.decode_batch_sizes[:-1]}
+        self._generate_jit = self._generate_jits[None] = exported_programs.cached_jit(
             self._counted("generate", laid_out(gen)), name="generate", context=context,
             in_shardings=(self.param_shardings, state_sh, r, *draft_sh),  # r: token_mask
-            out_shardings=(state_sh, r),
-            donate_argnums=(1,),
-        )
-        self._blocks_of_prefix_jit = jax.jit(blocks_of_prefix, static_argnums=(2, 3))
-        self._stack_blocks_jit = jax.jit(stack_blocks)
-        self._prefix_of_blocks_jit = jax.jit(prefix_of_blocks, out_shardings=prefix_sh)
+            out_shardings=(state_sh, r), donate_argnums=(1,))
+        self._build_block_jits(prefix_sh)
+        self._move_slot_jit = exported_programs.cached_jit(
+            move_slot, name="move_slot", context=context, in_shardings=(state_sh, r, r),
+            out_shardings=state_sh, donate_argnums=(0,))
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -369,40 +374,6 @@ class TransformerEngine(ParamViews, Engine):
         """See Engine.empty_prefix (with room for a draft model's KV too)."""
         return self._prefill.empty(length)
 
-    # ---- prefix-cache blocks (engines/prefix_blocks.py) ---------------------------------
-
-    def cache_blocks(self, prefix: Prefix, first: int, n: int, block: int) -> list[jax.Array]:
-        """Blocks first .. first + n - 1 (of `block` tokens) of a prefill's prefix, one
-        device array [L, 2, block, K, H] each."""
-        stack = self._blocks_of_prefix_jit(prefix, np.int32(first), stack_size(n), block)
-        return [stack[i] for i in range(n)]
-
-    def cache_block_sharding(self) -> NamedSharding:
-        """Where a prefix cache keeps this engine's blocks on the device (whole on each)."""
-        return self._replicated()
-
-    def stack_blocks(self, blocks: Sequence[Any]) -> Any:
-        """Per-node blocks -> a stack of stack_size(n) blocks (zero padded): on the device
-        when every block is, else on the host (numpy)."""
-        m = stack_size(len(blocks))
-        if all(isinstance(b, jax.Array) for b in blocks):
-            pad = jnp.zeros_like(blocks[0])
-            return self._stack_blocks_jit(tuple(blocks) + (pad,) * (m - len(blocks)))
-        host = np.stack(jax.device_get(list(blocks)))
-        return np.concatenate([host, np.zeros((m - len(blocks), *host.shape[1:]), host.dtype)])
-
-    def prefix_from_blocks(self, stack: Any, tokens: Sequence[int]) -> Prefix:
-        """A stack of blocks whose first len(tokens) positions hold those tokens' KV ->
-        the Prefix that a prefill continues with `existing_prefix`."""
-        if self._draft is not None:
-            raise ValueError("speculative 'draft:PATH:K' (a draft model) does not work with "
-                             "the prefix cache")
-        mask = np.zeros((1, self.model_config.vocab_size), bool)
-        mask[0, np.asarray(tokens, np.int64)] = True
-        ids = np.zeros((1, stack.shape[0] * stack.shape[3]), np.int32)
-        ids[0, : len(tokens)] = tokens
-        return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask, ids)
-
     def prompt_logprobs(self, params, tokens, true_length: int | None = None) -> PromptLogprobs:
         """Scores a prompt: host arrays of length true_length (see PromptLogprobs). One
         pass up to max_prefill_length tokens; a longer prompt (up to max_seq_len) in
@@ -427,9 +398,20 @@ class TransformerEngine(ParamViews, Engine):
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
-    def generate(self, params, decode_state, token_mask=None) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_jit(self._in_layout(params), decode_state, token_mask,
-                                  *self._draft_args())
+    def generate(self, params, decode_state, token_mask=None, *, rows: int | None = None
+                 ) -> tuple[DecodeState, ResultTokens]:
+        jit = self._generate_jits.get(None if rows == self.max_concurrent_decodes else rows)
+        if jit is None:
+            raise ValueError(f"generate rows={rows}: this engine's decode batch sizes are "
+                             f"{self.decode_batch_sizes}")
+        return jit(self._in_layout(params), decode_state, token_mask, *self._draft_args())
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        return (*self.config.decode_batch_sizes, self.max_concurrent_decodes)
+
+    def move_slot(self, decode_state: DecodeState, src: int, dst: int) -> DecodeState:
+        return self._move_slot_jit(decode_state, np.int32(src), np.int32(dst))
 
     # ---- properties --------------------------------------------------------------------
 
@@ -474,17 +456,13 @@ class TransformerEngine(ParamViews, Engine):
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        tok = self._tokenizer
-        if tok is not None and tok.eos_ids:
-            return tuple(tok.eos_ids)
-        return self.model_config.eos_token_ids
+        tok = self._tokenizer  # the tokenizer's, else the model config's
+        return tuple(tok.eos_ids) if tok and tok.eos_ids else self.model_config.eos_token_ids
 
     @property
     def bos_id(self) -> int | None:
         tok = self._tokenizer
-        if tok is not None and tok.bos_id is not None:
-            return tok.bos_id
-        return self.model_config.bos_token_id
+        return tok.bos_id if tok and tok.bos_id is not None else self.model_config.bos_token_id
 
     def trace_counts(self) -> dict[str, int]:
         """How many times each device function was traced (each trace is a compile)."""

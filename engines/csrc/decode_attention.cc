@@ -9,8 +9,9 @@
 // builds it and registers it as the XLA FFI target
 // "jetserve_decode_attention"; engines.kv_cache.DecodeKV uses it.
 //
-// Layouts, as engines.kv_cache keeps them: q [B, N, H], keys [L, B, K, H, S], values
-// [L, B, K, S, H], layer i32[], pos i32[B]. The cache is a stack of L layers of which
+// Layouts, as engines.kv_cache keeps them: q [B, N, H], keys [L, Bc, K, H, S], values
+// [L, Bc, K, S, H], layer i32[], pos i32[B], Bc >= B: a step over the first B slots of a
+// cache of Bc reads those rows in place. The cache is a stack of L layers of which
 // `layer` picks one, read in place: a scanned decoder (engines/layer_scan.py) passes its
 // stacked cache whole with the layer's index, where a slice would make XLA copy the layer
 // out first; the loop passes one layer as [1, ...] and 0. An index outside [0, L) is an
@@ -226,8 +227,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     return ffi::Error::InvalidArgument(
         "jetserve_decode_attention expects q [B, N, H], k [L, B, K, H, S], "
         "v [L, B, K, S, H], layer i32[], pos [B]");
-  const int64_t B = qd[0], N = qd[1], H = qd[2], L = kd[0], K = kd[2], S = kd[4];
-  if (kd[1] != B || kd[3] != H || vd[0] != L || vd[1] != B || vd[2] != K || vd[3] != S ||
+  // The cache may hold more slots than the step has queries (Bc >= B): a step over the
+  // first B slots only (a decode batch bucket) reads rows 0 .. B - 1 of it in place.
+  const int64_t B = qd[0], N = qd[1], H = qd[2], L = kd[0], Bc = kd[1], K = kd[2], S = kd[4];
+  if (Bc < B || kd[3] != H || vd[0] != L || vd[1] != Bc || vd[2] != K || vd[3] != S ||
       vd[4] != H || pos.dimensions()[0] != B || K == 0 || N % K != 0)
     return ffi::Error::InvalidArgument("jetserve_decode_attention: shapes do not agree");
   const int64_t i = layer.typed_data()[0];
@@ -237,8 +240,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                                        std::to_string(L) + ")");
   const int64_t G = N / K;
   const float* qp = q.typed_data();
-  const float* kp = k.typed_data() + i * B * K * H * S;
-  const float* vp = v.typed_data() + i * B * K * S * H;
+  const float* kp = k.typed_data() + i * Bc * K * H * S;
+  const float* vp = v.typed_data() + i * Bc * K * S * H;
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
   auto live = [=](int64_t t, int64_t* j0, int64_t* j1) {  // entries [j0, j1) of task t

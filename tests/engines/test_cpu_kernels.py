@@ -153,6 +153,28 @@ def test_decode_attention_matches_numpy(kernel, B, N, K, H, S, window):
                                atol=2e-6)
 
 
+def test_decode_attention_over_the_first_slots_of_a_larger_cache(kernel):
+    """A step over the first B of Bc slots (a decode batch size below the cache's) reads
+    those rows in place: the same as the attention over the cache cut to B rows, for one
+    layer and for a layer of a stack."""
+    rng = np.random.default_rng(11)
+    L, Bc, B, N, K, H, S = 3, 8, 3, 8, 2, 16, 40
+    q = rng.standard_normal((B, 1, N, H), dtype=np.float32)
+    k = rng.standard_normal((L, Bc, K, H, S), dtype=np.float32)
+    v = rng.standard_normal((L, Bc, K, S, H), dtype=np.float32)
+    pos = np.array([5, S - 1, 20], np.int32)
+    one = jax.jit(lambda q, k, v: cpu_kernels.decode_attention(q, k, v, pos, None))
+    stacked = jax.jit(lambda q, k, v, i: cpu_kernels.decode_attention(q, k, v, pos, None,
+                                                                      layer=i))
+    for i in range(L):
+        want = _attention_reference(q, k[i, :B], v[i, :B], pos, None)
+        np.testing.assert_allclose(np.asarray(one(q, k[i], v[i])), want, rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(stacked(q, k, v, jnp.int32(i))), want,
+                                   rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="do not agree"):  # fewer cache rows than queries
+        cpu_kernels.decode_attention(q, k[0, :2], v[0, :2], pos, None)
+
+
 def test_decode_attention_bad_operands_are_named():
     q, k, v = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 2, 8, 16)), jnp.ones((2, 2, 16, 8))
     with pytest.raises(ValueError, match="one float32 token"):

@@ -34,6 +34,7 @@ from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.plan import chunks
 from jetserve.scheduling.scheduler import Scheduler
+from jetserve.scheduling.slots import rows_kwargs, step_batch
 from jetserve.structured import Constraint
 
 GREEDY = SamplingParams()  # frozen: one shared default
@@ -118,6 +119,7 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
                                               KVCacheManager(engine.kv_pages))
     waiting = deque(lives)
     state = engine.init_decode_state()
+    sizes = tuple(engine.decode_batch_sizes)  # a step runs the fewest slots it can
     while waiting or sched.slots.in_use:
         admitted: list[LiveRequest] = []  # one per free slot, while their pages fit
         while (waiting and len(admitted) < sched.slots.free_count
@@ -133,8 +135,10 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
             continue
         rows = sched.slots.rows()
         t = time.monotonic()
-        mask, _ = step_mask(rows, engine.max_concurrent_decodes, engine.vocab_size)
-        state, res = engine.generate(params, state, **mask_kwargs(mask))
+        batch = step_batch(rows, sizes)
+        mask, _ = step_mask(rows, batch, engine.vocab_size)
+        state, res = engine.generate(params, state, **mask_kwargs(mask),
+                                     **rows_kwargs(batch, sizes))
         readback.dispatched(res, rows, t)
         readback.read()
         for slot, live in rows:

@@ -7,7 +7,9 @@ decoding). A paged KV cache compiles one generate per gather width (pages): more
 with prompts just past each width's half, cover the widths a prompt can reach; wider ones
 (sequences that grew past the longest prompt) still compile when first needed. The first
 step's prompt is one token, so the narrowest width is compiled too. Where a prefill call
-takes several prompts (--prefill-batch), one step per (prompts, bucket) shape runs it. Programs read from the persistent compile cache
+takes several prompts (--prefill-batch), one step per (prompts, bucket) shape runs it;
+where the generate step has smaller batch sizes (--decode-batch-sizes), one step per size
+runs it over empty slots. Programs read from the persistent compile cache
 (jetserve/compile_cache.py) count apart.
 
 Concurrency: `run` blocks its caller (`jetserve serve` runs it on a thread of its own
@@ -33,6 +35,7 @@ class Step:
     score: bool  # also score the prompt (prompt log-probs; one pass up to max_prefill_length)
     shape: tuple[int, int] | None = None  # a mixed step's (tokens, pages), run alone
     rows: tuple[int, int] | None = None  # a prefill call's (prompts, bucket), run alone
+    batch: int | None = None  # a generate step over the first `batch` slots, run alone
 
 
 def plan(orch: Any) -> list[Step]:
@@ -53,6 +56,9 @@ def plan(orch: Any) -> list[Step]:
     steps += [Step(f"prefill {r} prompts x {b}", 0, False, rows=(r, b))
               for r, b in getattr(orch, "prefill_row_shapes", list)()]
     gen = orch.generate_engines[0]
+    if hasattr(orch, "warm_decode_batch"):
+        steps += [Step(f"generate batch {b}", 0, False, batch=b)
+                  for b in gen.decode_batch_sizes[:-1]]
     if not hasattr(gen, "generate_widths"):
         return steps
     ps, widths = gen.kv_pages.page_size, gen.generate_widths()
@@ -97,6 +103,8 @@ def run(orch: Any, *, on_plan: Callable[[list[str]], None] = lambda steps: None,
                 orch.warm_shape(*s.shape)
             elif s.rows is not None:
                 orch.warm_prefill_rows(*s.rows)
+            elif s.batch is not None:
+                orch.warm_decode_batch(s.batch)
             else:
                 orch.warmup(prompt_lengths=(s.prompt_len,), prompt_logprobs=s.score)
             on_step()

@@ -8,6 +8,10 @@ run (jetserve.bench.bandwidth; before the first batch and after the last, best k
 
     fraction_of_floor = floor_ms / step_ms     (1.0: at the floor)
 
+With `slots`, one engine of that many slots is built instead and each batch B below it is
+timed as a step over its first B slots (EngineConfig.decode_batch_sizes), what a server
+with `--decode-batch-sizes` runs when only those slots are in use.
+
 The live context grows by one token per step; floors use the mean live context of the
 timed steps. Everything runs in this thread; the parameters are loaded once and shared
 by the engines (same devices, same layout).
@@ -49,6 +53,9 @@ class DecodeBenchConfig:
     quantize: str = "none"  # matmul weights: none | int8 | int4
     kv_dtype: str = "auto"  # auto | int8
     layers: str = "auto"  # EngineConfig.layers: auto | loop | scan
+    # One engine of this many slots, each batch B below it timed as a step over its first
+    # B slots (EngineConfig.decode_batch_sizes); None: an engine of B slots per batch.
+    slots: int | None = None
 
     def __post_init__(self):
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
@@ -60,6 +67,8 @@ class DecodeBenchConfig:
             raise ValueError(f"warmup must be >= 1 (the first step compiles), got {self.warmup}")
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
+        if self.slots is not None and not all(b <= self.slots for b in self.batches):
+            raise ValueError(f"slots {self.slots} must hold every batch, got {self.batches}")
         need = self.context + self.warmup + self.steps
         if self.max_seq_len is not None and self.max_seq_len < need:
             raise ValueError(f"max_seq_len {self.max_seq_len} is below context + warmup + "
@@ -86,15 +95,18 @@ def fill_slots(engine: TransformerEngine, params, context: int, seed: int = 0):
     return state
 
 
-def time_steps(engine: TransformerEngine, params, state, *, warmup: int, steps: int):
-    """Per-step seconds of engine.generate, each blocked on; returns (times, state)."""
+def time_steps(engine: TransformerEngine, params, state, *, warmup: int, steps: int,
+               rows: int | None = None):
+    """Per-step seconds of engine.generate (over the first `rows` slots, None: all), each
+    blocked on; returns (times, state)."""
+    rows_kw = {} if rows is None else {"rows": rows}
     for _ in range(warmup):
-        state, res = engine.generate(params, state)
+        state, res = engine.generate(params, state, **rows_kw)
     jax.block_until_ready(res.data)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        state, res = engine.generate(params, state)
+        state, res = engine.generate(params, state, **rows_kw)
         jax.block_until_ready(res.data)
         times.append(time.perf_counter() - t0)
     return times, state
@@ -122,25 +134,25 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
         if cfg.dtype == "float32" else
         f"bandwidth {bw0.gbps:.1f} GB/s ({bw0.method}), {cfg.dtype} matmul "
         f"{flops0 / 1e9:.1f} GFLOP/s")
-    params = None
+    params = engine = state = None
     raw = []
     for b in cfg.batches:
-        engine = build_engine(cfg.model, devices=devices, sharding=cfg.sharding,
-                              engine_config=EngineConfig(
-                                  max_concurrent_decodes=b, max_seq_len=cfg.seq_len,
-                                  max_prefill_length=min(512, cfg.context), dtype=cfg.dtype,
-                                  quantize=cfg.quantize, kv_dtype=cfg.kv_dtype,
-                                  layers=cfg.layers))
-        if params is None:
-            params = engine.load_params()
-            spec = ModelSpec.from_config(engine.model_config)
-        state = fill_slots(engine, params, cfg.context)
+        if engine is None or cfg.slots is None:
+            del engine, state  # the previous batch's cache goes before the next is made
+            engine = build_engine(cfg.model, devices=devices, sharding=cfg.sharding,
+                                  engine_config=_engine_config(cfg, b))
+            if params is None:
+                params = engine.load_params()
+                spec = ModelSpec.from_config(engine.model_config)
+            state = fill_slots(engine, params, cfg.context)
         t_compile = time.perf_counter()
-        times, state = time_steps(engine, params, state, warmup=cfg.warmup, steps=cfg.steps)
+        rows = b if cfg.slots is not None and b < cfg.slots else None
+        times, state = time_steps(engine, params, state, warmup=cfg.warmup, steps=cfg.steps,
+                                  rows=rows)
         raw.append((b, times))
         log(f"batch {b}: median {statistics.median(times) * 1e3:.2f} ms, best "
             f"{min(times) * 1e3:.2f} ms ({time.perf_counter() - t_compile:.1f} s with compile)")
-        del state, engine
+    del state, engine
     bw1, flops1 = probe(cfg, devices[0])
     bw_best = max(bw0.best_bps, bw1.best_bps)
     flops = max(flops0, flops1)
@@ -169,6 +181,7 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
     return {
         "model": cfg.model, "dtype": cfg.dtype, "quantize": cfg.quantize,
         "kv_dtype": cfg.kv_dtype, "layers": cfg.layers, "max_seq_len": cfg.seq_len,
+        "slots": cfg.slots,
         "bandwidth_gbps": round(bw_best / 1e9, 2),
         "bandwidth_probes_gbps": [round(bw0.gbps, 2), round(bw1.gbps, 2)],
         "bandwidth_method": bw0.method if bw0.best_bps >= bw1.best_bps else bw1.method,
@@ -179,6 +192,15 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
         "cpus": os.cpu_count(),
         "rows": rows,
     }
+
+
+def _engine_config(cfg: DecodeBenchConfig, batch: int) -> EngineConfig:
+    """An engine of `batch` slots, or of cfg.slots with a step for each smaller batch."""
+    slots = cfg.slots or batch
+    return EngineConfig(max_concurrent_decodes=slots, max_seq_len=cfg.seq_len,
+                        max_prefill_length=min(512, cfg.context), dtype=cfg.dtype,
+                        quantize=cfg.quantize, kv_dtype=cfg.kv_dtype, layers=cfg.layers,
+                        decode_batch_sizes=tuple(sorted({b for b in cfg.batches if b < slots})))
 
 
 def _sig(x: float, digits: int = 4) -> float:

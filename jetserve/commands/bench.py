@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--loras", type=int, default=0,
                    help="N > 0: the step with slots on N LoRA adapters against the base's")
     d.add_argument("--lora-rank", type=int, default=16, help="rank of those adapters")
+    d.add_argument("--slots", type=int, default=None, help="one engine of N slots; each "
+                   "batch below N is a step over its first slots (--decode-batch-sizes)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(_bench=_decode)
 
@@ -233,11 +235,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_bytes(gb: float | None) -> int | None:
-    if gb is None:
-        return None
-    if not gb > 0:
+    if gb is not None and not gb > 0:
         raise ValueError(f"--read-gb must be > 0, got {gb}")
-    return int(gb * 1e9)
+    return None if gb is None else int(gb * 1e9)
 
 
 def _decode(args: argparse.Namespace) -> int:
@@ -247,7 +247,8 @@ def _decode(args: argparse.Namespace) -> int:
         model=args.model, batches=tuple(parse_batches(args.batch)), context=args.context,
         steps=args.steps, warmup=args.warmup, dtype=args.dtype,
         max_seq_len=args.max_seq_len, read_bytes=_read_bytes(args.read_gb),
-        matmul_size=args.matmul_size, quantize=args.quantize, kv_dtype=args.kv_dtype)
+        matmul_size=args.matmul_size, quantize=args.quantize, kv_dtype=args.kv_dtype,
+        slots=args.slots)
     log = (lambda *a: None) if args.json else print
     if args.loras:
         from engines.lora import LoraConfig

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import jax
 
 from engines import EngineConfig, quantization
-from engines.engine_config import LAYER_MODES, parse_speculative
+from engines.engine_config import LAYER_MODES, parse_decode_batch_sizes, parse_speculative
 from jetserve import compile_cache, context_length, distributed, lora_adapters
 from jetserve.model_loading import model_config
 from jetserve.scheduling.policy import PREFILL_FIRST, STEP_POLICIES
@@ -42,6 +42,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "N > 1 compiles calls of 2, 4 .. N prompts per bucket, each at most "
                         "--max-prefill-length tokens: short prompts, whose prefill mostly "
                         "reads the weights, then cost about one call for several")
+    p.add_argument("--decode-batch-sizes", default="none",
+                   help="slot counts below --max-concurrent-decodes the generate step is "
+                        "compiled for too: 'auto' (1, 2, 4 ..), comma-separated counts, or "
+                        "'none'. A step whose slots in use all lie below one runs only "
+                        "those rows: fewer requests, a cheaper step")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest prompt + generated tokens (default: the model's "
                         "max_position_embeddings, capped by what fits in memory)")
@@ -95,6 +100,10 @@ def engine_config(args: argparse.Namespace,
         parse_speculative(args.speculative)
     except ValueError as e:
         raise ValueError(f"--speculative: {e}") from None
+    try:
+        sizes = parse_decode_batch_sizes(args.decode_batch_sizes, decode_slots(args))
+    except ValueError as e:
+        raise ValueError(f"--decode-batch-sizes: {e}") from None
     return EngineConfig(max_concurrent_decodes=decode_slots(args),
                         max_prefill_length=prefill, max_seq_len=seq,
                         dtype=args.dtype, kv_layout=args.kv_layout,
@@ -102,7 +111,7 @@ def engine_config(args: argparse.Namespace,
                         quantize=args.quantize, quant_group_size=args.quant_group_size,
                         kv_dtype=args.kv_dtype, speculative=args.speculative,
                         layers=args.layers, prefill_batch=args.prefill_batch,
-                        **lora_adapters.engine_fields(args))
+                        decode_batch_sizes=sizes, **lora_adapters.engine_fields(args))
 
 
 def decode_slots(args: argparse.Namespace) -> int:

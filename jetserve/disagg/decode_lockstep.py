@@ -10,7 +10,9 @@ other process replays on its copy of the decode state (`follow`):
   {"op": "spread", address, uuids, leaves, offered}  the next prefix (prefix_spread.py:
                       process 0 offers each process its blocks; all agree it landed)
   {"op": "insert", "slot"}    insert the spread prefix     {"op": "free", "slot"}
-  {"op": "generate"}          one step                     {"op": "init"}  fresh state
+  {"op": "generate", "rows"}  one step (over the first rows  {"op": "init"}  fresh state
+                              slots; None: all)
+  {"op": "move", "src", "dst"}  a running request to a lower slot (GenerateWorker._compact)
   {"op": "idle"}              nothing (process 0 sends one when no call came for
                               `idle_s`, so the others see a stop soon)
   {"op": "stop"}              leave
@@ -96,13 +98,19 @@ class LockStepGenerate:
             self._send({"op": "insert", "slot": slot})
             return self.engine.insert(prefix, decode_state, slot)
 
-    def generate(self, params: Any, decode_state: Any, token_mask: Any = None) -> Any:
+    def generate(self, params: Any, decode_state: Any, token_mask: Any = None,
+                 rows: int | None = None) -> Any:
         if token_mask is not None:
             raise ValueError("token_mask: structured output is not available when several "
                              "processes serve one model (lock-step)")
         with self._lock:
-            self._send({"op": "generate"})
-            return self.engine.generate(params, decode_state)
+            self._send({"op": "generate", "rows": rows})
+            return self.engine.generate(params, decode_state, **_rows(rows))
+
+    def move_slot(self, decode_state: Any, src: int, dst: int) -> Any:
+        with self._lock:
+            self._send({"op": "move", "src": src, "dst": dst})
+            return self.engine.move_slot(decode_state, src, dst)
 
     def free_slot(self, slot: int) -> None:
         with self._lock:
@@ -150,7 +158,9 @@ def follow(engine: Any, params: Any, spreader: PrefixSpreader,
             elif op == "insert":
                 state, spread = engine.insert(spread, state, turn["slot"]), None
             elif op == "generate":
-                state, _ = engine.generate(params, state)
+                state, _ = engine.generate(params, state, **_rows(turn.get("rows")))
+            elif op == "move":
+                state = engine.move_slot(state, turn["src"], turn["dst"])
             elif op == "free":
                 engine.free_slot(turn["slot"])
             elif op == "init":
@@ -159,6 +169,11 @@ def follow(engine: Any, params: Any, spreader: PrefixSpreader,
             pass  # dropped on every process; process 0 prefills the request again
         except Exception:  # the same failure on process 0, which recovers alike
             log.exception("decode lock-step %s failed", op)
+
+
+def _rows(rows: int | None) -> dict:
+    """generate's keyword for a step over the first `rows` slots (none for all)."""
+    return {} if rows is None else {"rows": rows}
 
 
 class DecodeFollower:

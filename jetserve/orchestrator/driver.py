@@ -23,12 +23,11 @@ Threads and who owns what
      detokenize thread (detokenize_worker.py), one: text, stop strings, deltas,
        finish reasons; the only writer of request streams (handle.py)
 
-Every queue is bounded, so memory stays flat under overload: a full queue blocks the
-stage before it, back to admission, which refuses. A request is held by one stage at a
-time (live.py says which fields cross threads). Cancellation and deadlines are flags the
-holding stage checks: a request in a slot is released before the next step. The driver
-itself only wires the stages together, admits requests and keeps the registry of requests
-in flight (under a lock).
+Every queue is bounded, so memory stays flat under overload: a full queue blocks the stage
+before it, back to admission, which refuses. A request is held by one stage at a time
+(live.py says which fields cross threads); cancellation and deadlines are flags the holding
+stage checks: a request in a slot is released before the next step. The driver only wires
+the stages, admits requests and keeps the registry of requests in flight (under a lock).
 
 Interleaved mode: the same engine object (and params) in both lists; its prefill thread
 feeds its own generate thread directly, and that generate thread waits rather than steps
@@ -37,12 +36,11 @@ decode-first (jetserve/scheduling/policy.py), steps at once and lets at most
 max_num_batched_tokens of prefill run before each step (step_budget.py). Disaggregated
 mode: prefill and generate engines are different objects, normally on disjoint slices.
 
-KV pages (a paged generate engine): its generate thread admits from the backlog only what
-fits in the free pages and preempts when a step would run out; preempted requests go back
-to the prefill threads through the resume queue (unbounded, but never longer than the
-number of slots) and are recomputed. Prompts longer than max_prefill_length (or than
-`prefill_chunk`, when given) are prefilled in chunks and, interleaved, the generate thread
-steps between chunks.
+KV pages (a paged generate engine): its generate thread admits from the backlog what fits
+in the free pages and preempts when a step would run out; preempted requests return to the
+prefill threads through the resume queue (unbounded, at most one per slot) to be
+recomputed. Prompts longer than max_prefill_length (or `prefill_chunk`) are prefilled in
+chunks and, interleaved, the generate thread steps between chunks.
 """
 
 from __future__ import annotations
@@ -72,8 +70,8 @@ from jetserve.orchestrator.wiring import (
     build_prefix_cache,
     check_engines,
     direct_route,
+    generate_stats,
     least_loaded_route,
-    page_stats,
     pending_for,
     step_between,
     step_policy,
@@ -406,8 +404,7 @@ class Orchestrator:
                           "transfers": t.transfers} for t in self._transfer],
             "generate": [{"engine": g.index, "slots": g.slots.size,
                           "slots_in_use": g.slots.in_use, "backlog": len(g.backlog),
-                          "steps": g.steps, **g.readback.counts(), **page_stats(g)}
-                         for g in self._generate],
+                          **generate_stats(g)} for g in self._generate],
             "resume_queue": self._resume.qsize(),
             "prefix_cache": [{"engine": w.index, **w.cache.stats()} for w in self._prefill
                              if w.cache is not None],
@@ -437,10 +434,15 @@ class Orchestrator:
 
     def warm_prefill_rows(self, rows: int, bucket: int) -> None:
         """Compiles (and runs once, on throwaway prompts) the prefill of `rows` prompts of
-        `bucket` tokens on every prefill engine that makes such calls."""
+        `bucket` tokens on every prefill engine that makes such calls; `warm_decode_batch`
+        the generate step over the first `rows` slots (GenerateWorker.warm_batch)."""
         for p in self._prefill:
             if p.max_rows >= rows:
                 p.warm_rows(rows, bucket)
+
+    def warm_decode_batch(self, rows: int) -> None:
+        for g in self._generate:
+            g.warm_batch(rows)
 
     # ---- what the served model is --------------------------------------------------------
 

@@ -8,7 +8,9 @@ scheduler plans (`Scheduler.plan` -> a `Turn`) and the loop runs the plan:
      deadline, so a cancelled request leaves its slot before the next step;
   2. insert waiting prefixes from the backlog into the slots the plan gave them (fair
      per client, while their pages fit);
-  3. step: dispatch `engine.generate` (asynchronous), start its host copy, then read the
+  3. step: dispatch `engine.generate` (asynchronous; over the first slots only when the
+     engine has a smaller decode batch size holding every slot in use), start its host
+     copy, then read the
      *previous* step's results, which had a whole step to land on the host, so the device
      always has the next step queued while the host looks at tokens. A request whose
      token budget ends with the step just dispatched leaves its slot at once; one that
@@ -59,7 +61,7 @@ from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Turn, Waiting
 from jetserve.scheduling.policy import StepPolicy
 from jetserve.scheduling.scheduler import Scheduler
-from jetserve.scheduling.slots import SlotTable
+from jetserve.scheduling.slots import SlotTable, compaction, rows_kwargs, step_batch
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,11 @@ class GenerateWorker:
                                  read_failed=lambda e, lives: self._fail_all(e, extra=lives))
         self.backlog = Backlog(backlog_size)
         self.state = engine.init_decode_state()
+        # The slot counts a step is compiled for (the last: every slot); a step runs the
+        # smallest that holds the slots in use (engines.engine_api decode_batch_sizes).
+        self.batch_sizes = tuple(engine.decode_batch_sizes)
+        self.batch_steps = dict.fromkeys(self.batch_sizes, 0)  # steps run at each size
+        self.moves = 0  # requests moved to a lower slot (_compact)
         # Held while the decode state is replaced (insert, step) or read from another
         # thread (read_pages): a donated state must not be read after it is gone.
         self.state_lock = threading.Lock()
@@ -315,19 +322,23 @@ class GenerateWorker:
             self.readback.sync()  # constrained slots' next masks need their last tokens
         if not self.slots.in_use:
             return
+        if len(self.batch_sizes) > 1:
+            self._compact()
         rows = self.slots.rows()
         t = time.monotonic()
         try:
-            mask, paused = step_mask(rows, self.engine.max_concurrent_decodes,
-                                     self.engine.vocab_size, pause=True)
+            batch = step_batch(rows, self.batch_sizes)
+            mask, paused = step_mask(rows, batch, self.engine.vocab_size, pause=True)
             with self.step_window(), self.state_lock:
                 self.state, res = self.engine.generate(self.params, self.state,
-                                                       **mask_kwargs(mask))
+                                                       **mask_kwargs(mask),
+                                                       **rows_kwargs(batch, self.batch_sizes))
             res.copy_to_host_async()
         except Exception as e:
             log.exception("generate step failed on engine %d", self.index)
             self._fail_all(e)
             return
+        self.batch_steps[batch] += 1
         with self._step_cond:
             self.steps += 1
             self._step_cond.notify_all()
@@ -343,11 +354,41 @@ class GenerateWorker:
         self.ending = ending
         self.readback.dispatched(res, rows, t)
 
+    def _compact(self) -> None:
+        """Moves running requests down into free lower slots where that lets the step run
+        a smaller decode batch size (one copy of a slot's cache each, against a cheaper
+        step for as long as they run). The read-back of a step already dispatched keeps
+        its own (slot, request) rows, so its tokens are read where that step put them."""
+        for src, dst in compaction(self.slots.rows(), self.batch_sizes):
+            try:
+                with self.state_lock:
+                    self.state = self.engine.move_slot(self.state, src, dst)
+            except Exception as e:
+                log.exception("moving slot %d to %d failed on engine %d", src, dst, self.index)
+                self._recover_state(e)
+                return
+            self.slots.move(src, dst)
+            self.engine.free_slot(src)
+            self.moves += 1
+
+    def warm_batch(self, rows: int) -> None:
+        """Compiles the step over the first `rows` slots by running it while those slots
+        are empty (a step leaves an empty slot as it was); skipped where the engine has no
+        such size or a request holds one of them (it then compiles when first needed)."""
+        if rows not in self.batch_sizes[:-1]:
+            return
+        with self.state_lock:
+            if any(slot < rows for slot, _ in self.slots.rows()):
+                return
+            self.state, res = self.engine.generate(self.params, self.state, rows=rows)
+        jax.block_until_ready(res.data)
+
     # ---- helpers -------------------------------------------------------------------------
 
     def _finished(self, slot: int, live: LiveRequest) -> None:
-        if self.slots.owner(slot) is live:
-            self._release(slot)
+        del slot  # the step's slot; the request may have moved since (_compact)
+        if (now := self.slots.slot_of(live)) is not None:
+            self._release(now)
 
     def _release(self, slot: int) -> None:
         self.sched.release(slot)

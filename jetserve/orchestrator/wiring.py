@@ -40,10 +40,12 @@ def build_prefix_cache(engine: Engine, config: OrchestratorConfig,
                        host_bytes=host)
 
 
-def page_stats(g: GenerateWorker) -> dict:
-    if g.pages is None:
-        return {}
-    return {**g.sched.kv.stats(), "preemptions": g.preemptions}
+def generate_stats(g: GenerateWorker) -> dict:
+    """A generate thread's steps (how many ran at each decode batch size), read-back
+    counts and, on a paged engine, its pages and preemptions."""
+    pages = {} if g.pages is None else {**g.sched.kv.stats(), "preemptions": g.preemptions}
+    return {"steps": g.steps, "steps_by_batch": dict(g.batch_steps), "slot_moves": g.moves,
+            **g.readback.counts(), **pages}
 
 
 def check_engines(pe, ge, pp, gp) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jetserve.disagg.transfer_metrics import transfer_gauges
@@ -59,8 +59,19 @@ class _StatsCollector:
                 total.add_metric([engine], size)
         yield slots
         yield total
+        yield _batch_steps(stats)
         yield from _kv_gauges(stats)
         yield from transfer_gauges(stats)  # a --role decode process's pulls
+
+
+def _batch_steps(stats: dict) -> CounterMetricFamily:
+    """Generate steps run at each decode batch size (slots stepped), per engine."""
+    steps = CounterMetricFamily("jetserve_generate_steps", "Generate steps, by the decode "
+                                "batch size (slots) each ran at", labels=["engine", "batch"])
+    for row in stats.get("generate") or ():
+        for batch, n in (row.get("steps_by_batch") or {}).items():
+            steps.add_metric([str(row.get("engine", 0)), str(batch)], float(n))
+    return steps
 
 
 def _kv_gauges(stats: dict) -> Iterator[GaugeMetricFamily]:

@@ -373,14 +373,20 @@ class GenerateWorker:
 
     def warm_batch(self, rows: int) -> None:
         """Compiles the step over the first `rows` slots by running it while those slots
-        are empty (a step leaves an empty slot as it was); skipped where the engine has no
-        such size or a request holds one of them (it then compiles when first needed)."""
+        are empty (a step leaves an empty slot as it was), and with the smallest size the
+        slot move; skipped where the engine has no such size or a request holds one of
+        those slots (it then compiles when first needed)."""
         if rows not in self.batch_sizes[:-1]:
             return
         with self.state_lock:
-            if any(slot < rows for slot, _ in self.slots.rows()):
+            held = {slot for slot, _ in self.slots.rows()}
+            if any(slot < rows for slot in held):
                 return
             self.state, res = self.engine.generate(self.params, self.state, rows=rows)
+            last = self.slots.size - 1
+            if rows == self.batch_sizes[0] and not held & {0, last}:
+                # and a move between two empty slots (_compact's program)
+                self.state = self.engine.move_slot(self.state, last, 0)
         jax.block_until_ready(res.data)
 
     # ---- helpers -------------------------------------------------------------------------

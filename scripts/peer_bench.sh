@@ -30,7 +30,8 @@
 # SERVERS (default jetserve,jetserve-steady,jetserve-mixed,llamacpp,vllm: the servers to
 # run, in this order; a jetserve first, as the reference of the greedy check; without
 # llamacpp no llama-batched-bench). jetserve is `serve --interleaved` (prefill, insert and
-# generate turns, contiguous KV, prefill-first); jetserve-steady is the same with
+# generate turns, contiguous KV, prefill-first, `--decode-batch-sizes auto`: a step runs
+# the fewest slots that hold the requests); jetserve-steady is the same with
 # `--step-policy decode-first --prefill-lookahead 20` (steady TPOT, each prompt prefilled
 # at most 20 steps before its slot frees); jetserve-mixed is `serve --kv-layout paged
 # --scheduling mixed` (decode rows and prompt chunks in one step).
@@ -143,11 +144,12 @@ start_server() {  # NAME PORT; logs to OUT/server_NAME.log
   case $name in
     jetserve)
       exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
-        --max-seq-len "$MAX_TOTAL" --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
+        --max-seq-len "$MAX_TOTAL" --decode-batch-sizes auto \
+        --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
     jetserve-steady)
       exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
         --max-seq-len "$MAX_TOTAL" --step-policy decode-first --prefill-lookahead 20 \
-        --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
+        --decode-batch-sizes auto --host 127.0.0.1 --http-port "$port" --grpc-port -1 ;;
     jetserve-mixed)
       exec "$PY" -m jetserve serve --model "$HF" --interleaved --max-concurrent-decodes "$SLOTS" \
         --max-seq-len "$MAX_TOTAL" --kv-layout paged --page-size 64 --scheduling mixed \

@@ -18,7 +18,7 @@ from engines.kv_cache import move_slot
 from jetserve import warmup
 from jetserve.disagg.decode_lockstep import LockStepGenerate, follow
 from jetserve.offline import generate_many
-from jetserve.orchestrator import Orchestrator, Request
+from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
 from tests.sharding.families import host_params, model_config, place
 
 SHAPES = dict(max_concurrent_decodes=8, max_prefill_length=32, max_seq_len=64)
@@ -55,12 +55,13 @@ def _requests():
             Request(prompt_ids=(5, 9, 2), max_tokens=14, ignore_eos=True)]
 
 
-def _serve(weights, sizes, monkeypatch):
+def _serve(weights, sizes, monkeypatch, policy="prefill-first"):
     moves_traced = []  # move_slot's traces (compiles)
     monkeypatch.setattr(transformer_engine, "move_slot", lambda *a, real=move_slot: (
         moves_traced.append(1), real(*a))[1])
     eng = _engine(sizes)
-    orch = Orchestrator.from_engines(eng, params=place(eng, weights))
+    orch = Orchestrator.from_engines(eng, params=place(eng, weights),
+                                     config=OrchestratorConfig(step_policy=policy))
     orch.start()
     try:
         warmup.run(orch)
@@ -75,16 +76,24 @@ def _serve(weights, sizes, monkeypatch):
         orch.stop()
 
 
-def test_steps_take_the_fewest_slots_and_stream_what_full_steps_do(weights, monkeypatch):
-    full, rows_full, _, stats_full = _serve(weights, (), monkeypatch)
-    few, rows_few, compiled, stats = _serve(weights, (1, 2, 4), monkeypatch)
+@pytest.mark.parametrize("policy", ["prefill-first", "decode-first"])
+def test_steps_take_the_fewest_slots_and_stream_what_full_steps_do(weights, monkeypatch,
+                                                                    policy):
+    full, rows_full, _, stats_full = _serve(weights, (), monkeypatch, policy)
+    few, rows_few, compiled, stats = _serve(weights, (1, 2, 4), monkeypatch, policy)
     assert set(rows_full) == {None} and stats_full["slot_moves"] == 0
     assert [r.token_ids for r in few] == [r.token_ids for r in full]
     assert [len(r.token_ids) for r in few] == [3, 6, 14]
-    # Three requests in slots 0-2 step as 4 slots; the last, moved down to slot 0 and
-    # alone at the end, as 1.
-    assert 4 in rows_few and rows_few[-1] == 1 and None not in rows_few
-    assert stats["slot_moves"] >= 1 and stats["steps_by_batch"][1] >= 1
+    # No step runs all 8 slots; the last request, alone at the end, steps as 1 slot.
+    assert None not in rows_few and rows_few[-1] == 1 and stats["steps_by_batch"][1] >= 1
+    if policy == "prefill-first":
+        # All three prompts are inserted before the first step: slots 0-2 step as 4; the
+        # last, once the others end, moves down to slot 0.
+        assert 4 in rows_few and stats["slot_moves"] >= 1
+    else:
+        # Decode-first inserts one prompt between steps, so the step grows 1, 2, then 4
+        # or back to 1 as short requests end before the next insert.
+        assert max(rows_few) <= 4 and rows_few[0] == 1
     assert compiled == (0, 0)  # the warm-up compiled every size and the slot move
 
 

@@ -162,7 +162,8 @@ def generate(model: Decoder, top_n: int, params, state: DecodeState, token_mask=
     rows: step only the first `rows` slots (a decode batch size below the state's B, a
     program of its own; token_mask then has `rows` rows): their cache is written and read
     in place, the other slots' fields and cache are untouched, and their result rows say
-    no token. The step's matmuls, sampling and read-back then scale with `rows`, not B."""
+    no token (padding: the results keep B rows). The step's matmuls, attention and
+    sampling then scale with `rows`, not B."""
     B = state.lengths.shape[0]
     if rows is not None and rows < B:
         new_state, results = generate(model, top_n, params, first_slots(state, rows),

@@ -267,18 +267,16 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         gen = (functools.partial(generate_speculative, self.model, top_n, spec.k, draft_model)
                if spec.enabled else
                functools.partial(device_functions.generate, self.model, top_n))
-        # One program per decode batch size (device_functions.generate `rows`; the last,
-        # every slot, is the plain step).
+        # One program per decode batch size (device_functions.generate `rows`); None, every
+        # slot, is the plain step.
         self._generate_jits = {rows: exported_programs.cached_jit(
-            self._counted("generate", laid_out(functools.partial(gen, rows=rows))),
-            name=f"generate{rows}", context=context,
+            self._counted("generate", laid_out(
+                gen if rows is None else functools.partial(gen, rows=rows))),
+            name=f"generate{rows or ''}", context=context,
             in_shardings=(self.param_shardings, state_sh, r, *draft_sh),  # r: token_mask
             out_shardings=(state_sh, r), donate_argnums=(1,),
-        ) for rows in self.decode_batch_sizes[:-1]}
-        self._generate_jit = self._generate_jits[None] = exported_programs.cached_jit(
-            self._counted("generate", laid_out(gen)), name="generate", context=context,
-            in_shardings=(self.param_shardings, state_sh, r, *draft_sh),  # r: token_mask
-            out_shardings=(state_sh, r), donate_argnums=(1,))
+        ) for rows in (*self.decode_batch_sizes[:-1], None)}
+        self._generate_jit = self._generate_jits[None]
         self._build_block_jits(prefix_sh)
         self._move_slot_jit = exported_programs.cached_jit(
             move_slot, name="move_slot", context=context, in_shardings=(state_sh, r, r),

@@ -434,13 +434,14 @@ class Orchestrator:
 
     def warm_prefill_rows(self, rows: int, bucket: int) -> None:
         """Compiles (and runs once, on throwaway prompts) the prefill of `rows` prompts of
-        `bucket` tokens on every prefill engine that makes such calls; `warm_decode_batch`
-        the generate step over the first `rows` slots (GenerateWorker.warm_batch)."""
+        `bucket` tokens on every prefill engine that makes such calls."""
         for p in self._prefill:
             if p.max_rows >= rows:
                 p.warm_rows(rows, bucket)
 
     def warm_decode_batch(self, rows: int) -> None:
+        """Compiles the generate step over the first `rows` slots on every generate engine
+        with that decode batch size (GenerateWorker.warm_batch)."""
         for g in self._generate:
             g.warm_batch(rows)
 

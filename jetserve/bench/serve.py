@@ -356,29 +356,44 @@ def run(url: str, rates: Sequence[float], w: Workload, **kw) -> dict:
     return asyncio.run(run_async(url, rates, w, **kw))
 
 
-def plot(results: Sequence[dict], path: str) -> str:
-    """Latency (TTFT, TPOT; p50 solid, p99 dashed) against output tokens/s, one line per run."""
+def figure(results: Sequence[dict]):
+    """Latency (TTFT, TPOT) against output tokens/s, one colour per run; p50 solid with
+    circles, p99 dashed with squares. One legend under both panels, so it covers no point:
+    a run per entry (its `label`), and one entry each for the p50 and p99 line styles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    handles = []
     for res in results:
         xs = [r["throughput_tok_s"] for r in res["rows"]]
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
-            (line,) = ax.plot(xs, [r[key]["p50"] for r in res["rows"]], "o-",
-                              label=f"{res['label']} p50")
-            ax.plot(xs, [r[key]["p99"] for r in res["rows"]], "s--", color=line.get_color(),
-                    label=f"{res['label']} p99")
+            (line,) = ax.plot(xs, [r[key]["p50"] for r in res["rows"]], "o-")
+            ax.plot(xs, [r[key]["p99"] for r in res["rows"]], "s--", color=line.get_color())
+        handles.append(Line2D([], [], color=line.get_color(), lw=2, label=res["label"]))
+    handles += [Line2D([], [], color="0.4", marker="o", ls="-", label="p50"),
+                Line2D([], [], color="0.4", marker="s", ls="--", label="p99")]
     for ax, title in zip(axes, ("time to first token", "time per output token"), strict=True):
         ax.set_xlabel("throughput (output tokens/s)")
         ax.set_ylabel("ms (log scale)")
         ax.set_yscale("log")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    rows = -(-len(handles) // 4)
+    fig.tight_layout(rect=(0, 0.07 * rows, 1, 1))  # room under the panels for the legend
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8,
+               frameon=False)
+    return fig
+
+
+def plot(results: Sequence[dict], path: str) -> str:
+    """Writes `figure(results)` to `path` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

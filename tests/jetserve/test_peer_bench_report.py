@@ -196,3 +196,23 @@ def test_report_without_llamacpp_keeps_jetserves_decode_column(tmp_path):
         "a log line\n" + json.dumps({"rows": [{"batch": 8, "tokens_per_s": 274.0}]}))
     md = report.report(str(tmp_path), ["jetserve"])
     assert "| 8 | - | 274 | - |" in md
+
+
+def test_plot_legend_sits_under_the_panels_with_one_entry_per_server():
+    """Five servers (the sweep's count): the legend covers no panel, names each server once
+    and the p50 / p99 styles once each."""
+    from jetserve.bench import serve
+
+    names = ["jetserve", "jetserve decode-first", "jetserve mixed", "vLLM-CPU", "llama.cpp"]
+    fig = serve.figure([{**JETSERVE, "label": n} for n in names])
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [*names, "p50", "p99"]
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not ax.legend_
+        assert not box.overlaps(ax.get_tightbbox(renderer)), ax.get_title()
+    assert box.y1 < min(ax.get_window_extent(renderer).y0 for ax in fig.axes)
+    # Every point of every run is still drawn: two lines (p50, p99) per server per panel.
+    assert all(len(ax.get_lines()) == 2 * len(names) for ax in fig.axes)

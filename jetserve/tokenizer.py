@@ -108,6 +108,29 @@ class SentencePieceTokenizer(_Base):
                         key=len, reverse=True)
         return re.compile("(" + "|".join(map(re.escape, pieces)) + ")") if pieces else None
 
+    def encode_verbatim(self, text: str) -> list[int]:
+        """Ids whose pieces spell `text` exactly, byte for byte as `token_bytes` reads
+        them: no dummy leading "▁", no normalization or whitespace folding, and special
+        pieces written in the text taken as text. A grammar continues text with these
+        (structured/vocabulary.py); `encode` is how a prompt reaches the model, where
+        sentencepiece's dummy prefix would put a space before the text."""
+        return list(self._verbatim_sp.EncodeAsIds(text))
+
+    @functools.cached_property
+    def _verbatim_sp(self):
+        """This model with the identity normalizer (same pieces, same scores)."""
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        proto = pb.ModelProto()
+        proto.ParseFromString(self.sp.serialized_model_proto())
+        norm = proto.normalizer_spec
+        norm.name, norm.precompiled_charsmap = "identity", b""
+        norm.add_dummy_prefix = norm.remove_extra_whitespaces = False
+        sp = spm.SentencePieceProcessor()
+        sp.LoadFromSerializedProto(proto.SerializeToString())
+        return sp
+
     def decode(self, ids: list[int]) -> str:
         return self.sp.DecodeIds([int(i) for i in ids if 0 <= i < self.vocab_size])
 

@@ -68,4 +68,6 @@ class _Pieces:
     def __call__(self, text: str) -> list[int]:
         if isinstance(text, bytes):  # llguidance probes with bytes; we take text only
             raise TypeError("text, not bytes")
-        return self._tok.encode(text, add_bos=False)
+        # llguidance reads these ids as exactly `text` (the bytes it forces, which it
+        # tokenizes to allow); `encode` would start them with a space (the dummy prefix)
+        return self._tok.encode_verbatim(text)

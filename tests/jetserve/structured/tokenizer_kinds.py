@@ -66,6 +66,19 @@ def write_llama_tokenizer_json(d, *, legacy: bool):
     return d
 
 
+def write_llama2_normalizer_json(d):
+    """transformers' conversion with the older layout Llama-2 checkpoints publish: the
+    "▁" prefix and spaces made by the normalizer (Prepend, Replace), no pre-tokenizer."""
+    write_llama_tokenizer_json(d, legacy=True)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    spec["pre_tokenizer"] = None
+    (d / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    return d
+
+
 def write_byte_level(d, added: tuple[str, ...] = ("<tool_call>",)):
     """A byte-level BPE (GPT-2 / Llama 3 style) with special <|bos|> <|eos|> <|pad|> and
     the non-special added tokens `added`."""

@@ -41,6 +41,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def encode_verbatim(self, text: str) -> list[int]:
+        """Ids that spell `text` exactly (a grammar's tokenize, structured/vocabulary.py)."""
+        return self.encode(text)
+
     def id_to_bytes(self, i: int) -> bytes:
         return bytes([i]) if 0 <= i < 256 else b""
 

@@ -108,6 +108,29 @@ class SentencePieceTokenizer(_Base):
                         key=len, reverse=True)
         return re.compile("(" + "|".join(map(re.escape, pieces)) + ")") if pieces else None
 
+    def encode_verbatim(self, text: str) -> list[int]:
+        """Ids whose pieces spell `text` exactly, byte for byte as `token_bytes` reads
+        them: no dummy leading "▁", no normalization or whitespace folding, and special
+        pieces written in the text taken as text. A grammar continues text with these
+        (structured/vocabulary.py); `encode` is how a prompt reaches the model, where
+        sentencepiece's dummy prefix would put a space before the text."""
+        return list(self._verbatim_sp.EncodeAsIds(text))
+
+    @functools.cached_property
+    def _verbatim_sp(self):
+        """This model with the identity normalizer (same pieces, same scores)."""
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        proto = pb.ModelProto()
+        proto.ParseFromString(self.sp.serialized_model_proto())
+        norm = proto.normalizer_spec
+        norm.name, norm.precompiled_charsmap = "identity", b""
+        norm.add_dummy_prefix = norm.remove_extra_whitespaces = False
+        sp = spm.SentencePieceProcessor()
+        sp.LoadFromSerializedProto(proto.SerializeToString())
+        return sp
+
     def decode(self, ids: list[int]) -> str:
         return self.sp.DecodeIds([int(i) for i in ids if 0 <= i < self.vocab_size])
 
@@ -156,21 +179,66 @@ class HFTokenizer(_Base):
         return self.tok.id_to_token(int(i)) or ""
 
     def token_bytes(self, i: int) -> bytes | None:
-        """The bytes token `i` stands for, where its piece says exactly: a byte-fallback
-        piece, or any piece of a byte-level BPE; None for special tokens and otherwise."""
-        from tokenizers import decoders
-
-        piece = self.tok.id_to_token(int(i))
-        if piece is None or int(i) in self._special_ids:
+        """The bytes token `i` adds after other text: an added token's own text, a
+        byte-fallback piece's byte, a byte-level BPE piece's bytes, a Metaspace piece's
+        text with its "▁" a space; None for special tokens, and where the decoder is none
+        of these (the piece does not say)."""
+        i = int(i)
+        piece = self.tok.id_to_token(i)
+        if piece is None or i in self._special_ids:
             return None
+        if i in self._added_text:
+            return self._added_text[i].encode("utf-8")
         m = _BYTE_PIECE.fullmatch(piece)
         if m:
             return bytes([int(m.group(1), 16)])
-        if isinstance(self.tok.decoder, decoders.ByteLevel):
+        reading = self._piece_reading
+        if reading == "byte_level":
             chars = _byte_level_chars()
             if all(c in chars for c in piece):
                 return bytes(chars[c] for c in piece)
+        elif reading is not None:  # the character the decoder replaces with a space
+            return piece.replace(reading, " ").encode("utf-8")
         return None
+
+    @functools.cached_property
+    def _piece_reading(self) -> str | None:
+        """How the decoder reads a piece: "byte_level", the one character it replaces
+        with a space (Metaspace, or Llama's Replace + ByteFallback), or None."""
+        dec = json.loads(self.tok.to_str()).get("decoder") or {}
+        for d in [dec, *(dec.get("decoders") or [])]:
+            if d.get("type") == "ByteLevel":
+                return "byte_level"
+            if d.get("type") == "Metaspace":
+                return d.get("replacement", "\u2581")
+            pattern = (d.get("pattern") or {}).get("String")
+            if d.get("type") == "Replace" and d.get("content") == " " and len(pattern or "") == 1:
+                return pattern
+        return None
+
+    @functools.cached_property
+    def _added_text(self) -> dict[int, str]:
+        return {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()
+                if not t.special}
+
+    def encode_verbatim(self, text: str) -> list[int]:
+        """Ids whose `token_bytes` spell `text` exactly: no prefix space added (Metaspace
+        prepend, a Prepend normalizer, byte-level add_prefix_space) and special tokens
+        written in the text taken as text. A grammar continues text with these."""
+        return list(self._verbatim_tok.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def _verbatim_tok(self):
+        from tokenizers import Tokenizer
+
+        spec = json.loads(self.tok.to_str())
+        spec["normalizer"] = _without_prepend(spec.get("normalizer"))
+        _never_prepend(spec.get("pre_tokenizer"))
+        tok = Tokenizer.from_str(json.dumps(spec))
+        tok.no_padding()
+        tok.no_truncation()
+        tok.encode_special_tokens = True
+        return tok
 
     @functools.cached_property
     def _special_ids(self) -> frozenset[int]:
@@ -178,6 +246,29 @@ class HFTokenizer(_Base):
 
 
 Tokenizer = SentencePieceTokenizer | HFTokenizer
+
+
+def _without_prepend(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tokenizer.json normalizer without its Prepend("▁") steps."""
+    if not spec or spec.get("type") == "Prepend":
+        return None
+    if spec.get("type") == "Sequence":
+        return {**spec, "normalizers": [n for n in spec["normalizers"]
+                                        if n.get("type") != "Prepend"]}
+    return spec
+
+
+def _never_prepend(spec: dict[str, Any] | None) -> None:
+    """Turns off, in place, the space a tokenizer.json pre-tokenizer puts before text."""
+    if not spec:
+        return
+    for p in spec.get("pretokenizers") or []:
+        _never_prepend(p)
+    if spec.get("type") == "Metaspace":
+        spec["prepend_scheme"] = "never"
+        spec.pop("add_prefix_space", None)
+    if spec.get("type") == "ByteLevel":
+        spec["add_prefix_space"] = False
 
 
 @functools.cache

@@ -39,7 +39,7 @@ from engines.engine_config import EngineConfig
 from engines.kv_cache import DecodeState, Prefix, insert_prefix
 from engines.lora_loading import read_adapter
 from engines.lora_registry import AdapterRegistry, adapter_id
-from engines.prefill_program import PrefillProgram
+from engines.prefill_program import PrefillProgram, empty_prefix
 from engines.speculative import generate_speculative
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
@@ -85,6 +85,14 @@ def lora_prefill(model, top_n, params, tokens, true_length, start, sampling, pro
                                            sampling, prompt_mask, existing, token_mask,
                                            *draft, draft_model=draft_model)
     return LoraPrefix(**_fields(prefix, Prefix), adapter_id=ident), res
+
+
+def lora_empty_prefix(config, draft_config, dtype, capacity: int) -> LoraPrefix:
+    """engines.prefill_program.empty_prefix as a LoRA prefill makes prefixes, for a
+    chunk loop's first chunk to continue. Its id is the base model's: each chunk's
+    prefix takes the id its own prefill is given, never the one it continues."""
+    base = empty_prefix(config, draft_config, dtype, capacity)
+    return LoraPrefix(**_fields(base, Prefix), adapter_id=jnp.zeros((), jnp.int32))
 
 
 def lora_insert(prefix: LoraPrefix, state: LoraDecodeState, slot, row) -> LoraDecodeState:
@@ -161,7 +169,8 @@ class LoraTransformerEngine(TransformerEngine):
                           pool_sh, r, r, *draft_sh),
             out_shardings=(prefix_sh, r), bucket_for=self.bucket_for,
             max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
-            draft_config=self._draft.model_config if self._draft else None)
+            draft_config=self._draft.model_config if self._draft else None,
+            empty=lora_empty_prefix)
         self._insert_jit = jax.jit(self._counted("insert", lora_insert),
                                    in_shardings=(prefix_sh, state_sh, r, r),
                                    out_shardings=state_sh, donate_argnums=(1,))

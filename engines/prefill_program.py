@@ -52,13 +52,18 @@ class PrefillProgram:
         `empty` prefixes.
       draft_config: a draft model's (speculative "draft:PATH:K"), whose KV of the prompt
         the prefix carries too; None without one.
+      empty: (config, draft_config, dtype, capacity) -> an empty prefix of the type `fn`
+        returns (a chunk loop's first chunk continues it, and out_shardings[0] lays it
+        out): an engine's own for a Prefix subclass with fields of its own; None:
+        `empty_prefix`.
       context: what the exported-program cache keys the prefill on besides its arguments;
         None: not through that cache (plain jax.jit).
     """
 
     def __init__(self, fn: Callable, *, in_shardings, out_shardings,
                  bucket_for: Callable[[int], int], max_seq_len: int, config: ModelConfig,
-                 dtype, draft_config: ModelConfig | None = None, context: str | None = None):
+                 dtype, draft_config: ModelConfig | None = None, context: str | None = None,
+                 empty: Callable[..., Prefix] | None = None):
         # Through the exported-program cache (engines/exported_programs.py) under `context`.
         self._copying = exported_programs.cached_jit(
             fn, name="prefill", context=context, in_shardings=in_shardings,
@@ -69,7 +74,8 @@ class PrefillProgram:
             fn, name="prefill_donating", context=context, in_shardings=in_shardings,
             out_shardings=out_shardings, donate_argnums=(EXISTING_ARG,))
         self._grow = jax.jit(grow_prefix, static_argnums=(1,))
-        self._empty = jax.jit(functools.partial(empty_prefix, config, draft_config, dtype),
+        self._empty = jax.jit(functools.partial(empty or empty_prefix, config, draft_config,
+                                                dtype),
                               static_argnums=(0,), out_shardings=out_shardings[0])
         self._bucket_for = bucket_for
         self._max_seq_len = max_seq_len

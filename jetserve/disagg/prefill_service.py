@@ -27,6 +27,7 @@ from jetserve.disagg import prefix_wire
 from jetserve.disagg.prefill_runner import PrefillJob, PrefillRunner, wait_idle
 from jetserve.request import Overloaded
 from jetserve.server.ports import unavailable
+from jetserve.server.streams import internal_error
 from protos import prefill_worker_pb2 as pb
 from protos import prefill_worker_pb2_grpc as pb_grpc
 
@@ -91,9 +92,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         except asyncio.CancelledError:
             future.add_done_callback(self._free_unwanted)
             raise
-        except Exception as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: "
-                                f"{type(e).__name__}: {e}")
+        except Exception:  # the runner logged its traceback under the request's id
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error(request.request_id))
         return pb.PrefillResponse(
             first_row=done.first_row.astype(np.int32).tobytes(),
             first_columns=int(done.first_row.shape[0]), transfer_address=done.address,

@@ -143,8 +143,7 @@ class LockStepOrchestrator(Orchestrator):
             self._readback.pending = None
             with self._live_cond:
                 lives = [lv for lv in self._live.values() if not lv.done]
-            for live in lives:
-                self._readback.end(live, "error", e)
+            self._readback.fail(e, lives)
             raise
         self._readback.read()
 

@@ -11,7 +11,6 @@ remote prefill worker (jetserve/disagg/remote_prefill.py).
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -19,8 +18,6 @@ import time
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.readback import ReadBack
-
-log = logging.getLogger(__name__)
 
 
 class PrefillLoop:
@@ -76,8 +73,7 @@ class PrefillLoop:
             self._failed(live, e)
 
     def _failed(self, live: LiveRequest, e: BaseException) -> None:
-        """Ends one request with the error its prefill raised (called while handling it)."""
-        log.exception("prefill of request %s failed", live.request_id)
+        """Ends one request with the error its prefill raised (logged by readback.end)."""
         self.readback.end(live, "error", e)
 
     def _more(self, first: LiveRequest) -> list[LiveRequest]:

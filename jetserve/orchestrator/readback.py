@@ -124,18 +124,30 @@ class ReadBack:
         return finish is not None
 
     def end(self, live: LiveRequest, reason: str, exc: BaseException | None = None) -> None:
-        """Ends a request without a token (cancelled, deadline, error, score-only)."""
+        """Ends a request without a token (cancelled, deadline, error, score-only). An
+        error is logged here with its traceback under the request's id: the one place
+        every failed request passes, so a server can tell its client only that id."""
+        if exc is not None:
+            log.error("request %s failed", live.request_id, exc_info=exc)
+        self._end(live, reason, exc)
+
+    def _end(self, live: LiveRequest, reason: str, exc: BaseException | None) -> None:
         live.done = True
         err = None if exc is None else f"{type(exc).__name__}: {exc}"
         self.outbox.put(EndRequest(live, reason, err))
 
     def fail(self, exc: BaseException, lives: Iterable[LiveRequest | None] = ()) -> None:
-        """A failed engine call: every request of `lives` and of the pending step that has
-        not ended yet ends with the error; the pending step is dropped."""
+        """A failed engine call (its caller logged the traceback): every request of `lives`
+        and of the pending step that has not ended yet ends with the error, and one log
+        line names them; the pending step is dropped."""
         victims = {id(live): live for live in lives if live is not None}
         if self.pending is not None:
             victims.update((id(live), live) for _, live in self.pending[1])
             self.pending = None
-        for live in victims.values():
-            if not live.done:
-                self.end(live, "error", exc)
+        ended = [live for live in victims.values() if not live.done]
+        if ended:
+            log.error("requests %s failed on engine %d with the error logged above: %s",
+                      ", ".join(x.request_id for x in ended), self.index,
+                      f"{type(exc).__name__}: {exc}")
+        for live in ended:
+            self._end(live, "error", exc)

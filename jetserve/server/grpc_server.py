@@ -38,6 +38,7 @@ from jetserve.server.streams import (
     RETRY_AFTER_S,
     ShuttingDown,
     StreamCut,
+    internal_error,
     merge,
     submit_all,
 )
@@ -91,9 +92,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         except Exception:
             call_id = f"call-{uuid.uuid4().hex}"
             log.exception("gRPC Decode %s failed", call_id)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"internal error while handling request {call_id}; "
-                                "the server log has the details")
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error(call_id))
 
     async def _decode(self, request: pb.DecodeRequest | Malformed, context) -> None:
         # context.write rather than yield: a write that flow control holds (the client
@@ -123,9 +122,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             async with contextlib.aclosing(merge(handles, cut=self.cut)) as batches:
                 async for batch in batches:
                     for i, d in batch:
-                        if d.finish_reason == "error":
-                            await context.abort(grpc.StatusCode.INTERNAL, f"sample {i} failed: "
-                                                f"{d.error or 'internal error'}")
+                        if d.finish_reason == "error":  # logged under its request's id
+                            await context.abort(grpc.StatusCode.INTERNAL, f"sample {i}: "
+                                                f"{internal_error(handles[i].request_id)}")
                     for msg in _messages(batch, n):
                         await deadline.write(context.write(msg))
         except ShuttingDown:

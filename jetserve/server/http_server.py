@@ -56,6 +56,7 @@ from jetserve.server.streams import (
     Joined,
     ShuttingDown,
     StreamCut,
+    internal_error,
     merge,
     submit_all,
 )
@@ -89,10 +90,21 @@ async def _routing_error(request: Request, exc: Exception) -> Response:
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
-    log.error("HTTP %s %s failed outside a route", request.method, request.url.path,
-              exc_info=exc)
-    return error_response(500, "internal error; the server log has the details",
-                          kind="server_error")
+    rid = f"req-{uuid.uuid4().hex}"
+    log.error("HTTP request %s (%s %s) failed outside a route", rid, request.method,
+              request.url.path, exc_info=exc)
+    return error_response(500, internal_error(rid), kind="server_error")
+
+
+def _failed(handle: Any) -> JSONResponse:
+    """The 500 of a request the orchestrator ended with an error (logged under its id)."""
+    return error_response(500, internal_error(handle.request_id), kind="server_error")
+
+
+def _failed_event(handle: Any) -> str:
+    """The SSE error event of a stream whose request the orchestrator ended with an error."""
+    return _sse({"error": {"message": internal_error(handle.request_id),
+                           "type": "server_error"}})
 
 
 class _HttpError(Exception):
@@ -193,9 +205,7 @@ class OpenAIApp:
                 rid = f"req-{uuid.uuid4().hex}"
                 log.exception("HTTP request %s (%s %s) failed", rid, request.method,
                               request.url.path)
-                return error_response(500, f"internal error while handling request {rid}; "
-                                           "the server log has the details",
-                                      kind="server_error")
+                return error_response(500, internal_error(rid), kind="server_error")
 
         route.__name__ = handler.__name__
         return route
@@ -233,10 +243,9 @@ class OpenAIApp:
         if isinstance(work.exception(), ShuttingDown):
             raise _HttpError(error_response(503, _SHUTTING_DOWN, kind="server_error"))
         work.result()
-        for j in out:
+        for h, j in zip(handles, out, strict=True):
             if j.finish_reason == "error":
-                raise _HttpError(error_response(500, f"generation failed: {j.error}",
-                                                kind="server_error"))
+                raise _HttpError(_failed(h))
         return out
 
     def _check_ready(self) -> None:
@@ -351,8 +360,7 @@ class OpenAIApp:
                             part.add(d)
                             totals[i].add(d)
                             if d.finish_reason == "error":
-                                yield _sse({"error": {"message": f"generation failed: {d.error}",
-                                                      "type": "server_error"}})
+                                yield _failed_event(handles[i])
                                 return
                             yield chunk(i, part)
             except ShuttingDown:
@@ -395,8 +403,7 @@ class OpenAIApp:
                 async for batch in batches:
                     for i, d in batch:
                         if d.finish_reason == "error":
-                            yield _sse({"error": {"message": f"generation failed: {d.error}",
-                                                  "type": "server_error"}})
+                            yield _failed_event(handles[i])
                             return
                         totals[i].add(d)
                         logprobs = (fmt.chat_logprobs(texts[i], d.token_ids, d.logprobs,

@@ -26,6 +26,14 @@ from jetserve.request import Delta, Overloaded, Request
 RETRY_AFTER_S = "1"
 
 
+def internal_error(request_id: str) -> str:
+    """What a client is told of an error inside the server (a 500, an SSE error event, a
+    gRPC INTERNAL): the id the server logged it under with its traceback, never the
+    exception's text, which can hold internals (paths, shapes, other requests' data)."""
+    return (f"internal error while handling request {request_id}; the server log has the "
+            "details")
+
+
 def submit_all(orch: Any, requests: Sequence[Request]) -> list[Any]:
     """Submits every request or none: at once where the orchestrator can (submit_many, so
     none takes a place in the queue), else on Overloaded the ones already in are cancelled."""

@@ -9,7 +9,8 @@
   two adapters (swapped in least recently used);
 - the prefix cache never serves a base prompt's KV to an adapter request;
 - metrics by adapter;
-- a disaggregated orchestrator (prefill and generate slices, a pool each).
+- a disaggregated orchestrator (prefill and generate slices, a pool each), with a prompt
+  prefilled in chunks too.
 """
 
 import dataclasses
@@ -42,9 +43,9 @@ ENGINE = EngineConfig(max_concurrent_decodes=4, max_prefill_length=64, max_seq_l
 ADAPTERS = {"alpha": (["q_proj", "v_proj", "down_proj"], 1), "beta": (["o_proj", "up_proj"], 2)}
 
 
-def prompt_ids() -> list[int]:
-    """PROMPT's token ids, BOS first: sent as ids, so every path sees the same prompt."""
-    return load_tokenizer(BUNDLED_DIR).encode(PROMPT, add_bos=True)
+def prompt_ids(text: str = PROMPT) -> list[int]:
+    """The text's token ids, BOS first: sent as ids, so every path sees the same prompt."""
+    return load_tokenizer(BUNDLED_DIR).encode(text, add_bos=True)
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +59,32 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(adapters):
-    """The greedy text of PROMPT for the base model and each adapter merged in."""
+def merged(adapters):
+    """The greedy text of a prompt (token ids) for the base model and each adapter merged
+    in, on an engine without LoRA."""
     cfg = load_hf_config(BUNDLED_DIR)
     plain = build_engine(None, devices=jax.devices()[:1],
                          engine_config=EngineConfig(max_concurrent_decodes=1,
                                                     max_prefill_length=64, max_seq_len=128))
     params = plain.load_params()
-    tok = plain.tokenizer
-    ids = prompt_ids()
-    out = {}
-    for name, (_, tensors) in {None: (None, {}), **adapters}.items():
-        p = lora_files.merged_params(params, tensors, 8 / 4, cfg, plain.param_shardings)
-        r = generate_many(plain, p, [ids], max_tokens=TOKENS, ignore_eos=True)[0]
-        out[name] = tok.decode(r.token_ids)
-    assert out["alpha"] != out[None] and out["beta"] != out[None]
-    return out
+    weights = {name: lora_files.merged_params(params, tensors, 8 / 4, cfg,
+                                              plain.param_shardings)
+               for name, (_, tensors) in {None: (None, {}), **adapters}.items()}
+
+    def texts(ids: list[int]) -> dict:
+        out = {}
+        for name, p in weights.items():
+            r = generate_many(plain, p, [ids], max_tokens=TOKENS, ignore_eos=True)[0]
+            out[name] = plain.tokenizer.decode(r.token_ids)
+        assert out["alpha"] != out[None] and out["beta"] != out[None]
+        return out
+
+    return texts
+
+
+@pytest.fixture(scope="module")
+def expected(merged):
+    return merged(prompt_ids())
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +184,10 @@ def test_metrics_count_requests_by_adapter(client, servers):
     assert float(line.split()[-1]) >= 1
 
 
-def test_disaggregated_orchestrator_serves_adapters(adapters, expected):
+def test_disaggregated_orchestrator_serves_adapters(adapters, expected, merged):
     """Prefill and generate on separate slices, each with its own pool: the prefix moves
-    with its adapter's id, and the generate slice finds the adapter's row in its pool."""
+    with its adapter's id, and the generate slice finds the adapter's row in its pool;
+    a prompt longer than max_prefill_length (prefilled in chunks) too."""
     # A row per adapter in flight: a generate slice's insert cannot wait for one.
     orch = orchestrator.build(None, interleaved=False, devices=jax.devices()[:2],
                               prefill_devices=1, generate_devices=1,
@@ -189,4 +201,12 @@ def test_disaggregated_orchestrator_serves_adapters(adapters, expected):
                                        ignore_eos=True, lora_adapter=name))
                    for name in ("beta", None, "alpha")]
         texts = [h.result(timeout=300).text for h in handles]
+        long_ids = prompt_ids(PROMPT * 3)
+        assert len(long_ids) > ENGINE.max_prefill_length
+        handles = [orch.submit(Request(prompt_ids=long_ids, max_tokens=TOKENS,
+                                       ignore_eos=True, lora_adapter=name))
+                   for name in ("alpha", None, "beta")]
+        long_texts = [h.result(timeout=300).text for h in handles]
     assert texts == [expected["beta"], expected[None], expected["alpha"]]
+    want = merged(long_ids)
+    assert long_texts == [want["alpha"], want[None], want["beta"]]

@@ -1,7 +1,8 @@
 """LoRA adapters in the engine (engines/lora*.py) without torch: adapter directories
 written by hand; their checks at load; the pool's layout; tokens equal to a plain engine
 whose weights have the adapter merged on the host (plain and n-gram speculative steps,
-base rows unchanged beside adapter rows); unknown names."""
+base rows unchanged beside adapter rows, prompts prefilled whole and in chunks); unknown
+names."""
 
 import dataclasses
 
@@ -94,8 +95,9 @@ def adapter(tmp_path_factory):
 
 
 def _prompts():
+    """The first two longer than max_prefill_length (32): prefilled in chunks."""
     rng = np.random.default_rng(2)
-    return [rng.integers(3, 30, n).tolist() * 2 for n in (5, 9, 3, 7)]
+    return [rng.integers(3, 30, n).tolist() * 2 for n in (24, 26, 3, 7)]
 
 
 @pytest.mark.parametrize("speculative", ["none", "ngram:3"])
@@ -110,7 +112,7 @@ def test_adapter_tokens_equal_merged_weights(adapter, speculative):
     # handed (engines/param_layout.py).
     merged = lora_files.merged_params(params, tensors, 8 / 4, CFG, eng.param_shardings)
     prompts = _prompts()
-    names = ["a", None, "a", None]  # adapter and base rows in one batch
+    names = ["a", None, "a", None]  # adapter and base rows in one batch, long and short
     got = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True, adapters=names)
     want_a = generate_many(plain, merged, prompts, max_tokens=10, ignore_eos=True)
     want_base = generate_many(plain, params, prompts, max_tokens=10, ignore_eos=True)

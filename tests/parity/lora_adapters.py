@@ -38,3 +38,10 @@ def merged_model(base_dir: str, adapter_dir: str):
 
     base = tf.AutoModelForCausalLM.from_pretrained(base_dir)
     return peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
+
+
+def base_model(base_dir: str):
+    """transformers' model of base_dir, as merged_model reads it (no adapter)."""
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(base_dir).eval()

@@ -3,17 +3,23 @@ ranks, target modules and scalings, B non-zero), the engine's greedy tokens for 
 adapter equal transformers' with that adapter merged (merge_and_unload), with base and
 adapter requests in one batch; on one device and under `tp` on 4; disaggregated (prefill
 on one slice, generate on another, whose pool rows differ); after a run-time load and
-after a swap out of the pool (least recently used)."""
+after a swap out of the pool (least recently used); and served by `jetserve serve
+--lora-modules`, a prompt four times the prefill bucket for the base model and two
+adapters at once."""
+
+import concurrent.futures
 
 import jax
 import numpy as np
+import openai
 import pytest
 import torch
 
 from engines import EngineConfig, create_engine, load_hf_config
 from sharding import load_preset
-from tests.parity.hf_models import make_hf_model
-from tests.parity.lora_adapters import ADAPTERS, make_adapter, merged_model
+from tests.e2e.serve_process import spawn, wait_listening
+from tests.parity.hf_models import hf_greedy, make_hf_model
+from tests.parity.lora_adapters import ADAPTERS, base_model, make_adapter, merged_model
 
 STEPS = 12
 PROMPT_LENGTHS = (9, 17, 5, 12)
@@ -151,3 +157,57 @@ def test_run_time_load_and_lru_swap_without_recompiling(model_and_refs):
     assert got[0] == refs["qv4"][0] and got[3] == refs["qv4"][3]
     assert got[2] == refs["mlp2"][2]
     assert eng.trace_counts() == traces  # swaps write the pool; nothing recompiled
+
+
+# ---- served: prompts longer than the prefill bucket (prefilled in chunks) -----------------
+
+LONG_PROMPT = 240  # tokens: four chunks of --max-prefill-length 64
+SERVE = ["--interleaved", "--devices", "1", "--max-seq-len", "256", "--max-prefill-length",
+         "64", "--no-warmup", "--served-model-name", "base", "--host", "127.0.0.1",
+         "--grpc-port", "-1", "--http-port", "0"]
+
+
+def _served_greedy(port, prompt, model, stream):
+    """The greedy tokens a server answers (as ids: the model has no tokenizer)."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    kw = dict(model=model, prompt=prompt, max_tokens=STEPS, temperature=0, logprobs=0,
+              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    if stream:
+        tokens = [t for chunk in client.completions.create(stream=True, **kw)
+                  for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    else:
+        tokens = client.completions.create(**kw).choices[0].logprobs.tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+@pytest.mark.slow  # two servers
+def test_served_long_prompts_match_peft_and_a_server_without_lora(model_and_refs):
+    """`jetserve serve --lora-modules` (the base model and two adapters in one batch,
+    one streamed) answers a 240-token prompt with the tokens of a server without LoRA
+    (base) and of transformers with the adapter merged by peft."""
+    base_dir, dirs, _ = model_and_refs
+    prompt = np.random.default_rng(7).integers(3, 128, LONG_PROMPT).tolist()
+    names = ["qv4", "all8"]
+    lora = spawn(["--model", base_dir, *SERVE, "--lora-modules",
+                  *(f"{n}={dirs[n]}" for n in names)])
+    plain = spawn(["--model", base_dir, *SERVE])
+    try:
+        lora_port = wait_listening(lora, 1)["HTTP"]
+        plain_port = wait_listening(plain, 1)["HTTP"]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            jobs = {name: pool.submit(_served_greedy, lora_port, prompt, name or "base",
+                                      name == "qv4")
+                    for name in (None, *names)}
+            got = {name: job.result() for name, job in jobs.items()}
+        without_lora = _served_greedy(plain_port, prompt, "base", False)
+    finally:
+        for proc in (lora, plain):
+            proc.kill()
+            proc.wait()
+    assert got[None] == without_lora
+    assert without_lora == hf_greedy(base_model(base_dir), prompt, STEPS)
+    for name in names:
+        want = hf_greedy(merged_model(base_dir, dirs[name]), prompt, STEPS)
+        assert want != without_lora, name  # the adapter changes the tokens
+        assert got[name] == want, name

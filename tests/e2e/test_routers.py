@@ -177,23 +177,32 @@ def test_the_openai_sdk_through_the_router_gets_the_replicas_greedy_answers(
             assert len(loads) == 3 and all(w["load"] >= 0 for w in loads), loads
 
 
+def _served_by(replicas: list[Replica], send) -> int:
+    """Which replica prefilled what `send()` sent (its prefix-cache lookups grew)."""
+    before = [r.metric("vllm:prefix_cache_queries_total") for r in replicas]
+    send()
+    grew = [i for i, r in enumerate(replicas)
+            if r.metric("vllm:prefix_cache_queries_total") > before[i]]
+    assert len(grew) == 1, grew
+    return grew[0]
+
+
 def test_kv_aware_sends_a_shared_prefix_to_the_replica_holding_it(replicas):
     prefix = [(7 * i) % 200 + 20 for i in range(97)]  # 6 whole 16-token blocks, and more
     with router("vllm", "kv_aware", replicas, *_kv_aware(replicas)) as base:
         client = _client(base)
-        queries = [r.metric("vllm:prefix_cache_queries_total") for r in replicas]
-        _complete(client, prefix + [1])
-        served = [r.metric("vllm:prefix_cache_queries_total") - q
-                  for r, q in zip(replicas, queries, strict=True)]
-        holder = max(range(3), key=lambda i: served[i])
-        assert sorted(served) == [0, 0, 98], served
+        # Where the router sends a prompt nothing holds; the prefix then goes to another
+        # replica, straight, so only its KV events can tell the router where it is.
+        usual = _served_by(replicas, lambda: _complete(client, [3] * 40))
+        holder = (usual + 1) % 3
+        _complete(_client(replicas[holder].url), prefix + [1])
         time.sleep(1)  # the router's subscriber takes the BlockStored events in
         hits = [r.metric("vllm:prefix_cache_hits_total") for r in replicas]
         for tail in ([2, 3], [4], [5, 6, 7]):
-            _complete(client, prefix + tail)
+            assert _served_by(replicas, lambda t=tail: _complete(client, prefix + t)) == holder
         gained = [r.metric("vllm:prefix_cache_hits_total") - h
                   for r, h in zip(replicas, hits, strict=True)]
-    # Every follow-up hit the 6 cached blocks, all on the holder.
+    # Every follow-up hit the 6 cached blocks, on the holder.
     assert gained[holder] == 3 * 96 and sum(gained) == gained[holder], (holder, gained)
 
 

@@ -14,6 +14,7 @@ import zmq
 from engines import EngineConfig, create_engine
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
 from jetserve.orchestrator import kv_events as ev
+from jetserve.orchestrator.prefix_cache import block_bytes
 from jetserve.scheduling.page_planner import with_pages
 from tests.jetserve.test_prefix_cache import _paged, _serve
 from tests.sharding.families import host_params, model_config, place
@@ -125,8 +126,6 @@ def test_a_subscriber_decodes_every_event_of_a_run_and_ends_at_the_cache_content
                                    config=cfg))
     params = place(eng, host_params(eng))
     # Room for 6 device blocks: later prompts push earlier ones to the host and out.
-    from jetserve.orchestrator.prefix_cache import block_bytes
-
     b = block_bytes(eng, 8)
     config = OrchestratorConfig(prefix_cache_hbm_bytes=6 * b, prefix_cache_host_bytes=3 * b,
                                 prefix_cache_block=8, prefix_cache_key="events")

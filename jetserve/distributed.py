@@ -8,6 +8,11 @@ every process must call prefill / insert / generate in the same order with the s
 inputs, since each call is one SPMD program over all of them. Work that arrives at
 process 0 only (a server's requests) reaches the others through `broadcast_from_primary`.
 
+LeaderWorkerSet (Kubernetes): a pod of a group gets LWS_LEADER_ADDRESS (the leader pod's
+address), LWS_GROUP_SIZE and LWS_WORKER_INDEX (0 on the leader); `setup` reads them as
+--coordinator ADDRESS:COORDINATOR_PORT, --num-processes and --process-id where those flags
+are not given (flags win), so one manifest starts every pod with the same arguments.
+
 On CPU, collectives between processes go through gloo, so 2 processes x 4 fake devices on
 127.0.0.1 stand in for two hosts.
 """
@@ -22,6 +27,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+# The coordinator's port on the leader when LWS_LEADER_ADDRESS names no port.
+COORDINATOR_PORT = 8476
+_LWS = (("coordinator", "LWS_LEADER_ADDRESS"), ("num_processes", "LWS_GROUP_SIZE"),
+        ("process_id", "LWS_WORKER_INDEX"))
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("devices and hosts")
@@ -29,13 +39,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use the first N devices (of all processes); on CPU, N fake devices "
                         "are made when XLA_FLAGS does not set a count")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="process 0's address, for a run over several processes")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+                   help="process 0's address, for a run over several processes (default: "
+                        f"$LWS_LEADER_ADDRESS, port {COORDINATOR_PORT} unless it names one)")
+    g.add_argument("--num-processes", type=int, default=None,
+                   help="processes in the run (default: $LWS_GROUP_SIZE)")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="this process's index, 0 serves (default: $LWS_WORKER_INDEX)")
+
+
+def from_lws_environment(args: argparse.Namespace, environ=os.environ) -> None:
+    """Fills --coordinator / --num-processes / --process-id that were not given from
+    LeaderWorkerSet's environment (nothing when LWS_GROUP_SIZE is unset or 1)."""
+    size = environ.get("LWS_GROUP_SIZE")
+    if size is None or size.strip() == "1":
+        return
+    for field, var in _LWS:
+        if getattr(args, field, None) is not None:
+            continue  # the flag wins
+        value = environ.get(var)
+        if value is None:
+            raise ValueError(f"LWS_GROUP_SIZE={size} is set but {var} is not (or give "
+                             f"--{field.replace('_', '-')})")
+        if field == "coordinator":
+            host, _, port = value.rpartition(":")
+            value = value if host and port.isdigit() else f"{value}:{COORDINATOR_PORT}"
+        else:
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"{var} must be an integer, got {value!r}") from None
+        setattr(args, field, value)
 
 
 def setup(args: argparse.Namespace) -> list[jax.Device]:
-    """Joins the processes (if asked) and returns the devices to build engines on."""
+    """Joins the processes (if asked, by flags or LeaderWorkerSet's environment) and
+    returns the devices to build engines on."""
+    from_lws_environment(args)
     n_proc = getattr(args, "num_processes", None)
     initialize(getattr(args, "coordinator", None), n_proc, getattr(args, "process_id", None))
     n = getattr(args, "devices", None)

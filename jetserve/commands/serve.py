@@ -7,8 +7,9 @@ Start-up: the servers listen first, with health NOT_SERVING / 503 while every pr
 request needs compiles (jetserve/warmup.py, on a thread of its own; read back from the
 compile cache when an earlier start wrote it), then "jetserve serve: ready" and health
 SERVING / 200. With --no-warmup they are ready at once and the first requests compile.
-SIGTERM or Ctrl-C: stop accepting, let in-flight streams finish (up to --drain-timeout
-seconds), stop the orchestrator, exit 0.
+SIGTERM or Ctrl-C: health 503 / NOT_SERVING (still taking requests for --drain-notice
+seconds, so routers move away first), stop accepting, let in-flight streams finish (up to
+--drain-timeout seconds), stop the orchestrator, exit 0.
 
 Several processes (--coordinator HOST:PORT --num-processes N --process-id I, the same
 other arguments on each): one engine sharded over the devices of all of them, driven in
@@ -40,9 +41,10 @@ from jetserve.commands.common import (
     step_policy_fields,
 )
 from jetserve.disagg import roles
+from jetserve.orchestrator import kv_events
 from jetserve.orchestrator.config import MIXED, SCHEDULING, TURNS
 from jetserve.server.auth import read_api_key_file
-from jetserve.server.config import ServerConfig
+from jetserve.server.config import LOAD_FORMATS, ServerConfig
 from jetserve.server.ports import check_free
 
 
@@ -77,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model id clients name (default: the model directory's name)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--drain-notice", type=float, default=0.0, metavar="SECONDS",
+                   help="after SIGTERM, health answers 503 (gRPC NOT_SERVING) for this long "
+                        "while requests are still taken, so routers polling it stop sending "
+                        "here before the servers stop accepting (default %(default)s)")
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a stream may wait on a client that reads nothing before "
                         "it is cancelled and its connection closed")
@@ -96,6 +102,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "between decode steps) or mixed (one slice, --kv-layout paged: every "
                         "step runs each decoding sequence's token and chunks of waiting "
                         "prompts, up to --max-num-batched-tokens; chunks of --prefill-chunk)")
+    p.add_argument("--get-load-format", default="vllm-router", choices=LOAD_FORMATS,
+                   help="the shape GET /get_load answers in, for the router in front: "
+                        "vllm-router's {\"load\": N} or sglang-router's list "
+                        "(default %(default)s)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish the prefix cache's KV events as vLLM does, configured as "
+                        "vLLM's flag is: '{\"enable_kv_cache_events\": true, \"publisher\": "
+                        "\"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"topic\": "
+                        "\"kv-events\"}' (needs a prefix cache; docs/ROUTERS.md)")
     p.add_argument("--no-warmup", action="store_true",
                    help="take requests at once instead of compiling every prefill bucket, "
                         "insert and generate first (then the first requests compile)")
@@ -148,7 +163,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, grpc_port=_port(args.grpc_port, "--grpc-port"),
                         http_port=_port(args.http_port, "--http-port"), api_key=_api_key(args),
                         tls_cert=args.tls_cert, tls_key=args.tls_key, model_name=name,
-                        drain_timeout_s=args.drain_timeout, write_timeout_s=args.write_timeout,
+                        drain_timeout_s=args.drain_timeout,
+                        drain_notice_s=args.drain_notice, load_format=args.get_load_format,
+                        write_timeout_s=args.write_timeout,
                         tool_call_parser=args.tool_call_parser, **_limits(args))
 
 
@@ -326,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
     if distributed.is_primary():  # it alone serves; a taken port ends it before the load
         check_free(config.host, {"--grpc-port": config.grpc_port,
                                  "--http-port": config.http_port})
+    kv = kv_events.KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config \
+        else None
     orch = build_orchestrator(args, devices)
     if not distributed.is_primary():
         print(f"jetserve serve: process {args.process_id} follows process 0's steps",
@@ -333,10 +352,16 @@ def run(args: argparse.Namespace) -> int:
         orch.run()  # until process 0 stops
         print("jetserve serve: stopped", file=sys.stderr, flush=True)
         return 0
+    publisher = kv_events.attach(orch, kv) if kv is not None and kv.publishes else None
+    if publisher is not None:
+        print(f"jetserve serve: KV events on {publisher.endpoint} (topic {kv.topic!r})",
+              flush=True)
     orch.start()
     try:
         asyncio.run(_serve(orch, config, warm=not args.no_warmup))
     finally:
         orch.stop(drain=True, timeout=config.drain_timeout_s)
+        if publisher is not None:
+            publisher.close()
     print("jetserve serve: stopped", file=sys.stderr, flush=True)
     return 0

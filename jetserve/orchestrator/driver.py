@@ -387,10 +387,15 @@ class Orchestrator:
     def remove_listener(self, callback: Callable[[Event], None]) -> None:
         self._listeners.remove(callback)
 
+    def prefix_caches(self) -> list[tuple[int, Any]]:
+        """(prefill engine index, its PrefixCache) of every prefill engine that has one."""
+        return [(w.index, w.cache) for w in getattr(self, "_prefill", ()) if w.cache is not None]
+
     def stats(self) -> dict:
         with self._live_cond:
             in_flight = len(self._live)
             counters = dict(self._counters)
+            lora = _adapters_in_flight(self._live.values())
         return {
             "admission_queue": self._admission.qsize(),
             "max_queued_requests": self.config.max_queued_requests,
@@ -409,6 +414,7 @@ class Orchestrator:
             "prefix_cache": [{"engine": w.index, **w.cache.stats()} for w in self._prefill
                              if w.cache is not None],
             "counters": counters,
+            "lora": lora,
         }
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,), timeout: float | None = None, *,
@@ -498,3 +504,13 @@ class Orchestrator:
     @property
     def max_concurrent_decodes(self) -> int:
         return sum(e.max_concurrent_decodes for e in self.generate_engines)
+
+
+def _adapters_in_flight(lives) -> dict[str, list[str]]:
+    """The LoRA adapters of requests in flight: "running" (prefill started), "waiting"."""
+    out: dict[str, set[str]] = {"running": set(), "waiting": set()}
+    for live in lives:
+        if live.request.lora_adapter is not None:
+            state = "waiting" if live.timing.prefill_start is None else "running"
+            out[state].add(live.request.lora_adapter)
+    return {k: sorted(v) for k, v in out.items()}

@@ -31,6 +31,10 @@ Flow (prefill_worker.py, generate_worker.py):
     fresh pages; this releases the hit. `make_room(n)` frees pages only the cache holds,
     for admission, before anything waits or is preempted.
 
+Events (kv_events.py): with `events` set (an EventSink), every block stored, moved between
+tiers, dropped or cleared is published as vLLM's KV events, each node carrying its block
+hash; emitted under the lock, in the order the trie changed.
+
 Concurrency: one lock guards the trie. With a page store, every call that changes pages
 (adopt, make_room, clear) runs on the generate thread, which owns the pool and the decode
 state; the prefill thread only looks up, reads pages (`read_pages` takes the generate
@@ -52,6 +56,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jetserve.orchestrator import kv_events as ev
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 
 TIERS = ("hbm", "host")
@@ -82,6 +87,7 @@ class _Node:
     kv: Any = None  # device tier of an array store (a device block); host tier (numpy)
     pins: int = 0
     used: int = 0  # the LRU clock when last used
+    hash: int = 0  # names the prefix up to this block (kv_events.block_hash)
 
 
 class Hit:
@@ -199,6 +205,7 @@ class PrefixCache:
         self._lock = threading.Lock()
         self._adopted = threading.Condition(self._lock)
         self._handed_on: set[Hit] = set()  # page store: hits on their way to adopt
+        self.events: ev.EventSink | None = None  # KV events, when published
 
     @property
     def pages(self) -> bool:
@@ -254,7 +261,7 @@ class PrefixCache:
         cut from `prefix` (its prefill)."""
         blocks = hit.whole_blocks
         with self._lock:
-            node, path = self._roots.setdefault(hit.key, _Node((), None, "root")), []
+            node, path = self._root(hit.key), []
             for i, b in enumerate(blocks):
                 child = node.children.get(b)
                 if child is None:
@@ -281,7 +288,7 @@ class PrefixCache:
         into those pages (unless the device budget is 0). Releases the hit."""
         blocks = hit.whole_blocks
         with self._lock:
-            node, path = self._roots.setdefault(hit.key, _Node((), None, "root")), []
+            node, path = self._root(hit.key), []
             for b, page in zip(blocks, pages, strict=False):
                 child = node.children.get(b)
                 if child is None:
@@ -315,10 +322,15 @@ class PrefixCache:
         """Drops every node (their pages go back to the pool); on the generate thread, or
         after it ended."""
         with self._lock:
-            for root in self._roots.values():
-                for child in list(root.children.values()):
-                    self._drop(child)
+            events, self.events = self.events, None  # one AllBlocksCleared says it all
+            try:
+                for root in self._roots.values():
+                    for child in list(root.children.values()):
+                        self._drop(child)
+            finally:
+                self.events = events
             self._roots.clear()
+            self._emit(ev.CLEARED)
             for h in self._handed_on:  # their pages are gone: insert all of their prefix
                 h.pages = []
 
@@ -337,6 +349,11 @@ class PrefixCache:
                        block=self.block, device_store="pages" if self.pages else "arrays")
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         return out
+
+    def blocks(self) -> dict[int, tuple[str, tuple[int, ...]]]:
+        """{block hash: (tier, the block's tokens)} of every node (what KV events tell)."""
+        with self._lock:
+            return {n.hash: (t, n.tokens) for t in TIERS for n in self._tier[t]}
 
     def nodes(self) -> list[tuple[str, int, str, int]]:
         """(key, depth in blocks, tier, pins) of every node."""
@@ -363,17 +380,36 @@ class PrefixCache:
         for n in reversed(path):
             n.used = next(self._clock)
 
+    def _root(self, key: str) -> _Node:
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = _Node((), None, "root", hash=ev.root_hash(key))
+        return root
+
     def _add(self, parent: _Node, tokens: tuple[int, ...], **where) -> _Node:
-        node = _Node(tokens, parent, "hbm", **where)
+        node = _Node(tokens, parent, "hbm", hash=ev.block_hash(parent.hash, tokens), **where)
         parent.children[tokens] = node
         self._tier["hbm"].add(node)
         self._counts["inserted"] += 1
+        self._stored(node)
         return node
 
     def _move(self, node: _Node, tier: str, **where) -> None:
         self._tier[node.tier].discard(node)
         self._tier[tier].add(node)
+        self._emit(ev.removed([node.hash], ev.MEDIUM[node.tier]))
         node.tier, node.page, node.kv = tier, where.get("page"), where.get("kv")
+        self._stored(node)
+
+    def _stored(self, node: _Node) -> None:
+        if self.events is not None:
+            parent = node.parent.hash if node.parent.tier != "root" else None
+            self._emit(ev.stored([node.hash], parent, list(node.tokens), self.block,
+                                 ev.MEDIUM[node.tier]))
+
+    def _emit(self, event: list) -> None:
+        if self.events is not None:
+            self.events.emit([event])
 
     def _walk(self, key: str, blocks: list[tuple[int, ...]]) -> list[_Node]:
         node, path = self._roots.get(key), []
@@ -448,6 +484,7 @@ class PrefixCache:
         self._tier[node.tier].discard(node)
         del node.parent.children[node.tokens]
         self._counts["dropped"] += 1
+        self._emit(ev.removed([node.hash], ev.MEDIUM[node.tier]))
 
 
 def model_cache_key(model: str | None, model_config: Any) -> str:

@@ -112,10 +112,12 @@ class KVCacheManager:
         return self.pages.pool.refcount(page) == 1
 
     def stats(self) -> dict:
-        """kv_pages / kv_pages_free for the stats and the metrics ({} when contiguous)."""
+        """kv_pages / kv_pages_free / kv_page_size for the stats and the metrics ({} when
+        contiguous)."""
         if self.pages is None:
             return {}
-        return {"kv_pages": self.pages.pool.num_pages, "kv_pages_free": self.pages.free_count}
+        return {"kv_pages": self.pages.pool.num_pages, "kv_pages_free": self.pages.free_count,
+                "kv_page_size": self.page_size}
 
     def _room(self, need: int) -> bool:
         free = self.pages.free_count

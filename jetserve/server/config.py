@@ -9,6 +9,9 @@ import ssl
 
 from jetserve.server.tool_formats import DEFAULT_PARSER, check_parser
 
+# GET /get_load's shapes: vllm-router's {"load": N}, sglang-router's list (probes.py).
+LOAD_FORMATS = ("vllm-router", "sglang")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -25,6 +28,10 @@ class ServerConfig:
     tls_key: str | None = None
     model_name: str = "jetserve"  # the id /v1/models reports and requests must name
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight streams may take to finish
+    # SIGTERM: how long health answers 503 (gRPC NOT_SERVING) while the servers still take
+    # requests, before they stop accepting: routers polling it move traffic elsewhere first.
+    drain_notice_s: float = 0.0
+    load_format: str = "vllm-router"
     # HTTP connection limits (jetserve.server.http_limits), seconds and bytes.
     header_timeout_s: float = 10.0  # request headers, from connecting or their first byte
     body_timeout_s: float = 30.0  # the whole body, from its headers
@@ -65,6 +72,11 @@ class ServerConfig:
             _check_tls_pair(self.tls_cert, self.tls_key)
         if not self.model_name:
             raise ValueError("model_name is empty")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got "
+                             f"{self.load_format!r}")
+        if not self.drain_notice_s >= 0:
+            raise ValueError(f"drain_notice_s must be >= 0, got {self.drain_notice_s!r}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):

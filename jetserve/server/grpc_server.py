@@ -351,7 +351,7 @@ class GrpcServer:
         if not self.live:  # draining: enter_graceful_shutdown has the last word
             return
         H = health_pb2.HealthCheckResponse
-        status = H.SERVING if self.readiness.is_ready else H.NOT_SERVING
+        status = H.SERVING if self.readiness.healthy else H.NOT_SERVING
         for name in ("", SERVICE):
             await self.health.set(name, status)
 

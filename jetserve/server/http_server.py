@@ -2,9 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{id}, vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info,
-GET /health, GET /metrics (Prometheus text). With an API key, all but /health and
-/metrics need `Authorization: Bearer KEY` or `x-api-key: KEY`; those two stay open for
-probes and scrapers. With `tls_cert`/`tls_key` it serves HTTPS only. Every error, an
+GET /health, GET /metrics (Prometheus text), and what routers and probes poll: GET
+/readiness (= /health), /liveness, /get_load (jetserve/server/probes.py). With an API
+key, all but /health, /metrics and the probes need `Authorization: Bearer KEY` or
+`x-api-key: KEY`; those stay open for probes, routers and scrapers. With `tls_cert`/`tls_key` it serves HTTPS only. Every error, an
 unknown route or method included, is OpenAI's error object.
 
 Concurrency: one asyncio loop (uvicorn's) serves every request. Handlers validate, submit
@@ -33,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from jetserve.lora_adapters import Adapters, UnknownAdapter
 from jetserve.request import Overloaded
-from jetserve.server import client_id, lora_routes, tokenize_api, tool_output
+from jetserve.server import client_id, lora_routes, probes, tokenize_api, tool_output
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
@@ -177,6 +178,7 @@ class OpenAIApp:
         app.add_exception_handler(Exception, _unhandled)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_route, methods=["GET"])
+        probes.add_routes(app, self.health, orch, config.load_format)
         self.app = app
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -267,7 +269,7 @@ class OpenAIApp:
     # ---- routes ------------------------------------------------------------------------
 
     async def health(self) -> Response:
-        if not self.live:
+        if not self.live or self.readiness.is_draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not self.readiness.is_ready:
             return JSONResponse(self.readiness.warming_body(), status_code=503)

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jetserve.disagg.transfer_metrics import transfer_gauges
+from jetserve.server import compat_metrics
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,10 @@ def _number(v: Any) -> bool:
 
 class ServerMetrics:
     """The metrics of one serving process; subscribe with `orch.add_listener(m.on_event)`
-    (done here when an orchestrator is given)."""
+    (done here when an orchestrator is given). With an orchestrator, vLLM's and JetStream's
+    names too (compat_metrics.py), labelled with `model_name`."""
 
-    def __init__(self, orch: Any | None = None):
+    def __init__(self, orch: Any | None = None, model_name: str = "jetserve"):
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("jetserve_time_to_first_token_seconds",
                               "Arrival to first token", buckets=_LATENCY, registry=r)
@@ -172,8 +174,10 @@ class ServerMetrics:
         self.lora_tokens = Counter("jetserve_lora_generation_tokens", "Tokens generated "
                                    "through each LoRA adapter", labelnames=["adapter"],
                                    registry=r)
+        self.vllm = None
         if orch is not None:
             r.register(_StatsCollector(orch))
+            self.vllm = compat_metrics.register(r, orch, model_name)
             if hasattr(orch, "add_listener"):
                 orch.add_listener(self.on_event)
 
@@ -181,6 +185,8 @@ class ServerMetrics:
         """Listener for the orchestrator's events (called on its threads)."""
         kind = type(event).__name__
         if kind == "RequestFinished":
+            if self.vllm is not None:
+                self.vllm.on_event(event)
             t = event.timing
             self.requests.labels(event.finish_reason).inc()
             self.prompt_tokens.inc(event.prompt_tokens)

@@ -1,5 +1,9 @@
 """Whether the servers take requests yet: listening but warming up (compiling), then ready.
 
+Draining (SIGTERM): `set_draining()` turns health NOT_SERVING / 503 for good, while the
+servers may still take requests for `--drain-notice` seconds (routers polling health move
+their traffic first), then stop accepting (jetserve/server/runner.py).
+
 `jetserve serve` starts both servers before it compiles, so probes see the process up and
 why it is not ready: gRPC health reports NOT_SERVING and HTTP /health answers 503 with
 what is still compiling, while Decode and completions are refused (UNAVAILABLE / 503)
@@ -22,13 +26,30 @@ class Readiness:
     def __init__(self, *, warming: bool = False):
         self._lock = threading.Lock()
         self._ready = not warming
+        self._draining = False
         self._left: list[str] = []
         self._done = 0
 
     @property
     def is_ready(self) -> bool:
+        """Warmed up (requests are taken, also while draining)."""
         with self._lock:
             return self._ready
+
+    @property
+    def is_draining(self) -> bool:
+        with self._lock:
+            return self._draining
+
+    @property
+    def healthy(self) -> bool:
+        """What health reports: ready and not draining."""
+        with self._lock:
+            return self._ready and not self._draining
+
+    def set_draining(self) -> None:
+        with self._lock:
+            self._draining = True
 
     def plan(self, steps: Sequence[str]) -> None:
         """The warm-up's steps, in order ("prompt length 16", ...): all still to do."""

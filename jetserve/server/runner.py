@@ -9,7 +9,9 @@ third loop (the main thread's in `jetserve serve`, a background thread's in test
 runs its own threads; the servers only call its non-blocking `submit` and await its
 async streams, which wake whichever loop reads them.
 
-Draining (SIGTERM): both servers stop accepting at once (gRPC refuses new calls, the HTTP
+Draining (SIGTERM): first health turns NOT_SERVING / 503 while both servers still take
+requests, for `ServerConfig.drain_notice_s` (routers polling health stop sending here);
+then both servers stop accepting at once (gRPC refuses new calls, the HTTP
 socket closes, health turns NOT_SERVING / 503), in-flight streams run to the end (bounded
 by `ServerConfig.drain_timeout_s`; a stream still going then is cut the way its protocol
 ends one: a final SSE chunk and `[DONE]`, a gRPC UNAVAILABLE status), then the caller
@@ -70,7 +72,7 @@ class Servers:
         self.config = config
         self.readiness = Readiness(warming=warming)
         self.limits = ModelLimits.from_orchestrator(orch, config)
-        self.metrics = metrics if metrics is not None else ServerMetrics(orch)
+        self.metrics = metrics if metrics is not None else ServerMetrics(orch, config.model_name)
         self.grpc: GrpcServer | None = None
         self.http: HttpServer | None = None
         self._loops: dict[str, _LoopThread] = {}
@@ -110,11 +112,23 @@ class Servers:
         if self.grpc:
             await self._loops["grpc"].acall(self.grpc.set_health())
 
+    async def drain_notice(self) -> None:
+        """Health NOT_SERVING / 503 from now on; requests are still taken for
+        `drain_notice_s` seconds (then `stop` stops accepting)."""
+        if self.readiness.is_draining:
+            return
+        self.readiness.set_draining()
+        if self.grpc:
+            await self._loops["grpc"].acall(self.grpc.set_health())
+        if self.config.drain_notice_s:
+            await asyncio.sleep(self.config.drain_notice_s)
+
     async def stop(self) -> None:
-        """Stops accepting; waits for in-flight requests (up to the drain timeout). Once
+        """Stops accepting (after the drain notice); waits for in-flight requests (up to the drain timeout). Once
         stopped (or after a failed start, which stops), a no-op."""
         if self._closed:
             return
+        await self.drain_notice()
         tasks = []
         if self.grpc:
             tasks.append(self._loops["grpc"].acall(

@@ -1,6 +1,10 @@
 """`jetserve serve` over 2 processes x 4 fake CPU devices (jax.distributed, gloo on
 127.0.0.1), one model sharded over all 8: concurrent gRPC and OpenAI-client streams give
 what single-process `jetserve generate` gives on 8 devices; SIGTERM to process 0 ends both.
+The processes are told their group the way LeaderWorkerSet tells its pods: no
+--coordinator / --num-processes / --process-id, but LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and
+LWS_WORKER_INDEX in their environment (jetserve.distributed.from_lws_environment); only
+the leader (index 0) serves.
 
 random:tiny has 2 kv heads, so `tp` cannot take 8 devices; the layout here is tensor
 parallel with `model` as the outer mesh axis, so each process holds one half of every
@@ -74,15 +78,15 @@ def _generate(preset, prompts, *extra):
 def two_processes(tmp_path_factory, preset):
     logs = tmp_path_factory.mktemp("multiprocess-serve")
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
     procs, errs = [], []
     for i in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   LWS_LEADER_ADDRESS=f"127.0.0.1:{port}", LWS_GROUP_SIZE="2",
+                   LWS_WORKER_INDEX=str(i))
         cmd = [sys.executable, "-m", "jetserve", "serve", "--model", MODEL, *ENGINE,
                "--sharding", preset,
-               "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
-               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-               "--process-id", str(i)]
+               "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0"]
         err = open(logs / f"process-{i}.stderr", "w+")  # noqa: SIM115 (closed below)
         errs.append(err)
         # Process 0's stdout says where it listens (read, then drained); everything else
@@ -173,4 +177,5 @@ def test_two_serving_processes_match_single_process_generate(two_processes, pres
     logs = [e.read() for e in errs]
     assert codes == [0, 0], [log[-3000:] for log in logs]
     assert "follows process 0" in logs[1] and "stopped" in logs[1]
+    assert "listening" not in logs[1]  # only the leader serves
     assert not any("Traceback" in log for log in logs), logs

@@ -1,0 +1,242 @@
+"""`jetserve batch --ray`: one batch job over a pool of engine actors on a Ray cluster.
+
+The driver (the process that runs the command) does what one host does today, minus
+the device work: it checks the paths, scans the input and verifies the output it resumes
+(`runner.prepare`, before Ray starts), writes the rows that cannot run, and is the one
+writer of the output (the `Journal`: every row appended and fsync'd once, in the order
+blocks finish). The rows still to run become a Ray dataset: the driver reads their lines
+(as one host does, so the input lives on the driver's machine alone) into blocks of
+`block_rows` rows in the object store, and `Dataset.map_batches` runs them on a fixed
+pool of `EngineActor`s (ray_actor.py), one per engine, each reserving `resources`;
+Ray Data gives a block to each actor as it frees up. A block's result rows come back to
+the driver, which writes each key once and stops with an error if any row got none.
+
+An actor whose process dies is started again by Ray (on another host when its own is
+gone), and its block runs again; the ledger (ray_ledger.py) makes that retry run only
+the rows not finished, one at a time, so that a row that kills its engine twice becomes
+an error row rather than taking the pool down.
+
+Progress: the bar counts rows written, with rows/s, tokens/s and the actors alive; the
+summary adds the actors, their restarts and the blocks retried.
+
+Ray is an extra (`pip install 'jetserve[ray]'`); nothing else in jetserve imports it.
+Threads: everything here runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+
+from jetserve.batch import inputs
+from jetserve.batch.runner import BatchConfig, Prepared, Record, Summary, run_rows
+
+EXTRA = "jetserve[ray]"
+
+
+def import_ray():
+    """Ray, or a ValueError naming the extra that installs it."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray Data, which is not installed ({e}); install "
+                         f"it with: pip install '{EXTRA}'") from None
+    return ray
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RayPool:
+    """Args:
+      address: the cluster (`ray://HOST:10001`, `HOST:6379`, `auto`); None: Ray's own
+        rule (RAY_ADDRESS, a cluster started on this host, else a new local one).
+      actors: engine actors (one per slice).
+      resources: what each actor reserves, e.g. {"TPU": 4, "CPU": 8}: CPU and GPU are
+        Ray's num_cpus / num_gpus, any other name a custom resource.
+      block_rows: rows handed to an actor at a time.
+    """
+
+    address: str | None = None
+    actors: int = 1
+    resources: Mapping[str, float] = dataclasses.field(default_factory=lambda: {"CPU": 1})
+    block_rows: int = 64
+
+    def __post_init__(self):
+        if not isinstance(self.actors, int) or self.actors < 1:
+            raise ValueError(f"--ray-actors must be >= 1, got {self.actors!r}")
+        if not isinstance(self.block_rows, int) or self.block_rows < 1:
+            raise ValueError(f"--ray-block-rows must be >= 1, got {self.block_rows!r}")
+        for name, n in self.resources.items():
+            if not isinstance(n, (int, float)) or n < 0:
+                raise ValueError(f"--ray-actor-resources: {name} must be a number >= 0, "
+                                 f"got {n!r}")
+
+    def remote_args(self) -> dict:
+        res = dict(self.resources)
+        args = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0)}
+        if res:
+            args["resources"] = res
+        return args
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """'CPU=8,TPU=4' -> {'CPU': 8.0, 'TPU': 4.0}."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            raise ValueError(f"--ray-actor-resources: expected NAME=NUMBER[,NAME=NUMBER...] "
+                             f"(e.g. TPU=4,CPU=8), got {part!r}")
+    return out
+
+
+@dataclasses.dataclass
+class RaySummary(Summary):
+    actors: int = 0  # the pool's size
+    actors_alive: int = 0  # heard from at the end
+    actor_restarts: int = 0  # processes Ray started again after a death
+    blocks_retried: int = 0  # attempts at a block after its actor died
+
+    @property
+    def rows_per_s(self) -> float:
+        return (self.ok + self.failed) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "rows_per_s": round(self.rows_per_s, 2)}
+
+    def line(self) -> str:
+        return (f"{super().line()}; {self.rows_per_s:.2f} rows/s; ray: {self.actors} "
+                f"actors ({self.actors_alive} alive at the end, {self.actor_restarts} "
+                f"restarted), {self.blocks_retried} blocks retried")
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What the driver knows after writing a block (given to run's on_progress)."""
+
+    rows_done: int  # rows written by this run
+    rows_per_s: float
+    tokens_per_s: float
+    actors_alive: int
+    busy: list[dict]  # per busy actor: actor, pid, node, block, since (s)
+
+
+def run(cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool, *,
+        prepared: Prepared | None = None,
+        on_progress: Callable[[Progress], None] | None = None) -> RaySummary:
+    """The job of cfg on a Ray cluster (the Python entry point of `jetserve batch --ray`).
+
+    make_orchestrator: a picklable zero-argument callable each actor calls to build its
+    orchestrator (not started), e.g. jetserve.commands.batch.orchestrator_factory(flags).
+    prepared: runner.prepare(cfg), done already. on_progress: called after each block
+    the driver writes. Connects to pool.address unless Ray is initialized already (then
+    its cluster is used, and left running).
+    """
+    ray = import_ray()
+    s = RaySummary(actors=pool.actors)
+    t0 = time.monotonic()
+    state: dict = {"alive": 0}
+
+    def postfix() -> str:
+        return f"{state['alive']}/{pool.actors} actors alive"
+
+    def run_entries(entries: list[inputs.Entry], record: Record) -> None:
+        if not entries:
+            return  # nothing left to run: no cluster needed
+        started = not ray.is_initialized()
+        if started:
+            ray.init(address=pool.address, logging_level=logging.WARNING)
+        ledger_name = f"jetserve-batch-ledger-{uuid.uuid4().hex[:12]}"
+        from jetserve.batch.ray_ledger import remote_ledger
+
+        ledger = remote_ledger(ledger_name)
+        try:
+            _run_pool(ray, cfg, make_orchestrator, pool, entries, record, ledger,
+                      ledger_name, state, t0, on_progress)
+            final = ray.get(ledger.status.remote())
+            s.actors_alive = final["alive"]
+            s.actor_restarts = final["restarts"]
+            s.blocks_retried = final["blocks_retried"]
+        finally:
+            ray.kill(ledger)
+            if started:
+                ray.shutdown()
+
+    return run_rows(cfg, run_entries, prepared, s, postfix)
+
+
+def _run_pool(ray, cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool,
+              entries: list[inputs.Entry], record: Record, ledger, ledger_name: str,
+              state: dict, t0: float, on_progress) -> None:
+    from jetserve.batch.ray_actor import EngineActor
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # ours is the job's bar
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    ds = ray.data.from_arrow_refs(list(_blocks(ray, cfg.input, entries, pool.block_rows)))
+    ds = ds.map_batches(
+        EngineActor, batch_size=pool.block_rows, batch_format="pyarrow",
+        fn_constructor_kwargs={"cfg": cfg, "make_orchestrator": make_orchestrator,
+                               "ledger": ledger_name},
+        compute=ray.data.ActorPoolStrategy(size=pool.actors, max_tasks_in_flight_per_actor=1),
+        **pool.remote_args())
+    want = {e.key for e in entries}
+    written: set[str] = set()
+    for out in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        rows, tokens = [], []
+        for key, line, n in zip(out["key"].to_pylist(), out["row"].to_pylist(),
+                                out["prompt_tokens"].to_pylist(), strict=True):
+            if key in written or key not in want:
+                continue  # each row once, whatever Ray ran twice
+            written.add(key)
+            rows.append(json.loads(line))
+            tokens.append(n)
+        status = ray.get(ledger.status.remote())
+        state["alive"] = status["alive"]
+        record.rows(rows, tokens)
+        if on_progress is not None:
+            s = record.summary
+            elapsed = max(time.monotonic() - t0, 1e-9)
+            on_progress(Progress(rows_done=s.ok + s.failed,
+                                 rows_per_s=(s.ok + s.failed) / elapsed,
+                                 tokens_per_s=s.completion_tokens / elapsed,
+                                 actors_alive=status["alive"], busy=status["busy"]))
+    missing = [e for e in entries if e.key not in written]
+    if missing:
+        e = missing[0]
+        raise RuntimeError(f"{len(missing)} rows got no result from the Ray job (first: line "
+                           f"{e.line}, id {e.id!r}); run it again with --resume")
+
+
+def _blocks(ray, path: str, entries: list[inputs.Entry], block_rows: int) -> Iterator:
+    """The entries' lines as Arrow tables of block_rows rows, put in the object store one
+    at a time (the driver holds one block's text at once)."""
+    import pyarrow as pa
+
+    by_line = {e.line: e for e in entries}
+    lines: list[int] = []
+    keys: list[str] = []
+    texts: list[str] = []
+
+    def put():
+        ref = ray.put(pa.table({"line": lines, "key": keys, "text": texts}))
+        lines.clear(), keys.clear(), texts.clear()
+        return ref
+
+    for n, text in inputs.read_lines(path, by_line):
+        lines.append(n)
+        keys.append(by_line[n].key)
+        texts.append(text)
+        if len(lines) == block_rows:
+            yield put()
+    if lines:
+        yield put()

@@ -104,18 +104,26 @@ class RaySummary(Summary):
     actors_alive: int = 0  # heard from at the end
     actor_restarts: int = 0  # processes Ray started again after a death
     blocks_retried: int = 0  # attempts at a block after its actor died
+    engines_s: float = 0.0  # first block's start to last block's end (no actor start)
 
     @property
     def rows_per_s(self) -> float:
         return (self.ok + self.failed) / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def engine_rows_per_s(self) -> float:
+        return (self.ok + self.failed) / self.engines_s if self.engines_s > 0 else 0.0
+
     def as_dict(self) -> dict:
-        return {**super().as_dict(), "rows_per_s": round(self.rows_per_s, 2)}
+        return {**super().as_dict(), "engines_s": round(self.engines_s, 3),
+                "rows_per_s": round(self.rows_per_s, 2),
+                "engine_rows_per_s": round(self.engine_rows_per_s, 2)}
 
     def line(self) -> str:
-        return (f"{super().line()}; {self.rows_per_s:.2f} rows/s; ray: {self.actors} "
-                f"actors ({self.actors_alive} alive at the end, {self.actor_restarts} "
-                f"restarted), {self.blocks_retried} blocks retried")
+        return (f"{super().line()}; {self.rows_per_s:.2f} rows/s ("
+                f"{self.engine_rows_per_s:.2f} from the first block's start to the last's "
+                f"end); ray: {self.actors} actors ({self.actors_alive} alive at the end, "
+                f"{self.actor_restarts} restarted), {self.blocks_retried} blocks retried")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +173,7 @@ def run(cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool, *,
             s.actors_alive = final["alive"]
             s.actor_restarts = final["restarts"]
             s.blocks_retried = final["blocks_retried"]
+            s.engines_s = final["engines_s"]
         finally:
             ray.kill(ledger)
             if started:

@@ -18,6 +18,8 @@ the attempt that died, so the engine actors keep it here, in one small actor of 
 - `end(block)`: the block's rows went to the driver; what was kept for it is dropped.
 - `heartbeat(actor, pid, node)`: every engine actor, every `HEARTBEAT_S`; the driver
   counts the actors heard from lately as alive, and the restarts (a new pid for an actor).
+- `status()`: those counts, the busy actors, and the time from the first block's start
+  to the last block's end (the job without the actors' start).
 
 `Ledger` is plain Python (tested without Ray); `remote_ledger` makes it a Ray actor.
 Ray runs one method of an actor at a time, so nothing here needs a lock.
@@ -70,6 +72,8 @@ class Ledger:
         self._deaths: dict[str, int] = {}  # row key -> deaths while it ran
         self._actors: dict[str, _Actor] = {}
         self.retried = 0  # attempts after a death
+        self._first_begin: float | None = None
+        self._last_end: float | None = None
 
     def begin(self, block: str, keys: list[str], actor: str | None = None) -> Attempt:
         b = self._blocks.get(block)
@@ -84,6 +88,8 @@ class Ledger:
             b.alone, b.current = True, None
         b.running = True
         b.attempts += 1
+        if self._first_begin is None:
+            self._first_begin = self._clock()
         if actor in self._actors:
             a = self._actors[actor]
             a.block, a.began = block, self._clock()
@@ -105,6 +111,7 @@ class Ledger:
     def end(self, block: str, actor: str | None = None) -> None:
         b = self._blocks[block]
         b.running, b.current, b.done = False, None, {}
+        self._last_end = self._clock()
         a = self._actors.get(actor) if actor is not None else None
         if a is not None and a.block == block:
             a.block = None
@@ -128,6 +135,10 @@ class Ledger:
             "alive": len(alive),
             "restarts": sum(a.starts - 1 for a in self._actors.values()),
             "blocks_retried": self.retried,
+            # from the first block's start to the last block's end: the job less the
+            # actors' start
+            "engines_s": (self._last_end - self._first_begin
+                          if self._first_begin is not None and self._last_end else 0.0),
             "busy": [{"actor": k, "pid": a.pid, "node": a.node, "block": a.block,
                       "since": now - a.began} for k, a in alive.items() if a.block],
         }

@@ -113,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge and args.ray is not None:
+        raise ValueError("--merge joins the parts of a run without --ray (a --ray job "
+                         "writes one --output): leave out --ray")
     try:
         return _merge(args) if args.merge else _run(args)
     except OSError as e:  # a full disk, a read-only directory...: one line, no traceback
@@ -134,9 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     if independent:
         n_proc, proc = _independent_share(args)
     output = part_path(args.output, proc, n_proc) if independent else args.output
-    for flag in ("retry_failed", "repair"):
-        if getattr(args, flag) and not args.resume:
-            raise ValueError(f"--{flag.replace('_', '-')} continues a job: add --resume")
+    _check_resume_flags(args)
     check_paths(args.input, output)
     if args.coordinator is not None:
         check_coordinator_port(args.coordinator, args.process_id)
@@ -187,9 +188,7 @@ def _run_on_ray(args: argparse.Namespace) -> int:
     if given:
         raise ValueError(f"--ray hands rows to actors itself: leave out "
                          f"--{given[0].replace('_', '-')}")
-    for flag in ("retry_failed", "repair"):
-        if getattr(args, flag) and not args.resume:
-            raise ValueError(f"--{flag.replace('_', '-')} continues a job: add --resume")
+    _check_resume_flags(args)
     pool = ray_job.RayPool(address=args.ray or None, actors=args.ray_actors,
                            resources=ray_job.parse_resources(args.ray_actor_resources),
                            block_rows=args.ray_block_rows)
@@ -218,6 +217,12 @@ def actor_orchestrator(args: argparse.Namespace):
     compile_cache.enable(args.compile_cache)
     devices = distributed.setup(argparse.Namespace(devices=args.devices))
     return _orchestrator(args, devices)
+
+
+def _check_resume_flags(args: argparse.Namespace) -> None:
+    for flag in ("retry_failed", "repair"):
+        if getattr(args, flag) and not args.resume:
+            raise ValueError(f"--{flag.replace('_', '-')} continues a job: add --resume")
 
 
 def _write_summary(path: str, summary: dict) -> None:

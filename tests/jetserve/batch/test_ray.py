@@ -187,7 +187,7 @@ def test_a_poison_row_becomes_an_error_row_and_the_job_finishes(cluster, referen
     assert s["actor_restarts"] == 2 and s["blocks_retried"] == 2
     # Progress bar and summary on stderr.
     assert "actors alive" in p.stderr and "tok/s" in p.stderr
-    assert "rows/s; ray: 2 actors" in p.stderr
+    assert "rows/s (" in p.stderr and "; ray: 2 actors (" in p.stderr
     # Resuming the finished job runs nothing (and needs no cluster).
     p = subprocess.run([*cmd, "--resume", "--no-progress"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)

@@ -69,6 +69,11 @@ def test_heartbeats_count_actors_alive_and_restarts():
     led.heartbeat("a", 101, "n2")  # started again: a new process
     st = led.status()
     assert (st["actors"], st["alive"], st["restarts"], st["busy"]) == (2, 1, 1, [])
+    led.begin("blk", ["k"], "a")  # its block again, on the new process
+    clock.t += 2.5
+    led.end("blk", "a")
+    # From the first block's start to the last one's end: the engines' time.
+    assert led.status()["engines_s"] == ALIVE_S + 3.5
 
 
 def test_pool_settings():

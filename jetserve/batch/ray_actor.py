@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from jetserve.batch import ray_ledger
@@ -70,8 +71,8 @@ class EngineActor:
         self._fault = os.environ.get(FAULT_ENV)
 
     def _beat(self, *beat) -> None:
-        stop = threading.Event()
-        while not stop.wait(ray_ledger.HEARTBEAT_S):
+        while True:
+            time.sleep(ray_ledger.HEARTBEAT_S)
             self._ledger.heartbeat.remote(*beat)
 
     def __call__(self, batch):
@@ -83,14 +84,14 @@ class EngineActor:
         texts = batch["text"].to_pylist()
         block = _block_id(lines)
         attempt = ray.get(self._ledger.begin.remote(block, keys, self._id))
-        out: dict[str, tuple[str, int]] = {k: (line, 0) for k, line in attempt.done.items()}
+        out: dict[str, tuple[str, int]] = dict(attempt.done)  # key -> (line, prompt tokens)
 
         def emit(items: list[tuple[Job | None, dict]]) -> None:
             done = [(output_key(row), encode_row(row).decode(),
                      job.prompt_len if job else 0) for job, row in items]
             for key, line, n in done:
                 out[key] = (line, n)
-            self._ledger.finished.remote(block, [(k, line) for k, line, _ in done])
+            self._ledger.finished.remote(block, done)
 
         todo = [(Entry(n, json.loads(k), k, None), t)
                 for n, k, t in zip(lines, keys, texts, strict=True) if k not in out]

@@ -11,8 +11,8 @@ the attempt that died, so the engine actors keep it here, in one small actor of 
   any of them may be the cause), and from then on the block runs one row at a time,
   each alone in its engine, so a death names its row.
 - `started(block, key)` / `finished(block, rows)`: which row runs alone now, and the
-  rows that are done (their output lines, kept until the block ends, so an attempt after
-  a death returns them without running them again).
+  rows that are done (their output lines and prompt tokens, kept until the block ends,
+  so an attempt after a death returns them without running them again).
 - A row with `KILL_LIMIT` deaths (one in its block, one alone) is not run again: the
   attempt gets it back as `poisoned`, and the actor writes its error row.
 - `end(block)`: the block's rows went to the driver; what was kept for it is dropped.
@@ -40,7 +40,8 @@ class Attempt:
     """What an attempt at a block is told by `begin`."""
 
     alone: bool  # run the rows one at a time (an earlier attempt died)
-    done: dict[str, str]  # key -> output line of rows finished by earlier attempts
+    done: dict[str, tuple[str, int]]  # key -> (output line, prompt tokens) of rows
+    # finished by earlier attempts
     poisoned: dict[str, int]  # key -> deaths, for rows not to run again
 
 
@@ -50,7 +51,7 @@ class _Block:
     running: bool = False
     alone: bool = False
     current: str | None = None  # the row running alone now
-    done: dict[str, str] = dataclasses.field(default_factory=dict)
+    done: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     attempts: int = 0
 
 
@@ -100,11 +101,12 @@ class Ledger:
     def started(self, block: str, key: str) -> None:
         self._blocks[block].current = key
 
-    def finished(self, block: str, rows: list[tuple[str, str]]) -> None:
+    def finished(self, block: str, rows: list[tuple[str, str, int]]) -> None:
+        """rows: (key, output line, prompt tokens) of rows that finished."""
         b = self._blocks.get(block)
         if b is None or not b.running:
             return
-        b.done.update(rows)
+        b.done.update((key, (line, n)) for key, line, n in rows)
         if b.current is not None and b.current in b.done:
             b.current = None
 

@@ -22,7 +22,7 @@ def test_first_attempt_runs_the_block_whole():
     led = Ledger()
     a = led.begin("b", ["k1", "k2"], "actor")
     assert (a.alone, a.done, a.poisoned) == (False, {}, {})
-    led.finished("b", [("k1", "row1"), ("k2", "row2")])
+    led.finished("b", [("k1", "row1", 3), ("k2", "row2", 4)])
     led.end("b")
     assert led.status()["blocks_retried"] == 0
     # A block run again after it ended (Ray lost its output) is a fresh attempt.
@@ -32,16 +32,16 @@ def test_first_attempt_runs_the_block_whole():
 def test_a_death_keeps_finished_rows_and_blames_the_unfinished_ones():
     led = Ledger()
     led.begin("b", ["k1", "k2", "k3"])
-    led.finished("b", [("k1", "row1")])
+    led.finished("b", [("k1", "row1", 3)])
     # No end: the actor died. The next attempt runs the rest one at a time.
     a = led.begin("b", ["k1", "k2", "k3"])
-    assert a.alone and a.done == {"k1": "row1"} and a.poisoned == {}
+    assert a.alone and a.done == {"k1": ("row1", 3)} and a.poisoned == {}
     led.started("b", "k2")
-    led.finished("b", [("k2", "row2")])
+    led.finished("b", [("k2", "row2", 4)])
     led.started("b", "k3")
     # Died again, with k3 alone in the engine: k3 has killed two actors.
     a = led.begin("b", ["k1", "k2", "k3"])
-    assert a.done == {"k1": "row1", "k2": "row2"} and a.poisoned == {"k3": 2}
+    assert a.done == {"k1": ("row1", 3), "k2": ("row2", 4)} and a.poisoned == {"k3": 2}
     led.end("b")
     assert led.status()["blocks_retried"] == 2
 
@@ -51,9 +51,9 @@ def test_rows_that_ran_alone_and_finished_are_not_blamed():
     led.begin("b", ["k1", "k2"])
     led.begin("b", ["k1", "k2"])  # first death: both blamed once
     led.started("b", "k1")
-    led.finished("b", [("k1", "row1")])
+    led.finished("b", [("k1", "row1", 3)])
     a = led.begin("b", ["k1", "k2"])  # died between rows: nobody running alone
-    assert a.poisoned == {} and a.done == {"k1": "row1"}
+    assert a.poisoned == {} and a.done == {"k1": ("row1", 3)}
 
 
 def test_heartbeats_count_actors_alive_and_restarts():

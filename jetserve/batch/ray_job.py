@@ -188,9 +188,10 @@ def _run_pool(ray, cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool,
     from jetserve.batch.ray_actor import EngineActor
 
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # ours is the job's bar
+    ctx.enable_progress_bars = False  # ours is the job's bar (and no warning that it is off)
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     ds = ray.data.from_arrow_refs(list(_blocks(ray, cfg.input, entries, pool.block_rows)))
     ds = ds.map_batches(
         EngineActor, batch_size=pool.block_rows, batch_format="pyarrow",

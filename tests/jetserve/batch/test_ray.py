@@ -22,14 +22,13 @@ import sys
 
 import numpy as np
 import pytest
+import ray  # the `ray` extra, which the `test` extra installs too
 
-ray = pytest.importorskip("ray")  # the `ray` extra; the `test` extra installs it
-
-from jetserve.batch import ray_job  # noqa: E402
-from jetserve.batch.journal import read_rows  # noqa: E402
-from jetserve.batch.ray_actor import FAULT_ENV  # noqa: E402
-from jetserve.batch.runner import BatchConfig  # noqa: E402
-from jetserve.commands.batch import orchestrator_factory  # noqa: E402
+from jetserve.batch import ray_job
+from jetserve.batch.journal import read_rows
+from jetserve.batch.ray_actor import FAULT_ENV
+from jetserve.batch.runner import BatchConfig
+from jetserve.commands.batch import orchestrator_factory
 
 pytestmark = pytest.mark.slow  # a Ray cluster and four pools of engine actors
 

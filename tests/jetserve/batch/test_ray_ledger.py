@@ -1,5 +1,6 @@
-"""The ledger of a Ray batch job (plain Python, no Ray), the pool's settings, and the
-message `--ray` gives when Ray is not installed."""
+"""The ledger of a Ray batch job (plain Python, no Ray), the pool's settings, and what
+`jetserve batch --ray` refuses before it starts anything (flags of the other ways to run
+a job over hosts; Ray not installed)."""
 
 import sys
 
@@ -96,3 +97,19 @@ def test_without_ray_the_flag_names_the_extra(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "--ray needs Ray Data" in err and "pip install 'jetserve[ray]'" in err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-processes", "2", "--process-id", "0"],
+     "--ray hands rows to actors itself: leave out --num-processes"),
+    (["--coordinator", "127.0.0.1:1"], "leave out --coordinator"),
+    (["--merge"], "--merge joins the parts of a run without --ray"),
+    (["--retry-failed"], "--retry-failed continues a job: add --resume"),
+    (["--ray-actors", "0"], "--ray-actors must be >= 1, got 0"),
+    (["--ray-actor-resources", "TPU:4"], "--ray-actor-resources: expected NAME=NUMBER"),
+])
+def test_ray_refuses_what_it_cannot_do(extra, message, capsys, tmp_path):
+    rc = cli.main(["batch", "--ray", "--input", str(tmp_path / "in.jsonl"), "--output",
+                   str(tmp_path / "out.jsonl"), *extra])
+    assert rc == 2
+    assert message in capsys.readouterr().err

@@ -56,9 +56,25 @@ def _lines(n: int, max_tokens: int) -> list[str]:
     return [json.dumps(r) for r in rows]
 
 
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The flags, checked before any cluster or engine starts (ValueError names one)."""
     args = _parser().parse_args(argv)
-    pools = [int(x) for x in args.actors.split(",") if x.strip()]
+    try:
+        args.pools = [int(x) for x in args.actors.split(",") if x.strip()]
+    except ValueError:
+        args.pools = []
+    if not args.pools or min(args.pools) < 1:
+        raise ValueError(f"--actors: pool sizes >= 1, comma-separated, got {args.actors!r}")
+    for flag in ("rows", "block_rows", "max_tokens", "num_cpus", "object_store_mb"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got "
+                             f"{getattr(args, flag)}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    pools = args.pools
     flags = ["--model", args.model, "--max-seq-len", str(args.max_seq_len),
              "--max-concurrent-decodes", str(args.max_concurrent_decodes), "--devices", "1",
              "--max-tokens", str(args.max_tokens)]

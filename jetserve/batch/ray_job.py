@@ -201,6 +201,28 @@ def _run_pool(ray, cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool,
         **pool.remote_args())
     want = {e.key for e in entries}
     written: set[str] = set()
+    try:
+        _drain(ray, ds, want, written, record, ledger, state, t0, on_progress)
+    except ray.exceptions.RayError as e:  # an engine that cannot start, a bug in a block
+        raise ValueError(f"the Ray job stopped ({_cause(e)}); the rows written before "
+                         "are kept for --resume") from None
+    missing = [e for e in entries if e.key not in written]
+    if missing:
+        e = missing[0]
+        raise ValueError(f"{len(missing)} rows got no result from the Ray job (first: line "
+                           f"{e.line}, id {e.id!r}); run it again with --resume")
+
+
+def _cause(e: Exception) -> str:
+    """The last line of a Ray error's text: the exception that started it (the worker's
+    whole traceback is on stderr already)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def _drain(ray, ds, want: set[str], written: set[str], record: Record, ledger,
+           state: dict, t0: float, on_progress) -> None:
+    """Writes each output block's rows, each key once, as blocks finish."""
     for out in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         rows, tokens = [], []
         for key, line, n in zip(out["key"].to_pylist(), out["row"].to_pylist(),
@@ -220,11 +242,6 @@ def _run_pool(ray, cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool,
                                  rows_per_s=(s.ok + s.failed) / elapsed,
                                  tokens_per_s=s.completion_tokens / elapsed,
                                  actors_alive=status["alive"], busy=status["busy"]))
-    missing = [e for e in entries if e.key not in written]
-    if missing:
-        e = missing[0]
-        raise RuntimeError(f"{len(missing)} rows got no result from the Ray job (first: line "
-                           f"{e.line}, id {e.id!r}); run it again with --resume")
 
 
 def _blocks(ray, path: str, entries: list[inputs.Entry], block_rows: int) -> Iterator:

@@ -5,6 +5,8 @@ engine actors on the random tiny model, against `jetserve batch` on one process.
   by text; two bad rows) give the one-process output, each id once.
 - An actor's worker process SIGKILLed while it runs a block: Ray starts it again, the
   block runs again, and the output is still every id once and equal.
+- An engine that cannot start (no such model) stops the job with the cause, not a
+  traceback.
 - A poison row (the actors' test-only fault-injection seam, ray_actor.FAULT_ENV, kills
   the process that takes it into its engine): its engine dies twice, the row becomes an
   error row naming it, and the rest of the job finishes; run by the command, connecting
@@ -192,3 +194,13 @@ def test_a_poison_row_becomes_an_error_row_and_the_job_finishes(cluster, referen
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 1 and "(41 done before this run, 0 ok, 0 failed" in p.stderr
     assert len(read_rows(str(out))) == 41
+
+
+def test_an_engine_that_cannot_start_stops_the_job_naming_why(cluster, tmp_path):
+    inp = write(tmp_path / "in.jsonl", input_lines()[:4])
+    cfg = BatchConfig(input=inp, output=str(tmp_path / "out.jsonl"), progress=False)
+    missing = tmp_path / "no-model"
+    with pytest.raises(ValueError, match=r"the Ray job stopped \(FileNotFoundError: --model "
+                                         rf"'{missing}': no such directory\)"):
+        ray_job.run(cfg, orchestrator_factory(["--model", str(missing)]),
+                    ray_job.RayPool(actors=1, block_rows=4))

@@ -148,69 +148,100 @@ def run(cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool, *,
     the driver writes. Connects to pool.address unless Ray is initialized already (then
     its cluster is used, and left running).
     """
-    ray = import_ray()
-    s = RaySummary(actors=pool.actors)
-    t0 = time.monotonic()
-    state: dict = {"alive": 0}
+    driver = _Driver(import_ray(), cfg, make_orchestrator, pool, on_progress)
+    return run_rows(cfg, driver.run, prepared, driver.summary, driver.postfix)
 
-    def postfix() -> str:
-        return f"{state['alive']}/{pool.actors} actors alive"
 
-    def run_entries(entries: list[inputs.Entry], record: Record) -> None:
+class _Driver:
+    """The Ray side of one job: the cluster, the ledger, the pool's dataset, and each
+    output block's rows into the job's Record."""
+
+    def __init__(self, ray, cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool,
+                 on_progress: Callable[[Progress], None] | None):
+        self.ray, self.cfg, self.pool = ray, cfg, pool
+        self.make_orchestrator, self.on_progress = make_orchestrator, on_progress
+        self.summary = RaySummary(actors=pool.actors)
+        self.alive = 0
+        self.t0 = time.monotonic()
+
+    def postfix(self) -> str:
+        return f"{self.alive}/{self.pool.actors} actors alive"
+
+    def run(self, entries: list[inputs.Entry], record: Record) -> None:
         if not entries:
             return  # nothing left to run: no cluster needed
+        ray = self.ray
         started = not ray.is_initialized()
         if started:
-            ray.init(address=pool.address, logging_level=logging.WARNING)
-        ledger_name = f"jetserve-batch-ledger-{uuid.uuid4().hex[:12]}"
+            ray.init(address=self.pool.address, logging_level=logging.WARNING)
         from jetserve.batch.ray_ledger import remote_ledger
 
-        ledger = remote_ledger(ledger_name)
+        name = f"jetserve-batch-ledger-{uuid.uuid4().hex[:12]}"
+        ledger = remote_ledger(name)
         try:
-            _run_pool(ray, cfg, make_orchestrator, pool, entries, record, ledger,
-                      ledger_name, state, t0, on_progress)
+            self._run_pool(entries, record, ledger, name)
             final = ray.get(ledger.status.remote())
-            s.actors_alive = final["alive"]
-            s.actor_restarts = final["restarts"]
-            s.blocks_retried = final["blocks_retried"]
-            s.engines_s = final["engines_s"]
+            s = self.summary
+            s.actors_alive, s.actor_restarts = final["alive"], final["restarts"]
+            s.blocks_retried, s.engines_s = final["blocks_retried"], final["engines_s"]
         finally:
             ray.kill(ledger)
             if started:
                 ray.shutdown()
 
-    return run_rows(cfg, run_entries, prepared, s, postfix)
+    def _run_pool(self, entries: list[inputs.Entry], record: Record, ledger,
+                  ledger_name: str) -> None:
+        from jetserve.batch.ray_actor import EngineActor
 
+        ray, pool = self.ray, self.pool
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False  # ours is the job's bar (and no warning it is off)
+        ctx.print_on_execution_start = False
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+        ds = ray.data.from_arrow_refs(list(_blocks(ray, self.cfg.input, entries,
+                                                   pool.block_rows)))
+        ds = ds.map_batches(
+            EngineActor, batch_size=pool.block_rows, batch_format="pyarrow",
+            fn_constructor_kwargs={"cfg": self.cfg, "make_orchestrator": self.make_orchestrator,
+                                   "ledger": ledger_name},
+            compute=ray.data.ActorPoolStrategy(size=pool.actors,
+                                               max_tasks_in_flight_per_actor=1),
+            **pool.remote_args())
+        want = {e.key for e in entries}
+        written: set[str] = set()
+        try:
+            self._drain(ds, want, written, record, ledger)
+        except ray.exceptions.RayError as e:  # an engine that cannot start, a bug in a block
+            raise ValueError(f"the Ray job stopped ({_cause(e)}); the rows written before "
+                             "are kept for --resume") from None
+        missing = [e for e in entries if e.key not in written]
+        if missing:
+            e = missing[0]
+            raise ValueError(f"{len(missing)} rows got no result from the Ray job (first: "
+                             f"line {e.line}, id {e.id!r}); run it again with --resume")
 
-def _run_pool(ray, cfg: BatchConfig, make_orchestrator: Callable, pool: RayPool,
-              entries: list[inputs.Entry], record: Record, ledger, ledger_name: str,
-              state: dict, t0: float, on_progress) -> None:
-    from jetserve.batch.ray_actor import EngineActor
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # ours is the job's bar (and no warning that it is off)
-    ctx.print_on_execution_start = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
-    ds = ray.data.from_arrow_refs(list(_blocks(ray, cfg.input, entries, pool.block_rows)))
-    ds = ds.map_batches(
-        EngineActor, batch_size=pool.block_rows, batch_format="pyarrow",
-        fn_constructor_kwargs={"cfg": cfg, "make_orchestrator": make_orchestrator,
-                               "ledger": ledger_name},
-        compute=ray.data.ActorPoolStrategy(size=pool.actors, max_tasks_in_flight_per_actor=1),
-        **pool.remote_args())
-    want = {e.key for e in entries}
-    written: set[str] = set()
-    try:
-        _drain(ray, ds, want, written, record, ledger, state, t0, on_progress)
-    except ray.exceptions.RayError as e:  # an engine that cannot start, a bug in a block
-        raise ValueError(f"the Ray job stopped ({_cause(e)}); the rows written before "
-                         "are kept for --resume") from None
-    missing = [e for e in entries if e.key not in written]
-    if missing:
-        e = missing[0]
-        raise ValueError(f"{len(missing)} rows got no result from the Ray job (first: line "
-                           f"{e.line}, id {e.id!r}); run it again with --resume")
+    def _drain(self, ds, want: set[str], written: set[str], record: Record, ledger) -> None:
+        """Writes each output block's rows, each key once, as blocks finish."""
+        for out in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            rows, tokens = [], []
+            for key, line, n in zip(out["key"].to_pylist(), out["row"].to_pylist(),
+                                    out["prompt_tokens"].to_pylist(), strict=True):
+                if key in written or key not in want:
+                    continue  # each row once, whatever Ray ran twice
+                written.add(key)
+                rows.append(json.loads(line))
+                tokens.append(n)
+            status = self.ray.get(ledger.status.remote())
+            self.alive = status["alive"]
+            record.rows(rows, tokens)
+            if self.on_progress is not None:
+                s = record.summary
+                elapsed = max(time.monotonic() - self.t0, 1e-9)
+                self.on_progress(Progress(
+                    rows_done=s.ok + s.failed, rows_per_s=(s.ok + s.failed) / elapsed,
+                    tokens_per_s=s.completion_tokens / elapsed, actors_alive=self.alive,
+                    busy=status["busy"]))
 
 
 def _cause(e: Exception) -> str:
@@ -218,30 +249,6 @@ def _cause(e: Exception) -> str:
     whole traceback is on stderr already)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return lines[-1] if lines else type(e).__name__
-
-
-def _drain(ray, ds, want: set[str], written: set[str], record: Record, ledger,
-           state: dict, t0: float, on_progress) -> None:
-    """Writes each output block's rows, each key once, as blocks finish."""
-    for out in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        rows, tokens = [], []
-        for key, line, n in zip(out["key"].to_pylist(), out["row"].to_pylist(),
-                                out["prompt_tokens"].to_pylist(), strict=True):
-            if key in written or key not in want:
-                continue  # each row once, whatever Ray ran twice
-            written.add(key)
-            rows.append(json.loads(line))
-            tokens.append(n)
-        status = ray.get(ledger.status.remote())
-        state["alive"] = status["alive"]
-        record.rows(rows, tokens)
-        if on_progress is not None:
-            s = record.summary
-            elapsed = max(time.monotonic() - t0, 1e-9)
-            on_progress(Progress(rows_done=s.ok + s.failed,
-                                 rows_per_s=(s.ok + s.failed) / elapsed,
-                                 tokens_per_s=s.completion_tokens / elapsed,
-                                 actors_alive=status["alive"], busy=status["busy"]))
 
 
 def _blocks(ray, path: str, entries: list[inputs.Entry], block_rows: int) -> Iterator:

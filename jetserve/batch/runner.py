@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from jetserve.batch import inputs
 from jetserve.batch.journal import Journal
@@ -157,40 +157,73 @@ def run_job(cfg: BatchConfig, limits: ModelLimits, execute: Executor,
             prepared: Prepared | None = None) -> Summary:
     """Runs the rows of cfg.input this process owns that cfg.output does not hold yet.
     prepared: `prepare(cfg)`, when the caller checked the job before loading a model."""
+
+    def run(entries: list[inputs.Entry], record: Record) -> None:
+        execute(_jobs(cfg, limits, entries, record.emit), record.emit)
+
+    return run_rows(cfg, run, prepared)
+
+
+def run_rows(cfg: BatchConfig, run: Callable[[list[inputs.Entry], Record], None],
+             prepared: Prepared | None = None, summary: Summary | None = None,
+             postfix: Callable[[], str] | None = None) -> Summary:
+    """The bookkeeping of a job around `run`, which gets the input rows still to run
+    (each readable and with a unique id) and records each result once through the
+    `Record` it is given. summary: the Summary to fill (a subclass with fields of its
+    own); postfix: more to show on the progress bar."""
     t0 = time.monotonic()
     prepared = prepared or prepare(cfg)
     entries, journal = prepared.entries, prepared.journal
     done = journal.done
-    s = Summary(rows=len(entries))
+    s = summary if summary is not None else Summary()
+    s.rows = len(entries)
     todo = [e for e in entries if e.key not in done]
     s.resumed = len(entries) - len(todo)
     s.failed_before = sum(1 for e in entries if done.get(e.key) is False)
-    bar = _progress(cfg, len(todo))
+    record = Record(s, journal, _progress(cfg, len(todo)), t0, postfix)
+    try:
+        record.emit([(None, e.error_row()) for e in todo if e.error is not None])
+        run([e for e in todo if e.error is None], record)
+    finally:
+        record.close()
+    s.wall_s = time.monotonic() - t0
+    return s
 
-    def emit(items: list[tuple[Job | None, dict]]) -> None:
-        for job, row in items:
+
+class Record:
+    """Results into the journal, the summary and the progress bar (the caller's thread)."""
+
+    def __init__(self, summary: Summary, journal: Journal, bar, t0: float,
+                 postfix: Callable[[], str] | None = None):
+        self.summary, self._journal, self._bar = summary, journal, bar
+        self._t0, self._postfix = t0, postfix
+
+    def emit(self, items: list[tuple[Job | None, dict]]) -> None:
+        """Rows with the jobs they ran (None: a row that never became a job)."""
+        self.rows([row for _, row in items], [job.prompt_len if job else 0 for job, _ in items])
+
+    def rows(self, rows: list[dict], prompt_tokens: list[int]) -> None:
+        """Output rows with the prompt tokens each job ran (0 when none ran)."""
+        s = self.summary
+        for row, n in zip(rows, prompt_tokens, strict=True):
             if "error" in row:
                 s.failed += 1
             else:
                 s.ok += 1
-                s.prompt_tokens += job.prompt_len if job else 0
+                s.prompt_tokens += n
                 s.completion_tokens += len(row.get("token_ids", ()))
-        journal.append(row for _, row in items)
-        if bar is not None:
-            bar.update(len(items))
-            elapsed = max(time.monotonic() - t0, 1e-9)
-            bar.set_postfix_str(f"{s.completion_tokens / elapsed:.0f} tok/s", refresh=False)
+        self._journal.append(rows)
+        if self._bar is not None:
+            self._bar.update(len(rows))
+            elapsed = max(time.monotonic() - self._t0, 1e-9)
+            more = f", {self._postfix()}" if self._postfix else ""
+            self._bar.set_postfix_str(f"{s.completion_tokens / elapsed:.0f} tok/s{more}",
+                                      refresh=False)
 
-    try:
-        emit([(None, e.error_row()) for e in todo if e.error is not None])
-        runnable = [e for e in todo if e.error is None]
-        execute(_jobs(cfg, limits, runnable, emit), emit)
-    finally:
-        if bar is not None:
-            bar.close()
-        journal.close()
-    s.wall_s = time.monotonic() - t0
-    return s
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._journal.close()
 
 
 def _jobs(cfg: BatchConfig, limits: ModelLimits, entries: list[inputs.Entry],
@@ -198,24 +231,37 @@ def _jobs(cfg: BatchConfig, limits: ModelLimits, entries: list[inputs.Entry],
     """Jobs of the given entries, a window at a time, each window in run order; rows that
     fail validation are emitted as error rows on the way."""
     by_line = {e.line: e for e in entries}
+    rows = ((by_line[n], text) for n, text in inputs.read_lines(cfg.input, by_line))
+    return jobs_of(cfg, limits, rows, emit)
+
+
+def jobs_of(cfg: BatchConfig, limits: ModelLimits,
+            rows: Iterable[tuple[inputs.Entry, str]], emit: Emit) -> Iterator[Job]:
+    """Jobs of (entry, its line's text) pairs, cfg.window at a time, each window in run
+    order; rows that fail validation are emitted as error rows on the way."""
     window: list[tuple[int, Job]] = []
-    for n, text in inputs.read_lines(cfg.input, by_line):
-        entry = by_line[n]
-        try:
-            job = build_job(parse_line(text), limits, default_max_tokens=cfg.default_max_tokens,
-                            adapters=cfg.lora_adapters, tool_parser=cfg.tool_call_parser)
-        except RowError as e:
-            emit([(None, entry.error_row(f"line {n}: {e}"))])
+    for entry, text in rows:
+        job = build(cfg, limits, entry, text)
+        if isinstance(job, dict):
+            emit([(None, job)])
             continue
-        except Exception as e:  # noqa: BLE001 (a tokenizer or template bug: this row only)
-            emit([(None, entry.error_row(f"line {n}: the row could not be prepared "
-                                         f"({_brief(e)})"))])
-            continue
-        window.append((n, job))
+        window.append((entry.line, job))
         if len(window) >= cfg.window:
             yield from _ordered(window)
             window = []
     yield from _ordered(window)
+
+
+def build(cfg: BatchConfig, limits: ModelLimits, entry: inputs.Entry, text: str) -> Job | dict:
+    """The job of one input line, or its error row."""
+    n = entry.line
+    try:
+        return build_job(parse_line(text), limits, default_max_tokens=cfg.default_max_tokens,
+                         adapters=cfg.lora_adapters, tool_parser=cfg.tool_call_parser)
+    except RowError as e:
+        return entry.error_row(f"line {n}: {e}")
+    except Exception as e:  # noqa: BLE001 (a tokenizer or template bug: this row only)
+        return entry.error_row(f"line {n}: the row could not be prepared ({_brief(e)})")
 
 
 def _brief(e: Exception, limit: int = 200) -> str:

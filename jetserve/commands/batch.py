@@ -28,6 +28,13 @@ joins the parts into OUTPUT in input order. With --coordinator, the N processes 
 model sharded over all their devices: process 0 reads the input, plans every step and
 writes OUTPUT; the others follow its steps.
 
+On Ray (pip install 'jetserve[ray]'): --ray [ADDRESS] runs the job on a Ray cluster's
+actors, --ray-actors of them, one engine each (one per slice, reserving
+--ray-actor-resources), handed --ray-block-rows rows at a time as they free up; this
+process scans the input and is the one writer of --output, as on one host. An actor that
+dies loses no row (Ray starts it again and its unfinished rows run again); a row whose
+engine dies with it twice becomes an error row. See jetserve/batch/ray_job.py.
+
 Exit status: 0 when every row succeeded, 1 when any row is an error row (including ones
 written by an earlier run of a resumed job), 2 for a usage error or an output that cannot
 be written (a full disk, a read-only directory: the rows written so far stay, ready for
@@ -37,6 +44,7 @@ be written (a full disk, a read-only directory: the rows written so far stay, re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -90,9 +98,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write the end-of-job summary here as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     distributed.add_arguments(p)
+    g = p.add_argument_group("on a Ray cluster (pip install 'jetserve[ray]')")
+    g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run on Ray actors; ADDRESS: the cluster (ray://HOST:10001, "
+                        "HOST:6379, auto); without it, Ray's own rule (RAY_ADDRESS, a "
+                        "cluster started on this host, else a new local one)")
+    g.add_argument("--ray-actors", type=int, default=1,
+                   help="engine actors (one per slice; on one host, each gets --devices)")
+    g.add_argument("--ray-actor-resources", default="CPU=1", metavar="NAME=N,...",
+                   help="what each actor reserves, e.g. TPU=4,CPU=8 or GPU=1 (CPU, GPU: "
+                        "Ray's num_cpus, num_gpus; other names: custom resources)")
+    g.add_argument("--ray-block-rows", type=int, default=64,
+                   help="rows handed to an actor at a time")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge and args.ray is not None:
+        raise ValueError("--merge joins the parts of a run without --ray (a --ray job "
+                         "writes one --output): leave out --ray")
     try:
         return _merge(args) if args.merge else _run(args)
     except OSError as e:  # a full disk, a read-only directory...: one line, no traceback
@@ -104,17 +127,17 @@ def _run(args: argparse.Namespace) -> int:
     from jetserve.batch import orchestrated
     from jetserve.batch.journal import part_path
     from jetserve.batch.preflight import check_coordinator_port, check_paths
-    from jetserve.batch.runner import BatchConfig, prepare
+    from jetserve.batch.runner import prepare
 
+    if args.ray is not None:
+        return _run_on_ray(args)
     independent = args.coordinator is None and (
         args.num_processes is not None or args.process_id is not None)
     n_proc, proc = 1, 0
     if independent:
         n_proc, proc = _independent_share(args)
     output = part_path(args.output, proc, n_proc) if independent else args.output
-    for flag in ("retry_failed", "repair"):
-        if getattr(args, flag) and not args.resume:
-            raise ValueError(f"--{flag.replace('_', '-')} continues a job: add --resume")
+    _check_resume_flags(args)
     check_paths(args.input, output)
     if args.coordinator is not None:
         check_coordinator_port(args.coordinator, args.process_id)
@@ -124,13 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         shared.num_processes = shared.process_id = None
     devices = distributed.setup(shared)
 
-    cfg = BatchConfig(input=args.input, output=output, resume=args.resume,
-                      retry_failed=args.retry_failed, repair=args.repair,
-                      process_id=proc, num_processes=n_proc,
-                      default_max_tokens=args.max_tokens, window=args.window,
-                      progress=not args.no_progress,
-                      lora_adapters=tuple(n for n, _ in parse_modules(args.lora_modules)),
-                      tool_call_parser=args.tool_call_parser)
+    cfg = _config(args, output, proc, n_proc)
     # The input and output are checked (and the output opened) before the model loads:
     # a job that is refused costs no load.
     prepared = prepare(cfg) if distributed.is_primary() else None
@@ -138,11 +155,74 @@ def _run(args: argparse.Namespace) -> int:
     if prepared is None:
         orch.run()  # process 0's steps, until it stops
         return 0
-    summary = orchestrated.run(cfg, orch, prepared=prepared)
+    return _finish(args, output, orchestrated.run(cfg, orch, prepared=prepared))
+
+
+def _config(args: argparse.Namespace, output: str, proc: int = 0,
+            n_proc: int = 1):
+    from jetserve.batch.runner import BatchConfig
+
+    return BatchConfig(input=args.input, output=output, resume=args.resume,
+                       retry_failed=args.retry_failed, repair=args.repair,
+                       process_id=proc, num_processes=n_proc,
+                       default_max_tokens=args.max_tokens, window=args.window,
+                       progress=not args.no_progress,
+                       lora_adapters=tuple(n for n, _ in parse_modules(args.lora_modules)),
+                       tool_call_parser=args.tool_call_parser)
+
+
+def _finish(args: argparse.Namespace, output: str, summary) -> int:
     print(summary.line(), file=sys.stderr)
     if args.summary:
         _write_summary(args.summary, {"output": output, **summary.as_dict()})
     return 0 if summary.all_ok else 1
+
+
+def _run_on_ray(args: argparse.Namespace) -> int:
+    """The job on Ray actors (jetserve/batch/ray_job.py); this process builds no engine."""
+    from jetserve.batch import ray_job
+    from jetserve.batch.runner import prepare
+
+    given = [f for f in ("coordinator", "num_processes", "process_id") if
+             getattr(args, f) is not None]
+    if given:
+        raise ValueError(f"--ray hands rows to actors itself: leave out "
+                         f"--{given[0].replace('_', '-')}")
+    _check_resume_flags(args)
+    pool = ray_job.RayPool(address=args.ray or None, actors=args.ray_actors,
+                           resources=ray_job.parse_resources(args.ray_actor_resources),
+                           block_rows=args.ray_block_rows)
+    ray_job.import_ray()  # a missing extra is named before the input is read
+    cfg = _config(args, args.output)
+    summary = ray_job.run(cfg, functools.partial(actor_orchestrator, args), pool,
+                          prepared=prepare(cfg))
+    return _finish(args, args.output, summary)
+
+
+def orchestrator_factory(flags: list[str]) -> functools.partial:
+    """A picklable zero-argument callable that builds the orchestrator `jetserve batch`
+    builds from these flags (model, devices, scheduling: e.g. ["--model", DIR,
+    "--devices", "4"]), for ray_job.run's actors."""
+    p = argparse.ArgumentParser(prog="jetserve batch")
+    add_arguments(p)
+    args = p.parse_args(["--input", "-", "--output", "-", *flags])
+    return functools.partial(actor_orchestrator, args)
+
+
+def actor_orchestrator(args: argparse.Namespace):
+    """The orchestrator of one engine actor: this process's devices (--devices N of
+    them), with the compile cache on, as the command's own start does."""
+    from jetserve import compile_cache
+
+    compile_cache.enable(args.compile_cache)
+    devices = distributed.setup(argparse.Namespace(devices=args.devices))
+    return _orchestrator(args, devices)
+
+
+def _check_resume_flags(args: argparse.Namespace) -> None:
+    for flag in ("retry_failed", "repair"):
+        if getattr(args, flag) and not args.resume:
+            raise ValueError(f"--{flag.replace('_', '-')} continues a job: add --resume")
 
 
 def _write_summary(path: str, summary: dict) -> None:

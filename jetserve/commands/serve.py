@@ -33,6 +33,7 @@ from jetserve.commands.common import (
     add_model_arguments,
     add_scheduling_arguments,
     add_step_policy_arguments,
+    add_reasoning_parser_argument,
     add_tool_parser_argument,
     engine_config,
     prefix_cache_budgets,
@@ -90,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_limit_arguments(p)
     add_scheduling_arguments(p)
     add_tool_parser_argument(p)
+    add_reasoning_parser_argument(p)
     add_step_policy_arguments(p)
     p.add_argument("--scheduling", default=TURNS, choices=SCHEDULING,
                    help="turns (the default: prefill, insert and generate calls, prompts "
@@ -149,7 +151,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         http_port=_port(args.http_port, "--http-port"), api_key=_api_key(args),
                         tls_cert=args.tls_cert, tls_key=args.tls_key, model_name=name,
                         drain_timeout_s=args.drain_timeout, write_timeout_s=args.write_timeout,
-                        tool_call_parser=args.tool_call_parser, **_limits(args))
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, **_limits(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

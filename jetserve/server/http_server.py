@@ -368,7 +368,7 @@ class OpenAIApp:
         body = await self._body(request, ChatRequest)
         prep = fmt.prepare_chat(self.limits, body, self.config.model_name,
                                 client_id.from_http(request), self.adapters,
-                                self.config.tool_call_parser)
+                                self.config.tool_call_parser, self.config.reasoning_parser)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": body.model or self.config.model_name}
         handles = self._submit(prep)
@@ -384,7 +384,8 @@ class OpenAIApp:
         head = {**head, "object": "chat.completion.chunk"}
         totals = [Joined() for _ in handles]
         texts = [self.tt.texts(prep, i) for i in range(len(handles))]  # across chunks
-        readers = [tool_output.ChoiceReader(prep.tools) for _ in handles]  # tool calls
+        readers = [tool_output.ChoiceReader(prep.tools, prep.think)  # thinking, tool calls
+                   for _ in handles]
         start = _sse_start(head)
         for i in range(len(handles)):
             yield _sse({**head, "choices": [{"index": i, "delta": readers[i].opening(),

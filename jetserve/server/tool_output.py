@@ -25,7 +25,10 @@ import json
 import uuid
 from typing import Any
 
+from jetserve.server.block_reader import BlockReader
+from jetserve.server.call_blocks import BLOCKS
 from jetserve.server.call_scanner import CallScanner
+from jetserve.server.reasoning import ThinkFormat, ThinkSplitter
 from jetserve.server.tool_calls import ToolPlan
 from jetserve.server.tool_formats import FORCED_LIST, FORCED_ONE, PARSERS, CallFormat
 
@@ -246,13 +249,23 @@ def reading_format(plan: ToolPlan) -> CallFormat:
     return FORCED_LIST if plan.mode == "required" and plan.parallel else FORCED_ONE
 
 
-class ChoiceReader:
-    """One chat choice's text -> OpenAI deltas; plain content when no tool is in play."""
+def _reader(plan: ToolPlan) -> CallReader | BlockReader:
+    names = [t["function"]["name"] for t in plan.tools]
+    max_calls = None if plan.parallel else 1
+    if not plan.forced and plan.parser in BLOCKS:
+        return BlockReader(BLOCKS[plan.parser], list(plan.tools), max_calls)
+    return CallReader(reading_format(plan), names, max_calls=max_calls, forced=plan.forced)
 
-    def __init__(self, plan: ToolPlan | None) -> None:
-        self.parser = None if plan is None else CallReader(
-            reading_format(plan), [t["function"]["name"] for t in plan.tools],
-            max_calls=None if plan.parallel else 1, forced=plan.forced)
+
+class ChoiceReader:
+    """One chat choice's text -> OpenAI deltas; plain content when no tool is in play.
+
+    `think`: the reasoning format (--reasoning-parser), when the model thinks: its
+    thinking goes out as `reasoning_content`, and only the answer is read for calls."""
+
+    def __init__(self, plan: ToolPlan | None, think: ThinkFormat | None = None) -> None:
+        self.parser = None if plan is None else _reader(plan)
+        self.split = None if think is None else ThinkSplitter(think)
 
     def opening(self) -> dict:
         """The first delta. Content null where it may stay so (OpenAI's way when tools
@@ -262,13 +275,21 @@ class ChoiceReader:
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the delta for this text, the choice's finish_reason as OpenAI names it)."""
+        reasoning = ""
+        if self.split is not None:
+            reasoning, text = self.split.feed(text)
+            if finish_reason is not None:
+                more_r, more_t = self.split.finish()
+                reasoning, text = reasoning + more_r, text + more_t
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
         if self.parser is None:
-            return ({"content": text} if text or finish_reason is None else {}), finish_reason
+            if text or (finish_reason is None and self.split is None):
+                delta["content"] = text
+            return delta, finish_reason
         content, calls = self.parser.feed(text)
         if finish_reason is not None:
             more, more_calls = self.parser.finish()
             content, calls = content + more, calls + more_calls
-        delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
         if calls:
@@ -278,12 +299,13 @@ class ChoiceReader:
         return delta, finish_reason
 
 
-def message(plan: ToolPlan | None, text: str,
-            finish_reason: str | None) -> tuple[dict, str | None]:
-    """The whole assistant message of a choice, and its finish_reason."""
-    if plan is None:
+def message(plan: ToolPlan | None, text: str, finish_reason: str | None,
+            think: ThinkFormat | None = None) -> tuple[dict, str | None]:
+    """The whole assistant message of a choice, and its finish_reason (`think`: as
+    ChoiceReader; the message then has `reasoning_content`, null when none)."""
+    if plan is None and think is None:
         return {"role": "assistant", "content": text}, finish_reason
-    delta, finish_reason = ChoiceReader(plan).delta(text, finish_reason or "stop")
+    delta, finish_reason = ChoiceReader(plan, think).delta(text, finish_reason or "stop")
     calls: list[dict] = []
     for entry in delta.get("tool_calls", ()):
         if entry["index"] == len(calls):
@@ -292,7 +314,10 @@ def message(plan: ToolPlan | None, text: str,
         else:
             calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
     out: dict[str, Any] = {"role": "assistant",
-                           "content": delta.get("content") or (None if calls else "")}
+                           "content": delta.get("content") or (
+                               None if calls or delta.get("reasoning_content") else "")}
+    if think is not None:
+        out["reasoning_content"] = delta.get("reasoning_content") or None
     if calls:
         out["tool_calls"] = calls
     return out, finish_reason

@@ -31,9 +31,9 @@ import threading
 from jetserve import distributed, lora_adapters
 from jetserve.commands.common import (
     add_model_arguments,
+    add_reasoning_parser_argument,
     add_scheduling_arguments,
     add_step_policy_arguments,
-    add_reasoning_parser_argument,
     add_tool_parser_argument,
     engine_config,
     prefix_cache_budgets,

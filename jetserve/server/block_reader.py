@@ -126,7 +126,7 @@ class BlockReader:
         return True
 
     def _send(self, calls: list[Partial]) -> None:
-        for j, (name, args, done) in enumerate(calls):
+        for j, (name, args, _done) in enumerate(calls):
             if j == len(self.sent):
                 if self.max_calls and self.count >= self.max_calls:
                     return

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (over the
+chat path, jetserve.server.responses_api), GET /v1/models,
 GET /v1/models/{id}, vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info,
 GET /health, GET /metrics (Prometheus text). With an API key, all but /health and
 /metrics need `Authorization: Bearer KEY` or `x-api-key: KEY`; those two stay open for
@@ -33,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from jetserve.lora_adapters import Adapters, UnknownAdapter
 from jetserve.request import Overloaded
-from jetserve.server import client_id, lora_routes, tokenize_api, tool_output
+from jetserve.server import client_id, lora_routes, responses_api, tokenize_api, tool_output
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
@@ -151,6 +152,7 @@ class OpenAIApp:
         app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
+        app.add_api_route("/v1/responses", self._endpoint(self.responses), methods=["POST"])
         app.add_api_route("/v1/models", self._endpoint(self.models), methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self._endpoint(self.model),
                           methods=["GET"])
@@ -419,6 +421,62 @@ class OpenAIApp:
         if prep.include_usage:
             yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
         yield "data: [DONE]\n\n"
+
+
+    async def responses(self, request: Request) -> Response:
+        body = parse_body(await request.body())
+        try:
+            chat = validate(ChatRequest, responses_api.chat_body(body))
+            prep = fmt.prepare_chat(self.limits, chat, self.config.model_name,
+                                    client_id.from_http(request), self.adapters,
+                                    self.config.tool_call_parser, self.config.reasoning_parser)
+        except v.InvalidArgument as e:
+            raise responses_api.renamed(e) from None
+        rid, model = f"resp_{uuid.uuid4().hex}", chat.model or self.config.model_name
+        handles = self._submit(prep)
+        if prep.stream:
+            return self._events(self._response_events(prep, body, rid, model, handles[0]))
+        [joined] = await self._joined(request, handles)
+        message = fmt.chat_choice(prep, self.tt, 0, joined)["message"]
+        return JSONResponse(responses_api.response(
+            rid, body, model, responses_api.output_items(message), joined.finish_reason,
+            fmt.usage(prep, [joined])))
+
+    async def _response_events(self, prep: fmt.Prepared, body: dict, rid: str, model: str,
+                               handle: Any) -> AsyncIterator[str]:
+        w = responses_api.EventWriter()
+        reader = tool_output.ChoiceReader(prep.tools, prep.think)
+
+        def sse(e: dict) -> str:
+            return f"event: {e['type']}\n{_sse(e)}"
+
+        def state(output: list, finish: str | None, usage: dict | None) -> dict:
+            return responses_api.response(rid, body, model, output, finish, usage)
+
+        yield sse(w.event("response.created", response=state([], None, None)))
+        yield sse(w.event("response.in_progress", response=state([], None, None)))
+        total = Joined()
+        try:
+            async with contextlib.aclosing(merge([handle], cut=self.cut)) as batches:
+                async for batch in batches:
+                    for _, d in batch:
+                        if d.finish_reason == "error":
+                            yield sse(w.event("error", code="server_error",
+                                              message=f"generation failed: {d.error}"))
+                            return
+                        total.add(d)
+                        delta, _ = reader.delta(d.text, d.finish_reason)
+                        for e in w.delta(delta):
+                            yield sse(e)
+        except ShuttingDown:
+            yield sse(w.event("error", code="shutting_down", message=_SHUTTING_DOWN))
+            return
+        for e in w.finish():
+            yield sse(e)
+        kind = "response.incomplete" if total.finish_reason == "length" else \
+            "response.completed"
+        yield sse(w.event(kind, response=state(w.items, total.finish_reason,
+                                               fmt.usage(prep, [total]))))
 
 
 class _Uvicorn(uvicorn.Server):

@@ -212,3 +212,60 @@ def test_pythonic_is_read_never_run(clients):
     r = _ask(clients["pythonic"], text).choices[0]
     assert r.message.tool_calls is None and r.message.content == text
     assert r.finish_reason == "stop"
+
+
+def _flat(tool: dict) -> dict:
+    """A chat tool as the Responses API writes it."""
+    return {"type": "function", **tool["function"]}
+
+
+def test_responses_create_and_stream_through_the_sdk(clients):
+    """/v1/responses over the chat path: instructions, input messages with an earlier
+    call and its output, function tools, reasoning.effort; reasoning, message and calls
+    come back as output items, whole and through the SDK's stream helper."""
+    _, _, text, reasoning, content, calls = CASES["qwen3"]
+    client = clients["qwen3"]
+    kw = dict(model=MODEL, instructions="Be brief.", tools=[_flat(WEATHER), _flat(TIME)],
+              reasoning={"effort": "low"}, temperature=0.0, max_output_tokens=400,
+              input=[{"role": "user", "content": "Weather in Oslo?"},
+                     {"type": "function_call", "call_id": "call_0", "name": "get_weather",
+                      "arguments": '{"city": "Oslo", "days": 1}'},
+                     {"type": "function_call_output", "call_id": "call_0", "output": "Rain"},
+                     {"role": "user", "content": [{"type": "input_text",
+                                                   "text": MESSAGES[0]["content"]}]}],
+              extra_body={"structured_outputs": {"regex": literal(text)}})
+    r = client.responses.create(**kw)
+    assert r.status == "completed" and r.output_text == content
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "message", "function_call", "function_call"]
+    assert r.output[0].content[0].text == reasoning
+    got = [(i.name, json.loads(i.arguments)) for i in r.output if i.type == "function_call"]
+    assert got == calls
+    assert all(i.call_id.startswith("call_") for i in r.output if i.type == "function_call")
+    assert r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [i.type for i in final.output] == kinds and final.output_text == content
+    assert [(i.name, json.loads(i.arguments)) for i in final.output
+            if i.type == "function_call"] == calls
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 2  # arguments as they are written
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") \
+        == reasoning
+
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3,
+                                    temperature=0.0, extra_body={"ignore_eos": True})
+    assert plain.status == "incomplete"
+    assert plain.incomplete_details.reason == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "huge"})
+    assert e.value.response.json()["error"]["param"] == "reasoning.effort"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=[], max_output_tokens=3)
+    assert e.value.response.json()["error"]["param"] == "input"

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from jetserve.lora_adapters import Adapters, UnknownAdapter
 from jetserve.request import Overloaded
-from jetserve.server import client_id, lora_routes, responses_api, tokenize_api, tool_output
+from jetserve.server import client_id, harmony, lora_routes, responses_api, tokenize_api
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
@@ -148,6 +148,8 @@ class OpenAIApp:
         self._key = ApiKey(config.api_key) if config.api_key else None
         self.cut = StreamCut()  # fired when a drain runs out of time (HttpServer.stop)
         self.adapters = Adapters.of(orch)
+        if fmt.is_harmony(config.tool_call_parser, config.reasoning_parser):
+            harmony.load_encoding()  # fails now, saying why, rather than on the first chat
         self.lora = lora_routes.LoraRoutes(self.adapters, self._body)
         app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
@@ -386,8 +388,7 @@ class OpenAIApp:
         head = {**head, "object": "chat.completion.chunk"}
         totals = [Joined() for _ in handles]
         texts = [self.tt.texts(prep, i) for i in range(len(handles))]  # across chunks
-        readers = [tool_output.ChoiceReader(prep.tools, prep.think)  # thinking, tool calls
-                   for _ in handles]
+        readers = [fmt.choice_reader(prep) for _ in handles]  # thinking, tool calls
         start = _sse_start(head)
         for i in range(len(handles)):
             yield _sse({**head, "choices": [{"index": i, "delta": readers[i].opening(),
@@ -406,7 +407,8 @@ class OpenAIApp:
                                                       d.top_logprobs,
                                                       final=d.finish_reason is not None)
                                     if prep.logprobs is not None else None)
-                        delta, finish = readers[i].delta(d.text, d.finish_reason)
+                        delta, finish = readers[i].read(d.text, d.token_ids,
+                                                        d.finish_reason)
                         if not (delta or finish or logprobs or prep.continuous_usage):
                             continue  # text held back while it may be a tool call
                         yield _sse_chunk(start, {"index": i, "delta": delta,
@@ -445,7 +447,7 @@ class OpenAIApp:
     async def _response_events(self, prep: fmt.Prepared, body: dict, rid: str, model: str,
                                handle: Any) -> AsyncIterator[str]:
         w = responses_api.EventWriter()
-        reader = tool_output.ChoiceReader(prep.tools, prep.think)
+        reader = fmt.choice_reader(prep)
 
         def sse(e: dict) -> str:
             return f"event: {e['type']}\n{_sse(e)}"
@@ -465,7 +467,7 @@ class OpenAIApp:
                                               message=f"generation failed: {d.error}"))
                             return
                         total.add(d)
-                        delta, _ = reader.delta(d.text, d.finish_reason)
+                        delta, _ = reader.read(d.text, d.token_ids, d.finish_reason)
                         for e in w.delta(delta):
                             yield sse(e)
         except ShuttingDown:

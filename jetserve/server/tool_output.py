@@ -273,6 +273,11 @@ class ChoiceReader:
         content None, as a non-streaming one has."""
         return {"role": "assistant", "content": "" if self.parser is None else None}
 
+    def read(self, text: str, token_ids: Any, finish_reason: str | None
+             ) -> tuple[dict, str | None]:
+        """A stream's next piece (harmony.HarmonyReader reads the token ids instead)."""
+        return self.delta(text, finish_reason)
+
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the delta for this text, the choice's finish_reason as OpenAI names it)."""
         reasoning = ""
@@ -306,6 +311,12 @@ def message(plan: ToolPlan | None, text: str, finish_reason: str | None,
     if plan is None and think is None:
         return {"role": "assistant", "content": text}, finish_reason
     delta, finish_reason = ChoiceReader(plan, think).delta(text, finish_reason or "stop")
+    return assemble(delta, think is not None), finish_reason
+
+
+def assemble(delta: dict, with_reasoning: bool) -> dict:
+    """One delta holding a whole answer as the assistant message (`with_reasoning`: it has
+    `reasoning_content`, null when there is none)."""
     calls: list[dict] = []
     for entry in delta.get("tool_calls", ()):
         if entry["index"] == len(calls):
@@ -316,8 +327,8 @@ def message(plan: ToolPlan | None, text: str, finish_reason: str | None,
     out: dict[str, Any] = {"role": "assistant",
                            "content": delta.get("content") or (
                                None if calls or delta.get("reasoning_content") else "")}
-    if think is not None:
+    if with_reasoning:
         out["reasoning_content"] = delta.get("reasoning_content") or None
     if calls:
         out["tool_calls"] = calls
-    return out, finish_reason
+    return out

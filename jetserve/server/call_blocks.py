@@ -15,7 +15,8 @@ arguments as JSON text that only ever grows, so they go out as they are written:
   it is JSON.)
 - deepseek_v3 (DeepSeek-V3): `<｜tool▁calls▁begin｜>` then calls
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>`,
-  then `<｜tool▁calls▁end｜>`; ARGS (JSON) goes out as it is written.
+  then `<｜tool▁calls▁end｜>`; ARGS (JSON) goes out as it is written, unjudged (as
+  for the JSON formats: the client's json.loads judges it).
 - pythonic (Llama 4 and others): the whole output is a Python list of calls,
   `[get_weather(city="Paris"), get_time(timezone="UTC")]`, keyword arguments of Python
   literals. Read with Python's ast (never evaluated) once the output ends, since a
@@ -146,12 +147,7 @@ def read_deepseek_v3(body: str, final: bool, types: Any = None) -> list[Partial]
             keep = next((n for n in range(len(_FENCE_CLOSE), 0, -1)
                          if rest.endswith(_FENCE_CLOSE[:n])), 0)
             return [*out, (name, rest[:len(rest) - keep].strip(), False)]
-        args = rest[:close].strip()
-        try:
-            if not isinstance(json.loads(args), dict):
-                raise NotCall
-        except json.JSONDecodeError:
-            raise NotCall from None
+        args = rest[:close].strip()  # as written: streamed before it could be judged
         after = rest[close + len(_FENCE_CLOSE):].lstrip()
         if not after.startswith(DS_CALL_END):
             _pending(after, DS_CALL_END, final)

@@ -446,39 +446,23 @@ class OpenAIApp:
 
     async def _response_events(self, prep: fmt.Prepared, body: dict, rid: str, model: str,
                                handle: Any) -> AsyncIterator[str]:
-        w = responses_api.EventWriter()
-        reader = fmt.choice_reader(prep)
-
-        def sse(e: dict) -> str:
-            return f"event: {e['type']}\n{_sse(e)}"
-
-        def state(output: list, finish: str | None, usage: dict | None) -> dict:
-            return responses_api.response(rid, body, model, output, finish, usage)
-
-        yield sse(w.event("response.created", response=state([], None, None)))
-        yield sse(w.event("response.in_progress", response=state([], None, None)))
-        total = Joined()
-        try:
+        async def deltas():
             async with contextlib.aclosing(merge([handle], cut=self.cut)) as batches:
                 async for batch in batches:
                     for _, d in batch:
-                        if d.finish_reason == "error":
-                            yield sse(w.event("error", code="server_error",
-                                              message=f"generation failed: {d.error}"))
-                            return
-                        total.add(d)
-                        delta, _ = reader.read(d.text, d.token_ids, d.finish_reason)
-                        for e in w.delta(delta):
-                            yield sse(e)
+                        yield d
+
+        def respond(output: list, finish: str | None, total: Joined | None) -> dict:
+            return responses_api.response(rid, body, model, output, finish,
+                                          total and fmt.usage(prep, [total]))
+
+        w = responses_api.EventWriter()
+        try:
+            async for e in w.events(deltas(), fmt.choice_reader(prep), respond):
+                yield f"event: {e['type']}\n{_sse(e)}"
         except ShuttingDown:
-            yield sse(w.event("error", code="shutting_down", message=_SHUTTING_DOWN))
-            return
-        for e in w.finish():
-            yield sse(e)
-        kind = "response.incomplete" if total.finish_reason == "length" else \
-            "response.completed"
-        yield sse(w.event(kind, response=state(w.items, total.finish_reason,
-                                               fmt.usage(prep, [total]))))
+            e = w.event("error", code="shutting_down", message=_SHUTTING_DOWN)
+            yield f"event: error\n{_sse(e)}"
 
 
 class _Uvicorn(uvicorn.Server):

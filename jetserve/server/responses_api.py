@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from jetserve.server.streams import Joined
 from jetserve.server.validation import InvalidArgument, show
 
 EFFORTS = ("minimal", "low", "medium", "high")
@@ -231,6 +233,28 @@ class EventWriter:
         self.items: list[dict] = []  # finished output items
         self.open: dict | None = None  # the item being written
         self.text = ""  # its text or arguments so far
+
+    async def events(self, deltas: AsyncIterator[Any], reader: Any,
+                     respond: Callable[[list, str | None, Any], dict]) -> AsyncIterator[dict]:
+        """The whole stream: `deltas` (the request's Delta objects) read by `reader`
+        (openai_format.choice_reader); `respond(output, finish_reason, joined)` is the
+        response object (joined: the streams.Joined of all deltas, None while going)."""
+        yield self.event("response.created", response=respond([], None, None))
+        yield self.event("response.in_progress", response=respond([], None, None))
+        total = Joined()
+        async for d in deltas:
+            if d.finish_reason == "error":
+                yield self.event("error", code="server_error",
+                                 message=f"generation failed: {d.error}")
+                return
+            total.add(d)
+            for e in self.delta(reader.read(d.text, d.token_ids, d.finish_reason)[0]):
+                yield e
+        for e in self.finish():
+            yield e
+        kind = "response.incomplete" if total.finish_reason == "length" else \
+            "response.completed"
+        yield self.event(kind, response=respond(self.items, total.finish_reason, total))
 
     def event(self, kind: str, **fields: Any) -> dict:
         self.seq += 1

@@ -12,20 +12,13 @@ call is read.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
-from jetserve.server.call_blocks import BlockFormat, NotCall, Partial
+from jetserve.server.call_blocks import BlockFormat, NotCall, Partial, new_call_id
+from jetserve.server.held_text import CallContent, partial
 
 
-def _partial(text: str, marker: str) -> int:
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class BlockReader:
+class BlockReader(CallContent):
     """The calls of one choice written in `fmt` (see the module docstring)."""
 
     def __init__(self, fmt: BlockFormat, tools: list[dict], max_calls: int | None = None):
@@ -41,23 +34,9 @@ class BlockReader:
         self.out: list[str] = []
         self.calls: list[dict] = []
 
-    @property
-    def called(self) -> bool:
-        return self.count > 0
-
     def _type(self, name: str, key: str) -> Any:
         props = (self.schemas.get(name) or {}).get("properties") or {}
         return (props.get(key) or {}).get("type")
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        content, calls = self._run(final=True)
-        if not self.called:
-            content, self.ws = content + self.ws, ""
-        return content, calls
 
     def _run(self, final: bool) -> tuple[str, list[dict]]:
         self.out, self.calls = [], []
@@ -82,7 +61,7 @@ class BlockReader:
                     break
                 k = self.buf.find(self.fmt.open)
                 if k < 0:
-                    keep = 0 if final else _partial(self.buf, self.fmt.open)
+                    keep = 0 if final else partial(self.buf, self.fmt.open)
                     self._text(self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
@@ -105,7 +84,7 @@ class BlockReader:
         ended = final or k >= 0
         body = self.buf[:k] if k >= 0 else self.buf
         if not ended and close:
-            body = body[:len(body) - _partial(body, close)]
+            body = body[:len(body) - partial(body, close)]
         try:
             calls = self.fmt.read(body, ended, self._type)
             if any(name not in self.schemas for name, _, _ in calls):
@@ -131,7 +110,7 @@ class BlockReader:
                 if self.max_calls and self.count >= self.max_calls:
                     return
                 self.ws = ""
-                self.calls.append({"index": self.count, "id": f"call_{uuid.uuid4().hex[:24]}",
+                self.calls.append({"index": self.count, "id": new_call_id(),
                                    "type": "function",
                                    "function": {"name": name, "arguments": ""}})
                 self.sent.append((self.count, 0))
@@ -153,17 +132,3 @@ class BlockReader:
         self.buf, self.raw = self.buf[end:], ""
         self.state = "content"
         return True
-
-    def _text(self, s: str) -> None:
-        """Content, without whitespace next to a call (held back until more comes)."""
-        if self.after_call:
-            s = s.lstrip()
-            if not s:
-                return
-            self.after_call = False
-        body = s.rstrip()
-        if not body:
-            self.ws += s
-            return
-        self.out.append(self.ws + body)
-        self.ws = s[len(body):]

@@ -31,11 +31,17 @@ import ast
 import dataclasses
 import json
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 # (name, JSON arguments written so far, the call is complete)
 Partial = tuple[str, str, bool]
+
+
+def new_call_id() -> str:
+    """An OpenAI-style tool call id."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class NotCall(Exception):

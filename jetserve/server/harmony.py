@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import functools
 import json
-import uuid
 from typing import Any
 
+from jetserve.server.call_blocks import new_call_id
 from jetserve.server.validation import InvalidArgument, show
 
 EFFORTS = ("low", "medium", "high")
@@ -161,7 +161,7 @@ class HarmonyReader:
                     if self.max_calls and self.count >= self.max_calls:
                         continue
                     self.in_call = True
-                    calls.append({"index": self.count, "id": f"call_{uuid.uuid4().hex[:24]}",
+                    calls.append({"index": self.count, "id": new_call_id(),
                                   "type": "function",
                                   "function": {"name": name, "arguments": ""}})
                     self.count += 1

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jetserve.server.held_text import partial
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ThinkFormat:
@@ -56,14 +58,6 @@ def thinking_on(kwargs: dict[str, Any] | None) -> bool:
     """False when chat_template_kwargs turn thinking off (enable_thinking / thinking)."""
     kwargs = kwargs or {}
     return all(kwargs.get(k) is not False for k in ("enable_thinking", "thinking"))
-
-
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ThinkSplitter:
@@ -114,7 +108,7 @@ class ThinkSplitter:
                 self.buf, self.state = self.buf[k + len(self.fmt.end):], "answer"
                 self.lead = True
                 continue
-            keep = 0 if final else _partial(self.buf, self.fmt.end)
+            keep = 0 if final else partial(self.buf, self.fmt.end)
             reasoning.append(self.buf[:len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             break

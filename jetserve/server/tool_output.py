@@ -22,12 +22,12 @@ finish_reason "stop" becomes "tool_calls" when the choice made a call.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from jetserve.server.block_reader import BlockReader
-from jetserve.server.call_blocks import BLOCKS
+from jetserve.server.call_blocks import BLOCKS, new_call_id
 from jetserve.server.call_scanner import CallScanner
+from jetserve.server.held_text import CallContent, partial
 from jetserve.server.reasoning import ThinkFormat, ThinkSplitter
 from jetserve.server.tool_calls import ToolPlan
 from jetserve.server.tool_formats import FORCED_LIST, FORCED_ONE, PARSERS, CallFormat
@@ -35,11 +35,7 @@ from jetserve.server.tool_formats import FORCED_LIST, FORCED_ONE, PARSERS, CallF
 __all__ = ["CallReader", "CallScanner", "ChoiceReader", "message", "new_call_id"]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class CallReader:
+class CallReader(CallContent):
     """The calls in one choice's text, written in `fmt`, as content and call deltas.
 
     A call's first entry goes out once its name is known to be one of `names` and its
@@ -64,20 +60,6 @@ class CallReader:
         self.after_call = False  # drop whitespace that follows a call
         self.out: list[str] = []
         self.calls: list[dict] = []
-
-    @property
-    def called(self) -> bool:
-        return self.count > 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        content, calls = self._run(final=True)
-        if not self.called:
-            content, self.ws = content + self.ws, ""
-        return content, calls
 
     def _run(self, final: bool) -> tuple[str, list[dict]]:
         self.out, self.calls = [], []
@@ -105,7 +87,7 @@ class CallReader:
         m = self.fmt.marker
         k = self.buf.find(m) if m else -1
         if k < 0:
-            keep = 0 if final or not m else _partial(self.buf, m)
+            keep = 0 if final or not m else partial(self.buf, m)
             self._text(self.buf[:len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             return False
@@ -212,20 +194,6 @@ class CallReader:
         self.raw, self.scanner, self.state = "", None, "content"
         return True
 
-    def _text(self, s: str) -> None:
-        """Content, without whitespace next to a call (held back until more comes)."""
-        if self.after_call:
-            s = s.lstrip()
-            if not s:
-                return
-            self.after_call = False
-        body = s.rstrip()
-        if not body:
-            self.ws += s
-            return
-        self.out.append(self.ws + body)
-        self.ws = s[len(body):]
-
 
 def _string_value(text: str) -> str:
     try:
@@ -233,14 +201,6 @@ def _string_value(text: str) -> str:
     except json.JSONDecodeError:
         return text
     return value if isinstance(value, str) else text
-
-
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 def reading_format(plan: ToolPlan) -> CallFormat:
     """Where a plan's calls are in the text: a forced call's fixed shape, or the parser's."""

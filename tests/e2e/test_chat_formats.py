@@ -15,7 +15,7 @@ import re
 import openai
 import pytest
 
-from tests.e2e.conftest import local_config
+from tests.e2e.conftest import local_config, random_llama_orch
 
 MODEL = "formats"
 DS = dict(calls="<｜tool▁calls▁begin｜>", end="<｜tool▁calls▁end｜>",
@@ -99,27 +99,13 @@ def write_tokenizer(d, texts: list[str]):
 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory):
-    import jax
-    import torch
-    import transformers as tf
-
-    from engines import EngineConfig
-    from jetserve import orchestrator
     from jetserve.server.runner import BackgroundServers
-    from tests.parity.hf_models import TINY
 
     d = tmp_path_factory.mktemp("formats_model")
     corpus = [c[2] for c in CASES.values()] + [TEMPLATE, json.dumps([WEATHER, TIME]),
                                                MESSAGES[0]["content"]]
     tok = write_tokenizer(d, corpus * 10)
-    torch.manual_seed(0)
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "vocab_size": vocab})).save_pretrained(d)
-    orch = orchestrator.build(str(d), interleaved=True, devices=jax.devices()[:1],
-                              engine_config=EngineConfig(max_concurrent_decodes=4,
-                                                         max_prefill_length=256,
-                                                         max_seq_len=512))
-    orch.start()
+    orch = random_llama_orch(d, tok.get_vocab_size(with_added_tokens=True), 512)
     servers = []
     try:
         out = {}

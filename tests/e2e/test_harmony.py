@@ -19,7 +19,7 @@ import os
 import openai
 import pytest
 
-from tests.e2e.conftest import local_config
+from tests.e2e.conftest import local_config, random_llama_orch
 
 MODEL = "gpt-oss-tiny"
 VOCAB = 201088  # o200k_harmony: 199998 ranks, then the special and reserved tokens
@@ -99,26 +99,11 @@ def write_gpt_oss_tokenizer(d, enc) -> None:
 @pytest.fixture(scope="module")
 def harmony_client(tmp_path_factory):
     enc = _encoding()
-    import jax
-    import torch
-    import transformers as tf
-
-    from engines import EngineConfig
-    from jetserve import orchestrator
     from jetserve.server.runner import BackgroundServers
-    from tests.parity.hf_models import TINY
 
     d = tmp_path_factory.mktemp("gpt_oss_tiny")
     write_gpt_oss_tokenizer(d, enc)
-    torch.manual_seed(0)
-    tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "vocab_size": VOCAB,
-                                          "bos_token_id": 199998,
-                                          "eos_token_id": 200002})).save_pretrained(d)
-    orch = orchestrator.build(str(d), interleaved=True, devices=jax.devices()[:1],
-                              engine_config=EngineConfig(max_concurrent_decodes=2,
-                                                         max_prefill_length=512,
-                                                         max_seq_len=1024))
-    orch.start()
+    orch = random_llama_orch(d, VOCAB, 1024, bos_token_id=199998, eos_token_id=200002)
     try:
         with BackgroundServers(orch, local_config(model_name=MODEL, grpc_port=None,
                                                   tool_call_parser="openai",

@@ -19,8 +19,9 @@ arguments as JSON text that only ever grows, so they go out as they are written:
   for the JSON formats: the client's json.loads judges it).
 - pythonic (Llama 4 and others): the whole output is a Python list of calls,
   `[get_weather(city="Paris"), get_time(timezone="UTC")]`, keyword arguments of Python
-  literals. Read with Python's ast (never evaluated) once the output ends, since a
-  prefix of it is not Python.
+  literals, never evaluated: while it is written, each argument goes out once a `,` or
+  the call's `)` ends it (ast.literal_eval reads it); at the end the whole list is read
+  again with ast.parse.
 
 A block that turns out not to hold calls to the listed tools is content, verbatim.
 """
@@ -162,11 +163,61 @@ def read_deepseek_v3(body: str, final: bool, types: Any = None) -> list[Partial]
         s = after[len(DS_CALL_END):]
 
 
+def _pythonic_so_far(body: str) -> list[Partial]:
+    """The calls of a list not yet closed, each keyword argument once its text is
+    complete (a `,` or the call's `)` after it), read with ast.literal_eval."""
+    out: list[Partial] = []
+    depth, quote, escape, start = 0, "", False, 0
+    name: str | None = None
+    pairs: list[tuple[str, Any]] = []
+    for k, c in enumerate(body):
+        if quote:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == quote:
+                quote = ""
+        elif c in "'\"":
+            quote = c
+        elif depth == 1 and c in ",)":  # an argument ends; `)`: the call too
+            pairs += _keyword(body[start:k])
+            start = k + 1
+            if c == ")":
+                out.append((name or "", _args_text(pairs, True), True))
+                depth, name = 0, None
+        elif c in "([{":
+            if depth == 0:
+                name, pairs = body[start:k].strip(" ,\n"), []
+                if c != "(" or not name.isidentifier():
+                    raise NotCall
+                start = k + 1
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+    if name is not None and pairs:  # a call is sure once an argument reads as one
+        out.append((name, _args_text(pairs, False), False))
+    return out
+
+
+def _keyword(piece: str) -> list[tuple[str, Any]]:
+    """`key=literal` (or nothing) as [(key, value)]; NotCall for anything else."""
+    if not piece.strip():
+        return []
+    key, eq, value = piece.partition("=")
+    try:
+        if not (eq and key.strip().isidentifier()):
+            raise ValueError
+        return [(key.strip(), ast.literal_eval(value.strip()))]
+    except (ValueError, SyntaxError):
+        raise NotCall from None
+
+
 def read_pythonic(body: str, final: bool, types: Any = None) -> list[Partial]:
     if not final:
         if body.lstrip()[:1] not in ("", "]") and not body.lstrip()[:1].isidentifier():
             raise NotCall  # `[` then something no call starts with: plain text
-        return []
+        return _pythonic_so_far(body)
     try:
         tree = ast.parse("[" + body, mode="eval").body
     except SyntaxError:

@@ -57,6 +57,7 @@ def test_thinking_off_by_template_kwargs():
 
 
 ARGS = {"city": "Paris", "zip": "75001", "days": 3}
+PY_ARGS = {**ARGS, "city": "Pa,r)is"}  # a comma and a paren inside the string
 CASES = {
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>"
                    "\n<parameter=zip>\n75001\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
@@ -66,7 +67,7 @@ CASES = {
              "<arg_value>3</arg_value>\n</tool_call>",
     "deepseek_v3": f"{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
                    f"{json.dumps(ARGS)}\n```{DS_CALL_END}{DS_CALLS_END}",
-    "pythonic": "[get_weather(city='Paris', zip='75001', days=3)]",
+    "pythonic": "[get_weather(city='Pa,r)is', zip='75001', days=(3))]",
 }
 
 
@@ -78,7 +79,8 @@ def test_block_formats_whole_and_streamed(parser):
     for got in (_whole(plan, None, text), _streamed(plan, None, text)):
         assert got[1] == (lead.strip() or None)
         [(name, args)] = got[2]
-        assert name == "get_weather" and json.loads(args) == ARGS  # "75001" stays text
+        want = PY_ARGS if parser == "pythonic" else ARGS
+        assert name == "get_weather" and json.loads(args) == want  # "75001" stays text
     # Two calls; parallel_tool_calls false keeps the first.
     two = text.replace("get_weather", "get_time", 1) if parser != "pythonic" else \
         "[get_time(), get_weather(city='Paris', zip='75001', days=3)]"

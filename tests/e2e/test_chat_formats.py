@@ -25,6 +25,7 @@ MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "<
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if tools %}<|tools|>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n"
+    "{% endif %}{% if reasoning_effort is defined %}<|effort|>{{ reasoning_effort }}\n"
     "{% endif %}{% if add_generation_prompt %}<|assistant|>"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}")
@@ -247,6 +248,10 @@ def test_responses_create_and_stream_through_the_sdk(clients):
     plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3,
                                     temperature=0.0, extra_body={"ignore_eos": True})
     assert plain.status == "incomplete"
+    # reasoning.effort reached the template as reasoning_effort ("<|effort|>high\n").
+    effort = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3,
+                                     reasoning={"effort": "high"}, temperature=0.0)
+    assert effort.usage.input_tokens > plain.usage.input_tokens
     assert plain.incomplete_details.reason == "max_output_tokens"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "huge"})

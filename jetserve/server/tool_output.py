@@ -16,6 +16,11 @@ Where the calls are (jetserve.server.tool_formats):
   call is dropped, so a message that only calls has content null. With
   parallel_tool_calls false, reading stops after the first call.
 
+Formats that are not JSON objects (qwen3_coder, glm45, deepseek_v3, pythonic) are read
+by jetserve.server.block_reader. With a reasoning parser the thinking is split off first
+(jetserve.server.reasoning) and goes out as `reasoning_content`; only the answer is read
+for calls.
+
 finish_reason "stop" becomes "tool_calls" when the choice made a call.
 """
 
@@ -201,6 +206,7 @@ def _string_value(text: str) -> str:
     except json.JSONDecodeError:
         return text
     return value if isinstance(value, str) else text
+
 
 def reading_format(plan: ToolPlan) -> CallFormat:
     """Where a plan's calls are in the text: a forced call's fixed shape, or the parser's."""

@@ -30,7 +30,7 @@ from jetserve.batch import inputs
 from jetserve.batch.journal import Journal
 from jetserve.batch.preflight import check_paths
 from jetserve.batch.rows import Job, RowError, build_job, parse_line
-from jetserve.server.tool_formats import DEFAULT_PARSER, check_parser
+from jetserve.server.tool_formats import DEFAULT_PARSER, HARMONY, check_parser
 from jetserve.server.validation import ModelLimits
 
 Emit = Callable[[list[tuple[Job | None, dict]]], None]
@@ -82,6 +82,9 @@ class BatchConfig:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         check_parser(self.tool_call_parser, "tool_call_parser")
+        if self.tool_call_parser == HARMONY:
+            raise ValueError("tool_call_parser 'openai' (gpt-oss's harmony) is served by "
+                             "`jetserve serve` only; batch reads calls from text")
 
 
 @dataclasses.dataclass

@@ -13,17 +13,28 @@ from engines.engine_config import LAYER_MODES, parse_decode_batch_sizes, parse_s
 from jetserve import compile_cache, context_length, distributed, lora_adapters
 from jetserve.model_loading import model_config
 from jetserve.scheduling.policy import PREFILL_FIRST, STEP_POLICIES
-from jetserve.server.tool_formats import DEFAULT_PARSER, PARSERS
+from jetserve.server import reasoning
+from jetserve.server.tool_formats import DEFAULT_PARSER, NAMES
 
 DEFAULT_SLOTS = 8  # --max-concurrent-decodes when not given
 
 
 def add_tool_parser_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=list(PARSERS),
+    p.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=list(NAMES),
                    help="how the model writes tool calls, read from its text with chat "
                         "tool_choice auto: hermes <tool_call>{...}</tool_call> (the bundled "
                         "template's), llama3_json bare {\"name\", \"parameters\"}, "
-                        "mistral [TOOL_CALLS][...] (default %(default)s)")
+                        "mistral [TOOL_CALLS][...], qwen3_coder <function=...>, pythonic "
+                        "[f(x=1)], deepseek_v3, glm45 <arg_key>, openai (gpt-oss's harmony) "
+                        "(default %(default)s)")
+
+
+def add_reasoning_parser_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-parser", default=None, choices=list(reasoning.NAMES),
+                   help="how the model writes its thinking, returned apart as "
+                        "reasoning_content: deepseek_r1, qwen3 or glm45 <think>...</think>, "
+                        "openai_gptoss (gpt-oss's harmony analysis channel); default: none, "
+                        "the thinking stays in content")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

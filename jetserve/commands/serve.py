@@ -32,6 +32,7 @@ import threading
 from jetserve import distributed, lora_adapters
 from jetserve.commands.common import (
     add_model_arguments,
+    add_reasoning_parser_argument,
     add_scheduling_arguments,
     add_step_policy_arguments,
     add_tool_parser_argument,
@@ -96,6 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_limit_arguments(p)
     add_scheduling_arguments(p)
     add_tool_parser_argument(p)
+    add_reasoning_parser_argument(p)
     add_step_policy_arguments(p)
     p.add_argument("--scheduling", default=TURNS, choices=SCHEDULING,
                    help="turns (the default: prefill, insert and generate calls, prompts "
@@ -166,7 +168,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         drain_timeout_s=args.drain_timeout,
                         drain_notice_s=args.drain_notice, load_format=args.get_load_format,
                         write_timeout_s=args.write_timeout,
-                        tool_call_parser=args.tool_call_parser, **_limits(args))
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, **_limits(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

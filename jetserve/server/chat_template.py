@@ -92,15 +92,35 @@ def normalize_messages(messages: Any, field: str = "messages") -> list[dict[str,
     return out
 
 
+# What render itself passes: chat_template_kwargs may not set these.
+_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+
+
+def check_template_kwargs(kwargs: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A request's chat_template_kwargs (vLLM's): an object of more template variables,
+    e.g. {"enable_thinking": false}; {} when None."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument(field, f"{field} must be an object of template variables, "
+                                     f"got {show(kwargs)}")
+    for k in kwargs:
+        if k in _RESERVED:
+            raise InvalidArgument(field, f"{field} may not set {k!r}, which the server "
+                                         "sets from the request itself")
+    return kwargs
+
+
 def render(messages: list[dict[str, Any]], *, template: str | None, bos_token: str,
            eos_token: str, add_generation_prompt: bool = True,
-           tools: list[dict] | None = None) -> str:
+           tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> str:
+    """The conversation as the template writes it; `extra`: chat_template_kwargs."""
     template = template or DEFAULT_TEMPLATE
     if "tools" not in template and (tools or any("tool_calls" in m for m in messages)):
         messages, tools = tool_calls.as_text(messages, tools), None
     try:
         return _compile(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **(extra or {}), messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=bos_token, eos_token=eos_token, tools=tools or None)
     except _TemplateError as e:  # the template itself rejected the conversation
         raise InvalidArgument("messages", f"messages: the model's chat template says: {e}") \
@@ -110,9 +130,11 @@ def render(messages: list[dict[str, Any]], *, template: str | None, bos_token: s
 
 
 def chat_prompt_ids(limits: ModelLimits, messages: Any, add_generation_prompt: bool = True,
-                    tools: Sequence[dict] | None = None) -> list[int]:
+                    tools: Sequence[dict] | None = None,
+                    extra: dict[str, Any] | None = None) -> list[int]:
     """The conversation as prompt token ids, BOS as the template writes it; `tools`: the
-    checked definitions (jetserve.server.tool_calls) the template lists."""
+    checked definitions (jetserve.server.tool_calls) the template lists; `extra`: the
+    checked chat_template_kwargs."""
     tok = limits.tokenizer
     if tok is None:
         raise InvalidArgument("messages", "messages: this model has no tokenizer, so it "
@@ -122,7 +144,7 @@ def chat_prompt_ids(limits: ModelLimits, messages: Any, add_generation_prompt: b
     eos = getattr(tok, "eos_token", None) or ""
     text = render(msgs, template=getattr(tok, "chat_template", None), bos_token=bos,
                   eos_token=eos, add_generation_prompt=add_generation_prompt,
-                  tools=list(tools) if tools else None)
+                  tools=list(tools) if tools else None, extra=extra)
     ids: list[int] = []
     # A BOS written as text is turned into its id: sentencepiece would spell it out.
     if bos and text.startswith(bos) and limits.bos_id is not None:

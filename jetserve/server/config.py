@@ -7,6 +7,7 @@ import math
 import os
 import ssl
 
+from jetserve.server import reasoning
 from jetserve.server.tool_formats import DEFAULT_PARSER, check_parser
 
 # GET /get_load's shapes: vllm-router's {"load": N}, sglang-router's list (probes.py).
@@ -46,9 +47,12 @@ class ServerConfig:
     write_timeout_s: float = 30.0
     # The format chat tool_choice "auto" reads calls in (jetserve.server.tool_formats).
     tool_call_parser: str = DEFAULT_PARSER
+    # How the model writes its thinking (jetserve.server.reasoning); None: in content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         check_parser(self.tool_call_parser, "tool_call_parser")
+        reasoning.check_parser(self.reasoning_parser, "reasoning_parser")
         for name in ("grpc_port", "http_port"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= 65535):

@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (over the
+chat path, jetserve.server.responses_api), GET /v1/models,
 GET /v1/models/{id}, vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info,
 GET /health, GET /metrics (Prometheus text), and what routers and probes poll: GET
 /readiness (= /health), /liveness, /get_load (jetserve/server/probes.py). With an API
 key, all but /health, /metrics and the probes need `Authorization: Bearer KEY` or
-`x-api-key: KEY`; those stay open for probes, routers and scrapers. With `tls_cert`/`tls_key` it serves HTTPS only. Every error, an
-unknown route or method included, is OpenAI's error object.
+`x-api-key: KEY`; those stay open for probes, routers and scrapers. With
+`tls_cert`/`tls_key` it serves HTTPS only. Every error, an unknown route or method
+included, is OpenAI's error object.
 
 Concurrency: one asyncio loop (uvicorn's) serves every request. Handlers validate, submit
 to the orchestrator (never blocking: a full queue raises Overloaded -> 429) and await the
@@ -34,7 +36,14 @@ from starlette.requests import ClientDisconnect
 
 from jetserve.lora_adapters import Adapters, UnknownAdapter
 from jetserve.request import Overloaded
-from jetserve.server import client_id, lora_routes, probes, tokenize_api, tool_output
+from jetserve.server import (
+    client_id,
+    harmony,
+    lora_routes,
+    probes,
+    responses_api,
+    tokenize_api,
+)
 from jetserve.server import openai_format as fmt
 from jetserve.server import validation as v
 from jetserve.server.auth import HOW_TO_SEND, ApiKey
@@ -160,10 +169,13 @@ class OpenAIApp:
         self._key = ApiKey(config.api_key) if config.api_key else None
         self.cut = StreamCut()  # fired when a drain runs out of time (HttpServer.stop)
         self.adapters = Adapters.of(orch)
+        if fmt.is_harmony(config.tool_call_parser, config.reasoning_parser):
+            harmony.load_encoding()  # fails now, saying why, rather than on the first chat
         self.lora = lora_routes.LoraRoutes(self.adapters, self._body)
         app = FastAPI(title="jetserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/completions", self._endpoint(self.completions), methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"])
+        app.add_api_route("/v1/responses", self._endpoint(self.responses), methods=["POST"])
         app.add_api_route("/v1/models", self._endpoint(self.models), methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self._endpoint(self.model),
                           methods=["GET"])
@@ -378,7 +390,7 @@ class OpenAIApp:
         body = await self._body(request, ChatRequest)
         prep = fmt.prepare_chat(self.limits, body, self.config.model_name,
                                 client_id.from_http(request), self.adapters,
-                                self.config.tool_call_parser)
+                                self.config.tool_call_parser, self.config.reasoning_parser)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": body.model or self.config.model_name}
         handles = self._submit(prep)
@@ -394,7 +406,7 @@ class OpenAIApp:
         head = {**head, "object": "chat.completion.chunk"}
         totals = [Joined() for _ in handles]
         texts = [self.tt.texts(prep, i) for i in range(len(handles))]  # across chunks
-        readers = [tool_output.ChoiceReader(prep.tools) for _ in handles]  # tool calls
+        readers = [fmt.choice_reader(prep) for _ in handles]  # thinking, tool calls
         start = _sse_start(head)
         for i in range(len(handles)):
             yield _sse({**head, "choices": [{"index": i, "delta": readers[i].opening(),
@@ -412,7 +424,8 @@ class OpenAIApp:
                                                       d.top_logprobs,
                                                       final=d.finish_reason is not None)
                                     if prep.logprobs is not None else None)
-                        delta, finish = readers[i].delta(d.text, d.finish_reason)
+                        delta, finish = readers[i].read(d.text, d.token_ids,
+                                                        d.finish_reason)
                         if not (delta or finish or logprobs or prep.continuous_usage):
                             continue  # text held back while it may be a tool call
                         yield _sse_chunk(start, {"index": i, "delta": delta,
@@ -427,6 +440,46 @@ class OpenAIApp:
         if prep.include_usage:
             yield _sse({**head, "choices": [], "usage": fmt.usage(prep, totals)})
         yield "data: [DONE]\n\n"
+
+
+    async def responses(self, request: Request) -> Response:
+        body = parse_body(await request.body())
+        try:
+            chat = validate(ChatRequest, responses_api.chat_body(body))
+            prep = fmt.prepare_chat(self.limits, chat, self.config.model_name,
+                                    client_id.from_http(request), self.adapters,
+                                    self.config.tool_call_parser, self.config.reasoning_parser)
+        except v.InvalidArgument as e:
+            raise responses_api.renamed(e) from None
+        rid, model = f"resp_{uuid.uuid4().hex}", chat.model or self.config.model_name
+        handles = self._submit(prep)
+        if prep.stream:
+            return self._events(self._response_events(prep, body, rid, model, handles[0]))
+        [joined] = await self._joined(request, handles)
+        message = fmt.chat_choice(prep, self.tt, 0, joined)["message"]
+        return JSONResponse(responses_api.response(
+            rid, body, model, responses_api.output_items(message), joined.finish_reason,
+            fmt.usage(prep, [joined])))
+
+    async def _response_events(self, prep: fmt.Prepared, body: dict, rid: str, model: str,
+                               handle: Any) -> AsyncIterator[str]:
+        async def deltas():
+            async with contextlib.aclosing(merge([handle], cut=self.cut)) as batches:
+                async for batch in batches:
+                    for _, d in batch:
+                        yield d
+
+        def respond(output: list, finish: str | None, total: Joined | None) -> dict:
+            return responses_api.response(rid, body, model, output, finish,
+                                          total and fmt.usage(prep, [total]))
+
+        w = responses_api.EventWriter()
+        try:
+            async for e in w.events(deltas(), fmt.choice_reader(prep), respond):
+                yield f"event: {e['type']}\n{_sse(e)}"
+        except ShuttingDown:
+            e = w.event("error", code="shutting_down", message=_SHUTTING_DOWN)
+            yield f"event: error\n{_sse(e)}"
 
 
 class _Uvicorn(uvicorn.Server):

@@ -19,7 +19,14 @@ import dataclasses
 from typing import Any
 
 from jetserve.request import Request
-from jetserve.server import chat_template, tool_calls, tool_output
+from jetserve.server import (
+    chat_template,
+    harmony,
+    reasoning,
+    tool_calls,
+    tool_formats,
+    tool_output,
+)
 from jetserve.server import validation as v
 from jetserve.server.logprob_text import Shown, TokenTexts
 from jetserve.server.openai_schema import ChatRequest, CompletionRequest, prompt_list
@@ -44,6 +51,8 @@ class Prepared:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" entries
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     tools: tool_calls.ToolPlan | None = None  # chat: the tools in play, if any
+    think: reasoning.ThinkFormat | None = None  # chat: where the thinking is, if split out
+    harmony: bool = False  # chat: gpt-oss's harmony format, rendered and read by tokens
 
 
 def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: int,
@@ -143,14 +152,29 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
 
 def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
                  client: str = "", adapters: Any = None,
-                 tool_parser: str = tool_calls.DEFAULT_PARSER) -> Prepared:
-    """`tool_parser`: the format tool_choice "auto" reads calls in (--tool-call-parser)."""
+                 tool_parser: str = tool_calls.DEFAULT_PARSER,
+                 reasoning_parser: str | None = None) -> Prepared:
+    """`tool_parser`: the format tool_choice "auto" reads calls in (--tool-call-parser);
+    `reasoning_parser`: where the model writes its thinking (--reasoning-parser). Either
+    naming gpt-oss's harmony renders the prompt with openai-harmony (jetserve.server.harmony)."""
     adapter = check_model(r.model, served, adapters)
     v.check_sub_requests(limits, 1, v.check_samples(1 if r.n is None else r.n))
     add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
     plan = tool_calls.plan_tools(r.tools, r.tool_choice, r.parallel_tool_calls, tool_parser)
-    ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen,
-                                        tools=plan and plan.tools)
+    extra = chat_template.check_template_kwargs(r.chat_template_kwargs)
+    uses_harmony = is_harmony(tool_parser, reasoning_parser)
+    if uses_harmony:
+        if plan is not None and plan.forced:
+            raise v.InvalidArgument("tool_choice", f"tool_choice {v.show(r.tool_choice)} is "
+                                    "not supported with gpt-oss's harmony format; use auto")
+        ids = harmony.prompt_ids(chat_template.normalize_messages(r.messages),
+                                 plan and list(plan.tools), extra)
+    else:
+        ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen,
+                                            tools=plan and plan.tools, extra=extra)
+    think = None
+    if reasoning_parser in reasoning.PARSERS and reasoning.thinking_on(extra):
+        think = reasoning.PARSERS[reasoning_parser]
     v.check_prompt_length(limits, ids, "messages")
     field, max_tokens = "max_tokens", r.max_tokens
     if r.max_completion_tokens is not None:
@@ -169,7 +193,24 @@ def prepare_chat(limits: v.ModelLimits, r: ChatRequest, served: str,
     return Prepared(prompts=[ids], prompt_texts=[None], requests=requests, choices=n, n=n,
                     echo=False, logprobs=logprobs, stream=stream, include_usage=usage,
                     run=True, tokens_as_ids=bool(r.return_tokens_as_token_ids),
-                    continuous_usage=_continuous_usage(r), tools=plan)
+                    continuous_usage=_continuous_usage(r), tools=plan, think=think,
+                    harmony=uses_harmony)
+
+
+def is_harmony(tool_parser: str, reasoning_parser: str | None) -> bool:
+    """The server speaks gpt-oss's harmony (--tool-call-parser openai or
+    --reasoning-parser openai_gptoss)."""
+    return tool_parser == tool_formats.HARMONY or reasoning_parser == reasoning.HARMONY
+
+
+def choice_reader(prep: Prepared) -> tool_output.ChoiceReader | harmony.HarmonyReader:
+    """What reads one chat choice's stream into deltas."""
+    if prep.harmony:
+        plan = prep.tools
+        return harmony.HarmonyReader(
+            plan and [t["function"]["name"] for t in plan.tools],
+            max_calls=None if plan is None or plan.parallel else 1)
+    return tool_output.ChoiceReader(prep.tools, prep.think)
 
 
 class TokenText:
@@ -274,6 +315,12 @@ def chat_choice(prep: Prepared, tt: TokenText, index: int, j: Joined) -> dict:
     logprobs = (chat_logprobs(tt.texts(prep, index), j.token_ids, j.logprobs, j.top_logprobs,
                               final=True)
                 if prep.logprobs is not None else None)
-    message, finish_reason = tool_output.message(prep.tools, j.text, j.finish_reason)
+    if prep.harmony:
+        delta, finish_reason = choice_reader(prep).read(j.text, j.token_ids,
+                                                        j.finish_reason or "stop")
+        message = tool_output.assemble(delta, with_reasoning=True)
+    else:
+        message, finish_reason = tool_output.message(prep.tools, j.text, j.finish_reason,
+                                                     prep.think)
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason}

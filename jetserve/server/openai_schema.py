@@ -79,6 +79,7 @@ class ChatRequest(_Sampling):
     tools: Any = None  # checked by tool_calls.plan_tools, as is tool_choice
     tool_choice: Any = None
     parallel_tool_calls: Any = None  # checked by tool_calls.plan_tools
+    chat_template_kwargs: Any = None  # extension (vLLM): more variables for the template
 
 
 class TokenizeRequest(_Strict):

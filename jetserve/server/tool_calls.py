@@ -27,7 +27,7 @@ import json
 import re
 from typing import Any
 
-from jetserve.server.tool_formats import DEFAULT_PARSER, PARSERS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from jetserve.server.tool_formats import DEFAULT_PARSER, NAMES, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from jetserve.server.validation import InvalidArgument, check_text, show
 from jetserve.structured import Constraint
 from jetserve.structured.grammar import check_constraint
@@ -70,8 +70,8 @@ class ToolPlan:
             raise ValueError(f"mode must be auto, required or named, got {self.mode!r}")
         if (self.mode == "named") != (self.name is not None):
             raise ValueError("name is given exactly when mode is 'named'")
-        if self.parser not in PARSERS:
-            raise ValueError(f"parser must be one of {', '.join(PARSERS)}, "
+        if self.parser not in NAMES:
+            raise ValueError(f"parser must be one of {', '.join(NAMES)}, "
                              f"got {self.parser!r}")
 
     @property

@@ -11,6 +11,10 @@ opens, what separates the calls in it and what closes it. Each call is one JSON 
 - mistral: `[TOOL_CALLS][{...}, {...}]`. The marker is a special token, which decoding
   drops, so a JSON list of calls at the start of the output is read as well.
 
+Formats that are not JSON call objects (qwen3_coder, glm45, deepseek_v3, pythonic) are
+read by their own parsers (jetserve.server.call_blocks), and gpt-oss's harmony ("openai")
+by openai-harmony (jetserve.server.harmony). NAMES lists every parser.
+
 Forced calls (tool_choice "required" or named) are generated under a JSON schema in one
 of two fixed shapes, whatever the parser: one object, or (required with parallel tool
 calls) a JSON list of them.
@@ -54,6 +58,8 @@ PARSERS = {
     "mistral": CallFormat(marker="[TOOL_CALLS]", at_start=True, opener="[", sep=",",
                           close="]"),
 }
+HARMONY = "openai"  # vLLM's name for gpt-oss's calls (commentary channel, harmony)
+NAMES = (*PARSERS, "qwen3_coder", "pythonic", "deepseek_v3", "glm45", HARMONY)
 DEFAULT_PARSER = "hermes"  # the format the bundled model's chat template writes
 FORCED_ONE = CallFormat(at_start=True)
 FORCED_LIST = CallFormat(at_start=True, opener="[", sep=",", close="]")
@@ -61,6 +67,6 @@ FORCED_LIST = CallFormat(at_start=True, opener="[", sep=",", close="]")
 
 def check_parser(name: str, field: str = "--tool-call-parser") -> str:
     """`name` if it is a parser; else ValueError naming `field` and the choices."""
-    if name not in PARSERS:
-        raise ValueError(f"{field} must be one of {', '.join(PARSERS)}, got {name!r}")
+    if name not in NAMES:
+        raise ValueError(f"{field} must be one of {', '.join(NAMES)}, got {name!r}")
     return name

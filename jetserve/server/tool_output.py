@@ -16,27 +16,31 @@ Where the calls are (jetserve.server.tool_formats):
   call is dropped, so a message that only calls has content null. With
   parallel_tool_calls false, reading stops after the first call.
 
+Formats that are not JSON objects (qwen3_coder, glm45, deepseek_v3, pythonic) are read
+by jetserve.server.block_reader. With a reasoning parser the thinking is split off first
+(jetserve.server.reasoning) and goes out as `reasoning_content`; only the answer is read
+for calls.
+
 finish_reason "stop" becomes "tool_calls" when the choice made a call.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
+from jetserve.server.block_reader import BlockReader
+from jetserve.server.call_blocks import BLOCKS, new_call_id
 from jetserve.server.call_scanner import CallScanner
+from jetserve.server.held_text import CallContent, partial
+from jetserve.server.reasoning import ThinkFormat, ThinkSplitter
 from jetserve.server.tool_calls import ToolPlan
 from jetserve.server.tool_formats import FORCED_LIST, FORCED_ONE, PARSERS, CallFormat
 
 __all__ = ["CallReader", "CallScanner", "ChoiceReader", "message", "new_call_id"]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class CallReader:
+class CallReader(CallContent):
     """The calls in one choice's text, written in `fmt`, as content and call deltas.
 
     A call's first entry goes out once its name is known to be one of `names` and its
@@ -61,20 +65,6 @@ class CallReader:
         self.after_call = False  # drop whitespace that follows a call
         self.out: list[str] = []
         self.calls: list[dict] = []
-
-    @property
-    def called(self) -> bool:
-        return self.count > 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        content, calls = self._run(final=True)
-        if not self.called:
-            content, self.ws = content + self.ws, ""
-        return content, calls
 
     def _run(self, final: bool) -> tuple[str, list[dict]]:
         self.out, self.calls = [], []
@@ -102,7 +92,7 @@ class CallReader:
         m = self.fmt.marker
         k = self.buf.find(m) if m else -1
         if k < 0:
-            keep = 0 if final or not m else _partial(self.buf, m)
+            keep = 0 if final or not m else partial(self.buf, m)
             self._text(self.buf[:len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             return False
@@ -209,20 +199,6 @@ class CallReader:
         self.raw, self.scanner, self.state = "", None, "content"
         return True
 
-    def _text(self, s: str) -> None:
-        """Content, without whitespace next to a call (held back until more comes)."""
-        if self.after_call:
-            s = s.lstrip()
-            if not s:
-                return
-            self.after_call = False
-        body = s.rstrip()
-        if not body:
-            self.ws += s
-            return
-        self.out.append(self.ws + body)
-        self.ws = s[len(body):]
-
 
 def _string_value(text: str) -> str:
     try:
@@ -232,13 +208,6 @@ def _string_value(text: str) -> str:
     return value if isinstance(value, str) else text
 
 
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
 def reading_format(plan: ToolPlan) -> CallFormat:
     """Where a plan's calls are in the text: a forced call's fixed shape, or the parser's."""
     if not plan.forced:
@@ -246,13 +215,23 @@ def reading_format(plan: ToolPlan) -> CallFormat:
     return FORCED_LIST if plan.mode == "required" and plan.parallel else FORCED_ONE
 
 
-class ChoiceReader:
-    """One chat choice's text -> OpenAI deltas; plain content when no tool is in play."""
+def _reader(plan: ToolPlan) -> CallReader | BlockReader:
+    names = [t["function"]["name"] for t in plan.tools]
+    max_calls = None if plan.parallel else 1
+    if not plan.forced and plan.parser in BLOCKS:
+        return BlockReader(BLOCKS[plan.parser], list(plan.tools), max_calls)
+    return CallReader(reading_format(plan), names, max_calls=max_calls, forced=plan.forced)
 
-    def __init__(self, plan: ToolPlan | None) -> None:
-        self.parser = None if plan is None else CallReader(
-            reading_format(plan), [t["function"]["name"] for t in plan.tools],
-            max_calls=None if plan.parallel else 1, forced=plan.forced)
+
+class ChoiceReader:
+    """One chat choice's text -> OpenAI deltas; plain content when no tool is in play.
+
+    `think`: the reasoning format (--reasoning-parser), when the model thinks: its
+    thinking goes out as `reasoning_content`, and only the answer is read for calls."""
+
+    def __init__(self, plan: ToolPlan | None, think: ThinkFormat | None = None) -> None:
+        self.parser = None if plan is None else _reader(plan)
+        self.split = None if think is None else ThinkSplitter(think)
 
     def opening(self) -> dict:
         """The first delta. Content null where it may stay so (OpenAI's way when tools
@@ -260,15 +239,28 @@ class ChoiceReader:
         content None, as a non-streaming one has."""
         return {"role": "assistant", "content": "" if self.parser is None else None}
 
+    def read(self, text: str, token_ids: Any, finish_reason: str | None
+             ) -> tuple[dict, str | None]:
+        """A stream's next piece (harmony.HarmonyReader reads the token ids instead)."""
+        return self.delta(text, finish_reason)
+
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(the delta for this text, the choice's finish_reason as OpenAI names it)."""
+        reasoning = ""
+        if self.split is not None:
+            reasoning, text = self.split.feed(text)
+            if finish_reason is not None:
+                more_r, more_t = self.split.finish()
+                reasoning, text = reasoning + more_r, text + more_t
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
         if self.parser is None:
-            return ({"content": text} if text or finish_reason is None else {}), finish_reason
+            if text or (finish_reason is None and self.split is None):
+                delta["content"] = text
+            return delta, finish_reason
         content, calls = self.parser.feed(text)
         if finish_reason is not None:
             more, more_calls = self.parser.finish()
             content, calls = content + more, calls + more_calls
-        delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
         if calls:
@@ -278,12 +270,19 @@ class ChoiceReader:
         return delta, finish_reason
 
 
-def message(plan: ToolPlan | None, text: str,
-            finish_reason: str | None) -> tuple[dict, str | None]:
-    """The whole assistant message of a choice, and its finish_reason."""
-    if plan is None:
+def message(plan: ToolPlan | None, text: str, finish_reason: str | None,
+            think: ThinkFormat | None = None) -> tuple[dict, str | None]:
+    """The whole assistant message of a choice, and its finish_reason (`think`: as
+    ChoiceReader; the message then has `reasoning_content`, null when none)."""
+    if plan is None and think is None:
         return {"role": "assistant", "content": text}, finish_reason
-    delta, finish_reason = ChoiceReader(plan).delta(text, finish_reason or "stop")
+    delta, finish_reason = ChoiceReader(plan, think).delta(text, finish_reason or "stop")
+    return assemble(delta, think is not None), finish_reason
+
+
+def assemble(delta: dict, with_reasoning: bool) -> dict:
+    """One delta holding a whole answer as the assistant message (`with_reasoning`: it has
+    `reasoning_content`, null when there is none)."""
     calls: list[dict] = []
     for entry in delta.get("tool_calls", ()):
         if entry["index"] == len(calls):
@@ -292,7 +291,10 @@ def message(plan: ToolPlan | None, text: str,
         else:
             calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
     out: dict[str, Any] = {"role": "assistant",
-                           "content": delta.get("content") or (None if calls else "")}
+                           "content": delta.get("content") or (
+                               None if calls or delta.get("reasoning_content") else "")}
+    if with_reasoning:
+        out["reasoning_content"] = delta.get("reasoning_content") or None
     if calls:
         out["tool_calls"] = calls
-    return out, finish_reason
+    return out

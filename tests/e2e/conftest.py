@@ -54,3 +54,24 @@ def bundled_servers():
             yield s
     finally:
         orch.stop(drain=False, timeout=30)
+
+
+def random_llama_orch(d, vocab_size: int, seq_len: int, **config):
+    """A started interleaved orchestrator (one device) over a random-weight tiny Llama
+    written into `d` beside its tokenizer (`config`: more of its LlamaConfig)."""
+    import jax
+    import torch
+    import transformers as tf
+
+    from jetserve import orchestrator
+    from tests.parity.hf_models import TINY
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "vocab_size": vocab_size,
+                                          **config})).save_pretrained(d)
+    orch = orchestrator.build(str(d), interleaved=True, devices=jax.devices()[:1],
+                              engine_config=EngineConfig(max_concurrent_decodes=4,
+                                                         max_prefill_length=seq_len // 2,
+                                                         max_seq_len=seq_len))
+    orch.start()
+    return orch

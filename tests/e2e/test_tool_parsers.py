@@ -53,7 +53,9 @@ def test_auto_reads_calls_in_the_parsers_format(parser_client):
 
 def test_an_unknown_parser_stops_serve_at_startup():
     done = subprocess.run([sys.executable, "-m", "jetserve", "serve", "--tool-call-parser",
-                           "pythonic"], env=ENV, capture_output=True, text=True, timeout=300)
+                           "granite"], env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert "--tool-call-parser" in done.stderr and "'pythonic'" in done.stderr
-    assert all(name in done.stderr for name in ("hermes", "llama3_json", "mistral"))
+    assert "--tool-call-parser" in done.stderr and "'granite'" in done.stderr
+    assert all(name in done.stderr for name in ("hermes", "llama3_json", "mistral",
+                                                "qwen3_coder", "pythonic", "deepseek_v3",
+                                                "glm45", "openai"))

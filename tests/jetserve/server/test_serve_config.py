@@ -123,10 +123,26 @@ def test_tool_call_parser_flag_its_default_and_a_bad_name(capsys):
     assert serve.server_config(_args("--tool-call-parser", "mistral")).tool_call_parser == \
         "mistral"
     with pytest.raises(SystemExit):
-        _args("--tool-call-parser", "pythonic")
+        _args("--tool-call-parser", "granite")
     err = capsys.readouterr().err
-    assert "--tool-call-parser" in err and "'pythonic'" in err
-    assert all(name in err for name in ("hermes", "llama3_json", "mistral"))
+    assert "--tool-call-parser" in err and "'granite'" in err
+    assert all(name in err for name in ("hermes", "llama3_json", "mistral", "qwen3_coder",
+                                        "pythonic", "deepseek_v3", "glm45", "openai"))
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, "
-                                         "llama3_json, mistral, got 'x'"):
+                                         "llama3_json, mistral, qwen3_coder, pythonic, "
+                                         "deepseek_v3, glm45, openai, got 'x'"):
         ServerConfig(tool_call_parser="x")
+
+
+def test_reasoning_parser_flag_its_default_and_a_bad_name(capsys):
+    assert serve.server_config(_args()).reasoning_parser is None  # thinking stays content
+    assert serve.server_config(_args("--reasoning-parser", "qwen3")).reasoning_parser == \
+        "qwen3"
+    with pytest.raises(SystemExit):
+        _args("--reasoning-parser", "granite")
+    err = capsys.readouterr().err
+    assert "--reasoning-parser" in err and all(
+        name in err for name in ("deepseek_r1", "qwen3", "glm45", "openai_gptoss"))
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, "
+                                         "qwen3, glm45, openai_gptoss, got 'x'"):
+        ServerConfig(reasoning_parser="x")

@@ -120,8 +120,9 @@ def test_required_with_parallel_calls_reads_a_list(step):
 def test_formats_and_parser_names_are_checked():
     assert set(PARSERS) >= {"hermes", "llama3_json", "mistral"}
     with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, "
-                                         "llama3_json, mistral, got 'pythonic'"):
-        check_parser("pythonic")
+                                         "llama3_json, mistral, qwen3_coder, pythonic, "
+                                         "deepseek_v3, glm45, openai, got 'granite'"):
+        check_parser("granite")
     with pytest.raises(ValueError, match="parser must be one of"):
         plan("qwen")
     with pytest.raises(ValueError, match="marker"):

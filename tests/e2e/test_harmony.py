@@ -9,12 +9,15 @@ prompts with openai-harmony and reads the answer's tokens with its StreamablePar
 the SDK returns must equal openai-harmony's own parse of the tokens generated.
 
 openai-harmony needs o200k_base.tiktoken; with no network it must be in the directory
-TIKTOKEN_ENCODINGS_BASE names (scripts/harmony_vocab.sh makes one), else these skip.
+TIKTOKEN_ENCODINGS_BASE names. Where that is unset, these tests make the file once with
+scripts/harmony_vocab.sh (from the npm registry) in ~/.cache/jetserve/harmony-vocab; where
+that cannot run (no npm), they skip.
 """
 
 import base64
 import json
 import os
+import subprocess
 
 import openai
 import pytest
@@ -50,7 +53,24 @@ ANSWER = ("start: <|channel|> " + _grammar_text("analysis") + " <|message|> "
           + _grammar_text(FINAL) + " <|return|>")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jetserve", "harmony-vocab")
+
+
+def _vocabulary_file() -> None:
+    """TIKTOKEN_ENCODINGS_BASE, made with scripts/harmony_vocab.sh where it is unset."""
+    if "TIKTOKEN_ENCODINGS_BASE" in os.environ:
+        return
+    if not os.path.exists(os.path.join(VOCAB_DIR, "o200k_base.tiktoken")):
+        made = subprocess.run(["bash", os.path.join(ROOT, "scripts", "harmony_vocab.sh"),
+                               VOCAB_DIR], capture_output=True, text=True, timeout=300)
+        if made.returncode:
+            pytest.skip(f"scripts/harmony_vocab.sh failed: {made.stderr[-500:]}")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = VOCAB_DIR
+
+
 def _encoding():
+    _vocabulary_file()
     try:
         from jetserve.server.harmony import load_encoding
 

@@ -81,7 +81,9 @@ def main(argv: list[str]) -> int:
     from jetserve.batch import ray_job
 
     ray = ray_job.import_ray()
-    # The cluster first: its processes start before JAX's threads exist here.
+    # The cluster first: its processes start before JAX's threads exist here. One host:
+    # Ray's single-machine mode keeps every process on the loopback address.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(num_cpus=args.num_cpus, include_dashboard=False,
              object_store_memory=args.object_store_mb << 20, logging_level=logging.WARNING)
     try:

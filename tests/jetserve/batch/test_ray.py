@@ -90,6 +90,9 @@ def cluster():
     """A local cluster whose worker processes carry the fault seam for POISON only."""
     old = os.environ.get(FAULT_ENV)
     os.environ[FAULT_ENV] = POISON  # inherited by the workers ray.init starts
+    # A one-host cluster on the loopback address only (Ray's single-machine mode); the
+    # CLI's driver below connects to it there too.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ctx = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
                    logging_level=logging.WARNING)
     try:

@@ -52,9 +52,14 @@ from jetserve.structured.json_budget import GrowthTable
 _CLOSING_FIRST = b'"}])0,:[{ftn'
 _FALLBACKS = 3  # besides those, the first few other bytes the grammar allows
 _SCAN = [*range(0x20, 0x7F), *range(0x20), *range(0x7F, 0x100)]  # printable ASCII first
+# The walk's order: the closing bytes, then the rest in _SCAN's order. A container's end
+# always counts as a step forward (closing a nested object leaves the same bytes allowed);
+# a string's end comes before, so `]` and `}` inside a string are never tried.
+_ORDER = [*_CLOSING_FIRST, *(b for b in _SCAN if b not in _CLOSING_FIRST)]
+_CLOSERS = frozenset(b"]}")
 _WIDTH = 8  # nodes kept per length of S
 _MAX_BYTES = 512  # a completion longer than this is not searched for
-_MAX_NODES = 4000
+_MAX_NODES = 1000
 _MARGIN = 8
 _FEW = 16  # a row allowing at most this many tokens has each checked
 _WHOLE = 8192  # the last token of a whole answer: checked up to this many
@@ -74,6 +79,8 @@ class GrammarBudget:
         self._scratch = llguidance.numpy.allocate_token_bitmask(1, max(vocab_size,
                                                                        len(table.bytes)))
         self._s: bytes | None = None  # S from the matcher's current state (None: not known)
+        self._stale: bytes | None = None  # S before the last token, when it did not spell it
+        self._started = False  # a token was taken
         self._end = 0  # 1 when an EOS must follow S
         self._plan: list[int] | None = None  # the tokens spelling S, EOS last when needed
         first = self.minimum()
@@ -92,6 +99,7 @@ class GrammarBudget:
     def take(self, token: int) -> None:
         """After the matcher took `token`: S (and its plan) stay known when the token
         spelt their start."""
+        self._started = True
         b = self.table.bytes[token] if 0 <= token < len(self.table.bytes) else b""
         if self._plan and self._plan[0] == token:
             self._plan.pop(0)
@@ -99,8 +107,8 @@ class GrammarBudget:
             self._plan = None
         if self._s is not None and b and self._s.startswith(b):
             self._s = self._s[len(b):]
-        else:
-            self._s = self._plan = None
+        else:  # S may well still close the answer (a token inside a string): tried first
+            self._stale, self._s, self._plan = self._s, None, None
 
     def narrow(self, row: np.ndarray, remaining: int) -> None:
         """Narrows one packed mask row i32[W] (in place) so that the answer closes in
@@ -167,12 +175,19 @@ class GrammarBudget:
         m = self.matcher.deep_copy()
         if not m.consume_token(token) or m.is_stopped():
             return True
-        found = shortest(m, self._byte_token)
+        found = closing_walk(m, self._byte_token)
         return found is None or len(found[0]) + (0 if found[1] else 1) <= room
 
     def _ensure_s(self) -> bytes | None:
-        if self._s is None:
-            found = shortest(self.matcher, self._byte_token)
+        if self._s is None and self._stale is not None:
+            m = self.matcher.deep_copy()
+            if _consume(m, self._stale, self._byte_token) and m.is_accepting():
+                self._s, self._end = self._stale, 0 if m.is_stopped() else 1
+            self._stale = None
+        if self._s is None:  # the search at the start (the minimum), the walk after
+            found = (shortest if self._plan is None and not self._started else
+                     closing_walk)(self.matcher, self._byte_token)
+            found = found or shortest(self.matcher, self._byte_token)
             if found is None:
                 return None
             self._s, stopped = found
@@ -245,6 +260,42 @@ def shortest(matcher: llguidance.LLMatcher, byte_token: dict[int, int]
             heapq.heappush(heap, (n + 1, next(order), text + bytes([b]), child,
                                   tuple(children)))
     return None
+
+
+def closing_walk(matcher: llguidance.LLMatcher, byte_token: dict[int, int]
+                 ) -> tuple[bytes, bool] | None:
+    """A completion found cheaply (as `shortest`, not always the shortest): one path,
+    forced bytes taken at once, else the first byte (closing ones first) that closes a
+    container or after which the grammar forces or allows other bytes than before it;
+    None at a dead end (the caller then searches)."""
+    m, text = matcher.deep_copy(), b""
+    while len(text) <= _MAX_BYTES:
+        if m.is_accepting() or m.is_stopped():
+            return text, m.is_stopped()
+        forced = m.compute_ff_bytes()
+        if forced:
+            if not _consume(m, forced, byte_token):
+                return None
+            text += forced
+            continue
+        here = _signature(m, byte_token)
+        for b in _ORDER:
+            if not _allows(m, b, byte_token):
+                continue
+            m.consume_token(byte_token[b])
+            if m.is_accepting() or b in _CLOSERS or _signature(m, byte_token) != here:
+                text += bytes([b])
+                break
+            m.rollback(1)
+        else:
+            return None
+    return None
+
+
+def _signature(m: llguidance.LLMatcher, byte_token: dict[int, int]) -> tuple:
+    """The bytes the grammar forces next and which of the closing bytes it allows (more
+    of a string or a number leaves both as they were)."""
+    return m.compute_ff_bytes(), tuple(_allows(m, b, byte_token) for b in _CLOSING_FIRST)
 
 
 def _consume(m: llguidance.LLMatcher, data: bytes, byte_token: dict[int, int]) -> bool:

@@ -2,7 +2,9 @@
 server of a random-weight Hugging Face directory, each answer equal to transformers'
 greedy tokens with the same bias as a logits processor (+100 on one token: every token
 is it; -100 on the unbiased answer's tokens: none comes back). Bad biases get 400 /
-INVALID_ARGUMENT naming logit_bias."""
+INVALID_ARGUMENT naming logit_bias. Chat takes it too, on the session's disaggregated
+random:tiny servers (prefill and generate on different devices: the bias travels with
+the prefix)."""
 
 import grpc
 import jax
@@ -12,7 +14,7 @@ import pytest
 from engines import EngineConfig
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
-from tests.e2e.conftest import local_config
+from tests.e2e.conftest import TINY_MODEL, local_config
 from tests.parity.hf_models import hf_greedy, make_hf_model
 
 PROMPT = [1, 40, 9, 88, 17, 3]
@@ -106,3 +108,16 @@ def test_grpc_bad_logit_bias_is_invalid_argument(served):
             list(pb_grpc.OrchestratorStub(ch).Decode(req, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "logit_bias" in e.value.details()
+
+
+def test_chat_logit_bias_on_disaggregated_servers(tiny_servers, tiny_orch):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{tiny_servers.http_port}/v1",
+                           api_key="unused", max_retries=0)
+    kw = dict(model=TINY_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+              temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    tok = tiny_orch.tokenizer
+    up = tok.encode("x", add_bos=False)[-1]
+    forced = client.chat.completions.create(logit_bias={str(up): 100}, **kw)
+    assert forced.choices[0].message.content == tok.decode([up] * 6) != plain
+    assert forced.usage.completion_tokens == 6

@@ -7,14 +7,13 @@ random:tiny servers (prefill and generate on different devices: the bias travels
 the prefix)."""
 
 import grpc
-import jax
 import openai
 import pytest
 
 from engines import EngineConfig
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
-from tests.e2e.conftest import TINY_MODEL, local_config
+from tests.e2e.conftest import TINY_MODEL, interleaved_servers
 from tests.parity.hf_models import hf_greedy, make_hf_model
 
 PROMPT = [1, 40, 9, 88, 17, 3]
@@ -25,21 +24,11 @@ UP = 77
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(servers, torch model) over a random llama directory (vocabulary 128)."""
-    from jetserve import orchestrator
-    from jetserve.server.runner import BackgroundServers
-
     d = str(tmp_path_factory.mktemp("bias_model"))
     model = make_hf_model("llama", d, seed=3)
-    orch = orchestrator.build(d, interleaved=True, devices=jax.devices()[:1],
-                              engine_config=EngineConfig(max_concurrent_decodes=4,
-                                                         max_prefill_length=16,
-                                                         max_seq_len=48))
-    orch.start()
-    try:
-        with BackgroundServers(orch, local_config(model_name="m")) as s:
-            yield s, model
-    finally:
-        orch.stop(drain=False, timeout=30)
+    config = EngineConfig(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=48)
+    for s in interleaved_servers(d, "m", config):
+        yield s, model
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def cases(hf_dirs):
 
 
 def test_references_show_the_bias(cases):
-    for p, bias, ref in cases:
+    for _, bias, ref in cases:
         if bias.get(UP) == 100.0:
             assert ref == [UP] * STEPS
         elif bias:

@@ -185,9 +185,9 @@ class GrammarBudget:
                 self._s, self._end = self._stale, 0 if m.is_stopped() else 1
             self._stale = None
         if self._s is None:  # the search at the start (the minimum), the walk after
-            found = (shortest if self._plan is None and not self._started else
-                     closing_walk)(self.matcher, self._byte_token)
-            found = found or shortest(self.matcher, self._byte_token)
+            found = closing_walk(self.matcher, self._byte_token) if self._started else None
+            if found is None:
+                found = shortest(self.matcher, self._byte_token)
             if found is None:
                 return None
             self._s, stopped = found

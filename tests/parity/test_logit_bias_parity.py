@@ -57,8 +57,8 @@ def _engine(hf_dirs, **cfg):
 @pytest.mark.parametrize("variant", [
     dict(),
     dict(kv_layout="paged", page_size=8, num_pages=40),
-    dict(speculative="ngram:3"),
-    dict(max_loras=1, max_lora_rank=4),
+    pytest.param(dict(speculative="ngram:3"), marks=pytest.mark.slow),
+    pytest.param(dict(max_loras=1, max_lora_rank=4), marks=pytest.mark.slow),
 ])
 def test_logit_bias_equals_transformers(hf_dirs, cases, variant):
     eng = with_pages(_engine(hf_dirs, **variant))
@@ -70,6 +70,7 @@ def test_logit_bias_equals_transformers(hf_dirs, cases, variant):
     assert got == [ref for _, _, ref in cases]
 
 
+@pytest.mark.slow
 def test_logit_bias_in_the_mixed_step_equals_transformers(hf_dirs, cases):
     eng = _engine(hf_dirs, kv_layout="paged", page_size=8)
     params = eng.load_params()

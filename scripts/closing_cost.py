@@ -1,9 +1,10 @@
 """Host cost of closing within max_tokens (jetserve/structured/closing.py) per step: the
 grammar's mask alone against the mask narrowed for the budget, over answers drawn at
 random from the narrowed masks (any allowed token, however unlikely: the worst text a
-model could write) on the bundled model's vocabulary.
+model could write) on the bundled model's vocabulary, for the constraints of
+tests/jetserve/structured/test_closing.py.
 
-Usage: python scripts/closing_cost.py [--max-tokens 160] [--answers 10]
+Usage (from the repository root): python scripts/closing_cost.py [--max-tokens 160] [--answers 10]
 """
 
 import argparse
@@ -12,25 +13,11 @@ import time
 import numpy as np
 
 from jetserve.model_loading import BUNDLED_DIR
-from jetserve.server.tool_calls import ToolPlan
-from jetserve.structured import Constraint
 from jetserve.structured.grammar import compile_constraint
 from jetserve.tokenizer import load_tokenizer
+from tests.jetserve.structured.test_closing import CASES as TEST_CASES
 
-NOTE = {"type": "object", "additionalProperties": False,
-        "properties": {"title": {"type": "string"}, "body": {"type": "string"},
-                       "tags": {"type": "array", "items": {"type": "string"}},
-                       "score": {"type": "number"}},
-        "required": ["title", "body", "tags", "score"]}
-TOOLS = tuple({"type": "function", "function": {"name": n, "parameters": p}} for n, p in (
-    ("get_weather", {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}),
-    ("get_time", {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
-                  "required": ["tz"]})))
-CASES = {"strict json_schema": Constraint(kind="json_schema", value=NOTE),
-         "tool_choice required": ToolPlan(tools=TOOLS, mode="required").constraint(),
-         "choice": Constraint(kind="choice", value=["a long answer of many words", "no"])}
+CASES = {name: c for name, (c, _) in TEST_CASES.items()}  # the constraints the tests hold
 
 
 def main():

@@ -3,7 +3,11 @@
 `SamplingParams` is the host-side description of how one request samples. On the device
 each slot carries its parameters as arrays (`SlotSampling`, leading dim B), so one batched
 step serves requests that all sample differently: greedy, temperature, top-k, top-p,
-min-p, repetition / frequency / presence penalties, each with its own RNG key.
+min-p, repetition / frequency / presence penalties, logit bias, each with its own RNG key.
+
+A logit bias (OpenAI's `logit_bias`: token id -> value added to its logit) travels in a
+fixed sparse form, MAX_LOGIT_BIAS (id, value) pairs per slot padded with (0, 0.0), so a
+request with a bias, or without, runs the same compiled step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from engines.token_mask import apply_token_mask
 
 _NEG_INF = -1e30
 _INT32_MAX = 2**31 - 1
+# OpenAI's limits on logit_bias: at most 300 tokens, each value in [-100, 100].
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,6 +41,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
+    # (token id, value) pairs, ids ascending (a dict {id: value} is accepted and sorted).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         def finite(name, lo, hi):
@@ -60,10 +69,33 @@ class SamplingParams:
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
         ):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """`bias` ({id: value} or (id, value) pairs) as sorted pairs; ValueError naming
+    logit_bias otherwise. Ids against the model's vocabulary are the server's to check."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
+                         f"got {len(pairs)}")
+    out = {}
+    for pair in pairs:
+        tok, val = pair
+        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok <= _INT32_MAX:
+            raise ValueError(f"logit_bias token ids must be non-negative integers, got {tok!r}")
+        if (not isinstance(val, (int, float)) or isinstance(val, bool) or not math.isfinite(val)
+                or not -LOGIT_BIAS_RANGE <= val <= LOGIT_BIAS_RANGE):
+            raise ValueError(f"logit_bias[{tok}] must be a number in [-{LOGIT_BIAS_RANGE:g}, "
+                             f"{LOGIT_BIAS_RANGE:g}], got {val!r}")
+        if tok in out:
+            raise ValueError(f"logit_bias names token {tok} twice")
+        out[tok] = float(val)
+    return tuple(sorted(out.items()))
 
 
 @jax.tree_util.register_dataclass
@@ -79,12 +111,18 @@ class SlotSampling:
     frequency_penalty: jax.Array  # f32[B]
     presence_penalty: jax.Array  # f32[B]
     key: jax.Array  # u32[B, 2] raw PRNG key data
+    bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS] logit_bias token ids, padded with 0
+    bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS] their values, padded with 0.0
 
     @staticmethod
     def from_params(p: SamplingParams, seed: int) -> SlotSampling:
         """A single-row SlotSampling (B=1) built on the host (numpy: each jax op here would
         be one more program to trace and compile before a process's first token)."""
         f = lambda x: np.asarray([x], np.float32)
+        ids = np.zeros((1, MAX_LOGIT_BIAS), np.int32)
+        values = np.zeros((1, MAX_LOGIT_BIAS), np.float32)
+        for i, (tok, val) in enumerate(p.logit_bias):
+            ids[0, i], values[0, i] = tok, val
         return SlotSampling(
             temperature=f(p.temperature),
             top_k=np.asarray([p.top_k], np.int32),
@@ -94,6 +132,8 @@ class SlotSampling:
             frequency_penalty=f(p.frequency_penalty),
             presence_penalty=f(p.presence_penalty),
             key=key_data(seed)[None],
+            bias_ids=ids,
+            bias_values=values,
         )
 
     @staticmethod
@@ -108,6 +148,8 @@ class SlotSampling:
             frequency_penalty=z,
             presence_penalty=z,
             key=jnp.zeros((batch, 2), jnp.uint32),
+            bias_ids=jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
+            bias_values=jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32),
         )
 
 
@@ -126,7 +168,8 @@ def apply_penalties(
     counts: jax.Array,  # i32[B, V] generated-token counts
 ) -> jax.Array:
     """Repetition penalty over prompt and output (as transformers), then OpenAI-style
-    frequency / presence penalties over generated tokens only (as vLLM)."""
+    frequency / presence penalties over generated tokens only (as vLLM), then the logit
+    bias (added, as OpenAI's; before any token mask, which must stay at -inf)."""
     seen = prompt_mask | (counts > 0)
     rp = s.repetition_penalty[:, None]
     penalized = jnp.where(logits > 0, logits / rp, logits * rp)
@@ -134,7 +177,13 @@ def apply_penalties(
     c = counts.astype(jnp.float32)
     logits = logits - s.frequency_penalty[:, None] * c
     logits = logits - s.presence_penalty[:, None] * (c > 0).astype(jnp.float32)
-    return logits
+    return apply_logit_bias(logits, s)
+
+
+def apply_logit_bias(logits: jax.Array, s: SlotSampling) -> jax.Array:
+    """logits f32[B, V] plus each slot's bias pairs; padding adds 0.0 to token 0."""
+    rows = jnp.arange(logits.shape[0])[:, None]  # (B, 1)
+    return logits.at[rows, s.bias_ids].add(s.bias_values, mode="drop")
 
 
 def filter_logits(logits: jax.Array, s: SlotSampling) -> jax.Array:

@@ -36,7 +36,7 @@ from engines.param_layout import InLayout, ParamViews
 from engines.prefill_program import PrefillProgram, PrefillRows
 from engines.prefix_blocks import PrefixBlocks
 from engines.prompt_scoring import score_in_chunks
-from engines.sampling import SamplingParams, SlotSampling
+from engines.sampling import MAX_LOGIT_BIAS, SamplingParams, SlotSampling
 from engines.speculative import generate_speculative
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
@@ -163,9 +163,11 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
     def _sampling_shardings(self, batch_axis: str | None) -> SlotSampling:
         s1 = self._named((batch_axis,), (self.config.max_concurrent_decodes,), "sampling")
         s2 = self._named((batch_axis, None), (self.config.max_concurrent_decodes, 2), "rng keys")
+        sb = self._named((batch_axis, None), (self.config.max_concurrent_decodes, MAX_LOGIT_BIAS),
+                         "logit bias")
         return SlotSampling(temperature=s1, top_k=s1, top_p=s1, min_p=s1,
                             repetition_penalty=s1, frequency_penalty=s1,
-                            presence_penalty=s1, key=s2)
+                            presence_penalty=s1, key=s2, bias_ids=sb, bias_values=sb)
 
     def decode_state_shardings(self) -> DecodeState:
         c, e = self.model_config, self.config

@@ -226,6 +226,10 @@ def check_request(limits: ModelLimits, r: Request,
     if r.prompt_logprobs and not limits.scores_prompts:
         raise InvalidArgument(name("prompt_logprobs"), f"{name('prompt_logprobs')}: this "
                               "engine cannot score prompts")
+    for tok, _ in r.sampling.logit_bias:
+        if tok >= limits.vocab_size:
+            raise InvalidArgument(name("logit_bias"), f"{name('logit_bias')}: token id {tok} "
+                                  f"is not in the vocabulary (ids 0..{limits.vocab_size - 1})")
     if r.stop_strings and limits.tokenizer is None:
         raise InvalidArgument(name("stop_strings"), f"{name('stop_strings')}: this model has "
                               "no tokenizer, so stop strings cannot be matched; use "

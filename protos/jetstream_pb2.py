@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/jetstream.proto\x12\x0fjetstream_proto\"\x91\x08\n\rDecodeRequest\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x42\n\x0ctext_content\x18\x05 \x01(\x0b\x32*.jetstream_proto.DecodeRequest.TextContentH\x00\x12\x44\n\rtoken_content\x18\x06 \x01(\x0b\x32+.jetstream_proto.DecodeRequest.TokenContentH\x00\x12;\n\x08metadata\x18\x07 \x01(\x0b\x32\'.jetstream_proto.DecodeRequest.MetadataH\x01\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x05\x12\x17\n\x0flora_adapter_id\x18\t \x01(\t\x12\x0f\n\x07has_bos\x18\n \x01(\x08\x12\x18\n\x0btemperature\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x0c \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\r \x01(\x01H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x01H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x12 \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\x05\x12\x12\n\nignore_eos\x18\x15 \x01(\x08\x12\x15\n\x08logprobs\x18\x16 \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x1e \x01(\tH\x02\x12\x15\n\x0bjson_object\x18\x1f \x01(\x08H\x02\x12\x0f\n\x05regex\x18  \x01(\tH\x02\x12\x38\n\x06\x63hoice\x18! \x01(\x0b\x32&.jetstream_proto.DecodeRequest.ChoicesH\x02\x12\x11\n\x07grammar\x18\" \x01(\tH\x02\x1a\x1b\n\x0bTextContent\x12\x0c\n\x04text\x18\x01 \x01(\t\x1a!\n\x0cTokenContent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x1a\x1e\n\x08Metadata\x12\x12\n\nstart_time\x18\x01 \x01(\x02\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\t\n\x07\x63ontentB\x13\n\x11metadata_optionalB\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\xe4\x04\n\x0e\x44\x65\x63odeResponse\x12I\n\x0finitial_content\x18\x02 \x01(\x0b\x32..jetstream_proto.DecodeResponse.InitialContentH\x00\x12G\n\x0estream_content\x18\x03 \x01(\x0b\x32-.jetstream_proto.DecodeResponse.StreamContentH\x00\x1a\x10\n\x0eInitialContent\x1a\x9a\x03\n\rStreamContent\x12\x45\n\x07samples\x18\x01 \x03(\x0b\x32\x34.jetstream_proto.DecodeResponse.StreamContent.Sample\x1a\xc1\x02\n\x06Sample\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x0b \x03(\x02\x12V\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32@.jetstream_proto.DecodeResponse.StreamContent.Sample.TopLogprobs\x12\x15\n\rfinish_reason\x18\r \x01(\t\x1a/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x1a\x64\n\x0bTopLogprobs\x12U\n\x0c\x61lternatives\x18\x01 \x03(\x0b\x32?.jetstream_proto.DecodeResponse.StreamContent.Sample.TopLogprobB\t\n\x07\x63ontentJ\x04\x08\x01\x10\x02\"\x14\n\x12HealthCheckRequest\"&\n\x13HealthCheckResponse\x12\x0f\n\x07is_live\x18\x01 \x01(\x08\x32\xb9\x01\n\x0cOrchestrator\x12M\n\x06\x44\x65\x63ode\x12\x1e.jetstream_proto.DecodeRequest\x1a\x1f.jetstream_proto.DecodeResponse\"\x00\x30\x01\x12Z\n\x0bHealthCheck\x12#.jetstream_proto.HealthCheckRequest\x1a$.jetstream_proto.HealthCheckResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/jetstream.proto\x12\x0fjetstream_proto\"\x86\t\n\rDecodeRequest\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x42\n\x0ctext_content\x18\x05 \x01(\x0b\x32*.jetstream_proto.DecodeRequest.TextContentH\x00\x12\x44\n\rtoken_content\x18\x06 \x01(\x0b\x32+.jetstream_proto.DecodeRequest.TokenContentH\x00\x12;\n\x08metadata\x18\x07 \x01(\x0b\x32\'.jetstream_proto.DecodeRequest.MetadataH\x01\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x05\x12\x17\n\x0flora_adapter_id\x18\t \x01(\t\x12\x0f\n\x07has_bos\x18\n \x01(\x08\x12\x18\n\x0btemperature\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x0c \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\r \x01(\x01H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x01H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x12 \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\x05\x12\x12\n\nignore_eos\x18\x15 \x01(\x08\x12\x15\n\x08logprobs\x18\x16 \x01(\x05H\x0b\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x17 \x03(\x0b\x32-.jetstream_proto.DecodeRequest.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x1e \x01(\tH\x02\x12\x15\n\x0bjson_object\x18\x1f \x01(\x08H\x02\x12\x0f\n\x05regex\x18  \x01(\tH\x02\x12\x38\n\x06\x63hoice\x18! \x01(\x0b\x32&.jetstream_proto.DecodeRequest.ChoicesH\x02\x12\x11\n\x07grammar\x18\" \x01(\tH\x02\x1a\x1b\n\x0bTextContent\x12\x0c\n\x04text\x18\x01 \x01(\t\x1a!\n\x0cTokenContent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x1a\x1e\n\x08Metadata\x12\x12\n\nstart_time\x18\x01 \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\t\n\x07\x63ontentB\x13\n\x11metadata_optionalB\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\xe4\x04\n\x0e\x44\x65\x63odeResponse\x12I\n\x0finitial_content\x18\x02 \x01(\x0b\x32..jetstream_proto.DecodeResponse.InitialContentH\x00\x12G\n\x0estream_content\x18\x03 \x01(\x0b\x32-.jetstream_proto.DecodeResponse.StreamContentH\x00\x1a\x10\n\x0eInitialContent\x1a\x9a\x03\n\rStreamContent\x12\x45\n\x07samples\x18\x01 \x03(\x0b\x32\x34.jetstream_proto.DecodeResponse.StreamContent.Sample\x1a\xc1\x02\n\x06Sample\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x0b \x03(\x02\x12V\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32@.jetstream_proto.DecodeResponse.StreamContent.Sample.TopLogprobs\x12\x15\n\rfinish_reason\x18\r \x01(\t\x1a/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x1a\x64\n\x0bTopLogprobs\x12U\n\x0c\x61lternatives\x18\x01 \x03(\x0b\x32?.jetstream_proto.DecodeResponse.StreamContent.Sample.TopLogprobB\t\n\x07\x63ontentJ\x04\x08\x01\x10\x02\"\x14\n\x12HealthCheckRequest\"&\n\x13HealthCheckResponse\x12\x0f\n\x07is_live\x18\x01 \x01(\x08\x32\xb9\x01\n\x0cOrchestrator\x12M\n\x06\x44\x65\x63ode\x12\x1e.jetstream_proto.DecodeRequest\x1a\x1f.jetstream_proto.DecodeResponse\"\x00\x30\x01\x12Z\n\x0bHealthCheck\x12#.jetstream_proto.HealthCheckRequest\x1a$.jetstream_proto.HealthCheckResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.jetstream_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DECODEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_DECODEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=44
-  _globals['_DECODEREQUEST']._serialized_end=1085
-  _globals['_DECODEREQUEST_TEXTCONTENT']._serialized_start=765
-  _globals['_DECODEREQUEST_TEXTCONTENT']._serialized_end=792
-  _globals['_DECODEREQUEST_TOKENCONTENT']._serialized_start=794
-  _globals['_DECODEREQUEST_TOKENCONTENT']._serialized_end=827
-  _globals['_DECODEREQUEST_METADATA']._serialized_start=829
-  _globals['_DECODEREQUEST_METADATA']._serialized_end=859
-  _globals['_DECODEREQUEST_CHOICES']._serialized_start=861
-  _globals['_DECODEREQUEST_CHOICES']._serialized_end=887
-  _globals['_DECODERESPONSE']._serialized_start=1088
-  _globals['_DECODERESPONSE']._serialized_end=1700
-  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_start=1254
-  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_end=1270
-  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_start=1273
-  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_end=1683
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_start=1362
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_end=1683
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROB']._serialized_start=1534
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROB']._serialized_end=1581
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROBS']._serialized_start=1583
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROBS']._serialized_end=1683
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=1702
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=1722
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1724
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1762
-  _globals['_ORCHESTRATOR']._serialized_start=1765
-  _globals['_ORCHESTRATOR']._serialized_end=1950
+  _globals['_DECODEREQUEST']._serialized_end=1202
+  _globals['_DECODEREQUEST_TEXTCONTENT']._serialized_start=832
+  _globals['_DECODEREQUEST_TEXTCONTENT']._serialized_end=859
+  _globals['_DECODEREQUEST_TOKENCONTENT']._serialized_start=861
+  _globals['_DECODEREQUEST_TOKENCONTENT']._serialized_end=894
+  _globals['_DECODEREQUEST_METADATA']._serialized_start=896
+  _globals['_DECODEREQUEST_METADATA']._serialized_end=926
+  _globals['_DECODEREQUEST_LOGITBIASENTRY']._serialized_start=928
+  _globals['_DECODEREQUEST_LOGITBIASENTRY']._serialized_end=976
+  _globals['_DECODEREQUEST_CHOICES']._serialized_start=978
+  _globals['_DECODEREQUEST_CHOICES']._serialized_end=1004
+  _globals['_DECODERESPONSE']._serialized_start=1205
+  _globals['_DECODERESPONSE']._serialized_end=1817
+  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_start=1371
+  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_end=1387
+  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_start=1390
+  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_end=1800
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_start=1479
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_end=1800
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROB']._serialized_start=1651
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROB']._serialized_end=1698
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROBS']._serialized_start=1700
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE_TOPLOGPROBS']._serialized_end=1800
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=1819
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=1839
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1841
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1879
+  _globals['_ORCHESTRATOR']._serialized_start=1882
+  _globals['_ORCHESTRATOR']._serialized_end=2067
 # @@protoc_insertion_point(module_scope)

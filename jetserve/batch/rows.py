@@ -4,7 +4,8 @@ Plain functions of a `ModelLimits` snapshot (jetserve.server.validation), so the
 reader checks fields exactly as the servers do. Two kinds of rows:
 
 - generation: `{"id", "prompt" | "prompt_ids" | "messages", "max_tokens", sampling
-  fields, "stop", "stop_token_ids", "ignore_eos", "logprobs", "model"}` -> `GenerateJob`
+  fields, "logit_bias", "stop", "stop_token_ids", "ignore_eos", "logprobs", "model"}` ->
+  `GenerateJob`
   (`model`: a LoRA adapter's name, from the job's --lora-modules; absent: the base
   model); the output may be constrained as on HTTP, by one of `response_format`,
   `structured_outputs` or a `guided_*` field (jetserve.server.structured_fields); a
@@ -43,6 +44,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
                    "frequency_penalty", "presence_penalty", "seed")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # messages rows only
 GENERATE_FIELDS = frozenset(("id", "prompt", "prompt_ids", "messages", "max_tokens", "stop",
+                             "logit_bias",
                              "stop_token_ids", "ignore_eos", "logprobs", "metadata", "model",
                              *SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *TOOL_FIELDS))
 SCORE_FIELDS = frozenset(("id", "context", "context_ids", "continuation",
@@ -179,7 +181,8 @@ def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int,
                                             tools=plan and plan.tools)
     v.check_prompt_length(limits, ids, kind)
     max_tokens = v.check_max_tokens(limits, obj.get("max_tokens", default_max_tokens), len(ids))
-    sampling = v.sampling_params(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
+    sampling = v.sampling_params(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj},
+                                 logit_bias=v.logit_bias_pairs(limits, obj.get("logit_bias")))
     logprobs = _logprobs(obj.get("logprobs"), limits)
     ignore_eos = obj.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):

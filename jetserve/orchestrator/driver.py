@@ -340,10 +340,13 @@ class Orchestrator:
             from jetserve.structured.grammar import compile_constraint
 
             grammar = compile_constraint(request.constraint, self.tokenizer, self.vocab_size)
+        budget = token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len)
+        if grammar is not None:
+            grammar.check_fits(budget)
         live = LiveRequest(
             request=request, handle=None,  # type: ignore[arg-type]
             timing=RequestTiming(arrival=time.monotonic()),
-            budget=token_budget(len(request.prompt_ids), request.max_tokens, self.max_seq_len),
+            budget=budget,
             stop_ids=stop_ids(self.eos_ids, request.stop_token_ids, request.ignore_eos),
             grammar=grammar,
         )

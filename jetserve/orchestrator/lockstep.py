@@ -113,6 +113,9 @@ class LockStepOrchestrator(Orchestrator):
             if getattr(r, "constraint", None) is not None:
                 raise ValueError(f"{r.constraint.field}: structured output is not available "
                                  "when several processes serve one model (lock-step)")
+            if r.sampling.logit_bias:  # the step plan carries no bias (step_plan.py)
+                raise ValueError("logit_bias is not available when several processes serve "
+                                 "one model (lock-step)")
         return super().submit_many(requests)
 
     def stats(self) -> dict:

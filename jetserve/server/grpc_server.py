@@ -171,7 +171,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             temperature=opt("temperature", 0.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),
             min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
             frequency_penalty=opt("frequency_penalty", 0.0),
-            presence_penalty=opt("presence_penalty", 0.0), seed=opt("seed", None))
+            presence_penalty=opt("presence_penalty", 0.0), seed=opt("seed", None),
+            logit_bias=v.logit_bias_pairs(lim, dict(r.logit_bias)))
         stop = v.check_stop(list(r.stop))
         stop_ids = v.check_stop_token_ids(lim, list(r.stop_token_ids))
         logprobs = v.check_logprobs(lim, r.logprobs) if r.HasField("logprobs") else None

@@ -57,8 +57,6 @@ class Prepared:
 
 def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: int,
             max_tokens: int | None, *, allow_zero: bool) -> tuple[Any, int, dict]:
-    if r.logit_bias:
-        raise v.InvalidArgument("logit_bias", "logit_bias is not supported")
     sampling = v.sampling_params(
         temperature=1.0 if r.temperature is None else r.temperature,
         top_p=1.0 if r.top_p is None else r.top_p,
@@ -67,7 +65,7 @@ def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: in
         repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
         frequency_penalty=0.0 if r.frequency_penalty is None else r.frequency_penalty,
         presence_penalty=0.0 if r.presence_penalty is None else r.presence_penalty,
-        seed=r.seed)
+        seed=r.seed, logit_bias=v.logit_bias_pairs(limits, r.logit_bias))
     if max_tokens is None:
         max_tokens = limits.max_seq_len - prompt_len
     max_tokens = v.check_max_tokens(limits, max_tokens, prompt_len, max_tokens_field,

@@ -48,7 +48,7 @@ class _Sampling(_Strict):
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # accepted only when empty
+    logit_bias: dict[str, Any] | None = None  # token id -> bias (validation.logit_bias_pairs)
     return_tokens_as_token_ids: bool | None = None  # extension (vLLM): "token_id:N"
     # Structured output (jetserve.server.structured_fields checks their shapes).
     response_format: Any = None

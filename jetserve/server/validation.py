@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from engines import SamplingParams
+from engines.sampling import MAX_LOGIT_BIAS
 from jetserve.request import (  # noqa: F401  the model checks, named for the wire
     SHOW_LIMIT,
     InvalidArgument,
@@ -140,13 +141,41 @@ def _number(v: Any, field: str) -> float:
 
 
 _FIELD_IN_MESSAGE = re.compile(r"^(\w+)")
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def logit_bias_pairs(limits: ModelLimits, bias: Any, field: str = "logit_bias"
+                     ) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({token id (a string of digits, as JSON keys are, or an int):
+    value}) as (id, value) pairs; InvalidArgument naming the field for a key that is no
+    id of this vocabulary, a value that is not a number, or too many entries (values out
+    of [-100, 100] are refused by SamplingParams, under the same field)."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise InvalidArgument(field, f"{field} must be an object mapping token ids to "
+                                     f"numbers, got {show(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(field, f"{field} may hold at most {MAX_LOGIT_BIAS} tokens, "
+                                     f"got {len(bias)}")
+    pairs = []
+    for key, value in bias.items():
+        tok = int(key) if (_is_int(key) or isinstance(key, str) and _TOKEN_ID.fullmatch(key)) \
+            else None
+        if tok is None or not 0 <= tok < limits.vocab_size:
+            raise InvalidArgument(field, f"{field}: key {show(key)} is not a token id of this "
+                                         f"model (0..{limits.vocab_size - 1})")
+        pairs.append((tok, _number(value, f"{field}[{key}]")))
+    return tuple(pairs)
 
 
 def sampling_params(*, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
                     min_p: Any = 0.0, repetition_penalty: Any = 1.0,
                     frequency_penalty: Any = 0.0, presence_penalty: Any = 0.0,
-                    seed: Any = None, names: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from wire values; `names` maps our field names to the wire's."""
+                    seed: Any = None, logit_bias: tuple[tuple[int, float], ...] = (),
+                    names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from wire values (logit_bias as `logit_bias_pairs` gives it);
+    `names` maps our field names to the wire's."""
     names = names or {}
     name = lambda f: names.get(f, f)
     floats = dict(temperature=temperature, top_p=top_p, min_p=min_p,
@@ -157,6 +186,7 @@ def sampling_params(*, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
     values["top_k"] = max(top_k, 0)  # -1: off, as vLLM
     if seed is not None:
         values["seed"] = check_int(seed, name("seed"), 0, MAX_SEED)
+    values["logit_bias"] = logit_bias
     try:
         return SamplingParams(**values)
     except ValueError as e:

@@ -9,9 +9,9 @@ the next one (`fill`).
 
 EOS is in a mask only where the grammar may end (llguidance adds the tokenizer's EOS ids
 then); a grammar that can take nothing more allows only EOS, so a complete structure ends
-"stop". One cut by max_tokens ends "length", like any other request, except json_object,
-whose mask is narrowed near the end of the budget so the object closes in time
-(json_budget.py).
+"stop". Near the end of max_tokens the mask is narrowed so the answer closes in time:
+json_object by json_budget.py, every other kind by closing.py; a request whose max_tokens
+cannot hold even the shortest answer is refused at admission (`check_fits`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from jetserve.request import InvalidArgument
+from jetserve.structured.closing import GrammarBudget
 from jetserve.structured.constraint import Constraint
 from jetserve.structured.json_budget import GrowthTable, JsonBudget
 from jetserve.structured.vocabulary import ll_tokenizer
@@ -77,7 +79,9 @@ def compile_constraint(c: Constraint, tokenizer, vocab_size: int) -> TokenGramma
     if matcher.is_error():
         raise ValueError(f"{c.field}: invalid {c.kind.replace('_', ' ')}: "
                          f"{matcher.get_error().strip()}")
-    budget = JsonBudget(_growth_table(lt), vocab_size) if c.kind == "json_object" else None
+    table = _growth_table(lt)
+    budget = (JsonBudget(table, vocab_size) if c.kind == "json_object" else
+              GrammarBudget(matcher, table, vocab_size, tuple(tokenizer.eos_ids)))
     return TokenGrammar(matcher, c.field, vocab_size, lt.vocab_size, budget)
 
 
@@ -93,9 +97,9 @@ class TokenGrammar:
     """One request's grammar state (llguidance.LLMatcher) over the tokens it took."""
 
     def __init__(self, matcher: llguidance.LLMatcher, field: str, vocab_size: int,
-                 ll_vocab_size: int, budget: JsonBudget | None = None):
+                 ll_vocab_size: int, budget: JsonBudget | GrammarBudget | None = None):
         self.matcher = matcher
-        self.budget = budget  # json_object: closes within max_tokens (json_budget.py)
+        self.budget = budget  # closes within max_tokens (json_budget.py, closing.py)
         self.field = field
         self.vocab_size = vocab_size  # the model's V; llguidance's may be larger (padding)
         self._scratch = llguidance.numpy.allocate_token_bitmask(
@@ -114,6 +118,15 @@ class TokenGrammar:
             self.budget.take(int(token))
         return True
 
+    def check_fits(self, max_tokens: int) -> None:
+        """InvalidArgument naming max_tokens when even the shortest answer this grammar
+        allows takes more than `max_tokens` tokens (the request could only be cut)."""
+        need = self.budget.minimum() if isinstance(self.budget, GrammarBudget) else None
+        if need is not None and need > max_tokens:
+            raise InvalidArgument("max_tokens", f"max_tokens: the shortest answer {self.field} "
+                                  f"allows takes {need} tokens, and this request may generate "
+                                  f"{max_tokens}; give max_tokens of at least {need}")
+
     @property
     def stopped(self) -> bool:
         """The grammar is complete and takes nothing more (EOS taken, or no token left)."""
@@ -122,7 +135,7 @@ class TokenGrammar:
     def fill(self, mask: np.ndarray, row: int, remaining: int | None = None) -> None:
         """Writes the next token's allowed set into row `row` of i32[B, W] (W of the
         model's vocabulary); remaining: the tokens the request may still generate, this
-        one included (json_object closes within them)."""
+        one included: the answer closes within them)."""
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._scratch, 0)
         mask[row] = self._scratch[0, : mask.shape[1]]
         if self.budget is not None and remaining is not None:

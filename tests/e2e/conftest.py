@@ -40,17 +40,22 @@ def tiny_servers(tiny_orch):
 def bundled_servers():
     """Both servers over the bundled model (real sentencepiece tokenizer, real text),
     interleaved on one fake device."""
+    yield from interleaved_servers(None, "bundled", EngineConfig(
+        max_concurrent_decodes=4, max_prefill_length=256, max_seq_len=512))
+
+
+def interleaved_servers(model: str | None, name: str, engine_config: EngineConfig):
+    """Both servers over `model` (a --model value) interleaved on one fake device, as a
+    generator for a fixture: it yields the servers and stops everything after."""
     import jax
 
     from jetserve import orchestrator
 
-    orch = orchestrator.build(None, interleaved=True, devices=jax.devices()[:1],
-                              engine_config=EngineConfig(max_concurrent_decodes=4,
-                                                         max_prefill_length=256,
-                                                         max_seq_len=512))
+    orch = orchestrator.build(model, interleaved=True, devices=jax.devices()[:1],
+                              engine_config=engine_config)
     orch.start()
     try:
-        with BackgroundServers(orch, local_config(model_name="bundled")) as s:
+        with BackgroundServers(orch, local_config(model_name=name)) as s:
             yield s
     finally:
         orch.stop(drain=False, timeout=30)

@@ -1,7 +1,10 @@
 """Structured output end to end: `jetserve serve` on the bundled model as a process, called
 with the `openai` SDK (and gRPC) at temperature 1. A strict json_schema from a pydantic
 model validates 20/20, regex and choice match 20/20, streamed too; json_object output
-parses 20/20 (streamed too, and at a short max_tokens); bad constraints get 400 /
+parses 20/20 (streamed too, and at a short max_tokens); a strict schema whose strings and
+lists nothing bounds and a choice of a long and a short answer close within max_tokens
+20/20 (jetserve/structured/closing.py), and a max_tokens below the shortest answer is
+refused with 400 naming it and the minimum, which then suffices; bad constraints get 400 /
 INVALID_ARGUMENT naming the field, and OpenAI fields jetserve does not implement are
 refused by name."""
 
@@ -34,6 +37,18 @@ class Person(BaseModel):
     name: str = Field(max_length=12)
     age: int = Field(ge=0, le=120)
     likes: list[Annotated[str, Field(max_length=10)]] = Field(max_length=2)
+
+
+class Note(BaseModel):  # nothing bounds its strings or its list
+    model_config = ConfigDict(extra="forbid")
+    title: str
+    body: str
+    tags: list[str]
+    score: float
+
+
+NOTE_FORMAT = {"type": "json_schema", "json_schema": {
+    "name": "note", "strict": True, "schema": Note.model_json_schema()}}
 
 
 def person_format(strict=True):
@@ -118,6 +133,38 @@ def test_streamed_chat_matches_too(client):
                     finish[i] = c.finish_reason or finish[i]
         for t, f in zip(texts, finish, strict=True):
             assert f == "stop" and check(t), t
+
+
+def test_unbounded_strict_schema_closes_within_max_tokens(client):
+    choices = twenty(client.chat.completions.create, messages=MESSAGES, max_tokens=160,
+                     response_format=NOTE_FORMAT)
+    for c in choices:
+        Note.model_validate_json(c.message.content)
+        assert c.finish_reason == "stop"
+
+
+def test_max_tokens_below_the_shortest_answer_is_refused_naming_the_minimum(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="bundled", messages=MESSAGES, max_tokens=5,
+                                       response_format=NOTE_FORMAT)
+    err = e.value.body
+    assert err["param"] == "max_tokens", err
+    least = int(re.search(r"at least (\d+)", err["message"]).group(1))
+    assert least > 5
+    # The minimum is enough: every answer at exactly that budget is a whole note.
+    for c in twenty(client.chat.completions.create, messages=MESSAGES, max_tokens=least,
+                    response_format=NOTE_FORMAT):
+        Note.model_validate_json(c.message.content)
+        assert c.finish_reason == "stop"
+
+
+def test_choice_closes_within_max_tokens(client):
+    long_and_short = ["an answer of a great many words that takes far more than four tokens",
+                      "no"]
+    choices = twenty(client.completions.create, prompt="Answer: ", max_tokens=4,
+                     extra_body={"structured_outputs": {"choice": long_and_short}})
+    for c in choices:
+        assert c.text in long_and_short and c.finish_reason == "stop", c
 
 
 JSON_OBJECT = dict(max_tokens=300, response_format={"type": "json_object"}, messages=[

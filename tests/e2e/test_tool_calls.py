@@ -3,7 +3,8 @@
 The bundled model never saw a tool call: a forced one (tool_choice "required" or a named
 function) comes out well-formed only because decoding is constrained to its JSON schema,
 which is what these tests check, at temperature 1, whole and through the SDK's stream
-helper. Bad tools / tool_choice are refused with 400 naming the field.
+helper; with parallel calls allowed the list of calls closes within max_tokens 20/20.
+Bad tools / tool_choice are refused with 400 naming the field.
 """
 
 import json
@@ -44,7 +45,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and the t
 
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-SIZES = ["--max-seq-len", "512", "--max-prefill-length", "256", "--max-concurrent-decodes", "4"]
+SIZES = ["--max-seq-len", "520", "--max-prefill-length", "256", "--max-concurrent-decodes", "4"]
 
 
 def serve(*extra: str):
@@ -109,6 +110,20 @@ def test_required_streamed_through_the_sdk_helper_20_of_20(client, model):
         _check_calls(choice, {"get_weather"})
         # The SDK parsed the arguments of a strict pydantic tool itself.
         assert isinstance(choice.message.tool_calls[0].function.parsed_arguments, GetWeather)
+
+
+def test_required_parallel_calls_close_within_max_tokens_20_of_20(client, model):
+    """Parallel calls allowed (a list of one or more calls): the list closes before
+    max_tokens ends (jetserve/structured/closing.py), so every answer ends "tool_calls"."""
+    for seed in range(RUNS // 4):
+        r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=120,
+                                           tools=[WEATHER, TIME], tool_choice="required",
+                                           temperature=1.0, n=4, seed=100 + seed)
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls", choice
+            assert choice.message.tool_calls and choice.message.content is None
+            for call in choice.message.tool_calls:
+                MODELS[call.function.name].model_validate_json(call.function.arguments)
 
 
 def test_named_choice_calls_that_function(client, model):
@@ -182,7 +197,7 @@ def test_required_with_parallel_calls_returns_one_or_more(client, model):
     """parallel_tool_calls (the default): the output is a list of calls, each validated,
     and the SDK's stream helper assembles what the whole response has."""
     kw = dict(model=model, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required",
-              temperature=1.0)  # max_tokens: the room left (113 tokens)
+              temperature=1.0)  # max_tokens: the room left (121 tokens)
     counts = []
     for seed in range(3):
         choice = client.chat.completions.create(seed=seed, **kw).choices[0]

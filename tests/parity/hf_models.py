@@ -53,12 +53,23 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     return model
 
 
-def hf_greedy(model, prompt, steps: int) -> list[int]:
+def hf_greedy(model, prompt, steps: int, logit_bias: dict[int, float] | None = None
+              ) -> list[int]:
     """transformers' greedy continuation of `prompt` (token ids), `steps` tokens, past any
-    end-of-sequence token (as ignore_eos)."""
+    end-of-sequence token (as ignore_eos); logit_bias: added to those tokens' logits
+    before each pick (a logits processor, as OpenAI's logit_bias)."""
     import torch
+    import transformers as tf
+
+    class AddBias(tf.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            for tok, value in (logit_bias or {}).items():
+                scores[:, tok] += value
+            return scores
 
     model.generation_config.eos_token_id = None
+    extra = {"logits_processor": tf.LogitsProcessorList([AddBias()])} if logit_bias else {}
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                             **extra)
     return out[0, len(prompt):].tolist()

@@ -41,6 +41,8 @@ def test_generation_rows_from_text_ids_and_messages():
     ({"id": "a", "prompt": "x" * 40}, ["prompt has 40 tokens", "longest prompt is 32", "--max-prefill-length"]),
     ({"id": "a", "prompt_ids": [1, 300]}, ["prompt_ids[1] = 300", "vocabulary"]),
     ({"id": "a", "prompt": "x", "temperature": "hot"}, ["temperature"]),
+    ({"id": "a", "prompt": "x", "logit_bias": {"256": 1}}, ["logit_bias", "'256'", "0..255"]),
+    ({"id": "a", "prompt": "x", "logit_bias": {"5": -101}}, ["logit_bias[5]", "[-100, 100]"]),
     ({"id": "a", "prompt": "x", "ignore_eos": 1}, ["ignore_eos", "true or false"]),
     ({"id": "a", "prompt": "x", "logprobs": 9}, ["logprobs = 9", "4"]),
     ({"id": "a", "context": "x"}, ["continuation", "got none"]),
@@ -124,6 +126,11 @@ TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
 ROOMY = ModelLimits(vocab_size=256, max_prefill_length=2048, max_seq_len=2048, bos_id=None,
                     eos_ids=(0,), top_logprobs=4, tokenizer=ByteTokenizer(eos_ids=(0,)))
 CHAT = [{"role": "user", "content": "time?"}]
+
+
+def test_rows_take_logit_bias_as_the_api_does():
+    j = job({"id": 1, "prompt": "x", "logit_bias": {"7": 100, "3": -5.5}})
+    assert j.request.sampling.logit_bias == ((3, -5.5), (7, 100.0))
 
 
 def test_chat_rows_take_tools_as_the_chat_api_does():

@@ -12,6 +12,7 @@ from engines import EngineConfig, MockEngine, SamplingParams
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, Request
+from jetserve.request import InvalidArgument
 from jetserve.structured import Constraint
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -108,10 +109,11 @@ def test_free_slots_step_every_step_beside_a_constrained_one(orch, prompt):
     assert _loop_counts(orch)[1] > alone[1]  # alone, it waits for its own tokens
 
 
-def test_a_structure_cut_by_max_tokens_ends_length(orch, prompt):
-    r, = run(orch, Request(prompt_ids=prompt, max_tokens=3, sampling=HOT(1),
-                           constraint=Constraint(kind="json_schema", value=SCHEMA)))
-    assert r.finish_reason == "length" and len(r.token_ids) == 3 and r.text.startswith("{")
+def test_a_max_tokens_no_structure_fits_in_is_refused(orch, prompt):
+    with pytest.raises(InvalidArgument) as e:
+        run(orch, Request(prompt_ids=prompt, max_tokens=3, sampling=HOT(1),
+                          constraint=Constraint(kind="json_schema", value=SCHEMA)))
+    assert e.value.field == "max_tokens" and "at least" in str(e.value)
 
 
 def test_json_object_closes_within_max_tokens(orch, prompt):

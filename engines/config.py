@@ -172,7 +172,9 @@ class ModelConfig:
         if self.qkv_bias:
             attn += N * H + 2 * K * H
         mlp = 3 * D * F * max(self.num_experts, 1) + D * self.num_experts
-        per_layer = attn + mlp + 2 * D
+        norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_layout] * D
+        norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H}[self.qk_norm]
+        per_layer = attn + mlp + norms
         head = 0 if self.tie_word_embeddings else V * D
         return V * D + L * per_layer + D + head
 
@@ -266,7 +268,7 @@ def _rope_scaling(rs: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | None:
     att = rs.get("attention_factor")
     if kind == "yarn":
         if att is None and rs.get("mscale") and rs.get("mscale_all_dim"):
-            att = _yarn_mscale(factor, rs["mscale"]) / _yarn_mscale(factor, rs["mscale_all_dim"])
+            att = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
         return RopeScaling(kind=kind, factor=float(factor),
                            original_max_position_embeddings=orig,
                            attention_factor=None if att is None else float(att),
@@ -409,82 +411,5 @@ def load_hf_config(model_dir: str) -> ModelConfig:
     return from_hf_config(hf)
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def rope_tables(cfg: ModelConfig, kind: str = FULL) -> tuple[list[list[float]], float]:
-    """RoPE of layers of `kind` (host math): (two rows of inverse frequencies, R/2 each
-    for the R = cfg.rotary_dim rotated dims: row 0 for positions below the switch
-    position, row 1 at and after it; equal but for LongRoPE's short and long factors,
-    whose switch is original_max_position_embeddings), and the factor on cos and sin
-    (YaRN's and LongRoPE's attention factor; 1 otherwise)."""
-    R = cfg.rotary_dim
-    theta = cfg.rope_theta
-    rs = cfg.rope_scaling
-    if kind == SLIDING and cfg.local_rope_theta is not None:
-        theta, rs = cfg.local_rope_theta, None  # Gemma 3's local layers: plain RoPE
-    inv = [1.0 / (theta ** (i / R)) for i in range(0, R, 2)]
-    if rs is None:
-        return [inv, inv], 1.0
-    if rs.kind == "linear":
-        inv = [f / rs.factor for f in inv]
-        return [inv, inv], 1.0
-    if rs.kind == "llama3":
-        inv = _llama3(inv, rs)
-        return [inv, inv], 1.0
-    if rs.kind == "yarn":
-        att = rs.attention_factor if rs.attention_factor is not None else _yarn_mscale(rs.factor)
-        return [_yarn(inv, rs, theta, R)] * 2, att
-    att = rs.attention_factor
-    if att is None:
-        orig = rs.original_max_position_embeddings
-        att = 1.0 if rs.factor <= 1 else math.sqrt(1 + math.log(rs.factor) / math.log(orig))
-    for name in ("short_factor", "long_factor"):
-        if len(getattr(rs, name)) != R // 2:
-            raise ValueError(f"longrope {name} has {len(getattr(rs, name))} entries; the "
-                             f"{R} rotary dims need {R // 2}")
-    return [[f / s for f, s in zip(inv, rs.short_factor, strict=True)],
-            [f / s for f, s in zip(inv, rs.long_factor, strict=True)]], att
-
-
-def _yarn(inv: list[float], rs: RopeScaling, theta: float, R: int) -> list[float]:
-    """YaRN: each frequency between its extrapolated (as trained) and interpolated
-    (/ factor) value, by a linear ramp over the dims whose wavelengths fall between
-    beta_fast and beta_slow rotations in the original context."""
-    def dim_of(rotations):
-        return (R * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi))
-                / (2 * math.log(theta)))
-
-    low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
-    if rs.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, R - 1)
-    if low == high:
-        high += 0.001
-    out = []
-    for i, f in enumerate(inv):
-        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-        keep = 1.0 - ramp  # the share of the extrapolated frequency
-        out.append(f / rs.factor * (1 - keep) + f * keep)
-    return out
-
-
-def _llama3(inv: list[float], rs: RopeScaling) -> list[float]:
-    """Llama 3.1's scaling: long wavelengths / factor, short ones kept, a smooth blend
-    between."""
-    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
-    out = []
-    for f in inv:
-        wl = 2 * math.pi / f
-        if wl < high_wl:
-            out.append(f)
-        elif wl > low_wl:
-            out.append(f / rs.factor)
-        else:
-            smooth = (rs.original_max_position_embeddings / wl - rs.low_freq_factor) / (
-                rs.high_freq_factor - rs.low_freq_factor
-            )
-            out.append((1 - smooth) * f / rs.factor + smooth * f)
-    return out

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from engines import layer_scan, moe, quantization
 from engines.attention import KVStore
 from engines.backend import Backend
-from engines.config import SLIDING, ModelConfig, rope_tables
+from engines.config import SLIDING, ModelConfig
+from engines.rope import rope_tables
 from sharding import axes
 from sharding.layout import constrain
 

@@ -43,12 +43,15 @@ DENSE_CONFIGS = {
                          "sliding_attention": {"rope_type": "default",
                                                "rope_theta": 10000.0}})),
     "olmo2": ("olmo2", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)),
-    "phi3": ("phi3", dict(partial_rotary_factor=0.5, max_position_embeddings=256, pad_token_id=0,
-                          original_max_position_embeddings=64, rope_parameters={
+    # LongRoPE: sequences here stay within original_max_position_embeddings (short
+    # factors); the long factors are checked against transformers' rotary embedding in
+    # tests/parity/test_dense_families.py.
+    "phi3": ("phi3", dict(partial_rotary_factor=0.5, max_position_embeddings=512, pad_token_id=0,
+                          original_max_position_embeddings=128, rope_parameters={
                               "rope_type": "longrope", "rope_theta": 10000.0,
                               "short_factor": [1.0, 1.5, 2.0, 3.0],
                               "long_factor": [2.0, 4.0, 8.0, 16.0],
-                              "original_max_position_embeddings": 64})),
+                              "original_max_position_embeddings": 128})),
 }
 
 

@@ -22,7 +22,10 @@ import pytest
 import torch
 
 from engines import EngineConfig, create_engine, load_hf_config
+from engines.config import from_hf_config
 from engines.kv_cache import PrefillKV
+from engines.model import rope, rope_inputs
+from engines.rope import rope_tables
 from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
@@ -155,9 +158,6 @@ def test_longrope_long_factors_match_transformers_rotary_embedding():
     import transformers as tf
     from transformers.models.phi3 import modeling_phi3
 
-    from engines.config import from_hf_config, rope_tables
-    from engines.model import rope, rope_inputs
-
     kind, settings = DENSE_CONFIGS["phi3"]
     hf_cfg = tf.Phi3Config(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=128,
                                      num_hidden_layers=1, num_attention_heads=4,
@@ -185,8 +185,6 @@ def test_longrope_long_factors_match_transformers_rotary_embedding():
                          "original_max_position_embeddings": 32, "new_knob": 1.0}),
 ])
 def test_unimplemented_config_fields_are_refused_by_name(field, value):
-    from engines.config import from_hf_config
-
     hf = dict(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with pytest.raises(ValueError, match=str(value.get("rope_type") if isinstance(value, dict)
@@ -196,8 +194,6 @@ def test_unimplemented_config_fields_are_refused_by_name(field, value):
 
 def test_mixed_layers_refuse_the_scan():
     """Sliding and global layers run the unrolled loop; layers "scan" is refused by name."""
-    from engines.config import from_hf_config
-
     hf = dict(model_type="gemma2", vocab_size=128, hidden_size=64, intermediate_size=128,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               sliding_window=8)

@@ -98,7 +98,7 @@ def test_contiguous_chunked_prefill_tokens_logprobs_and_logits(fam):
 # break (windows of mixed layers, soft caps, per-head norms, partial RoPE with repeated kv
 # heads), to keep the file's time down; the contiguous test runs every variant.
 PAGED_VARIANTS = ("qwen3", "gemma2", "gemma3")
-TP_VARIANTS = ("qwen3", "gemma2", "phi3")
+TP_VARIANTS = ("olmo2", "gemma2", "phi3")
 
 
 def test_paged_layout_tokens(fam):
@@ -110,20 +110,23 @@ def test_paged_layout_tokens(fam):
     assert _tokens(engine) == want, name
 
 
-def test_tensor_parallel_over_4_devices(fam):
+def test_tensor_parallel(fam):
     """tp over 4 devices (kv heads repeated where fewer than 4) gives transformers' tokens;
-    a model whose query heads do not divide over 4 is refused by name."""
+    a model whose 6 query heads do not divide over 4 is refused by name, and runs over 6
+    (its 3 kv heads repeated: OLMo 2's k norm over the whole projection sees each twice)."""
     name, d, model, want = fam
     if name not in TP_VARIANTS:
         pytest.skip(f"tp runs on {TP_VARIANTS}")
     cfg = load_hf_config(d)
+    n = 4
     if cfg.num_heads % 4:
         with pytest.raises(ValueError, match="head"):
             create_engine(cfg, weights=d, config=_config(), devices=jax.devices()[:4],
                           sharding=load_preset("tp"))
-        return
-    engine = create_engine(cfg, weights=d, config=_config(), devices=jax.devices()[:4],
+        n = cfg.num_heads
+    engine = create_engine(cfg, weights=d, config=_config(), devices=jax.devices()[:n],
                            sharding=load_preset("tp"))
+    assert engine.kv_repeat == n // cfg.num_kv_heads
     assert _tokens(engine) == want, name
 
 

@@ -42,7 +42,8 @@ DENSE_CONFIGS = {
                                             "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default",
                                                "rope_theta": 10000.0}})),
-    "olmo2": ("olmo2", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)),
+    "olmo2": ("olmo2", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                            intermediate_size=192, vocab_size=132)),
     # LongRoPE: sequences here stay within original_max_position_embeddings (short
     # factors); the long factors are checked against transformers' rotary embedding in
     # tests/parity/test_dense_families.py.

@@ -6,9 +6,11 @@ Each directory is written by transformers with odd shapes: head_dim apart from D
 kv heads, sliding windows of 8 keys under prompts of 40 (five windows), sliding and global
 layers mixed. Greedy tokens equal transformers' `generate` with the 40-token prompt
 prefilled in chunks of 16 (so every chunk continues a prefix longer than the window),
-on the contiguous and the paged KV layouts, tensor-parallel over 4 devices, through
-`jetserve generate` and through `jetserve convert` to Orbax; log-probs and whole-prompt
-logits are within 1e-4 of transformers'.
+on the contiguous and the paged KV layouts, tensor-parallel over 4 devices (6 for six
+heads), through `jetserve generate` and through `jetserve convert` to Orbax, with
+speculative decoding, and with a LoRA adapter (against transformers with it merged);
+log-probs and whole-prompt logits are within 1e-4 of transformers'. The heavier paths run
+on the variants they could break, so the file stays near two minutes.
 """
 
 from __future__ import annotations
@@ -206,3 +208,49 @@ def test_mixed_layers_refuse_the_scan():
     with pytest.raises(ValueError, match="layer_types"):
         create_engine(cfg, config=_config(layers="scan"), devices=jax.devices()[:1])
     assert not create_engine(cfg, config=_config(), devices=jax.devices()[:1]).model_config.scan_layers
+
+
+def test_speculative_decoding_keeps_the_tokens(fam):
+    """Prompt-lookup drafts verified several tokens a step (T > 1 over the decode cache:
+    windows, soft caps) leave greedy output as transformers gives it."""
+    name, d, model, want = fam
+    if name != "gemma2":
+        pytest.skip("speculative decoding runs on gemma2 (mixed windows, soft caps)")
+    engine = create_engine(load_hf_config(d), weights=d, config=_config(speculative="ngram:3"),
+                           devices=jax.devices()[:1])
+    assert _tokens(engine) == want
+
+
+def test_lora_on_every_projection_matches_the_merged_adapter(fam, tmp_path):
+    """A PEFT adapter on all seven projections (Gemma 3: under its q/k norms and sandwich
+    norms) gives the tokens of transformers' model with the adapter merged; Phi-3's fused
+    qkv_proj is refused by name."""
+    from tests.parity.lora_adapters import make_adapter, merged_model
+
+    name, d, model, want = fam
+    if name not in ("gemma3", "phi3"):
+        pytest.skip("LoRA runs on gemma3 and phi3")
+    cfg = _config(max_loras=1, max_lora_rank=8, max_prefill_length=48)
+    engine = create_engine(load_hf_config(d), weights=d, config=cfg, devices=jax.devices()[:1])
+    if name == "phi3":
+        make_adapter(d, str(tmp_path / "fused"), 4, 8, ["qkv_proj"], False, seed=1)
+        with pytest.raises(ValueError, match="qkv_proj"):
+            engine.load_adapter("fused", str(tmp_path / "fused"))
+        return
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    make_adapter(d, str(tmp_path / "all"), 8, 16, targets, True, seed=2)
+    merged = merged_model(d, str(tmp_path / "all"))
+    engine.load_adapter("all", str(tmp_path / "all"))
+    params = engine.load_params()
+    prompts = _prompts()
+    for p in prompts:
+        prefix, first = engine.prefill(params, p, len(p), adapter="all")
+        state = engine.insert(prefix, engine.init_decode_state(), 0)
+        got = [first.to_host().token(0)]
+        for _ in range(STEPS - 1):
+            state, res = engine.generate(params, state)
+            got.append(res.to_host().token(0))
+        engine.free_slot(0)
+        ref = hf_greedy(merged, p, STEPS)
+        assert got == ref
+    assert ref != want[-1]  # the adapter changes the tokens

@@ -8,7 +8,8 @@ layers mixed. Greedy tokens equal transformers' `generate` with the 40-token pro
 prefilled in chunks of 16 (so every chunk continues a prefix longer than the window),
 on the contiguous and the paged KV layouts, tensor-parallel over 4 devices (6 for six
 heads), through `jetserve generate` and through `jetserve convert` to Orbax, with
-speculative decoding, and with a LoRA adapter (against transformers with it merged);
+speculative decoding, in ragged mixed steps, and with a LoRA adapter (against
+transformers with it merged);
 log-probs and whole-prompt logits are within 1e-4 of transformers'. The heavier paths run
 on the variants they could break, so the file stays near two minutes.
 """
@@ -254,3 +255,20 @@ def test_lora_on_every_projection_matches_the_merged_adapter(fam, tmp_path):
         ref = hf_greedy(merged, p, STEPS)
         assert got == ref
     assert ref != want[-1]  # the adapter changes the tokens
+
+
+def test_mixed_steps_keep_the_tokens(fam):
+    """Ragged mixed steps on the paged layout (chunks of 5 beside decode rows, the
+    scheduler's path for `serve --scheduling mixed`): windows per layer and soft caps in
+    the ragged attention."""
+    from tests.engines.mixed_driver import run_mixed
+
+    name, d, model, want = fam
+    if name != "gemma2":
+        pytest.skip("mixed steps run on gemma2 (mixed windows, soft caps)")
+    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                           config=_config(kv_layout="paged", page_size=4))
+    run = run_mixed(engine, engine.load_params(), _prompts(), max_tokens=STEPS, chunk=5,
+                    budget=7, widest=True)
+    assert run.mixed_steps >= 3
+    assert run.outputs == want

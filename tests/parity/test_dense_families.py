@@ -80,6 +80,8 @@ def test_contiguous_chunked_prefill_tokens_logprobs_and_logits(fam):
     name, d, model, want = fam
     engine = create_engine(load_hf_config(d), weights=d, config=_config(),
                            devices=jax.devices()[:1])
+    if engine.backend.cpu_matmul_rows:  # the scan where layers are alike, else the loop
+        assert engine.model_config.scan_layers == (not engine.model_config.mixed_layers)
     params = engine.load_params()
     results = generate_many(engine, params, _prompts(), max_tokens=STEPS, ignore_eos=True)
     assert [r.token_ids for r in results] == want, name

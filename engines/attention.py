@@ -33,14 +33,21 @@ class KVStore(Protocol):
         ...
 
 
+def softcapped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """Scaled scores through cap * tanh(scores / cap) (Gemma 2's attention-logit cap)."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
 def _attention_probs(scores: jax.Array, qp: jax.Array, kp: jax.Array, head_dim: int,
-                     sliding_window: int | None, dtype: Any) -> jax.Array:
+                     sliding_window: int | None, dtype: Any,
+                     softcap: float | None = None) -> jax.Array:
     """Scaled, causally masked softmax of raw q.k scores (last axis: keys); qp / kp are
-    the query / key positions shaped to broadcast against them (key position -1: empty)."""
+    the query / key positions shaped to broadcast against them (key position -1: empty);
+    scaled scores are soft-capped first where `softcap` is given."""
     visible = (kp >= 0) & (kp <= qp)
     if sliding_window is not None:
         visible &= kp > qp - sliding_window
-    scores = jnp.where(visible, scores / math.sqrt(head_dim), _MASKED)
+    scores = jnp.where(visible, softcapped(scores / math.sqrt(head_dim), softcap), _MASKED)
     return jax.nn.softmax(scores, axis=-1).astype(dtype)
 
 
@@ -51,6 +58,7 @@ def attention(
     q_pos: jax.Array,  # i32[B, T]
     k_pos: jax.Array,  # i32[B, S], -1 = empty
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention by positions; returns [B, T, N, H]."""
     B, T, N, H = q.shape
@@ -59,7 +67,7 @@ def attention(
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
     qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
     kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(B, T, N, H)
 
@@ -71,6 +79,7 @@ def decode_attention(
     q_pos: jax.Array,  # i32[B, T]
     k_pos: jax.Array,  # i32[B, S], -1 = empty
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
     (T > 1 new tokens per row, speculative verification: q [B, T, N, H], q_pos [B, T].)
@@ -84,12 +93,12 @@ def decode_attention(
         scores = jnp.einsum("btkgh,bkhs->bkgts", qg, k, preferred_element_type=jnp.float32)
         qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
         kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
+        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap)
         return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
     qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
     scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
     qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
     kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap)
     out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
     return out.reshape(B, 1, N, H)

@@ -24,6 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from engines.attention import softcapped
+
 _BIG = jnp.iinfo(jnp.int32).max
 
 
@@ -52,7 +54,7 @@ def _key_block_spans(q_pos, k_pos, block_q, block_k, sliding_window):
     return lo, jnp.maximum(lo, hi)
 
 
-def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window):
+def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap):
     """One query block q [B, K, G*bq, H] (its G heads of a kv head stacked as rows;
     positions qp [B, G*bq]) over key blocks lo..hi-1 of k, v [B, K, S, H]
     -> [B, K, G*bq, H] in v's dtype."""
@@ -71,7 +73,7 @@ def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window):
         visible = (kp >= 0) & (kp <= qpos)
         if sliding_window is not None:
             visible &= kp > qpos - sliding_window
-        s = jnp.where(visible, s * scale, -jnp.inf)
+        s = jnp.where(visible, softcapped(s * scale, softcap), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # A row that has seen no visible key yet keeps max -inf; shift it by 0 instead so
         # exp() gives 0, not NaN.
@@ -92,7 +94,7 @@ def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window):
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                         k_pos: jax.Array, sliding_window: int | None, *, block_q: int,
-                        block_k: int) -> jax.Array:
+                        block_k: int, softcap: float | None = None) -> jax.Array:
     """`engines.attention.attention`, computed block by block: q [B, T, N, H], k, v
     [B, S, K, H], q_pos i32[B, T], k_pos i32[B, S] (-1: empty); returns [B, T, N, H].
 
@@ -116,7 +118,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
 
     def one(args):
         qi, qpi, lo_i, hi_i = args
-        return _query_block(qi, qpi, k, v, k_pos, lo_i, hi_i, block_k, sliding_window)
+        return _query_block(qi, qpi, k, v, k_pos, lo_i, hi_i, block_k, sliding_window,
+                            softcap)
 
     out = jax.lax.map(one, (qb, qpb, lo, hi))  # (nq, B, K, G*bq, H)
     out = out.reshape(nq, B, K, G, block_q, H)

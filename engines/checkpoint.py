@@ -62,15 +62,52 @@ def _same(x, c):
     return x
 
 
+def _rows(part: str, transform: Transform) -> Transform:
+    """One part of a fused [q; k; v] or [gate; up] kernel (Phi-3), then `transform`."""
+    def take(x, c):
+        N, K, H, F = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        start, size = {"q": (0, N * H), "k": (N * H, K * H), "v": (N * H + K * H, K * H),
+                       "gate": (0, F), "up": (F, F)}[part]
+        whole = {"gate": 2 * F, "up": 2 * F}.get(part, (N + 2 * K) * H)
+        if x.shape[0] != whole:
+            raise ValueError(f"fused kernel has {x.shape[0]} rows, expected {whole}")
+        return transform(x[start:start + size], c)
+    return take
+
+
+def _norm(name: str, ours: str | None = None) -> tuple[str, str, Transform]:
+    return (f"model.layers.{{i}}.{name}.weight", f"layers_{{i}}/{ours or name}", _same)
+
+
 # (HF name, our path, transform); `{i}` is the layer index. Our paths are '/'-joined keys.
-_ATTN = [
-    ("model.layers.{i}.input_layernorm.weight", "layers_{i}/input_layernorm", _same),
-    ("model.layers.{i}.post_attention_layernorm.weight",
-     "layers_{i}/post_attention_layernorm", _same),
+# Block norms by layout (engines.model.Block): HF's names, which the params keep.
+_PRE_NORMS = [_norm("input_layernorm"), _norm("post_attention_layernorm")]
+_SANDWICH_NORMS = _PRE_NORMS + [_norm("pre_feedforward_layernorm"),
+                                _norm("post_feedforward_layernorm")]
+_POST_NORMS = [_norm("post_attention_layernorm"), _norm("post_feedforward_layernorm")]
+_HEAD_QK_NORMS = [_norm("self_attn.q_norm", "self_attn/q_norm"),
+                  _norm("self_attn.k_norm", "self_attn/k_norm")]
+_PROJ_QK_NORMS = [
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers_{i}/self_attn/q_norm", _qb),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers_{i}/self_attn/k_norm", _kvb),
+]
+_PROJ = [
     ("model.layers.{i}.self_attn.q_proj.weight", "layers_{i}/self_attn/q_proj", _q),
     ("model.layers.{i}.self_attn.k_proj.weight", "layers_{i}/self_attn/k_proj", _kv),
     ("model.layers.{i}.self_attn.v_proj.weight", "layers_{i}/self_attn/v_proj", _kv),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers_{i}/self_attn/o_proj", _o),
+]
+_ATTN = _PRE_NORMS + _PROJ
+_FUSED = "model.layers.{i}.self_attn.qkv_proj.weight"
+_FUSED_MLP = "model.layers.{i}.mlp.gate_up_proj.weight"
+_PHI3 = _PRE_NORMS + [
+    (_FUSED, "layers_{i}/self_attn/q_proj", _rows("q", _q)),
+    (_FUSED, "layers_{i}/self_attn/k_proj", _rows("k", _kv)),
+    (_FUSED, "layers_{i}/self_attn/v_proj", _rows("v", _kv)),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers_{i}/self_attn/o_proj", _o),
+    (_FUSED_MLP, "layers_{i}/mlp/gate_proj", _rows("gate", _same)),
+    (_FUSED_MLP, "layers_{i}/mlp/up_proj", _rows("up", _same)),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers_{i}/mlp/down_proj", _same),
 ]
 _BIAS = [
     ("model.layers.{i}.self_attn.q_proj.bias", "layers_{i}/self_attn/q_bias", _qb),
@@ -101,6 +138,11 @@ FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
     "gemma": _ATTN + _DENSE_MLP,
     "qwen2": _ATTN + _BIAS + _DENSE_MLP,
     "mixtral": _ATTN + _MOE_MLP,
+    "qwen3": _ATTN + _HEAD_QK_NORMS + _DENSE_MLP,
+    "gemma2": _SANDWICH_NORMS + _PROJ + _DENSE_MLP,
+    "gemma3_text": _SANDWICH_NORMS + _PROJ + _HEAD_QK_NORMS + _DENSE_MLP,
+    "olmo2": _POST_NORMS + _PROJ + _PROJ_QK_NORMS + _DENSE_MLP,
+    "phi3": _PHI3,
 }
 
 

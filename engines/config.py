@@ -9,17 +9,41 @@ import os
 from typing import Any
 
 # Families the decoder implements, keyed by HF `model_type`.
-FAMILIES = ("llama", "mistral", "qwen2", "gemma", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3", "gemma2", "gemma3_text",
+            "olmo2", "phi3")
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+ROPE_KINDS = ("llama3", "linear", "yarn", "longrope")
+# Kinds of attention layer (HF `layer_types`): every key so far, or the last sliding_window.
+FULL, SLIDING = "full_attention", "sliding_attention"
+QK_NORMS = ("none", "head", "projection")
+NORM_LAYOUTS = ("pre", "post", "sandwich")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama 3.1 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+    """RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`), by `kind`:
+    "llama3" (Llama 3.1: factor, low/high_freq_factor, original_max_position_embeddings),
+    "linear" (every frequency / factor), "yarn" (factor, original_max_position_embeddings,
+    beta_fast, beta_slow, truncate, attention_factor) or "longrope" (short_factor and
+    long_factor per frequency, original_max_position_embeddings, attention_factor)."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    kind: str = "llama3"
+    attention_factor: float | None = None  # None: the kind's own default
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope_scaling kind must be one of {ROPE_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "short_factor", tuple(map(float, self.short_factor)))
+        object.__setattr__(self, "long_factor", tuple(map(float, self.long_factor)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +70,19 @@ class ModelConfig:
     num_experts: int = 0  # E; 0 means a dense MLP
     num_experts_per_tok: int = 0
     max_position_embeddings: int = 4096
+    # Per layer: FULL or SLIDING (sliding_window keys); None: every layer alike (all
+    # sliding when sliding_window is set).
+    layer_types: tuple[str, ...] | None = None
+    qk_norm: str = "none"  # RMSNorm of q and k before RoPE: per "head" (Qwen3, Gemma 3)
+    # or over the whole "projection" (OLMo 2)
+    # Where the block's norms sit: "pre" (Llama: before attention and MLP), "post" (OLMo 2:
+    # on their outputs), "sandwich" (Gemma 2/3: before and after each).
+    norm_layout: str = "pre"
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None  # score scale 1/sqrt(this), not 1/sqrt(H)
+    partial_rotary_factor: float = 1.0  # RoPE on the first H * this dims of each head
+    local_rope_theta: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # How the matmul kernels are stored (engines/quantization.py): "none", "int8" (per
@@ -79,6 +116,21 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
+            if len(self.layer_types) != self.num_layers or bad:
+                raise ValueError(
+                    f"layer_types must name {self.num_layers} layers, each {FULL!r} or "
+                    f"{SLIDING!r}, got {list(self.layer_types)}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding layers but sliding_window is not set")
+        for name, allowed in (("qk_norm", QK_NORMS), ("norm_layout", NORM_LAYOUTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must be in "
+                             f"(0, 1] and give an even number of rotary dims of {self.head_dim}")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -91,6 +143,27 @@ class ModelConfig:
     def num_groups(self) -> int:  # G = N / K
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (all but with partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_kind(self, layer: int) -> str:
+        """FULL or SLIDING: whether layer `layer` attends over a window."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return SLIDING if self.sliding_window else FULL
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it sees every earlier key)."""
+        return self.sliding_window if self.layer_kind(layer) == SLIDING else None
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether layers differ in attention (window, RoPE): they cannot share one
+        scanned layer body (engines/layer_scan.py)."""
+        return len({self.layer_kind(i) for i in range(self.num_layers)}) > 1
+
     def param_count(self) -> int:
         D, F, L, N, K, H, V = (self.hidden_size, self.intermediate_size, self.num_layers,
                                self.num_heads, self.num_kv_heads, self.head_dim,
@@ -99,7 +172,9 @@ class ModelConfig:
         if self.qkv_bias:
             attn += N * H + 2 * K * H
         mlp = 3 * D * F * max(self.num_experts, 1) + D * self.num_experts
-        per_layer = attn + mlp + 2 * D
+        norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_layout] * D
+        norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H}[self.qk_norm]
+        per_layer = attn + mlp + norms
         head = 0 if self.tie_word_embeddings else V * D
         return V * D + L * per_layer + D + head
 
@@ -110,6 +185,8 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         del d["scan_layers"]
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if d["layer_types"] is not None:
+            d["layer_types"] = list(d["layer_types"])
         return d
 
     @classmethod
@@ -128,6 +205,119 @@ def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+# Config fields whose other values change the math in ways the decoder does not
+# implement: field -> the values it accepts (anything else is refused by name).
+_UNIMPLEMENTED = {
+    "attention_bias": (False, None), "mlp_bias": (False, None),
+    "use_bidirectional_attention": (False, None), "clip_qkv": (None,),
+    "final_logit_softcapping": (None,), "attn_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,),
+}
+# Per family, the fields of _UNIMPLEMENTED it does implement.
+_IMPLEMENTS = {
+    "qwen2": ("attention_bias",),
+    "gemma2": ("final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar"),
+    "gemma3_text": ("final_logit_softcapping", "attn_logit_softcapping",
+                    "query_pre_attn_scalar"),
+}
+# Keys of a rope_parameters / rope_scaling dict each kind reads (others are refused).
+_ROPE_KEYS = {
+    "default": (),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+             "beta_slow", "truncate", "mscale", "mscale_all_dim"),
+    "longrope": ("factor", "original_max_position_embeddings", "attention_factor",
+                 "short_factor", "long_factor"),
+}
+
+
+def _rope_scaling(rs: dict[str, Any], hf: dict[str, Any]) -> RopeScaling | None:
+    """One rope dict (transformers 5 `rope_parameters`, or an older `rope_scaling`) as a
+    RopeScaling; None for plain RoPE."""
+    kind = rs.get("rope_type", rs.get("type")) or "default"
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"config.json rope_scaling type {kind!r} is not supported; expected "
+                         f"one of {tuple(_ROPE_KEYS)}")
+    extra = sorted(set(rs) - set(_ROPE_KEYS[kind])
+                   - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    extra = [k for k in extra if rs[k] is not None]
+    if extra:
+        raise ValueError(f"config.json rope parameters {extra} are not implemented for rope "
+                         f"type {kind!r}")
+    if kind == "default":
+        return None
+    orig = int(rs.get("original_max_position_embeddings")
+               or hf.get("original_max_position_embeddings") or 0)
+    if kind in ("yarn", "longrope") and not orig:
+        raise ValueError(f"config.json rope type {kind!r} needs "
+                         f"original_max_position_embeddings")
+    factor = rs.get("factor")
+    if factor is None and kind in ("yarn", "longrope"):
+        factor = hf.get("max_position_embeddings", orig) / orig
+    if factor is None:
+        raise ValueError(f"config.json rope type {kind!r} needs a factor")
+    if kind == "llama3":
+        return RopeScaling(kind=kind, factor=float(factor),
+                           low_freq_factor=float(rs["low_freq_factor"]),
+                           high_freq_factor=float(rs["high_freq_factor"]),
+                           original_max_position_embeddings=orig)
+    if kind == "linear":
+        return RopeScaling(kind=kind, factor=float(factor))
+    att = rs.get("attention_factor")
+    if kind == "yarn":
+        if att is None and rs.get("mscale") and rs.get("mscale_all_dim"):
+            att = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
+        return RopeScaling(kind=kind, factor=float(factor),
+                           original_max_position_embeddings=orig,
+                           attention_factor=None if att is None else float(att),
+                           beta_fast=float(rs.get("beta_fast") or 32),
+                           beta_slow=float(rs.get("beta_slow") or 1),
+                           truncate=bool(rs.get("truncate", True)))
+    return RopeScaling(kind=kind, factor=float(factor), original_max_position_embeddings=orig,
+                       attention_factor=None if att is None else float(att),
+                       short_factor=tuple(rs["short_factor"]),
+                       long_factor=tuple(rs["long_factor"]))
+
+
+def _rope_of(hf: dict[str, Any], family: str) -> tuple[dict, dict | None]:
+    """(the rope dict of full-attention layers, that of sliding layers where they have
+    their own: Gemma 3), whichever way the config writes them."""
+    rope = hf.get("rope_parameters") or {}
+    if family == "gemma3_text":
+        if FULL in rope or SLIDING in rope:
+            return dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
+        glob = dict(hf.get("rope_scaling") or {})
+        glob["rope_theta"] = hf.get("rope_theta", 1_000_000.0)
+        return glob, {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    rope = dict(rope)
+    if hf.get("rope_scaling"):
+        rope.update(hf["rope_scaling"])
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return rope, None
+
+
+def _layer_types(hf: dict[str, Any], family: str, window: int | None,
+                 L: int) -> tuple[str, ...] | None:
+    """Each layer's attention kind, from `layer_types` or the family's older fields; None
+    where all layers are alike."""
+    if window is None:
+        return None
+    types = hf.get("layer_types")
+    if types is None and family == "gemma2":
+        types = [SLIDING if (i + 1) % 2 else FULL for i in range(L)]
+    elif types is None and family == "gemma3_text":
+        n = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        types = [SLIDING if (i + 1) % n else FULL for i in range(L)]
+    elif types is None and family == "qwen3":
+        first = int(hf.get("max_window_layers", 0))
+        types = [SLIDING if i >= first else FULL for i in range(L)]
+    if types is None or len(set(types)) == 1 and types[0] == SLIDING:
+        return None
+    return tuple(types)
+
+
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     """Maps a Hugging Face config.json dict to a ModelConfig, by `model_type`."""
     family = hf.get("model_type")
@@ -135,56 +325,74 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"config.json model_type {family!r} is not supported; expected one of {FAMILIES}"
         )
+    for field, ok in _UNIMPLEMENTED.items():
+        if field not in _IMPLEMENTS.get(family, ()) and hf.get(field) not in ok:
+            raise ValueError(f"config.json {field}={hf[field]!r} is not implemented for "
+                             f"{family} (expected {' or '.join(map(repr, ok))})")
     # transformers >= 5 nests RoPE settings under `rope_parameters`; older files use
     # top-level `rope_theta` and `rope_scaling`.
-    rope = dict(hf.get("rope_parameters") or {})
-    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    rs = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope, local_rope = _rope_of(hf, family)
+    gemma = family in GEMMA_FAMILIES
     try:
         D = hf["hidden_size"]
         N = hf["num_attention_heads"]
+        L = hf["num_hidden_layers"]
         common: dict[str, Any] = dict(
             family=family,
             vocab_size=hf["vocab_size"],
             hidden_size=D,
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=L,
             num_heads=N,
             num_kv_heads=hf.get("num_key_value_heads") or N,
             head_dim=hf.get("head_dim") or D // N,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(rope, hf),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor")
+                                        or hf.get("partial_rotary_factor") or 1.0),
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "llama3":
-            common["rope_scaling"] = RopeScaling(
-                factor=float(rs["factor"]),
-                low_freq_factor=float(rs["low_freq_factor"]),
-                high_freq_factor=float(rs["high_freq_factor"]),
-                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            )
-        elif kind != "default":
-            raise ValueError(f"config.json rope_scaling type {kind!r} is not supported")
-    if family in ("mistral", "mixtral", "qwen2"):
-        use_sw = hf.get("use_sliding_window", family != "qwen2")
+    if local_rope is not None:
+        if _rope_scaling(local_rope, hf) is not None:
+            raise ValueError("config.json: scaled RoPE on sliding layers is not implemented")
+        common["local_rope_theta"] = float(local_rope.get("rope_theta", 10000.0))
+    window = None
+    if family in ("mistral", "mixtral", "qwen2", "qwen3"):
+        use_sw = hf.get("use_sliding_window", family not in ("qwen2", "qwen3"))
         if use_sw and hf.get("sliding_window"):
-            common["sliding_window"] = int(hf["sliding_window"])
+            window = int(hf["sliding_window"])
+    elif family in ("gemma2", "gemma3_text", "phi3") and hf.get("sliding_window"):
+        window = int(hf["sliding_window"])
+    if window is not None:
+        common["sliding_window"] = window
+        if family != "qwen2":
+            common["layer_types"] = _layer_types(hf, family, window, L)
+            if common["layer_types"] is not None and SLIDING not in common["layer_types"]:
+                common["layer_types"] = common["sliding_window"] = None
     if family == "qwen2":
         common["qkv_bias"] = True
-    if family == "gemma":
+    if family in ("qwen3", "gemma3_text"):
+        common["qk_norm"] = "head"
+    if family == "olmo2":
+        common.update(qk_norm="projection", norm_layout="post")
+    if gemma:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu"):
-            raise ValueError(f"config.json gemma activation {act!r} is not supported")
+            raise ValueError(f"config.json {family} activation {act!r} is not supported")
         common.update(activation="gelu_tanh", norm_plus_one=True, scale_embeddings=True)
     elif hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act {hf.get('hidden_act')!r} is not supported")
+    if family in ("gemma2", "gemma3_text"):
+        common.update(norm_layout="sandwich",
+                      attn_logit_softcap=hf.get("attn_logit_softcapping"),
+                      final_logit_softcap=hf.get("final_logit_softcapping"),
+                      query_pre_attn_scalar=hf.get("query_pre_attn_scalar"))
     if family == "mixtral":
         common["num_experts"] = int(hf["num_local_experts"])
         common["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
@@ -203,25 +411,5 @@ def load_hf_config(model_dir: str) -> ModelConfig:
     return from_hf_config(hf)
 
 
-def llama3_inv_freq(cfg: ModelConfig) -> list[float]:
-    """RoPE inverse frequencies, with Llama 3 scaling when configured (host math)."""
-    H = cfg.head_dim
-    inv = [1.0 / (cfg.rope_theta ** (i / H)) for i in range(0, H, 2)]
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv
-    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
-    out = []
-    for f in inv:
-        wl = 2 * math.pi / f
-        if wl < high_wl:
-            out.append(f)
-        elif wl > low_wl:
-            out.append(f / rs.factor)
-        else:
-            smooth = (rs.original_max_position_embeddings / wl - rs.low_freq_factor) / (
-                rs.high_freq_factor - rs.low_freq_factor
-            )
-            out.append((1 - smooth) * f / rs.factor + smooth * f)
-    return out
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

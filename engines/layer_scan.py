@@ -113,7 +113,7 @@ class LayerWeight:
         return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
 
 
-def use_scan(config, platform: str, cpu_kernels: bool) -> bool:
+def use_scan(config, platform: str, cpu_kernels: bool, mixed_layers: bool = False) -> bool:
     """Whether an engine with EngineConfig `config` on `platform` scans its layers.
 
     "auto" scans on accelerators, and on the CPU where the CPU kernels run (one device,
@@ -126,9 +126,15 @@ def use_scan(config, platform: str, cpu_kernels: bool) -> bool:
     and with LoRA adapters (their hook is per layer). Either KV layout scans (the paged
     pools are stacked and carried as the contiguous cache is). Engines of one model may
     so hold their parameters in different layouts: each converts another's at its door
-    (engines/param_layout.py)."""
+    (engines/param_layout.py). A model whose layers differ in attention (sliding and
+    global layers, `mixed_layers`: their windows and RoPE are fixed per layer at trace
+    time) runs the loop; layers "scan" is refused for it."""
+    if mixed_layers and config.layers == "scan":
+        raise ValueError("layers 'scan' runs one layer body, but this model mixes sliding "
+                         "and global attention layers (layer_types): use layers 'loop' or "
+                         "'auto'")
     if config.layers == "auto":
-        return (platform != "cpu" or cpu_kernels) and not config.max_loras
+        return (platform != "cpu" or cpu_kernels) and not config.max_loras and not mixed_layers
     return config.layers == "scan"
 
 

@@ -108,7 +108,7 @@ class RaggedPagedKV(layer_scan.StackedStore):
         self.v.append(write_pages(self.state.v[layer], page, off, v[0], self.at))
         return k, v, self.layout.positions[None]
 
-    def attend(self, layer, q, positions, sliding_window):  # q [1, T, N, H]
+    def attend(self, layer, q, positions, sliding_window, softcap=None):  # q [1, T, N, H]
         del positions  # the layout's, with padding at -1
         lay = self.layout
         if self.impl == "pallas_tpu":
@@ -118,10 +118,10 @@ class RaggedPagedKV(layer_scan.StackedStore):
             # The kernel takes no layer index: under a scan, the layer's pools sliced out.
             out = pallas_ragged_attention(q[0], self.layer_of(self.k, layer),
                                           self.layer_of(self.v, layer), self.table,
-                                          lay.q_len, kv_lens, sliding_window)
+                                          lay.q_len, kv_lens, sliding_window, softcap=softcap)
         else:
             out = ragged_paged_attention(q[0], self.k[layer], self.v[layer], self.table,
-                                         lay.rows, lay.positions, sliding_window,
+                                         lay.rows, lay.positions, sliding_window, softcap=softcap,
                                          layer=self.at)
         return out[None]
 

@@ -1,4 +1,5 @@
-"""One decoder for the Llama, Mistral, Qwen2, Gemma and Mixtral families (Flax linen).
+"""One decoder for the Llama, Mistral, Qwen2/3, Gemma 1/2/3, Mixtral, OLMo 2 and Phi-3
+families (Flax linen).
 
 The model does math only: it never builds meshes or calls jit. Parameters carry logical
 axis names (`sharding.axes`), which the engine maps to mesh axes. The KV cache is not
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 from engines import layer_scan, moe, quantization
 from engines.attention import KVStore
 from engines.backend import Backend
-from engines.config import ModelConfig, llama3_inv_freq
+from engines.config import SLIDING, ModelConfig
+from engines.rope import rope_tables
 from sharding import axes
 from sharding.layout import constrain
 
@@ -35,20 +37,37 @@ _HEADS_ACT = (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM)  # (B, T, N, H)
 _KV_ACT = (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM)  # (B, T, K, H)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool,
+             axes: tuple[int, ...] = (-1,)) -> jax.Array:
+    """RMSNorm of x over `axes` (w shaped as those axes of x)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axes, keepdims=True) + eps)
     scale = (1.0 + w.astype(jnp.float32)) if plus_one else w.astype(jnp.float32)
     return (xf * scale).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, half-split layout as in the HF checkpoints. x: [B, T, n, H]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, H/2)
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def rope_inputs(cfg: ModelConfig) -> dict[str, jax.Array]:
+    """Per attention kind of cfg's layers, its RoPE inverse frequencies f32[2, R/2]
+    (engines.config.rope_tables): what the decoder hands every layer."""
+    kinds = sorted({cfg.layer_kind(i) for i in range(cfg.num_layers)})
+    return {k: jnp.asarray(rope_tables(cfg, k)[0], jnp.float32) for k in kinds}
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, *, switch_at: int = 0,
+         scale: float = 1.0) -> jax.Array:
+    """Rotary embedding, half-split layout as in the HF checkpoints, on the first R dims
+    of each head (inv_freq f32[2, R/2]: row 1 from position `switch_at` on, where it is
+    > 0, row 0 before), cos and sin times `scale`. x: [B, T, n, H]."""
+    p = positions[..., None].astype(jnp.float32)
+    angles = p * inv_freq[0]  # (B, T, R/2)
+    if switch_at:
+        angles = jnp.where(p >= switch_at, p * inv_freq[1], angles)
+    cos = jnp.cos(angles)[:, :, None, :] * scale
+    sin = jnp.sin(angles)[:, :, None, :] * scale
+    R = 2 * inv_freq.shape[-1]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf[..., :R], 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., R:]], axis=-1)
     return out.astype(x.dtype)
 
 
@@ -104,22 +123,53 @@ class Attention(nn.Module):
             q = q + bias("q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM))
             k = k + bias("k_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM))
             v = v + bias("v_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM))
+        if c.qk_norm != "none":
+            q, k = self._qk_norm(q, k, at)
+        kind = c.layer_kind(self.layer)  # scanned layers are all of one kind
+        window = c.layer_window(self.layer)
+        _, scale = rope_tables(c, kind)
+        rs = c.rope_scaling
+        switch = rs.original_max_position_embeddings if rs and rs.kind == "longrope" else 0
+        if kind == SLIDING and c.local_rope_theta is not None:
+            switch = 0
+        q = rope(q, positions, inv_freq[kind], switch_at=switch, scale=scale)
+        k = rope(k, positions, inv_freq[kind], switch_at=switch, scale=scale)
+        if c.query_pre_attn_scalar is not None:  # the attention's 1/sqrt(H) becomes this
+            q = q * jnp.asarray(math.sqrt(H / c.query_pre_attn_scalar), q.dtype)
         # Heads stay split over the model axis from projection to o_proj (one all-reduce
         # per block, after o_proj), rather than XLA gathering them around the cache.
-        q = constrain(rope(q, positions, inv_freq), _HEADS_ACT, "attention q")
-        k = constrain(rope(k, positions, inv_freq), _KV_ACT, "attention k")
+        q = constrain(q, _HEADS_ACT, "attention q")
+        k = constrain(k, _KV_ACT, "attention k")
         v = constrain(v, _KV_ACT, "attention v")
         k_all, v_all, k_pos = kv.update(self.layer, k, v)
         # A store may attend itself (the contiguous decode store over its own layout; the
         # paged store's TPU kernel reads pages in place).
+        cap = c.attn_logit_softcap
         attend = getattr(kv, "attend", None)
         if attend is not None:
-            out = attend(self.layer, q, positions, c.sliding_window)
+            out = attend(self.layer, q, positions, window, softcap=cap)
         else:
-            out = self.backend.attention(q, k_all, v_all, positions, k_pos, c.sliding_window)
+            out = self.backend.attention(q, k_all, v_all, positions, k_pos, window, softcap=cap)
         out = constrain(out, _HEADS_ACT, "attention output")
         out = out.reshape(B, T, N * H)
         return _adapted(lora, "o_proj", out, self.backend.linear(out, wo.reshape(D, N * H)))
+
+    def _qk_norm(self, q, k, at):
+        """RMSNorm of q [B, T, N, H] and k [B, T, K, H] before RoPE: each head over its H
+        dims ("head"), or each token's whole projection over N*H and K*H ("projection";
+        with kv heads repeated, the mean over the copies is the stored heads' mean)."""
+        c = self.cfg
+        init = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
+        norm = functools.partial(_param, self, dtype=self.dtype, init=init, at=at)
+        if c.qk_norm == "head":
+            wq = norm("q_norm", (c.head_dim,), (axes.HEAD_DIM,))
+            wk = norm("k_norm", (c.head_dim,), (axes.HEAD_DIM,))
+            return (rms_norm(q, wq, c.rms_norm_eps, c.norm_plus_one),
+                    rms_norm(k, wk, c.rms_norm_eps, c.norm_plus_one))
+        wq = norm("q_norm", (c.num_heads, c.head_dim), (axes.HEADS, axes.HEAD_DIM))
+        wk = norm("k_norm", (c.num_kv_heads, c.head_dim), (axes.KV_HEADS, axes.HEAD_DIM))
+        return (rms_norm(q, wq, c.rms_norm_eps, c.norm_plus_one, axes=(-2, -1)),
+                rms_norm(k, wk, c.rms_norm_eps, c.norm_plus_one, axes=(-2, -1)))
 
 
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -186,14 +236,28 @@ class Block(nn.Module):
         ones = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
         norm = functools.partial(_param, self, shape=(c.hidden_size,), names=(axes.EMBED,),
                                  dtype=self.dtype, init=ones, at=at)
-        w_in, w_post = norm("input_layernorm"), norm("post_attention_layernorm")
-        h = rms_norm(x, w_in, c.rms_norm_eps, c.norm_plus_one)
+
+        def normed(name, h):
+            return rms_norm(h, norm(name), c.rms_norm_eps, c.norm_plus_one)
+
+        def mlp(h):
+            if c.num_experts:
+                return MoeMlp(c, self.dtype, name="moe")(h, at)
+            return Mlp(c, self.dtype, self.backend, name="mlp")(h, lora, at)
+
         attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")
-        x = x + attn(h, positions, inv_freq, kv, lora, at)
-        h = rms_norm(x, w_post, c.rms_norm_eps, c.norm_plus_one)
-        if c.num_experts:
-            return x + MoeMlp(c, self.dtype, name="moe")(h, at)
-        return x + Mlp(c, self.dtype, self.backend, name="mlp")(h, lora, at)
+        # HF's names: "post_attention_layernorm" is the MLP's input norm in the "pre"
+        # layout (Llama) and the attention output's norm in the others.
+        if c.norm_layout == "pre":
+            x = x + attn(normed("input_layernorm", x), positions, inv_freq, kv, lora, at)
+            return x + mlp(normed("post_attention_layernorm", x))
+        if c.norm_layout == "post":  # OLMo 2
+            x = x + normed("post_attention_layernorm", attn(x, positions, inv_freq, kv, lora, at))
+            return x + normed("post_feedforward_layernorm", mlp(x))
+        # "sandwich" (Gemma 2/3)
+        a = attn(normed("input_layernorm", x), positions, inv_freq, kv, lora, at)
+        x = x + normed("post_attention_layernorm", a)
+        return x + normed("post_feedforward_layernorm", mlp(normed("pre_feedforward_layernorm", x)))
 
 
 class ScanBlock(Block):
@@ -233,7 +297,7 @@ class Decoder(nn.Module):
             x = x * jnp.asarray(math.sqrt(D), self.dtype)
         # The residual stream is whole in D on every model-axis device (Megatron layout).
         x = constrain(x, _RESIDUAL_ACT, "embeddings")
-        inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
+        inv_freq = rope_inputs(c)
         if c.scan_layers:  # one compiled layer body, parameters stacked as "layers"
             # (LoRA adapters are refused with a scan: EngineConfig.layers)
             x = layer_scan.run(ScanBlock, c, self.dtype, self.backend, x, positions, inv_freq, kv,
@@ -252,4 +316,7 @@ class Decoder(nn.Module):
         head = embed if c.tie_word_embeddings else _kernel(
             self, "lm_head", (V, D), (axes.VOCAB, axes.EMBED), self.dtype)
         logits = self.backend.linear(x, head, preferred_element_type=jnp.float32)
+        if c.final_logit_softcap is not None:
+            cap = c.final_logit_softcap
+            logits = cap * jnp.tanh(logits / cap)
         return constrain(logits, (axes.BATCH, axes.SEQ, axes.VOCAB), "logits")

@@ -139,7 +139,7 @@ class PagedTransformerEngine(TransformerEngine):
         # The TPU kernel attends one query per slot: verify steps take the gather path.
         self.attention_impl = "xla" if spec.enabled else resolve_attention(
             config.paged_attention, devices[0].platform, model_config.sliding_window,
-            len(devices))
+            len(devices), model_config.attn_logit_softcap)
         super().__init__(model_config, **kwargs)
 
     # ---- layout ------------------------------------------------------------------------

@@ -57,7 +57,7 @@ class PagedDecodeState:
 
 
 def resolve_attention(impl: str, platform: str, sliding_window: int | None,
-                      num_devices: int) -> str:
+                      num_devices: int, softcap: float | None = None) -> str:
     """The attention path a paged engine uses ("auto": the kernel where it runs).
 
     The kernel is called on whole arrays, so it runs on a one-device slice only (a sharded
@@ -65,14 +65,16 @@ def resolve_attention(impl: str, platform: str, sliding_window: int | None,
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"paged_attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    kernel_fits = platform == "tpu" and sliding_window is None and num_devices == 1
+    kernel_fits = (platform == "tpu" and sliding_window is None and softcap is None
+                   and num_devices == 1)
     if impl == "auto":
         return "pallas_tpu" if kernel_fits else "xla"
     if impl == "pallas_tpu" and not kernel_fits:
         raise ValueError(
             f"paged_attention='pallas_tpu' needs a TPU slice of one device and a model "
-            f"without a sliding window (got platform {platform!r}, {num_devices} devices, "
-            f"sliding_window={sliding_window}); use 'xla' or 'auto'")
+            f"without a sliding window or attention soft cap (got platform {platform!r}, "
+            f"{num_devices} devices, sliding_window={sliding_window}, softcap={softcap}); "
+            f"use 'xla' or 'auto'")
     return impl
 
 
@@ -156,10 +158,11 @@ class PagedDecodeKV(layer_scan.StackedStore):
         k_pos = jnp.where(j <= last[:, None], j, -1)  # (B, W * ps)
         return k_all, v_all, k_pos
 
-    def _kernel_attend(self, layer, q, positions, sliding_window):
+    def _kernel_attend(self, layer, q, positions, sliding_window, softcap=None):
         """Attention of this step's queries q [B, 1, N, H], read in place by the kernel
         (after `update(layer)`); the model calls it instead of its own attention."""
-        del positions, sliding_window  # positions are pos; no window (resolve_attention)
+        # positions are pos; no window nor soft cap (resolve_attention)
+        del positions, sliding_window, softcap
         # Under a scan the kernel gets the layer's pools sliced out: it takes no layer
         # index (TODO(#21): a pool layout the kernel can read at a layer in place).
         return pallas_decode_attention(q, self.layer_of(self.k, layer),

@@ -39,6 +39,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from engines.attention import softcapped
+
 RAGGED_ATTENTION = ("xla", "pallas_tpu")
 
 
@@ -67,7 +69,7 @@ def _key_block_range(pos: jax.Array, keys: int, nk: int,
     return jnp.minimum(lo, hi).astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_window):
+def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_window, softcap):
     """Online softmax of tile q [bq, K, G, H] (positions pos i32[bq]) over key blocks
     lo..hi-1; blocks(j) -> block j's (k, v): [K, keys, H] the tile's one row's when
     `shared`, else [K, bq, keys, H] each token's own -> f32 (acc [bq, K, G, H], sums)."""
@@ -85,7 +87,7 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
         visible = (qp >= 0) & (kp <= qp)
         if sliding_window is not None:
             visible &= kp > qp - sliding_window
-        s = jnp.where(visible[:, None, None, :], s * scale, -jnp.inf)
+        s = jnp.where(visible[:, None, None, :], softcapped(s * scale, softcap), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key seen yet: exp -> 0
         p = jnp.exp(s - shift[..., None])
@@ -100,7 +102,8 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
     return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, layer):
+def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, softcap,
+          layer):
     """One tile: q [bq, K, G, H] at positions pos i32[bq] of rows i32[bq]; table
     i32[R, nk * c] -> [bq, K, G, H] in v's dtype. A tile whose live tokens are all of
     one row (most of a chunk's) gathers that row's pages once; a tile of several rows
@@ -119,7 +122,7 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
             blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c)
             return tuple(_take_pages(p, blk, layer).reshape(K, keys, H) for p in (k_pool, v_pool))
 
-        return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window)
+        return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window, softcap)
 
     def per_token(q):
         pages = jnp.take(table, rows, axis=0)  # (bq, nk * c)
@@ -129,7 +132,7 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
             return tuple(_take_pages(p, blk, layer).reshape(K, bq, keys, H)
                          for p in (k_pool, v_pool))
 
-        return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window)
+        return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window, softcap)
 
     single = jnp.all(~live | (rows == first))
     return jax.lax.cond(single, one_row, per_token, q).astype(v_pool.dtype)
@@ -138,7 +141,8 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
 def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            table: jax.Array, rows: jax.Array, positions: jax.Array,
                            sliding_window: int | None, *, block_q: int = 16,
-                           block_k: int = 256, layer: jax.Array | None = None) -> jax.Array:
+                           block_k: int = 256, layer: jax.Array | None = None,
+                           softcap: float | None = None) -> jax.Array:
     """q [T, N, H]; pools [K, P + 1, ps, H]; table i32[R, W] each row's pages in position
     order; rows i32[T] each token's row; positions i32[T] (-1: padding) -> [T, N, H];
     `layer`: the pools are stacks [L, ...], read at that layer.
@@ -162,7 +166,7 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
     def one(args):
         qt, pt, rt = args
-        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window, layer)
+        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window, softcap, layer)
 
     out = jax.lax.map(one, (qb, pos, rws))  # (nq, bq, K, G, H)
     return out.reshape(Tp, N, H)[:T]
@@ -178,7 +182,8 @@ def combined_pages(k_pool: jax.Array, v_pool: jax.Array) -> jax.Array:
 
 def pallas_ragged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             table: jax.Array, q_lens: jax.Array, kv_lens: jax.Array,
-                            sliding_window: int | None, *, reference: bool = False,
+                            sliding_window: int | None, *, softcap: float | None = None,
+                            reference: bool = False,
                             blocks: tuple[int, int] | None = None):
     """The Pallas TPU kernel over our pools: q [T, N, H] with each row's tokens
     contiguous and rows in order (row r's q_lens[r] tokens at cumsum(q_lens)[r - 1]..),
@@ -198,10 +203,11 @@ def pallas_ragged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     scale = 1.0 / math.sqrt(q.shape[-1])
     if reference:
         out = rpa.ref_ragged_paged_attention(*args, sm_scale=scale,
-                                             sliding_window=sliding_window)
+                                             sliding_window=sliding_window, soft_cap=softcap)
     else:
         pages, queries = blocks or (None, None)
         out = rpa.ragged_paged_attention(*args, sm_scale=scale, sliding_window=sliding_window,
+                                         soft_cap=softcap,
                                          num_kv_pages_per_block=pages,
                                          num_queries_per_block=queries)
     if reference:  # the reference returns the live tokens only

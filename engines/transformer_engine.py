@@ -111,7 +111,8 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         rows = cpu_kernels.max_rows(self._mesh, self.dtype, model_config.weight_quant)
         self.model_config = model_config = dataclasses.replace(
             model_config, num_kv_heads=model_config.num_kv_heads * self.kv_repeat,
-            scan_layers=layer_scan.use_scan(self.config, devices[0].platform, rows > 0))
+            scan_layers=layer_scan.use_scan(self.config, devices[0].platform, rows > 0,
+                                            model_config.mixed_layers))
         self.backend = dataclasses.replace(backend or backend_for(devices, self.dtype),
                                            cpu_matmul_rows=rows)
         self.model = Decoder(model_config, dtype=self.dtype, backend=self.backend)

@@ -6,7 +6,18 @@ tokenizer ids are left out.
 
 from __future__ import annotations
 
-from engines.config import ModelConfig
+from engines.config import FULL, SLIDING, ModelConfig
+
+
+def _gemma3(layers: int, **shape) -> ModelConfig:
+    """A Gemma 3 text model: five sliding layers of 1024 keys to one global."""
+    return ModelConfig(family="gemma3_text", vocab_size=262208, num_layers=layers,
+                       sliding_window=1024, layer_types=tuple(
+                           SLIDING if (i + 1) % 6 else FULL for i in range(layers)),
+                       qk_norm="head", norm_layout="sandwich", tie_word_embeddings=True,
+                       activation="gelu_tanh", norm_plus_one=True, scale_embeddings=True,
+                       rope_theta=1e6, local_rope_theta=1e4, **shape)
+
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -36,4 +47,22 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                             intermediate_size=24576, num_layers=28, num_heads=16,
                             num_kv_heads=16, head_dim=256, tie_word_embeddings=True,
                             activation="gelu_tanh", norm_plus_one=True, scale_embeddings=True),
+    "qwen3-8b": ModelConfig(family="qwen3", vocab_size=151936, hidden_size=4096,
+                            intermediate_size=12288, num_layers=36, num_heads=32,
+                            num_kv_heads=8, head_dim=128, qk_norm="head", rope_theta=1e6),
+    "qwen3-32b": ModelConfig(family="qwen3", vocab_size=151936, hidden_size=5120,
+                             intermediate_size=25600, num_layers=64, num_heads=64,
+                             num_kv_heads=8, head_dim=128, qk_norm="head", rope_theta=1e6),
+    "gemma3-12b": _gemma3(48, hidden_size=3840, intermediate_size=15360, num_heads=16,
+                          num_kv_heads=8, head_dim=256, query_pre_attn_scalar=256),
+    "gemma3-27b": _gemma3(62, hidden_size=5376, intermediate_size=21504, num_heads=32,
+                          num_kv_heads=16, head_dim=128, query_pre_attn_scalar=168),
+    "phi4-mini": ModelConfig(family="phi3", vocab_size=200064, hidden_size=3072,
+                             intermediate_size=8192, num_layers=32, num_heads=24,
+                             num_kv_heads=8, head_dim=128, partial_rotary_factor=0.75,
+                             tie_word_embeddings=True),
+    "olmo2-13b": ModelConfig(family="olmo2", vocab_size=100352, hidden_size=5120,
+                             intermediate_size=13824, num_layers=40, num_heads=40,
+                             num_kv_heads=40, head_dim=128, qk_norm="projection",
+                             norm_layout="post", rope_theta=500000.0),
 }

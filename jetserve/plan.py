@@ -73,6 +73,7 @@ class ModelSpec:
     num_experts: int = 0
     experts_per_tok: int = 0
     sliding_window: int | None = None
+    sliding_layers: float = 1.0  # the share of layers that attend over the window only
     num_kv_heads: int = 0  # K; 0: not stated (no kv-head replication is counted)
     kv_proj_params: float = 0.0  # the k / v projections (and biases) of all layers
 
@@ -106,6 +107,7 @@ class ModelSpec:
             num_experts=E,
             experts_per_tok=k,
             sliding_window=cfg.sliding_window,
+            sliding_layers=sum(cfg.layer_window(i) is not None for i in range(L)) / L,
             num_kv_heads=K,
             kv_proj_params=float(L * 2 * K * H * (D + int(cfg.qkv_bias))),
         )
@@ -215,7 +217,10 @@ def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, co
     flops = hw.matmul_flops(precision.weight_bits, precision.act_bits) * chips
     copies = model.kv_head_copies(chips)
     kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
-    read_ctx = min(context, model.sliding_window) if model.sliding_window else context
+    read_ctx = context
+    if model.sliding_window:  # sliding layers read their window, the others everything
+        s = model.sliding_layers
+        read_ctx = s * min(context, model.sliding_window) + (1 - s) * context
     kv_read = batch * read_ctx * kv_tok
     kv_stored = batch * context * kv_tok
     kv_proj_copies = model.kv_proj_params * (copies - 1) * precision.weight_bits / 8

@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 
 from engines import model as M
-from engines.config import llama3_inv_freq
 from engines.kv_cache import DecodeKV, DecodeState, PrefillKV
 from jetserve.model_loading import RANDOM_MODELS
 from sharding import axes
@@ -93,7 +92,7 @@ class _ScanDecoder(nn.Module):
         embed = M._param(self, "embed_tokens", (c.vocab_size, c.hidden_size),
                          (axes.VOCAB, axes.EMBED), jnp.float32)
         x = jnp.take(embed, tokens, axis=0)  # (B, T, D)
-        inv_freq = jnp.asarray(llama3_inv_freq(c), jnp.float32)
+        inv_freq = M.rope_inputs(c)
         # Parameters gain a leading layer axis named by the logical axis `layers`.
         scan = nn.scan(_Body, variable_axes={"params": 0}, split_rngs={"params": True},
                        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),

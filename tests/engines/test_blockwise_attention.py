@@ -38,10 +38,10 @@ def _sees_a_key(q_pos, k_pos, window):
     return vis.any(-1)  # (B, T)
 
 
-def _check(q, k, v, q_pos, k_pos, window, block_q=16, block_k=32):
-    want = np.asarray(attention(q, k, v, q_pos, k_pos, window))
-    f = jax.jit(functools.partial(blockwise_attention, block_q=block_q, block_k=block_k),
-                static_argnums=(5,))
+def _check(q, k, v, q_pos, k_pos, window, block_q=16, block_k=32, softcap=None):
+    want = np.asarray(attention(q, k, v, q_pos, k_pos, window, softcap))
+    f = jax.jit(functools.partial(blockwise_attention, block_q=block_q, block_k=block_k,
+                                  softcap=softcap), static_argnums=(5,))
     got = np.asarray(f(q, k, v, q_pos, k_pos, window))
     rows = _sees_a_key(q_pos, k_pos, window)
     np.testing.assert_allclose(got[rows], want[rows], rtol=1e-5, atol=1e-5)
@@ -60,6 +60,16 @@ def test_whole_prompt_uneven_lengths(window):
     T = 77  # not a multiple of either block
     j = np.arange(T)
     _check(*_inputs(T, T, j, np.where(j < 70, j, -1)), window)  # 7 padding entries
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_soft_capped_scores(window):
+    """Gemma 2's attention-logit cap, blockwise as one-shot (and it changes the result)."""
+    q, k, v, q_pos, k_pos = _inputs(50, 50, np.arange(50), np.arange(50))
+    q = 4 * q  # scores well past the cap
+    _check(q, k, v, q_pos, k_pos, window, softcap=1.5)
+    capped = attention(q, k, v, q_pos, k_pos, window, 1.5)
+    assert np.max(np.abs(np.asarray(capped - attention(q, k, v, q_pos, k_pos, window)))) > 1e-2
 
 
 @pytest.mark.parametrize("window", [None, 9])

@@ -21,7 +21,7 @@ MAX_LINES = 500
 # engines/ from the bottom up; a module imports only from its own layer or those below.
 ENGINE_LAYERS = (
     # configs, the Engine API, attention / sampling / quantization / expert math
-    ("config", "engine_config", "engine_api", "attention", "sampling", "quantization",
+    ("config", "rope", "engine_config", "engine_api", "attention", "sampling", "quantization",
      "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend",
      "token_mask", "layer_scan", "ragged_attention"),
     # the model and the KV stores (and checkpoint files, the mock engine)

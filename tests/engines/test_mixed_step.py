@@ -148,18 +148,22 @@ def _ragged_case(seed=0, K=2, N=4, H=8, ps=4, W=4):
     return q, k_pool, v_pool, table, jnp.asarray(rows), jnp.asarray(pos)
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_ragged_attention_matches_plain_attention(window):
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (3, 0.5)])
+def test_ragged_attention_matches_plain_attention(window, softcap):
     q, k_pool, v_pool, table, rows, pos = _ragged_case()
     # block_k 4 = one page per key block, block_q 4: several tiles and key blocks.
     got = ragged_paged_attention(q, k_pool, v_pool, table, rows, pos, window,
-                                 block_q=4, block_k=4)
+                                 block_q=4, block_k=4, softcap=softcap)
     k_all, v_all = gather_pages(k_pool, table), gather_pages(v_pool, table)  # (R, W*ps, K, H)
     S = k_all.shape[1]
     live = np.asarray(pos) >= 0
     want = attention(q[:, None], k_all[rows], v_all[rows], pos[:, None],
-                     jnp.broadcast_to(jnp.arange(S), (16, S)), window)[:, 0]
+                     jnp.broadcast_to(jnp.arange(S), (16, S)), window, softcap)[:, 0]
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
+    if softcap is not None:  # the cap changes the result (scores reach past it)
+        uncapped = ragged_paged_attention(q, k_pool, v_pool, table, rows, pos, window,
+                                          block_q=4, block_k=4)
+        assert np.max(np.abs(np.asarray(uncapped) - np.asarray(got))[live]) > 1e-2
     assert not np.asarray(got)[~live].any()  # padding sees nothing
 
 

@@ -203,6 +203,10 @@ def test_config_errors_name_the_field():
     assert resolve_attention("auto", "cpu", None, 1) == "xla"
     assert resolve_attention("auto", "tpu", None, 1) == "pallas_tpu"
     assert resolve_attention("auto", "tpu", 16, 1) == "xla"
+    # Gemma 2's attention-logit soft cap: the gather path, the kernel refused by name
+    assert resolve_attention("auto", "tpu", None, 1, softcap=50.0) == "xla"
+    with pytest.raises(ValueError, match="soft cap"):
+        resolve_attention("pallas_tpu", "tpu", None, 1, softcap=50.0)
 
 
 @pytest.mark.device

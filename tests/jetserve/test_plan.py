@@ -166,3 +166,25 @@ def test_cli_shows_kv_bytes_per_chip(capsys):
                      "--chips", "16", "--batch", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_head_copies"] == 2 and out["kv_bytes_per_token_per_chip"] == 40960
+
+
+@pytest.mark.parametrize("name,billions", [
+    ("qwen3-8b", 8.19), ("qwen3-32b", 32.76), ("gemma3-12b", 11.77), ("gemma3-27b", 27.01),
+    ("phi4-mini", 3.84), ("olmo2-13b", 13.72)])
+def test_todays_dense_presets_have_their_published_sizes(name, billions):
+    """Parameter counts of the text models as their model cards give them (Gemma 3's
+    without its vision tower)."""
+    assert close(MODEL_PRESETS[name].param_count() / 1e9, billions, 0.01)
+
+
+def test_sliding_layers_read_their_window_only():
+    """Gemma 3 (40 of 48 layers sliding over 1024 keys): a step at 32k context reads the
+    global layers' whole context and the sliding layers' window."""
+    spec = ModelSpec.from_config(MODEL_PRESETS["gemma3-12b"])
+    assert spec.sliding_layers == 40 / 48
+    one = make_plan(spec, V5E, chips=1, batches=[1], context=32768, precision=BF16).rows[0]
+    full = make_plan(dataclasses.replace(spec, sliding_window=None), V5E, chips=1,
+                     batches=[1], context=32768, precision=BF16).rows[0]
+    read_share = (8 / 48 * 32768 + 40 / 48 * 1024) / 32768
+    kv_ms = 32768 * spec.kv_values_per_token * 2 / V5E.hbm_bandwidth * 1e3  # every layer
+    assert close(full.step_ms_memory - one.step_ms_memory, (1 - read_share) * kv_ms)

@@ -22,6 +22,39 @@ FAMILY_CONFIGS = {
 
 FAMILIES = tuple(FAMILY_CONFIGS)
 
+# Today's dense families (tests/parity/test_dense_families.py), odd shapes: head_dim
+# apart from D / N, kv heads that are not a power of two, windows shorter than the
+# prompts, several layer patterns, scaled and partial RoPE.
+DENSE_CONFIGS = {
+    "qwen3": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=3, head_dim=24,
+                            num_hidden_layers=3, tie_word_embeddings=False)),
+    "qwen3_yarn": ("qwen3", dict(head_dim=24, max_position_embeddings=128, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32})),
+    "gemma2": ("gemma2", dict(head_dim=32, num_hidden_layers=3, sliding_window=8,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3_text", dict(
+        head_dim=24, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": 10000.0}})),
+    "olmo2": ("olmo2", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                            intermediate_size=192, vocab_size=132)),
+    # LongRoPE: sequences here stay within original_max_position_embeddings (short
+    # factors); the long factors are checked against transformers' rotary embedding in
+    # tests/parity/test_dense_families.py.
+    "phi3": ("phi3", dict(partial_rotary_factor=0.5, max_position_embeddings=512, pad_token_id=0,
+                          original_max_position_embeddings=128, rope_parameters={
+                              "rope_type": "longrope", "rope_theta": 10000.0,
+                              "short_factor": [1.0, 1.5, 2.0, 3.0],
+                              "long_factor": [2.0, 4.0, 8.0, 16.0],
+                              "original_max_position_embeddings": 128})),
+}
+
 
 def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     """Writes a random-weight model of `family` to out_dir (TINY shapes, with `overrides`
@@ -30,14 +63,22 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     import transformers as tf
 
     kind = {"llama3": "llama"}.get(family, family)
+    settings = FAMILY_CONFIGS.get(family)
+    if family in DENSE_CONFIGS:
+        kind, settings = DENSE_CONFIGS[family]
     cls_cfg, cls_model = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
     }[kind]
-    cfg = cls_cfg(**{**TINY, **FAMILY_CONFIGS[family], **overrides})
+    cfg = cls_cfg(**{**TINY, **settings, **overrides})
     torch.manual_seed(seed)
     model = cls_model(cfg).eval()
     with torch.no_grad():  # larger-than-default weights so logits are not all near zero
@@ -45,7 +86,7 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
-                p.normal_(0.0 if family == "gemma" else 1.0, 0.1)
+                p.normal_(0.0 if kind.startswith("gemma") else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.1)
     os.makedirs(out_dir, exist_ok=True)

@@ -217,10 +217,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("transfer", "transfer", "KV bytes/s pulled between two processes vs device_put "
              "in one"),
             ("serve-path", "serve_path", "a served batch against the bare generate step"),
-            ("prefill-rows", "prefill_rows", "several prompts in one prefill call against "
-             "one a call"),
-            ("ray-batch", "ray_batch", "jetserve batch --ray's rows/s with 1, 2, ... "
-             "actors against one process")):
+            ("prefill-rows", "prefill_rows", "one prefill call of R prompts against R calls"),
+            ("ray-batch", "ray_batch", "batch --ray with 1, 2, ... actors against one process")):
         own = sub.add_parser(name, help=f"{what} (jetserve/bench/{module}.py; its own flags)",
                              add_help=False, prefix_chars="+")
         own.add_argument("rest", nargs=argparse.REMAINDER)

@@ -71,6 +71,12 @@ def stored(hashes: list[int], parent: int | None, token_ids: list[int], block_si
             "medium": medium, "lora_name": None}
 
 
+def node_stored(node: Any, block_size: int) -> dict:
+    """BlockStored of one prefix-cache node (its tier's medium; no parent at the root)."""
+    parent = node.parent.hash if node.parent.tier != "root" else None
+    return stored([node.hash], parent, list(node.tokens), block_size, MEDIUM[node.tier])
+
+
 def removed(hashes: list[int], medium: str) -> dict:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
 

@@ -403,9 +403,7 @@ class PrefixCache:
 
     def _stored(self, node: _Node) -> None:
         if self.events is not None:
-            parent = node.parent.hash if node.parent.tier != "root" else None
-            self._emit(ev.stored([node.hash], parent, list(node.tokens), self.block,
-                                 ev.MEDIUM[node.tier]))
+            self._emit(ev.node_stored(node, self.block))
 
     def _emit(self, event: list) -> None:
         if self.events is not None:

@@ -82,9 +82,11 @@ def test_bad_quantize_settings_are_named():
         EngineConfig(quantize="int3")
     with pytest.raises(ValueError, match="group size must be an even integer"):
         EngineConfig(quantize="int4", quant_group_size=7)
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=7)
-    with pytest.raises(ValueError, match="must be even"):
+    # An odd input dimension (down_proj's F = 25) cannot pack two int4 values per byte.
+    # (An odd head_dim is refused before, by the config: RoPE rotates pairs of dims.)
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=25, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="down_proj.*must be even"):
         create_engine(cfg, config=EngineConfig(quantize="int4", **ECFG),
                       devices=jax.devices()[:1])
 

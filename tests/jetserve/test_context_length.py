@@ -87,18 +87,20 @@ def test_generate_names_the_limit_and_its_flag(capsys):
 
 def test_generate_takes_one_slot_per_prompt_unless_given():
     """A long default context costs slots x max_seq_len of KV: generate's default is one
-    slot per prompt, at most DEFAULT_SLOTS; a given --max-concurrent-decodes stands."""
+    slot per prompt, at most DEFAULT_SLOTS; a given --max-concurrent-decodes stands.
+    (On one device; tests/sharding/test_preset_prompt_counts.py rounds up for presets
+    that split the slots.)"""
     from jetserve import cli
     from jetserve.commands.common import DEFAULT_SLOTS, decode_slots
     from jetserve.commands.generate import slots_for
 
     parser = cli.build_parser()
     two = parser.parse_args(["generate", "--prompt", "a", "--prompt-ids", "1,2"])
-    assert slots_for(two) == 2
+    assert slots_for(two, 1) == 2
     many = parser.parse_args(["generate", *["--prompt-ids", "3"] * (DEFAULT_SLOTS + 3)])
-    assert slots_for(many) == DEFAULT_SLOTS
+    assert slots_for(many, 1) == DEFAULT_SLOTS
     given = parser.parse_args(["generate", "--prompt", "a", "--max-concurrent-decodes", "5"])
-    assert slots_for(given) == 5
+    assert slots_for(given, 1) == 5
     # serve leaves the flag unset so that --max-num-seqs can size the slots alone.
     served = parser.parse_args(["serve"])
     assert decode_slots(served) == DEFAULT_SLOTS

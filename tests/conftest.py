@@ -1,12 +1,13 @@
-"""Test setup: 8 fake CPU devices (set before jax is imported) and shared fixtures."""
+"""Test setup: 8 fake CPU devices and fast compiles (tests/xla.py; set before jax is
+imported) and shared fixtures."""
 
 import os
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.xla import xla_flags
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Compiled programs are cached on disk across tests and processes (the CLI and subprocess

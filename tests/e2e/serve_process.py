@@ -5,6 +5,8 @@ import re
 import subprocess
 import time
 
+from tests.xla import xla_flags
+
 _LISTENING = re.compile(r"(gRPC|HTTP) listening on (?:https?://)?127\.0\.0\.1:(\d+)")
 READY = "jetserve serve: ready"
 
@@ -43,6 +45,6 @@ def spawn(argv: list[str]) -> subprocess.Popen:
     import sys
 
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=xla_flags(8))
     return subprocess.Popen([sys.executable, "-m", "jetserve", "serve", *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

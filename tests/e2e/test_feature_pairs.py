@@ -28,6 +28,7 @@ import pytest
 from jetserve.model_loading import RANDOM_MODELS
 from tests.e2e.serve_process import wait_listening
 from tests.engines import lora_files
+from tests.xla import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "ARCHITECTURE.md")
@@ -125,7 +126,7 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     return dict(os.environ, JAX_PLATFORMS="cpu",
-                XLA_FLAGS="--xla_force_host_platform_device_count=1")
+                XLA_FLAGS=xla_flags(1))
 
 
 def _drain(proc: subprocess.Popen) -> None:
@@ -258,47 +259,34 @@ def adapter(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(adapter, tmp_path_factory):
+def reference(adapter):
     """request name -> greedy tokens, per KV dtype ("f32", "int8"), from the reference
     server of that dtype (every request kind, one at a time)."""
-    every = tuple(FEATURES)
-    cache: dict[str, dict[str, list[int]]] = {}
-
-    def get(int8: bool) -> dict[str, list[int]]:
-        key = "int8" if int8 else "f32"
-        if key not in cache:
-            names = ("reference", "int8 KV") if int8 else ("reference",)
-            d = Deployment(names, adapter)
-            assert d.refused is None, d.refused
-            try:
-                cache[key] = {}
-                for name, r in ask_all(d, every).items():
-                    assert r.status_code == 200, (name, r.text)
-                    cache[key][name] = _tokens(r)
-            finally:
-                d.close()
-        return cache[key]
-
-    return get
+    out: dict[str, dict[str, list[int]]] = {}
+    for key, names in (("f32", ("reference",)), ("int8", ("reference", "int8 KV"))):
+        d = Deployment(names, adapter)
+        assert d.refused is None, d.refused
+        try:
+            out[key] = {}
+            for name, r in ask_all(d, tuple(FEATURES)).items():
+                assert r.status_code == 200, (name, r.text)
+                out[key][name] = _tokens(r)
+        finally:
+            d.close()
+    return out
 
 
-PAIRS = [pytest.param(a, b, id=f"{a}+{b}".replace(" ", "-"))
-         for a, b in itertools.combinations(FEATURES, 2)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("a,b", PAIRS)
-def test_pair_serves_or_is_refused_by_name(a, b, adapter, reference):
+def check_pair(a: str, b: str, adapter: str, reference: dict) -> None:
+    """Starts the deployment of `a` and `b` and holds it to the matrix: refused by name
+    where the matrix refuses the pair, else every request its reference's tokens."""
     why = matrix()[frozenset((a, b))]
-    if why is None:
-        pytest.skip(f"{a} and {b} are two values of one flag")
     d = Deployment((a, b), adapter)
     try:
         if d.refused is not None:
             assert why, f"{a} x {b} is marked ok but the server would not start:\n{d.refused}"
             assert names_a_feature(d.refused, a, b), d.refused
             return
-        want = reference(FEATURES[a].int8_kv or FEATURES[b].int8_kv)
+        want = reference["int8" if FEATURES[a].int8_kv or FEATURES[b].int8_kv else "f32"]
         answered = []
         for name, r in ask_all(d, (a, b)).items():
             if r.status_code == 400:
@@ -312,3 +300,36 @@ def test_pair_serves_or_is_refused_by_name(a, b, adapter, reference):
             f"{a} x {b} is marked refused ({why}) but served every request"
     finally:
         d.close()
+
+
+@pytest.fixture(scope="module")
+def outcomes(adapter, reference) -> dict[frozenset[str], BaseException | None]:
+    """Every pair of two features checked, two deployments at a time (a deployment is a
+    subprocess that mostly compiles on one core): pair -> what its check raised, or None."""
+    m = matrix()
+    pairs = [(a, b) for a, b in itertools.combinations(FEATURES, 2)
+             if m[frozenset((a, b))] is not None]
+
+    def run(pair: tuple[str, str]) -> BaseException | None:
+        try:
+            check_pair(*pair, adapter, reference)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the pair's own test
+            return e
+        return None
+
+    with ThreadPoolExecutor(2) as pool:
+        return {frozenset(p): e for p, e in zip(pairs, pool.map(run, pairs), strict=True)}
+
+
+PAIRS = [pytest.param(a, b, id=f"{a}+{b}".replace(" ", "-"))
+         for a, b in itertools.combinations(FEATURES, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("a,b", PAIRS)
+def test_pair_serves_or_is_refused_by_name(a, b, outcomes):
+    if matrix()[frozenset((a, b))] is None:
+        pytest.skip(f"{a} and {b} are two values of one flag")
+    error = outcomes[frozenset((a, b))]
+    if error is not None:
+        raise error

@@ -25,6 +25,7 @@ import pytest
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 from tests.e2e.serve_process import READY, wait_listening
+from tests.xla import xla_flags
 
 SERVE = ["--scheduling", "mixed", "--kv-layout", "paged", "--max-seq-len", "128",
          "--max-prefill-length", "32", "--prefill-chunk", "16", "--max-concurrent-decodes",
@@ -39,7 +40,7 @@ COMPILE = re.compile(r"Finished tracing traced for jit")
 @pytest.fixture(scope="module")
 def server():
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     cmd = [sys.executable, "-m", "jetserve", "serve", *SERVE, "--host", "127.0.0.1",
            "--grpc-port", "0", "--http-port", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -32,6 +32,7 @@ import pytest
 from jetserve.cli import main as jetserve_main
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
+from tests.xla import xla_flags
 
 MODEL = "random:tiny"
 TP_ACROSS_PROCESSES = """\
@@ -81,7 +82,7 @@ def two_processes(tmp_path_factory, preset):
     procs, errs = [], []
     for i in range(2):
         env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   XLA_FLAGS=xla_flags(4),
                    LWS_LEADER_ADDRESS=f"127.0.0.1:{port}", LWS_GROUP_SIZE="2",
                    LWS_WORKER_INDEX=str(i))
         cmd = [sys.executable, "-m", "jetserve", "serve", "--model", MODEL, *ENGINE,

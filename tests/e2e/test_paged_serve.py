@@ -16,6 +16,7 @@ from engines import EngineConfig
 from jetserve.model_loading import build_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator.detokenize import completion_text
+from tests.xla import xla_flags
 
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(60)]  # 60 tokens: 4 chunks of 16
 SERVE = ["--model", "random:tiny", "--interleaved", "--max-seq-len", "128",
@@ -27,7 +28,7 @@ SERVE = ["--model", "random:tiny", "--interleaved", "--max-seq-len", "128",
 @pytest.fixture(scope="module")
 def http_port():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=xla_flags(8))
     cmd = [sys.executable, "-m", "jetserve", "serve", *SERVE, "--host", "127.0.0.1",
            "--grpc-port", "-1", "--http-port", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -20,6 +20,7 @@ from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 from tests.e2e.serve_process import wait_listening
 from tests.e2e.tls_cert import self_signed
+from tests.xla import xla_flags
 
 LONG = 240  # of max_seq_len 256: the streams outlast the SIGTERM by far
 
@@ -27,7 +28,7 @@ LONG = 240  # of max_seq_len 256: the streams outlast the SIGTERM by far
 @pytest.fixture(scope="module")
 def served():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=xla_flags(8))
     cmd = [sys.executable, "-m", "jetserve", "serve", "--model", "random:tiny",
            "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
            "--prefill-devices", "4", "--generate-devices", "4",

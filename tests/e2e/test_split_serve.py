@@ -33,6 +33,7 @@ from protos import jetstream_pb2_grpc as pb_grpc
 from protos import prefill_worker_pb2 as wpb
 from protos import prefill_worker_pb2_grpc as wpb_grpc
 from tests.e2e.serve_process import wait_listening
+from tests.xla import xla_flags
 
 MODEL = "random:tiny"
 ENGINE = ["--model", MODEL, "--max-seq-len", "64", "--max-prefill-length", "32",
@@ -55,7 +56,7 @@ def _free_port() -> int:
 
 def _start(args: list[str], devices: int, log) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=xla_flags(devices))
     return subprocess.Popen([sys.executable, "-m", "jetserve", "serve", *ENGINE, *args],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
 

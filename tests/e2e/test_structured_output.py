@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 from tests.e2e.serve_process import wait_listening
+from tests.xla import xla_flags
 
 N = 20
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
@@ -58,7 +59,7 @@ def person_format(strict=True):
 
 @pytest.fixture(scope="module")
 def served():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
     cmd = [sys.executable, "-m", "jetserve", "serve", "--host", "127.0.0.1", "--grpc-port",
            "0", "--http-port", "0", "--interleaved", "--max-seq-len", "512",
            "--max-prefill-length", "64", "--served-model-name", "bundled"]

@@ -21,6 +21,7 @@ from tests.e2e.serve_process import wait_listening
 from tests.jetserve.structured.test_vocabulary_bytes import CHOICES, REGEX, SCHEMA
 from tests.jetserve.structured.tokenizer_kinds import VOCAB, write_sentencepiece
 from tests.parity.hf_models import make_hf_model
+from tests.xla import xla_flags
 
 N = 20
 
@@ -52,7 +53,7 @@ def llama2_style_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(llama2_style_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     cmd = [sys.executable, "-m", "jetserve", "serve", "--model", str(llama2_style_dir),
            "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--interleaved",
            "--max-seq-len", "256", "--max-prefill-length", "64",

@@ -20,6 +20,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.e2e.serve_process import wait_listening
+from tests.xla import xla_flags
 
 RUNS = 20
 
@@ -44,7 +45,7 @@ MODELS = {"get_weather": GetWeather, "get_time": GetTime}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
 
 
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
 SIZES = ["--max-seq-len", "520", "--max-prefill-length", "256", "--max-concurrent-decodes", "4"]
 
 

@@ -151,6 +151,7 @@ def test_a_waiting_prefix_keeps_its_adapter_resident(tmp_path):
     cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=32, max_seq_len=64,
                        max_loras=1, max_lora_rank=8)
     eng = create_engine(CFG, config=cfg, seed=5, devices=jax.devices()[:1])
+    eng.row_wait_s = 0.5  # how long a prefill waits for a pinned row before it refuses
     for name, seed in (("a", 1), ("b", 2)):
         eng.load_adapter(name, write_adapter(tmp_path / name, ["q_proj"], seed=seed)[0])
     params = eng.load_params()

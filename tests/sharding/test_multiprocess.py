@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from jetserve import cli
+from tests.xla import xla_flags
 
 ARGS = ["generate", "--model", "random:tiny", "--sharding", "tp_kv_batch",
         "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10", "--prompt-ids", "200,1,3,3,7",
@@ -30,7 +31,7 @@ def _free_port() -> int:
 
 
 def _spawn(port: int, process_id: int, log_dir) -> tuple[subprocess.Popen, object, object]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4),
                JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "jetserve", *ARGS, "--coordinator", f"127.0.0.1:{port}",
            "--num-processes", "2", "--process-id", str(process_id)]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jetserve.batch.journal import part_path, read_rows
+from tests.xla import xla_flags
 
 pytestmark = pytest.mark.slow  # about 2 minutes of subprocesses on 2 busy cores
 
@@ -216,7 +217,7 @@ def test_coordinator_lock_step_equals_one_process(tmp_path):
     out = tmp_path / "two.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in want[:5]))  # as a killed run left
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4))
     procs = [batch(*args, "--output", str(out), "--resume", "--coordinator",
                    f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), env=env)
              for i in range(2)]

@@ -40,6 +40,7 @@ SHORT = [5, 9, 11, 3, 5, 9]
 LONG = [(7 * i + 3) % 250 + 1 for i in range(70)]  # 70 tokens: chunked at 32 or less
 SHARED = [(11 * i + 5) % 250 + 1 for i in range(40)]
 REGEX = "[a-z]{2,6}"
+BIAS = {"17": 4.0, "42": 4.0, "99": -100.0}  # OpenAI's logit_bias: token id -> bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Feature:
     args: tuple[str, ...] = ()
     adapter_rows: bool = False  # sends requests naming the adapter
     grammar_rows: bool = False  # sends requests with a regex
+    bias_rows: bool = False  # sends requests with a logit_bias
     launch: str = "one"  # "one" process, "lockstep" over two, "split" prefill/decode roles
     int8_kv: bool = False
     prefill_role: bool = False  # split roles: its flags go to the prefill worker only
@@ -64,6 +66,7 @@ FEATURES: dict[str, Feature] = {
                                  args=("--speculative", "draft:random:tiny:2")),
     "structured output": Feature(("structured_outputs", "structured output"),
                                  grammar_rows=True),
+    "logit bias": Feature(("logit_bias",), bias_rows=True),
     "prefix cache": Feature(("prefix cache", "--prefix-cache"),
                             args=("--prefix-cache-hbm-mb", "4"), prefill_role=True),
     "chunked prefill": Feature(("--prefill-chunk", "chunk"), args=("--prefill-chunk", "8")),
@@ -228,6 +231,9 @@ def requests_for(names: tuple[str, ...]) -> list[tuple[str, dict]]:
                 ("adapter long", {"prompt": LONG, "model": "a1"})]
     if any(f.grammar_rows for f in feats):
         out += [("grammar", {"prompt": SHORT, "structured_outputs": {"regex": REGEX}})]
+    if any(f.bias_rows for f in feats):
+        out += [("bias short", {"prompt": SHORT, "logit_bias": BIAS}),
+                ("bias long", {"prompt": LONG, "logit_bias": BIAS})]
     return out
 
 
@@ -271,6 +277,8 @@ def reference(adapter):
             for name, r in ask_all(d, tuple(FEATURES)).items():
                 assert r.status_code == 200, (name, r.text)
                 out[key][name] = _tokens(r)
+            # the bias moves the answers, so a pair that dropped it would be caught
+            assert out[key]["bias short"] != out[key]["short"], out[key]
         finally:
             d.close()
     return out

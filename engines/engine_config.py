@@ -149,9 +149,6 @@ class EngineConfig:
             raise ValueError("speculative decoding verifies several tokens per slot, which "
                              "the pallas_tpu paged kernel does not; use paged_attention "
                              "auto or xla")
-        if self.kv_dtype == "int8" and self.kv_layout == "paged":
-            # TODO(#10): int8 pages with per-token scales.
-            raise ValueError("kv_dtype int8 works with kv_layout contiguous only, for now")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         parse_speculative(self.speculative)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from engines import cpu_kernels, layer_scan
 from engines.attention import decode_attention
 from engines.engine_api import ResultTokens, pack_results
+from engines.kv_quant import dequantize_kv, quantize_kv
 from engines.sampling import SlotSampling, sample, token_logprobs
 from engines.token_mask import hold_paused
 
@@ -100,19 +101,6 @@ def insert_history(history: jax.Array, prefix: Prefix, slot: jax.Array) -> jax.A
     row = jnp.zeros((S,), history.dtype).at[idx].set(prefix.tokens[0], mode="drop")
     row = row.at[prefix.length].set(prefix.token, mode="drop")
     return jax.lax.dynamic_update_index_in_dim(history, row, slot, 0)
-
-
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., K, H] -> (int8 [..., K, H], f32 scale [..., K]), symmetric per token and head."""
-    xf = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(xf), axis=-1) / 127.0
-    safe = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(xf / safe[..., None]), -127, 127).astype(jnp.int8)
-    return q, scale
-
-
-def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 class PrefillKV:

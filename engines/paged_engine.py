@@ -45,6 +45,7 @@ import numpy as np
 from engines import layer_scan
 from engines.engine_api import PageGeometry, ResultTokens, pack_results
 from engines.kv_cache import Prefix, empty_slot_fields, step_slot_fields
+from engines.kv_quant import entry_width
 from engines.mixed_batch import MixedRow, pack_rows, token_buckets
 from engines.mixed_step import mixed_step
 from engines.model import Decoder
@@ -139,7 +140,7 @@ class PagedTransformerEngine(TransformerEngine):
         # The TPU kernel attends one query per slot: verify steps take the gather path.
         self.attention_impl = "xla" if spec.enabled else resolve_attention(
             config.paged_attention, devices[0].platform, model_config.sliding_window,
-            len(devices), model_config.attn_logit_softcap)
+            len(devices), model_config.attn_logit_softcap, config.kv_dtype)
         super().__init__(model_config, **kwargs)
 
     # ---- layout ------------------------------------------------------------------------
@@ -147,7 +148,11 @@ class PagedTransformerEngine(TransformerEngine):
     def _pool_shape(self) -> tuple[int, int, int, int]:
         c = self.model_config
         g = self.page_geometry
-        return (c.num_kv_heads, g.num_pages + 1, g.page_size, c.head_dim)
+        return (c.num_kv_heads, g.num_pages + 1, g.page_size,
+                entry_width(c.head_dim, self.config.kv_dtype))
+
+    def _pool_dtype(self):
+        return jnp.int8 if self.config.kv_dtype == "int8" else self.dtype
 
     def decode_state_shardings(self) -> PagedDecodeState:
         base = super().decode_state_shardings()
@@ -184,7 +189,8 @@ class PagedTransformerEngine(TransformerEngine):
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
-        self._blocks_of_pages_jit = jax.jit(blocks_of_pages)
+        self._blocks_of_pages_jit = jax.jit(functools.partial(blocks_of_pages,
+                                                              dtype=self.dtype))
         self.traces["mixed"] = 0
         # The TPU kernel where the decode step takes its own; else the XLA path.
         ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
@@ -212,7 +218,7 @@ class PagedTransformerEngine(TransformerEngine):
         shape = self._pool_shape()
 
         def make():
-            pool = jnp.zeros(shape, self.dtype)
+            pool = jnp.zeros(shape, self._pool_dtype())
             return layer_scan.stack_cache(PagedDecodeState(
                 k=(pool,) * c.num_layers, v=(pool,) * c.num_layers,
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),

@@ -2,7 +2,16 @@
 
 Each layer keeps its keys and values in a pool of pages, [K, P + 1, page_size, H]
 (kv head, page, offset, head dim): kv heads lead because that is the layout the TPU
-paged-attention kernel reads, so one pool serves both attention paths. Page P is
+paged-attention kernel reads, so one pool serves both attention paths. An int8 pool
+(`EngineConfig.kv_dtype="int8"`) holds entries of H + 4 bytes (engines/kv_quant.py): the
+H values quantized per token and kv head, as the contiguous cache does, then their f32
+scale as 4 raw bytes. Scale and values sit in one entry, so a page is still one
+slice of one array: inserts, prefix-cache blocks, a scan's stacked pools and the pool's
+sharding move them together. Entries are packed where they are written
+(`write_pages`) and unpacked to the model dtype where they are read (`unpack_entries`).
+A prefill attends over its prompt's exact keys and insert quantizes them; a mixed step's
+chunk attends over the pool, so with int8 pages it sees its own keys quantized, as its
+decode steps do. Prefix-cache blocks read from int8 pages come back dequantized. Page P is
 scratch ("trash"): writes of empty slots land there and reads of it are masked. Which
 pages a slot holds is host bookkeeping (`jetserve.scheduling.page_pool.SlotPages`); the device gets
 the page table with every step, cut to the batch's widest live sequence W (a power of
@@ -32,6 +41,7 @@ import jax.numpy as jnp
 from engines import layer_scan
 from engines.attention import attention
 from engines.kv_cache import Prefix, insert_slot_fields, put_layers
+from engines.kv_quant import pack_entries, unpack_entries
 from engines.sampling import SlotSampling
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu")
@@ -57,56 +67,64 @@ class PagedDecodeState:
 
 
 def resolve_attention(impl: str, platform: str, sliding_window: int | None,
-                      num_devices: int, softcap: float | None = None) -> str:
+                      num_devices: int, softcap: float | None = None,
+                      kv_dtype: str = "auto") -> str:
     """The attention path a paged engine uses ("auto": the kernel where it runs).
 
     The kernel is called on whole arrays, so it runs on a one-device slice only (a sharded
-    pool would need it wrapped per shard); elsewhere the gather path serves.
+    pool would need it wrapped per shard); elsewhere the gather path serves. It reads
+    pools of the model dtype: an int8 pool takes the gather path.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"paged_attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
     kernel_fits = (platform == "tpu" and sliding_window is None and softcap is None
-                   and num_devices == 1)
+                   and num_devices == 1 and kv_dtype != "int8")
     if impl == "auto":
         return "pallas_tpu" if kernel_fits else "xla"
     if impl == "pallas_tpu" and not kernel_fits:
         raise ValueError(
             f"paged_attention='pallas_tpu' needs a TPU slice of one device and a model "
-            f"without a sliding window or attention soft cap (got platform {platform!r}, "
-            f"{num_devices} devices, sliding_window={sliding_window}, softcap={softcap}); "
+            f"without a sliding window or attention soft cap, over a pool that is not int8 "
+            f"(got platform {platform!r}, {num_devices} devices, sliding_window="
+            f"{sliding_window}, softcap={softcap}, kv_dtype={kv_dtype!r}); "
             f"use 'xla' or 'auto'")
     return impl
 
 
 def pool_shape(pools: tuple[jax.Array, ...]) -> tuple[int, int, int, int]:
-    """One layer's pool shape (K, P + 1, ps, H), whether the pools are stacked or not."""
+    """One layer's pool shape (K, P + 1, ps, entry width), whether the pools are stacked
+    or not."""
     K, P1, ps, H = pools[0].shape[-4:]
     return K, P1, ps, H
 
 
 def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array,
                 layer: jax.Array | None = None) -> jax.Array:
-    """pool [K, P+1, ps, H]; new [n, K, H] goes to (pages[i], offsets[i]); out-of-range
-    page indices are dropped. With `layer` (i32[]), pool is a stack [L, K, P+1, ps, H]
-    written at that layer: one scatter into the stack, which a scan carries in place."""
-    new = new.astype(pool.dtype)
+    """pool [K, P+1, ps, H]; new [n, K, H] (model dtype) goes to (pages[i], offsets[i]),
+    packed as the pool's entries; out-of-range page indices are dropped. With `layer`
+    (i32[]), pool is a stack [L, K, P+1, ps, H] written at that layer: one scatter into
+    the stack, which a scan carries in place."""
+    new = pack_entries(new, pool.dtype)
     if layer is None:
         return pool.at[:, pages, offsets].set(jnp.swapaxes(new, 0, 1), mode="drop")
     # The index arrays are apart (the K slice between), so n leads the update: [n, K, H].
     return pool.at[layer, :, pages, offsets].set(new, mode="drop")
 
 
-def gather_pages(pool: jax.Array, table: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-    """pool [K, P+1, ps, H], table i32[B, W] -> [B, W * ps, K, H] (each slot's keys in
-    position order). With `layer`, pool is a stack [L, K, P+1, ps, H] read at that layer
-    by one gather (no copy of the layer's pool)."""
+def gather_pages(pool: jax.Array, table: jax.Array, dtype,
+                 layer: jax.Array | None = None) -> jax.Array:
+    """pool [K, P+1, ps, H], table i32[B, W] -> [B, W * ps, K, H] in `dtype` (each slot's
+    keys in position order, an int8 pool's dequantized). With `layer`, pool is a stack
+    [L, K, P+1, ps, H] read at that layer by one gather (no copy of the layer's pool)."""
     K, _, ps, H = pool.shape[-4:]
     B, W = table.shape
     if layer is None:
         g = jnp.take(pool, table, axis=1)  # (K, B, W, ps, H)
-        return jnp.transpose(g.reshape(K, B, W * ps, H), (1, 2, 0, 3))
-    g = pool[layer, :, table]  # (B, W, K, ps, H): the index arrays' axes lead
-    return jnp.transpose(g, (0, 1, 3, 2, 4)).reshape(B, W * ps, K, H)
+        g = jnp.transpose(g.reshape(K, B, W * ps, H), (1, 2, 0, 3))
+    else:
+        g = pool[layer, :, table]  # (B, W, K, ps, H): the index arrays' axes lead
+        g = jnp.transpose(g, (0, 1, 3, 2, 4)).reshape(B, W * ps, K, H)
+    return unpack_entries(g, dtype)
 
 
 class PagedDecodeKV(layer_scan.StackedStore):
@@ -152,8 +170,8 @@ class PagedDecodeKV(layer_scan.StackedStore):
         v_pool = write_pages(self.state.v[layer], page, off, v, self.at)
         self.k.append(k_pool)
         self.v.append(v_pool)
-        k_all = gather_pages(k_pool, self.table, self.at)
-        v_all = gather_pages(v_pool, self.table, self.at)
+        k_all = gather_pages(k_pool, self.table, k.dtype, self.at)
+        v_all = gather_pages(v_pool, self.table, v.dtype, self.at)
         j = jnp.arange(k_all.shape[1])[None, :]
         k_pos = jnp.where(j <= last[:, None], j, -1)  # (B, W * ps)
         return k_all, v_all, k_pos
@@ -172,8 +190,8 @@ class PagedDecodeKV(layer_scan.StackedStore):
 def xla_decode_attention(q, k_pool, v_pool, table, lengths):
     """Reference paged attention: q [B, N, H], pools [K, P+1, ps, H], table i32[B, W],
     lengths i32[B] (keys 0..length-1 are visible) -> [B, N, H]."""
-    k_all = gather_pages(k_pool, table)
-    v_all = gather_pages(v_pool, table)
+    k_all = gather_pages(k_pool, table, q.dtype)
+    v_all = gather_pages(v_pool, table, q.dtype)
     j = jnp.arange(k_all.shape[1])[None, :]
     k_pos = jnp.where(j < lengths[:, None], j, -1)
     out = attention(q[:, None], k_all, v_all, (lengths - 1)[:, None], k_pos, None)

@@ -22,6 +22,7 @@ import numpy as np
 
 from engines import layer_scan
 from engines.kv_cache import Prefix
+from engines.kv_quant import unpack_entries
 from engines.sampling import SlotSampling
 
 
@@ -48,9 +49,9 @@ def blocks_of_prefix(prefix: Prefix, first: jax.Array, n: int, b: int) -> jax.Ar
 
 
 def blocks_of_pages(k_pools: tuple[jax.Array, ...], v_pools: tuple[jax.Array, ...],
-                    pages: jax.Array) -> jax.Array:
+                    pages: jax.Array, dtype) -> jax.Array:
     """Pools L x [K, P+1, ps, H] (or one stack [L, K, P+1, ps, H], a scanned model's)
-    and pages i32[n] -> [n, L, 2, ps, K, H]."""
+    and pages i32[n] -> [n, L, 2, ps, K, H] in `dtype` (an int8 pool's dequantized)."""
 
     def take(pools):  # -> (L, K, n, ps, H)
         if layer_scan.is_stacked(pools, 4):
@@ -58,7 +59,8 @@ def blocks_of_pages(k_pools: tuple[jax.Array, ...], v_pools: tuple[jax.Array, ..
         return jnp.stack([jnp.take(p, pages, axis=1) for p in pools])
 
     k, v = take(k_pools), take(v_pools)
-    return jnp.transpose(jnp.stack([k, v], 1), (3, 0, 1, 4, 2, 5))  # (n, L, 2, ps, K, H)
+    kv = unpack_entries(jnp.stack([k, v], 1), dtype)
+    return jnp.transpose(kv, (3, 0, 1, 4, 2, 5))  # (n, L, 2, ps, K, H)
 
 
 def stack_blocks(blocks: tuple[jax.Array, ...]) -> jax.Array:

@@ -40,16 +40,18 @@ import jax
 import jax.numpy as jnp
 
 from engines.attention import softcapped
+from engines.kv_quant import unpack_entries
 
 RAGGED_ATTENTION = ("xla", "pallas_tpu")
 
 
-def _take_pages(pool: jax.Array, pages: jax.Array, layer: jax.Array | None) -> jax.Array:
+def _take_pages(pool: jax.Array, pages: jax.Array, layer: jax.Array | None,
+                dtype) -> jax.Array:
     """pool [K, P + 1, ps, H] (or a stack [L, ...] read at `layer`), pages i32[...]
-    -> [K, ..., ps, H]."""
+    -> [K, ..., ps, H] in `dtype` (an int8 pool's entries dequantized)."""
     if layer is None:
-        return jnp.take(pool, pages, axis=1)
-    return jnp.moveaxis(pool[layer, :, pages], pages.ndim, 0)  # pages' axes led
+        return unpack_entries(jnp.take(pool, pages, axis=1), dtype)
+    return unpack_entries(jnp.moveaxis(pool[layer, :, pages], pages.ndim, 0), dtype)
 
 
 def _pad_rows(x: jax.Array, size: int, value) -> jax.Array:
@@ -105,7 +107,7 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
 def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, softcap,
           layer):
     """One tile: q [bq, K, G, H] at positions pos i32[bq] of rows i32[bq]; table
-    i32[R, nk * c] -> [bq, K, G, H] in v's dtype. A tile whose live tokens are all of
+    i32[R, nk * c] -> [bq, K, G, H] in q's dtype. A tile whose live tokens are all of
     one row (most of a chunk's) gathers that row's pages once; a tile of several rows
     (decode tokens, a chunk's edge) gathers each token's own."""
     bq, K, G, H = q.shape
@@ -120,7 +122,8 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
 
         def blocks(j):
             blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c)
-            return tuple(_take_pages(p, blk, layer).reshape(K, keys, H) for p in (k_pool, v_pool))
+            return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, keys, H)
+                         for p in (k_pool, v_pool))
 
         return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window, softcap)
 
@@ -129,13 +132,13 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
 
         def blocks(j):
             blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c, axis=1)  # (bq, c)
-            return tuple(_take_pages(p, blk, layer).reshape(K, bq, keys, H)
+            return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, bq, keys, H)
                          for p in (k_pool, v_pool))
 
         return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window, softcap)
 
     single = jnp.all(~live | (rows == first))
-    return jax.lax.cond(single, one_row, per_token, q).astype(v_pool.dtype)
+    return jax.lax.cond(single, one_row, per_token, q).astype(q.dtype)
 
 
 def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

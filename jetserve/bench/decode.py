@@ -8,6 +8,9 @@ run (jetserve.bench.bandwidth; before the first batch and after the last, best k
 
     fraction_of_floor = floor_ms / step_ms     (1.0: at the floor)
 
+With `kv_layout="paged"` the step is the paged engine's, over pages of `page_size`
+tokens (16 from the command line) that its page planner hands out as the slots fill.
+
 With `slots`, one engine of that many slots is built instead and each batch B below it is
 timed as a step over its first B slots (EngineConfig.decode_batch_sizes), what a server
 with `--decode-batch-sizes` runs when only those slots are in use.
@@ -52,6 +55,8 @@ class DecodeBenchConfig:
     sharding: str = "replicated"
     quantize: str = "none"  # matmul weights: none | int8 | int4
     kv_dtype: str = "auto"  # auto | int8
+    kv_layout: str = "contiguous"  # contiguous | paged (pages of page_size tokens)
+    page_size: int = 16
     layers: str = "auto"  # EngineConfig.layers: auto | loop | scan
     # One engine of this many slots, each batch B below it timed as a step over its first
     # B slots (EngineConfig.decode_batch_sizes); None: an engine of B slots per batch.
@@ -180,7 +185,7 @@ def run(cfg: DecodeBenchConfig, devices: Sequence[jax.Device] | None = None,
         })
     return {
         "model": cfg.model, "dtype": cfg.dtype, "quantize": cfg.quantize,
-        "kv_dtype": cfg.kv_dtype, "layers": cfg.layers, "max_seq_len": cfg.seq_len,
+        "kv_dtype": cfg.kv_dtype, "kv_layout": cfg.kv_layout, "layers": cfg.layers, "max_seq_len": cfg.seq_len,
         "slots": cfg.slots,
         "bandwidth_gbps": round(bw_best / 1e9, 2),
         "bandwidth_probes_gbps": [round(bw0.gbps, 2), round(bw1.gbps, 2)],
@@ -200,6 +205,7 @@ def _engine_config(cfg: DecodeBenchConfig, batch: int) -> EngineConfig:
     return EngineConfig(max_concurrent_decodes=slots, max_seq_len=cfg.seq_len,
                         max_prefill_length=min(512, cfg.context), dtype=cfg.dtype,
                         quantize=cfg.quantize, kv_dtype=cfg.kv_dtype, layers=cfg.layers,
+                        kv_layout=cfg.kv_layout, page_size=cfg.page_size,
                         decode_batch_sizes=tuple(sorted({b for b in cfg.batches if b < slots})))
 
 

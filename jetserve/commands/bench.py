@@ -1,8 +1,8 @@
 """Benchmarks that print figures: decode against its floor, jetserve against transformers,
 quantized variants against the float model, KV capacity of the paged layout,
 inter-token latency under chunked prefill, TTFT with the prefix cache, speculative
-decoding against plain decoding, start-up with a cold and a warm compile cache,
-structured output's constrained step against the free one."""
+decoding against plain, start-up with a cold and a warm compile cache, structured
+output's constrained step against the free one."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--matmul-size", type=int, default=2048, help="FLOP/s probe matmul size")
     d.add_argument("--quantize", default="none", choices=["none", "int8", "int4"])
     d.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
+    d.add_argument("--kv-layout", default="contiguous", choices=["contiguous", "paged"])
     d.add_argument("--loras", type=int, default=0,
                    help="N > 0: the step with slots on N LoRA adapters against the base's")
     d.add_argument("--lora-rank", type=int, default=16, help="rank of those adapters")
@@ -248,7 +249,7 @@ def _decode(args: argparse.Namespace) -> int:
         steps=args.steps, warmup=args.warmup, dtype=args.dtype,
         max_seq_len=args.max_seq_len, read_bytes=_read_bytes(args.read_gb),
         matmul_size=args.matmul_size, quantize=args.quantize, kv_dtype=args.kv_dtype,
-        slots=args.slots)
+        kv_layout=args.kv_layout, slots=args.slots)
     log = (lambda *a: None) if args.json else print
     if args.loras:
         from engines.lora import LoraConfig
@@ -256,10 +257,9 @@ def _decode(args: argparse.Namespace) -> int:
 
         lora = LoraConfig(max_loras=args.loras, max_rank=args.lora_rank)
         out = lora_decode.run(lora_decode.LoraBenchConfig(decode=cfg, lora=lora), log=log)
-        print(json.dumps(out))
-        return 0
-    out = decode.run(cfg, log=log)
-    if args.json:
+    else:
+        out = decode.run(cfg, log=log)
+    if args.json or args.loras:  # the LoRA bench prints its JSON only
         print(json.dumps(out))
         return 0
     print(f"bandwidth {out['bandwidth_gbps']} GB/s (probes {out['bandwidth_probes_gbps']}), "

@@ -28,7 +28,7 @@ ENGINE_LAYERS = (
     # configs, the Engine API, attention / sampling / quantization / expert math
     ("config", "rope", "engine_config", "engine_api", "attention", "sampling", "quantization",
      "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend",
-     "token_mask", "layer_scan", "ragged_attention"),
+     "token_mask", "layer_scan", "kv_quant", "ragged_attention"),
     # the model and the KV stores (and checkpoint files, the mock engine)
     ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "ocdbt_reader",
      "mock_engine",

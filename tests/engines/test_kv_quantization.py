@@ -1,5 +1,6 @@
-"""The int8 KV cache: per token and kv head scales, error bounds, insert isolation, and
-decoding that stays close to the float cache (same weights, same prompts)."""
+"""The int8 KV cache: per token and kv head scales, error bounds, insert isolation,
+decoding that stays close to the float cache (same weights, same prompts), and int8 pages
+that decode as the int8 contiguous cache does."""
 
 import jax
 import jax.numpy as jnp
@@ -7,21 +8,24 @@ import numpy as np
 import pytest
 
 from engines import EngineConfig, ModelConfig, create_engine
-from engines.kv_cache import dequantize_kv, quantize_kv
+from engines.kv_quant import SCALE_BYTES, dequantize_kv, quantize_kv, unpack_entries
 from jetserve.offline import generate_many
+from jetserve.scheduling.page_planner import PagePlanner
 from sharding import load_preset
+from tests.engines.mixed_driver import run_mixed
 
 CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [27, 18, 28], list(range(40, 70))]
 
 
-def _engine(kv_dtype, devices=1, sharding="replicated"):
+def _engine(kv_dtype, devices=1, sharding="replicated", **config):
     # The unrolled layers, whose cache is per layer as the layout checks below read it
     # (the stacked one of a scan: tests/engines/test_layer_scan.py).
+    config = {"layers": "loop", **config}
     return create_engine(
         CFG, config=EngineConfig(max_concurrent_decodes=4, max_prefill_length=32,
-                                 max_seq_len=64, kv_dtype=kv_dtype, layers="loop"),
+                                 max_seq_len=64, kv_dtype=kv_dtype, **config),
         devices=jax.devices()[:devices], sharding=load_preset(sharding), seed=5)
 
 
@@ -45,8 +49,6 @@ def test_quantize_kv_error_bound():
 def test_bad_kv_dtype_is_named():
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         EngineConfig(kv_dtype="int4")
-    with pytest.raises(ValueError, match="kv_dtype int8 works with kv_layout contiguous"):
-        EngineConfig(kv_dtype="int8", kv_layout="paged")
 
 
 def test_int8_cache_layout_and_insert_isolation(engines):
@@ -96,3 +98,58 @@ def test_int8_cache_tp_matches_one_device(engines):
     want = generate_many(q, params, PROMPTS, max_tokens=12, ignore_eos=True)
     got = generate_many(tp, tp.load_params(), PROMPTS, max_tokens=12, ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+@pytest.mark.parametrize("layers", ["loop", "scan"])
+def test_int8_pages_decode_as_the_int8_contiguous_cache(engines, layers):
+    """Paged int8 (pages of 4, unrolled and scanned layers) against the contiguous int8
+    cache: the same greedy tokens and log-probs, 4 prompts on 4 slots; each page entry
+    holds the prefix's values quantized with its f32 scale after them."""
+    _, contiguous, params = engines
+    paged = PagePlanner(_engine("int8", kv_layout="paged", page_size=4, layers=layers))
+    pparams = paged.load_params()  # the same seed: the same weights
+    prompts = PROMPTS + [[7] * 13]
+    want = generate_many(contiguous, params, prompts, max_tokens=20, ignore_eos=True)
+    got = generate_many(paged, pparams, prompts, max_tokens=20, ignore_eos=True)
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    if layers == "scan":
+        return
+    state = paged.engine.init_decode_state()
+    K, _, ps, width = state.k[0].shape
+    assert state.k[0].dtype == jnp.int8 and width == CFG.head_dim + SCALE_BYTES
+    prefix, _ = paged.prefill(pparams, PROMPTS[2], len(PROMPTS[2]))
+    state = paged.insert(prefix, state, 1)
+    pages = paged.kv_pages.pages_of(1)
+    n = len(PROMPTS[2])
+    entries = np.asarray(state.k[1])[:, pages].reshape(K, -1, width)[:, :n]  # (K, n, H + 4)
+    scale = entries[..., CFG.head_dim:].copy().view(np.float32)[..., 0]  # (K, n)
+    exact = np.transpose(np.asarray(prefix.k[1][0, :n]), (1, 0, 2))  # (K, n, H)
+    np.testing.assert_allclose(scale, np.abs(exact).max(-1) / 127, rtol=1e-6)
+    got_k = np.asarray(unpack_entries(jnp.asarray(entries), jnp.float32))
+    assert np.all(np.abs(got_k - exact) <= scale[..., None] / 2 + 1e-6)
+    # Prefix-cache blocks read from int8 pages come back in the model dtype, dequantized.
+    blocks = np.asarray(paged.page_blocks(state, pages[:2]))[:2]  # (2, L, 2, ps, K, H)
+    assert blocks.dtype == np.float32
+    np.testing.assert_array_equal(
+        np.transpose(blocks[:, 1, 0], (2, 0, 1, 3)).reshape(K, -1, CFG.head_dim)[:, :2 * ps],
+        got_k[:, :2 * ps])
+    paged.free_slot(1)
+
+
+def test_int8_pages_under_mixed_steps_stay_close_to_float():
+    """The mixed step's chunks attend over the pool, so with int8 pages a prompt sees its
+    own keys quantized (as its decode steps do): the tokens stay those of float pages for
+    a while and the programs are the same small set."""
+    runs = []
+    for kv in ("auto", "int8"):
+        eng = _engine(kv, kv_layout="paged", page_size=4)
+        runs.append(run_mixed(eng, eng.load_params(), PROMPTS, max_tokens=16, chunk=8,
+                              budget=12, widest=True))
+    for a, b in zip(runs[0].outputs, runs[1].outputs, strict=True):
+        same = 0
+        while same < len(a) and a[same] == b[same]:
+            same += 1
+        assert same >= 6, (a, b)
+    assert runs[1].mixed_steps >= 2

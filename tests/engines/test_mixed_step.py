@@ -154,7 +154,7 @@ def test_ragged_attention_matches_plain_attention(window, softcap):
     # block_k 4 = one page per key block, block_q 4: several tiles and key blocks.
     got = ragged_paged_attention(q, k_pool, v_pool, table, rows, pos, window,
                                  block_q=4, block_k=4, softcap=softcap)
-    k_all, v_all = gather_pages(k_pool, table), gather_pages(v_pool, table)  # (R, W*ps, K, H)
+    k_all, v_all = (gather_pages(p, table, p.dtype) for p in (k_pool, v_pool))  # (R, W*ps, K, H)
     S = k_all.shape[1]
     live = np.asarray(pos) >= 0
     want = attention(q[:, None], k_all[rows], v_all[rows], pos[:, None],

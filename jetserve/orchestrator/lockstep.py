@@ -18,6 +18,14 @@ The loop, one turn at a time, on every process::
   process 0: read ── the previous step's tokens (one step late, as generate_worker.py,
                       so the host reads while the device runs) -> the detokenize thread
 
+Structured output: the grammars live on process 0, which alone reads tokens. A
+constrained admission's first-token mask, and the mask of a step that runs a constrained
+slot, are made there (step_masks.py, as the threaded generate loop makes them: a slot
+whose last token is not read yet sits the step out, and a batch of constrained slots
+alone reads the step before back first) and broadcast as one more array before the call
+that takes them; the plan says which calls take one (`Admission.constrained`,
+`StepPlan.step_mask`), so the others know to wait for it.
+
 Process 0 keeps everything else of `Orchestrator` (it is a subclass): submit, validation,
 the bounded admission queue (clients served in turn), the detokenize thread, request
 handles, listeners, stats, drain on stop. So the servers run on it unchanged. Its loop runs on a thread of its own
@@ -51,12 +59,14 @@ import jax
 import numpy as np
 
 from engines.engine_api import Engine, ResultTokens
+from engines.token_mask import allow_all, mask_words
 from jetserve import distributed
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from jetserve.orchestrator.readback import ReadBack
+from jetserve.orchestrator.step_masks import first_mask, mask_kwargs, must_sync, step_mask
 from jetserve.orchestrator.step_plan import Broadcast, PlanCodec, exchange
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Admission, StepPlan, chunks
@@ -109,13 +119,6 @@ class LockStepOrchestrator(Orchestrator):
     def submit_many(self, requests):
         if not self.primary:
             raise RuntimeError("requests go to process 0; this process follows its plans")
-        for r in requests:
-            if getattr(r, "constraint", None) is not None:
-                raise ValueError(f"{r.constraint.field}: structured output is not available "
-                                 "when several processes serve one model (lock-step)")
-            if r.sampling.logit_bias:  # the step plan carries no bias (step_plan.py)
-                raise ValueError("logit_bias is not available when several processes serve "
-                                 "one model (lock-step)")
         return super().submit_many(requests)
 
     def stats(self) -> dict:
@@ -193,7 +196,7 @@ class LockStepOrchestrator(Orchestrator):
         for a, live in zip(plan.admissions, lives, strict=True):
             self._admit(a, live)
         if self._rows:
-            self._step()
+            self._step(plan.step_mask)
 
     def _admit(self, a: Admission, live: LiveRequest | None) -> None:
         tokens = np.asarray(a.prompt_ids, np.int32)
@@ -201,6 +204,8 @@ class LockStepOrchestrator(Orchestrator):
         if live is not None:
             live.timing.prefill_start = t0
         try:
+            mask = {} if not a.constrained else {"token_mask": self._mask_from_primary(
+                first_mask(live)["token_mask"] if live is not None else None, 1)}
             if a.prompt_logprobs:
                 if live is None:
                     self.engine.prompt_logprobs(self.params, tokens)
@@ -220,7 +225,8 @@ class LockStepOrchestrator(Orchestrator):
                 piece = tokens[start:end]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                     sampling=a.sampling, seed=a.seed,
-                                                    existing_prefix=prefix, donate=True)
+                                                    existing_prefix=prefix, donate=True,
+                                                    **mask)
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")
@@ -244,11 +250,30 @@ class LockStepOrchestrator(Orchestrator):
             log.exception("reading the first token failed")
             self._readback.end(live, "error", e)
 
-    def _step(self) -> None:
+    def _mask_from_primary(self, mask: np.ndarray | None, rows: int) -> np.ndarray:
+        """Process 0's mask i32[rows, W] on every process (the others pass None)."""
+        if mask is None:
+            mask = np.zeros((rows, mask_words(self.engine.vocab_size)), np.int32)
+        return np.asarray(self._broadcast(mask), np.int32)
+
+    def _step_mask(self, rows) -> tuple[np.ndarray | None, set[int]]:
+        """Process 0: this step's mask (every row allowed when no slot is constrained any
+        more) and the slots that sit it out."""
+        if must_sync(rows):
+            self._readback.sync()  # the constrained slots' next masks need their tokens
+        B = self.engine.max_concurrent_decodes
+        mask, paused = step_mask(rows, B, self.engine.vocab_size, pause=True)
+        return (allow_all(B, self.engine.vocab_size) if mask is None else mask), paused
+
+    def _step(self, masked: bool = False) -> None:
         rows = sorted(self._rows.items())
+        mask, paused = self._step_mask(rows) if masked and self.primary else (None, set())
         t = time.monotonic()
         try:
-            self._state, res = self.engine.generate(self.params, self._state)
+            if masked:
+                mask = self._mask_from_primary(mask, self.engine.max_concurrent_decodes)
+            self._state, res = self.engine.generate(self.params, self._state,
+                                                    **mask_kwargs(mask))
         except Exception as e:  # the same failure on every process
             log.exception("generate step failed")
             self._fail_all(e)
@@ -257,8 +282,9 @@ class LockStepOrchestrator(Orchestrator):
         if not self.primary:
             return
         res.copy_to_host_async()
-        for _, live in rows:
-            live.steps += 1
+        for slot, live in rows:
+            if slot not in paused:  # a paused slot sat the step out (step_masks.py)
+                live.steps += 1
         self._readback.dispatched(res, rows, t)
 
     def _fail_all(self, exc: BaseException) -> None:

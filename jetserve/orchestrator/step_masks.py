@@ -72,9 +72,11 @@ def mask_kwargs(mask: np.ndarray | None) -> dict:
 
 
 def mask_refusal(engine: Any) -> str | None:
-    """Why `engine` (or the engine a page planner wraps) cannot serve a constrained
-    request; None when it can."""
-    inner = getattr(engine, "engine", engine)
+    """Why `engine` (or the engine a page planner, or any wrapper, holds) cannot serve a
+    constrained request; None when it can."""
+    inner = engine
+    while not isinstance(inner, TransformerEngine) and hasattr(inner, "engine"):
+        inner = inner.engine
     if not isinstance(inner, TransformerEngine):
         return f"{type(inner).__name__} applies no token masks"
     if inner.config.spec.enabled:

@@ -8,12 +8,15 @@ all apply the same bits.
 
 Wire form (uint32, so float bits and 32-bit seeds pass through a broadcast unchanged):
   header, fixed size for a given slot count B (every process passes the same shape):
-    [kind, admissions, payload length] + B release flags + B admission records of
-    [slot + 1 (0: score only, no slot), prompt length, flags, seed, top_k,
-     temperature, top_p, min_p, repetition, frequency and presence penalty (f32 bits)]
+    [kind, admissions, payload length, step mask] + B release flags + B admission
+    records of
+    [slot + 1 (0: score only, no slot), prompt length, flags, seed, top_k, logit_bias
+     pairs, temperature, top_p, min_p, repetition, frequency and presence penalty (f32
+     bits)]
   payload, sent only when something is admitted: the prompts' token ids one after
-    another, padded to a power of two (its size is in the header, so every process knows
-    the shape; few sizes, so few compiled broadcasts).
+    another, then each admission's logit_bias as (token id, bias f32 bits) pairs, padded
+    to a power of two (its size is in the header, so every process knows the shape; few
+    sizes, so few compiled broadcasts).
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from jetserve.scheduling.plan import Admission, StepPlan
 RUN, STOP = 0, 1
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
            "presence_penalty")
-_RECORD = 5 + len(_FLOATS)  # slot + 1, length, flags, seed, top_k, floats
-_PROMPT_LOGPROBS = 1  # flags bit
+_INTS = 6  # slot + 1, length, flags, seed, top_k, logit_bias pairs
+_RECORD = _INTS + len(_FLOATS)
+_PROMPT_LOGPROBS, _CONSTRAINED = 1, 2  # flags bits
+_HEAD = 4  # kind, admissions, payload length, step mask
 _MIN_PAYLOAD = 16
 
 __all__ = ["Admission", "Broadcast", "PlanCodec", "StepPlan", "exchange"]
@@ -42,30 +47,34 @@ class PlanCodec:
 
     def __init__(self, slots: int):
         self.slots = slots
-        self.header_size = 3 + slots + slots * _RECORD
+        self.header_size = _HEAD + slots + slots * _RECORD
 
     def encode(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray | None]:
         B = self.slots
         if len(plan.admissions) > B:
             raise ValueError(f"a plan admits at most {B} prompts, got {len(plan.admissions)}")
         h = np.zeros(self.header_size, np.uint32)
-        prompts = [a.prompt_ids for a in plan.admissions]
-        total = sum(len(p) for p in prompts)
+        prompts = [np.asarray(a.prompt_ids, np.uint32) for a in plan.admissions]
+        biases = [_bias_words(a.sampling.logit_bias) for a in plan.admissions]
+        total = sum(len(p) for p in prompts) + sum(len(b) for b in biases)
         h[0] = STOP if plan.stop else RUN
         h[1] = len(plan.admissions)
         h[2] = _bucket(total) if total else 0
+        h[3] = plan.step_mask
         for s in plan.releases:
-            h[3 + s] = 1
+            h[_HEAD + s] = 1
         for i, a in enumerate(plan.admissions):
-            r = h[3 + B + i * _RECORD: 3 + B + (i + 1) * _RECORD]
+            r = h[_HEAD + B + i * _RECORD: _HEAD + B + (i + 1) * _RECORD]
             sp = a.sampling
-            r[:5] = [0 if a.slot is None else a.slot + 1, len(a.prompt_ids),
-                     _PROMPT_LOGPROBS if a.prompt_logprobs else 0, a.seed, sp.top_k]
-            r[5:] = np.asarray([getattr(sp, f) for f in _FLOATS], np.float32).view(np.uint32)
+            flags = (_PROMPT_LOGPROBS if a.prompt_logprobs else 0) | (
+                _CONSTRAINED if a.constrained else 0)
+            r[:_INTS] = [0 if a.slot is None else a.slot + 1, len(a.prompt_ids), flags,
+                         a.seed, sp.top_k, len(sp.logit_bias)]
+            r[_INTS:] = np.asarray([getattr(sp, f) for f in _FLOATS], np.float32).view(np.uint32)
         if not total:
             return h, None
         payload = np.zeros(h[2], np.uint32)
-        payload[:total] = np.concatenate([np.asarray(p, np.uint32) for p in prompts])
+        payload[:total] = np.concatenate(prompts + biases)
         return h, payload
 
     def payload_size(self, header: np.ndarray) -> int:
@@ -76,19 +85,28 @@ class PlanCodec:
         h = np.asarray(header, np.uint32)
         if h[0] == STOP:
             return StepPlan(stop=True)
-        releases = tuple(int(s) for s in np.flatnonzero(h[3: 3 + B]))
-        admissions, at = [], 0
-        for i in range(int(h[1])):
-            r = h[3 + B + i * _RECORD: 3 + B + (i + 1) * _RECORD]
-            slot1, length, flags, seed, top_k = (int(x) for x in r[:5])
-            floats = r[5:].view(np.float32).tolist()
-            sampling = SamplingParams(top_k=top_k, **dict(zip(_FLOATS, floats, strict=True)))
-            ids = tuple(int(t) for t in payload[at: at + length])
-            at += length
+        releases = tuple(int(s) for s in np.flatnonzero(h[_HEAD: _HEAD + B]))
+        records = [h[_HEAD + B + i * _RECORD: _HEAD + B + (i + 1) * _RECORD]
+                   for i in range(int(h[1]))]
+        at = sum(int(r[1]) for r in records)  # the biases follow every prompt
+        admissions, start = [], 0
+        for r in records:
+            slot1, length, flags, seed, top_k, pairs = (int(x) for x in r[:_INTS])
+            floats = r[_INTS:].view(np.float32).tolist()
+            words = payload[at: at + 2 * pairs].reshape(pairs, 2)
+            at += 2 * pairs
+            bias = tuple(zip(words[:, 0].tolist(), words[:, 1].view(np.float32).tolist(),
+                             strict=True))
+            sampling = SamplingParams(top_k=top_k, logit_bias=bias,
+                                      **dict(zip(_FLOATS, floats, strict=True)))
+            ids = tuple(int(t) for t in payload[start: start + length])
+            start += length
             admissions.append(Admission(slot=None if slot1 == 0 else slot1 - 1, prompt_ids=ids,
                                         sampling=sampling, seed=seed,
-                                        prompt_logprobs=bool(flags & _PROMPT_LOGPROBS)))
-        return StepPlan(releases=releases, admissions=tuple(admissions))
+                                        prompt_logprobs=bool(flags & _PROMPT_LOGPROBS),
+                                        constrained=bool(flags & _CONSTRAINED)))
+        return StepPlan(releases=releases, admissions=tuple(admissions),
+                        step_mask=bool(h[3]))
 
 
 def exchange(plan: StepPlan | None, codec: PlanCodec, broadcast: Broadcast) -> StepPlan:
@@ -103,6 +121,15 @@ def exchange(plan: StepPlan | None, codec: PlanCodec, broadcast: Broadcast) -> S
         payload = np.asarray(broadcast(payload if payload is not None
                                        else np.zeros(n, np.uint32)), np.uint32)
     return codec.decode(header, payload)
+
+
+def _bias_words(bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """logit_bias pairs -> [id, f32 bits, id, f32 bits, ...] as uint32."""
+    words = np.zeros((len(bias), 2), np.uint32)
+    if bias:
+        words[:, 0] = [t for t, _ in bias]
+        words[:, 1] = np.asarray([b for _, b in bias], np.float32).view(np.uint32)
+    return words.reshape(-1)
 
 
 def _bucket(n: int) -> int:

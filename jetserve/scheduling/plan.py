@@ -22,6 +22,9 @@ class Admission:
     sampling: object  # engines.SamplingParams (not imported: this package never loads jax)
     seed: int  # drawn by the scheduler when the request gave none
     prompt_logprobs: bool = False
+    # Structured output: its first token is sampled under its grammar's mask, which the
+    # executor gets from where the grammar lives (process 0, in lock step).
+    constrained: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +32,8 @@ class StepPlan:
     stop: bool = False
     releases: tuple[int, ...] = ()  # slots to free before admitting
     admissions: tuple[Admission, ...] = ()
+    # The turn's generate step takes a token mask (a slot it runs is constrained).
+    step_mask: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

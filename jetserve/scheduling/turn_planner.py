@@ -11,8 +11,10 @@ Scoring-only requests (max_tokens 0) take no slot. A request without a seed gets
 here, so every process samples alike.
 
 Requests are duck-typed (a LiveRequest): `done`, `abandoned(now)`,
-`last_step_dispatched()`, `budget` and `request` (prompt_ids, max_tokens, sampling with
-its seed, prompt_logprobs).
+`last_step_dispatched()`, `budget`, `request` (prompt_ids, max_tokens, sampling with
+its seed, prompt_logprobs) and, for structured output, `grammar` (None: free). A turn
+whose step runs a constrained slot says so (`StepPlan.step_mask`), and so does each
+constrained admission: the executor then takes the masks from process 0.
 """
 
 from __future__ import annotations
@@ -68,13 +70,23 @@ class TurnPlanner:
             admitted(live)
             if slot is not None:
                 free.pop(0)
-            admissions.append(_admission(slot, live.request))
+            admissions.append(_admission(slot, live))
             lives.append(live)
-        return StepPlan(releases=tuple(releases), admissions=tuple(admissions)), lives
+        kept = [live for slot, live in rows.items() if slot not in releases]
+        step_mask = any(_constrained(live) for live in kept) or any(
+            a.constrained and a.slot is not None for a in admissions)
+        return StepPlan(releases=tuple(releases), admissions=tuple(admissions),
+                        step_mask=step_mask), lives
 
 
-def _admission(slot: int | None, request: Any) -> Admission:
+def _constrained(live: Any) -> bool:
+    return getattr(live, "grammar", None) is not None
+
+
+def _admission(slot: int | None, live: Any) -> Admission:
+    request = live.request
     sp = request.sampling
     return Admission(slot=slot, prompt_ids=tuple(request.prompt_ids), sampling=sp,
                      seed=sp.seed if sp.seed is not None else secrets.randbits(31),
-                     prompt_logprobs=request.prompt_logprobs)
+                     prompt_logprobs=request.prompt_logprobs,
+                     constrained=slot is not None and _constrained(live))

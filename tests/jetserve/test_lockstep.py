@@ -34,14 +34,23 @@ def test_plan_round_trip():
         Admission(slot=2, prompt_ids=(1, 2, 300000), seed=2**32 - 1,
                   sampling=SamplingParams(temperature=0.5, top_k=40, top_p=0.25, min_p=0.125,
                                           repetition_penalty=1.5, frequency_penalty=-2.0,
-                                          presence_penalty=0.75)),
+                                          presence_penalty=0.75,
+                                          logit_bias=((5, -100.0), (300000, 0.5)))),
         Admission(slot=None, prompt_ids=(7,), seed=0, sampling=SamplingParams(),
                   prompt_logprobs=True),
+        Admission(slot=0, prompt_ids=(8, 9), seed=1,
+                  sampling=SamplingParams(logit_bias=((0, 2.25),))),
     ))
     header, payload = codec.encode(plan)
     assert header.shape == (codec.header_size,) and header.dtype == np.uint32
-    assert payload.shape == (16,)  # 4 prompt tokens, padded to the smallest bucket
+    # 6 prompt tokens and 3 logit_bias pairs of 2 words, padded to the smallest bucket
+    assert payload.shape == (16,)
     assert codec.decode(header, payload) == plan
+    many = SamplingParams(logit_bias=tuple((t, t / 8 - 30) for t in range(300)))
+    big = StepPlan(admissions=(Admission(slot=1, prompt_ids=(1,) * 40, seed=3, sampling=many),))
+    header, payload = codec.encode(big)
+    assert payload.shape == (1024,)  # 40 + 600 words
+    assert codec.decode(header, payload) == big
     assert codec.decode(*codec.encode(StepPlan(stop=True))).stop
     idle_header, idle_payload = codec.encode(StepPlan())
     assert idle_payload is None and codec.decode(idle_header, None) == StepPlan()
@@ -208,12 +217,97 @@ def test_follower_refuses_requests(pair):
         follower.submit(Request(prompt_ids=[1]))
 
 
-def test_structured_output_is_refused_in_lock_step(pair):
-    lead = pair[0]
-    c = Constraint(kind="regex", value="a+", field="guided_regex")
-    with pytest.raises(ValueError, match="^guided_regex: structured output is not available "
-                                         "when several processes"):
-        lead.submit(Request(prompt_ids=[1], constraint=c))
+class _Recorded:
+    """A paged engine whose prefill / insert / generate / free calls are logged with
+    their inputs (pages, page tables and token masks included, as bytes); the drivers
+    wrap it in its page planner."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @staticmethod
+    def _bytes(x):
+        return None if x is None else np.asarray(x).tobytes()
+
+    def prefill(self, params, tokens, true_length, **kw):
+        self.calls.append(("prefill", self._bytes(tokens), kw.get("seed"),
+                           self._bytes(kw.get("token_mask"))))
+        return self.engine.prefill(params, tokens, true_length, **kw)
+
+    def insert(self, prefix, state, slot, *, pages, shared=0):
+        self.calls.append(("insert", slot, tuple(pages), shared))
+        return self.engine.insert(prefix, state, slot, pages=pages, shared=shared)
+
+    def generate(self, params, state, table, token_mask=None):
+        self.calls.append(("generate", self._bytes(token_mask), self._bytes(table)))
+        return self.engine.generate(params, state, table, token_mask)
+
+
+def test_structured_output_in_lock_step_equals_one_process():
+    """Constrained requests (a JSON schema at temperature 1, a regex and a choice, greedy)
+    beside free ones, on two lock-step drivers over paged engines of the bundled model:
+    process 0's answers equal the threaded orchestrator's on the same engine, and the
+    follower made exactly process 0's calls, every token mask included."""
+    import json
+
+    from engines import EngineConfig
+    from jetserve.model_loading import build_engine
+    from jetserve.orchestrator import Orchestrator
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 8},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    cfg = EngineConfig(max_concurrent_decodes=3, max_prefill_length=32, max_seq_len=96,
+                       kv_layout="paged", page_size=16)
+    engines = [_Recorded(build_engine(None, devices=jax.devices()[i:i + 1],
+                                      engine_config=cfg).engine) for i in range(2)]
+    prompt = engines[0].tokenizer.encode("# user:\nA person as JSON, please.\n# assistant:\n")
+    requests = [
+        Request(prompt_ids=prompt, max_tokens=40, sampling=SamplingParams(temperature=1.0,
+                                                                          seed=6),
+                constraint=Constraint(kind="json_schema", value=schema)),
+        Request(prompt_ids=prompt, max_tokens=12, ignore_eos=True),
+        Request(prompt_ids=prompt[:-2], max_tokens=10,
+                constraint=Constraint(kind="regex", value=r"[0-9]{3}-[a-z]{2}")),
+        Request(prompt_ids=prompt, max_tokens=8,
+                constraint=Constraint(kind="choice", value=["yes", "no", "maybe"])),
+        Request(prompt_ids=prompt[:-1], max_tokens=12, ignore_eos=True,
+                sampling=SamplingParams(temperature=1.0, seed=3)),
+    ]
+    send, receive = _queue_broadcast()
+    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), primary=True,
+                                broadcast=send, idle_wait_s=0.01)
+    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
+                                    broadcast=receive)
+    errors = []
+
+    def follow():
+        try:
+            follower.run()
+        except Exception as e:  # shown below
+            errors.append(e)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    with lead:
+        got = [h.result(timeout=300) for h in [lead.submit(r) for r in requests]]
+    t.join(60)
+    assert not t.is_alive() and not errors
+    assert engines[0].calls == engines[1].calls
+    assert sum(c[0] == "generate" and c[1] is not None for c in engines[0].calls) >= 5
+    assert sum(c[0] == "prefill" and c[3] is not None for c in engines[0].calls) == 3
+    json.loads(got[0].text)
+    assert got[0].finish_reason == "stop"
+    assert len(got[2].text) == 6 and got[2].text[3] == "-"
+    assert got[3].text in ("yes", "no", "maybe")
+    threaded = Orchestrator.from_engines(engines[0].engine)
+    with threaded:
+        want = [h.result(timeout=300) for h in [threaded.submit(r) for r in requests]]
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
 
 
 # ---- a paged engine, chunked prefill --------------------------------------------------------

@@ -13,8 +13,10 @@ The loop, one turn at a time, on every process::
                       TurnPlanner (jetserve/scheduling/turn_planner.py) decides
   all:       exchange ── broadcast_from_primary of the encoded plan (step_plan.py)
   all:       apply ── free_slot; prefill (+ prompt log-probs; in chunks of
-                      `prefill_chunk` or max_prefill_length) and insert per admission;
-                      one generate step when any slot is occupied
+                      `prefill_chunk` or max_prefill_length) and insert per admission,
+                      consecutive whole prompts sharing a call where the engine takes
+                      several (--prefill-batch, `_groups`); one generate step when any
+                      slot is occupied
   process 0: read ── the previous step's tokens (one step late, as generate_worker.py,
                       so the host reads while the device runs) -> the detokenize thread
 
@@ -94,9 +96,6 @@ class LockStepOrchestrator(Orchestrator):
                  idle_wait_s: float = 0.25):
         self._init_intake([engine], [engine], config)
         self.config.refuse_step_policy("lock step over several processes")
-        if engine.prefill_row_shapes():
-            raise ValueError("--prefill-batch: lock step over several processes prefills one "
-                             "prompt a call; leave it out")
         engine = self.engine = self.generate_engines[0]  # a paged one with its page planner
         self.params = params
         self.primary = distributed.is_primary() if primary is None else primary
@@ -193,10 +192,64 @@ class LockStepOrchestrator(Orchestrator):
         for slot in plan.releases:
             del self._rows[slot]
             self.engine.free_slot(slot)
-        for a, live in zip(plan.admissions, lives, strict=True):
-            self._admit(a, live)
+        for group in self._groups(plan.admissions, lives):
+            if len(group) > 1:
+                self._admit_rows(group)
+            else:
+                self._admit(*group[0])
         if self._rows:
             self._step(plan.step_mask)
+
+    def _groups(self, admissions, lives) -> list[list[tuple[Admission, LiveRequest | None]]]:
+        """The admissions in order, in runs that share one prefill call (engine.prefill_rows:
+        whole prompts of a slot, no prompt scoring, no grammar) as the engine's shapes
+        take them, the others one each. The plan alone decides it, so every process
+        groups alike."""
+        chunk = self.config.prefill_chunk or self.engine.max_prefill_length
+        pairs = list(zip(admissions, lives, strict=True))
+        shares = [a.slot is not None and not a.prompt_logprobs and not a.constrained
+                  and len(a.prompt_ids) <= chunk for a, _ in pairs]
+        groups, i = [], 0
+        while i < len(pairs):
+            run = 0
+            while i + run < len(pairs) and shares[i + run]:
+                run += 1
+            n = self.engine.prefill_rows_for(run, max(len(a.prompt_ids) for a, _ in
+                                                      pairs[i:i + run])) if run > 1 else 1
+            groups.append(pairs[i:i + n])
+            i += n
+        return groups
+
+    def _admit_rows(self, group: list[tuple[Admission, LiveRequest | None]]) -> None:
+        """Several whole prompts in one prefill call, then each inserted into its slot."""
+        t0 = time.monotonic()
+        for _, live in group:
+            if live is not None:
+                live.timing.prefill_start = t0
+        inserted = []
+        try:
+            prefixes, first = self.engine.prefill_rows(
+                self.params, [np.asarray(a.prompt_ids, np.int32) for a, _ in group],
+                samplings=[a.sampling for a, _ in group], seeds=[a.seed for a, _ in group])
+            for (a, _), prefix in zip(group, prefixes, strict=True):
+                self._state = self.engine.insert(prefix, self._state, a.slot)
+                inserted.append(a.slot)
+        except Exception as e:  # the same failure on every process
+            log.exception("prefill of several prompts or insert failed")
+            for slot in inserted:
+                self.engine.free_slot(slot)
+            for a, live in group:
+                self._kv.unreserve(a.slot)
+                if live is not None:
+                    self._readback.end(live, "error", e)
+            if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
+                self._fail_all(e)
+            return
+        for row, (a, live) in enumerate(group):
+            self._rows[a.slot] = live
+            self.prefills += 1
+            if live is not None:
+                self._first_token(live, first, t0, row)
 
     def _admit(self, a: Admission, live: LiveRequest | None) -> None:
         tokens = np.asarray(a.prompt_ids, np.int32)
@@ -241,11 +294,12 @@ class LockStepOrchestrator(Orchestrator):
         if live is not None:
             self._first_token(live, first, t0)
 
-    def _first_token(self, live: LiveRequest, first: ResultTokens, t0: float) -> None:
-        """Process 0: the prefill's token streams now. A request it ends keeps its slot
-        until the next plan frees it (every process inserted it)."""
+    def _first_token(self, live: LiveRequest, first: ResultTokens, t0: float,
+                     row: int = 0) -> None:
+        """Process 0: the prefill's token (row `row` of `first`) streams now. A request it
+        ends keeps its slot until the next plan frees it (every process inserted it)."""
         try:
-            self._readback.first_token(live, first, t0, len(live.request.prompt_ids))
+            self._readback.first_token(live, first, t0, len(live.request.prompt_ids), row)
         except Exception as e:
             log.exception("reading the first token failed")
             self._readback.end(live, "error", e)

@@ -353,3 +353,63 @@ def test_prefill_chunk_longer_than_a_prefill_is_refused():
     with pytest.raises(ValueError, match="prefill_chunk=100 is longer than"):
         LockStepOrchestrator(engine, engine.load_params(), primary=True,
                              config=OrchestratorConfig(prefill_chunk=100))
+
+
+def test_lock_step_prefills_several_prompts_a_call():
+    """--prefill-batch in lock step: consecutive whole prompts share prefill calls on both
+    processes alike (the follower's calls equal process 0's), a long prompt and a scored
+    one go alone, and every stream equals offline generation on one engine."""
+    from engines import EngineConfig
+    from jetserve.model_loading import build_engine
+    from jetserve.offline import generate_many
+
+    cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=64, max_seq_len=128,
+                       kv_layout="paged", page_size=4, prefill_batch=4)
+    engines = [_Recorded(build_engine("random:tiny", devices=jax.devices()[i:i + 1],
+                                      engine_config=cfg).engine) for i in range(2)]
+    called = {}
+    for e in engines:
+        rows = e.engine.prefill_rows
+
+        def prefill_rows(params, prompts, *, samplings, seeds, _e=e, _rows=rows):
+            _e.calls.append(("prefill_rows", tuple(np.asarray(p).tobytes() for p in prompts),
+                             tuple(seeds)))
+            return _rows(params, prompts, samplings=samplings, seeds=seeds)
+
+        called[id(e)] = prefill_rows
+        e.prefill_rows = prefill_rows
+    prompts = [[(5 * i + j) % 90 + 3 for j in range(n)]
+               for i, n in enumerate([3, 9, 5, 100, 7, 2, 11, 4])]
+    send, receive = _queue_broadcast()
+    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), primary=True,
+                                broadcast=send, idle_wait_s=0.01)
+    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
+                                    broadcast=receive)
+    errors = []
+
+    def follow():
+        try:
+            follower.run()
+        except Exception as e:  # shown below
+            errors.append(e)
+
+    # All queued before the loop starts: its first turn admits the first four, of which
+    # the first three share a call (the fourth is longer than a prefill).
+    handles = [lead.submit(Request(prompt_ids=p, max_tokens=8, ignore_eos=True))
+               for p in prompts]
+    scored = lead.submit(Request(prompt_ids=prompts[0], max_tokens=4, ignore_eos=True,
+                                 prompt_logprobs=True))
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    with lead:
+        got = [h.result(timeout=300).token_ids for h in handles]
+        scored = scored.result(timeout=300)
+    t.join(60)
+    assert not t.is_alive() and not errors
+    assert engines[0].calls == engines[1].calls
+    shared = [c for c in engines[0].calls if c[0] == "prefill_rows"]
+    assert len(shared[0][1]) == 3 and shared[0][1][0] == np.asarray(prompts[0], np.int32).tobytes()
+    want = generate_many(engines[0].engine, engines[0].load_params(), prompts, max_tokens=8,
+                         ignore_eos=True)
+    assert got == [r.token_ids for r in want]
+    assert scored.token_ids == want[0].token_ids[:4]

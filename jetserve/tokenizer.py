@@ -13,6 +13,9 @@ import re
 from typing import Any
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # byte-fallback pieces, both libraries
+# tokenizer_config.json's special tokens (transformers' special_tokens_map).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token")
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -45,6 +48,9 @@ class _Base:
             cfg.get("chat_template"), str) else None
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
+        # Every special token the config names, as chat templates see them.
+        self.special_tokens = {k: t for k in SPECIAL_TOKEN_KEYS
+                               if (t := _token_str(cfg.get(k))) is not None}
         if self.bos_token is not None:
             bid = self.token_to_id(self.bos_token)
             if bid is not None:

@@ -90,6 +90,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: Any = None
     tools: Any = None  # with messages: listed by the chat template, as chat does
+    chat_template_kwargs: Any = None  # with messages: more template variables, as chat
     add_special_tokens: bool | None = None  # BOS; default: True for prompt, False for chat
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None

@@ -15,11 +15,12 @@ default, else the path's own default. Plain Python; no jax.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from jetserve.tokenizer import read_json_object
 
 FILE = "generation_config.json"
 MODES = ("auto", "vllm")  # --generation-config: read the file, or jetserve's defaults only
@@ -66,18 +67,12 @@ def read(model_dir: str | None, mode: str = "auto") -> GenerationDefaults:
     of the wrong type or range is a ValueError naming the file and the field."""
     if mode not in MODES:
         raise ValueError(f"--generation-config must be one of {list(MODES)}, got {mode!r}")
-    path = os.path.join(model_dir, FILE) if model_dir and os.path.isdir(model_dir) else None
-    if mode == "vllm" or path is None or not os.path.exists(path):
+    if mode == "vllm" or not (model_dir and os.path.isdir(model_dir)):
         return GenerationDefaults()
-    with open(path) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    path = os.path.join(model_dir, FILE)
+    raw = read_json_object(path)
     values = {FIELDS[k]: _checked(path, k, raw[k]) for k in FIELDS if raw.get(k) is not None}
-    return GenerationDefaults(**values, source=path)
+    return GenerationDefaults(**values, source=path if values else None)
 
 
 def _checked(path: str, name: str, value: Any) -> float | int:

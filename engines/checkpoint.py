@@ -28,8 +28,11 @@ ORBAX_FORMAT = "jetserve-orbax-v2"
 _V1_TO_V2 = {"q_proj": (1, 2, 0), "k_proj": (1, 2, 0), "v_proj": (1, 2, 0),
              "o_proj": (2, 0, 1), "gate_proj": (1, 0), "up_proj": (1, 0),
              "down_proj": (1, 0), "lm_head": (1, 0)}
+# What `jetserve convert` copies beside the weights (transformers 5 writes the chat
+# template to chat_template.jinja, or .json, rather than into tokenizer_config.json).
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "generation_config.json")
+                   "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engines import SamplingParams
+from jetserve.generation_config import GenerationDefaults
 from jetserve.structured import Constraint
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
@@ -190,13 +191,20 @@ class ModelLimits:
     # Server policy (ServerConfig): how much one request may ask for.
     max_prompts_per_request: int = 64
     max_sub_requests: int = 64  # prompts x n
+    # The model's generation_config.json: defaults of the fields a request leaves unset.
+    generation: GenerationDefaults = GenerationDefaults()
 
     @classmethod
-    def from_orchestrator(cls, orch: Any, config: Any | None = None) -> ModelLimits:
-        """`config` (a ServerConfig) adds the server's per-request caps."""
-        caps = {} if config is None else dict(
+    def from_orchestrator(cls, orch: Any, config: Any | None = None, *,
+                          generation: GenerationDefaults | None = None) -> ModelLimits:
+        """`config` (a ServerConfig) adds the server's per-request caps and the model's
+        default sampling; `generation`: those defaults, for callers with no ServerConfig."""
+        server = {} if config is None else dict(
             max_prompts_per_request=config.max_prompts_per_request,
-            max_sub_requests=config.max_sub_requests)
+            max_sub_requests=config.max_sub_requests,
+            generation=config.generation_defaults)
+        if generation is not None:
+            server["generation"] = generation
         return cls(
             vocab_size=int(orch.vocab_size),
             max_prefill_length=int(getattr(orch, "max_prompt_length", orch.max_prefill_length)),
@@ -207,7 +215,7 @@ class ModelLimits:
             tokenizer=orch.tokenizer,
             scores_prompts=all(hasattr(e, "prompt_logprobs")
                                for e in getattr(orch, "prefill_engines", ())),
-            **caps,
+            **server,
         )
 
 

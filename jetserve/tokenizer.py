@@ -13,9 +13,14 @@ import re
 from typing import Any
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # byte-fallback pieces, both libraries
+# tokenizer_config.json's special tokens (transformers' special_tokens_map).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token")
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object a model directory's file holds ({} when there is no such file); a
+    ValueError naming the file when it is not valid JSON or not an object."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -23,7 +28,9 @@ def _read_json(path: str) -> dict[str, Any]:
             d = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return d if isinstance(d, dict) else {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 def _token_str(v: Any) -> str | None:
@@ -45,6 +52,9 @@ class _Base:
             cfg.get("chat_template"), str) else None
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
+        # Every special token the config names, as chat templates see them.
+        self.special_tokens = {k: t for k in SPECIAL_TOKEN_KEYS
+                               if (t := _token_str(cfg.get(k))) is not None}
         if self.bos_token is not None:
             bid = self.token_to_id(self.bos_token)
             if bid is not None:
@@ -288,9 +298,9 @@ def _byte_level_chars() -> dict[str, int]:
 
 def load_tokenizer(model_dir: str) -> Tokenizer | None:
     """The directory's tokenizer, or None when it has none (token ids only)."""
-    cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    cfg = read_json_object(os.path.join(model_dir, "tokenizer_config.json"))
     cfg = _with_chat_template(model_dir, cfg)
-    gen = _read_json(os.path.join(model_dir, "generation_config.json"))
+    gen = read_json_object(os.path.join(model_dir, "generation_config.json"))
     eos = gen.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     sp_path = os.path.join(model_dir, "tokenizer.model")
@@ -315,6 +325,6 @@ def _with_chat_template(model_dir: str, cfg: dict[str, Any]) -> dict[str, Any]:
             with open(jinja_path) as f:
                 template = f.read()
         else:
-            template = _read_json(os.path.join(model_dir, "chat_template.json")).get(
+            template = read_json_object(os.path.join(model_dir, "chat_template.json")).get(
                 "chat_template")
     return {**cfg, "chat_template": template} if isinstance(template, str) else cfg

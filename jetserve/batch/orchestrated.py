@@ -45,7 +45,8 @@ def run(cfg: BatchConfig, orch: Orchestrator, warmup_lengths: tuple[int, ...] = 
     with orch:
         if warmup_lengths:
             orch.warmup(prompt_lengths=warmup_lengths)
-        return run_job(cfg, ModelLimits.from_orchestrator(orch),
+        return run_job(cfg, ModelLimits.from_orchestrator(
+                           orch, generation=cfg.generation_defaults),
                        lambda jobs, emit: execute(orch, jobs, emit), prepared)
 
 

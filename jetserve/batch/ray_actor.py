@@ -67,7 +67,8 @@ class EngineActor:
                          name="jetserve-ray-heartbeat").start()
         self._orch = make_orchestrator()
         self._orch.start()
-        self._limits = ModelLimits.from_orchestrator(self._orch)
+        self._limits = ModelLimits.from_orchestrator(self._orch,
+                                                     generation=cfg.generation_defaults)
         self._fault = os.environ.get(FAULT_ENV)
 
     def _beat(self, *beat) -> None:

@@ -33,6 +33,7 @@ import json
 import types
 from typing import Any
 
+from jetserve import generation_config
 from jetserve.batch import wellformed
 from jetserve.request import Request
 from jetserve.server import chat_template, tool_calls
@@ -42,6 +43,11 @@ from jetserve.server.tool_formats import DEFAULT_PARSER
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "seed")
+# What a row's unset field is when neither --max-tokens nor the model's generation_config
+# sets it (jetserve.generation_config.resolve): greedy, 16 tokens.
+MAX_TOKENS = 16
+ROW_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                    frequency_penalty=0.0, presence_penalty=0.0, max_tokens=MAX_TOKENS)
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # messages rows only
 GENERATE_FIELDS = frozenset(("id", "prompt", "prompt_ids", "messages", "max_tokens", "stop",
                              "logit_bias",
@@ -134,9 +140,11 @@ def parse_line(line: str) -> Any:
                        f"{wellformed.MAX_DEPTH} levels of [ and {{ are accepted)") from None
 
 
-def build_job(obj: dict, limits: v.ModelLimits, *, default_max_tokens: int,
+def build_job(obj: dict, limits: v.ModelLimits, *, default_max_tokens: int | None = None,
               adapters: tuple[str, ...] = (), tool_parser: str = DEFAULT_PARSER) -> Job:
-    """The job for a parsed row (its id already checked by `row_id`); `adapters`: the
+    """The job for a parsed row (its id already checked by `row_id`);
+    `default_max_tokens`: a generation row's max_tokens when it sets none (--max-tokens;
+    None: the model's default, else MAX_TOKENS); `adapters`: the
     LoRA adapter names its `model` may give; `tool_parser`: the format tool calls are
     read in (--tool-call-parser)."""
     try:
@@ -166,7 +174,7 @@ def _exactly_one(obj: dict, names: tuple[str, ...], what: str) -> str:
     return given[0]
 
 
-def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int,
+def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int | None,
                   adapters: tuple[str, ...] = (),
                   tool_parser: str = DEFAULT_PARSER) -> GenerateJob:
     _unknown(obj, GENERATE_FIELDS, "generation")
@@ -180,8 +188,13 @@ def _generate_job(obj: dict, limits: v.ModelLimits, default_max_tokens: int,
         ids = chat_template.chat_prompt_ids(limits, obj["messages"],
                                             tools=plan and plan.tools)
     v.check_prompt_length(limits, ids, kind)
-    max_tokens = v.check_max_tokens(limits, obj.get("max_tokens", default_max_tokens), len(ids))
-    sampling = v.sampling_params(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj},
+    room = limits.max_seq_len - len(ids)
+    asked = {k: obj.get(k) for k in ROW_DEFAULTS}
+    if asked["max_tokens"] is None:
+        asked["max_tokens"] = default_max_tokens  # --max-tokens, when given
+    got = generation_config.resolve(asked, limits.generation, ROW_DEFAULTS, room=room)
+    max_tokens = v.check_max_tokens(limits, got.pop("max_tokens"), len(ids))
+    sampling = v.sampling_params(**got, seed=obj.get("seed"),
                                  logit_bias=v.logit_bias_pairs(limits, obj.get("logit_bias")))
     logprobs = _logprobs(obj.get("logprobs"), limits)
     ignore_eos = obj.get("ignore_eos", False)

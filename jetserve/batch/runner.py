@@ -30,6 +30,7 @@ from jetserve.batch import inputs
 from jetserve.batch.journal import Journal
 from jetserve.batch.preflight import check_paths
 from jetserve.batch.rows import Job, RowError, build_job, parse_line
+from jetserve.generation_config import GenerationDefaults
 from jetserve.server.tool_formats import DEFAULT_PARSER, HARMONY, check_parser
 from jetserve.server.validation import ModelLimits
 
@@ -47,7 +48,10 @@ class BatchConfig:
       repair: with resume, rewrite an output that fails verification to its valid rows
         (the first valid row of each input row) instead of refusing it.
       process_id / num_processes: this process's share of the rows (by id hash).
-      default_max_tokens: max_tokens of rows that give none.
+      default_max_tokens: max_tokens of rows that give none (None: the model's
+        generation_config default, else rows.MAX_TOKENS).
+      generation_defaults: the model's default sampling (its generation_config.json), for
+        the fields a row leaves unset.
       window: rows tokenized and ordered at a time.
       progress: draw a progress bar on stderr.
       lora_adapters: the LoRA adapter names a generation row's `model` may give.
@@ -61,7 +65,8 @@ class BatchConfig:
     repair: bool = False
     process_id: int = 0
     num_processes: int = 1
-    default_max_tokens: int = 16
+    default_max_tokens: int | None = None
+    generation_defaults: GenerationDefaults = GenerationDefaults()
     window: int = 4096
     progress: bool = True
     lora_adapters: tuple[str, ...] = ()
@@ -73,7 +78,7 @@ class BatchConfig:
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, {self.num_processes}), "
                              f"got {self.process_id!r}")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.retry_failed and not self.resume:
             raise ValueError("retry_failed continues an existing output: it needs resume")

@@ -10,6 +10,8 @@ Input rows (one JSON object a line), each with a unique "id":
   scoring: "context" | "context_ids" and "continuation" | "continuation_ids": the
     continuation's summed log-likelihood, whether greedy decoding would produce it
   either may carry "metadata", copied to the output row.
+A sampling field or max_tokens a row leaves unset takes --max-tokens, else the model's
+default (its generation_config.json, unless --generation-config vllm), else greedy and 16.
 Output rows (appended and fsync'd as each finishes, in completion order): "id" with
 "text", "token_ids", "finish_reason", "logprobs", "ttft", "latency" (with tools: "content"
 and "tool_calls", finish_reason "tool_calls", as the chat API answers); or "logprob",
@@ -51,18 +53,18 @@ import sys
 from jetserve import distributed
 from jetserve.batch.durable import OutputError, describe
 from jetserve.commands.common import (
+    add_generation_config_argument,
     add_model_arguments,
     add_scheduling_arguments,
     add_step_policy_arguments,
     add_tool_parser_argument,
     engine_config,
+    generation_defaults,
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
     step_policy_fields,
 )
 from jetserve.lora_adapters import load_modules, parse_modules
-
-DEFAULT_MAX_TOKENS = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,8 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", action="store_true",
                    help="join OUTPUT.part-I-of-N (I < --num-processes) into OUTPUT in "
                         "input order, then exit")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="max_tokens of rows that give none")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="max_tokens of rows that give none (default: the model's "
+                        "max_new_tokens, see --generation-config, else 16)")
+    add_generation_config_argument(p)
     p.add_argument("--max-queued", type=int, default=None,
                    help="admission bound: jobs submitted ahead of a free slot "
                         "(default: 4 x --max-concurrent-decodes, at least 32)")
@@ -166,6 +170,7 @@ def _config(args: argparse.Namespace, output: str, proc: int = 0,
                        retry_failed=args.retry_failed, repair=args.repair,
                        process_id=proc, num_processes=n_proc,
                        default_max_tokens=args.max_tokens, window=args.window,
+                       generation_defaults=generation_defaults(args, "batch"),
                        progress=not args.no_progress,
                        lora_adapters=tuple(n for n, _ in parse_modules(args.lora_modules)),
                        tool_call_parser=args.tool_call_parser)

@@ -10,8 +10,14 @@ import jax
 
 from engines import EngineConfig, quantization
 from engines.engine_config import LAYER_MODES, parse_decode_batch_sizes, parse_speculative
-from jetserve import compile_cache, context_length, distributed, lora_adapters
-from jetserve.model_loading import model_config
+from jetserve import (
+    compile_cache,
+    context_length,
+    distributed,
+    generation_config,
+    lora_adapters,
+)
+from jetserve.model_loading import default_model, model_config
 from jetserve.scheduling.policy import PREFILL_FIRST, STEP_POLICIES
 from jetserve.server import reasoning
 from jetserve.server.tool_formats import DEFAULT_PARSER, NAMES
@@ -35,6 +41,27 @@ def add_reasoning_parser_argument(p: argparse.ArgumentParser) -> None:
                         "reasoning_content: deepseek_r1, qwen3 or glm45 <think>...</think>, "
                         "openai_gptoss (gpt-oss's harmony analysis channel); default: none, "
                         "the thinking stays in content")
+
+
+def add_generation_config_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generation-config", default="auto", choices=list(generation_config.MODES),
+                   help="auto: the model directory's generation_config.json gives the "
+                        "temperature, top_p, top_k, min_p, repetition_penalty and "
+                        "max_new_tokens (as max_tokens) of requests that leave them unset, "
+                        "as vLLM does; vllm: ignore the file, jetserve's own defaults "
+                        "(default %(default)s)")
+
+
+def generation_defaults(args: argparse.Namespace, command: str
+                        ) -> generation_config.GenerationDefaults:
+    """The defaults --generation-config takes from --model's directory, said once on
+    stderr; a bad field in the file is a ValueError naming it, before the model loads."""
+    found = generation_config.read(args.model or default_model(), args.generation_config)
+    if found.given():
+        print(f"jetserve {command}: default sampling parameters overridden by the model's "
+              f"{found.source}: {found.describe()} (a request's own values win; "
+              "--generation-config vllm ignores the file)", file=sys.stderr, flush=True)
+    return found
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,12 +17,14 @@ import sys
 import jax
 
 from engines import SamplingParams
-from jetserve import distributed, lora_adapters
+from jetserve import distributed, generation_config, lora_adapters
 from jetserve.commands.common import (
     DEFAULT_SLOTS,
+    add_generation_config_argument,
     add_model_arguments,
     add_scheduling_arguments,
     engine_config,
+    generation_defaults,
     parse_ids,
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
@@ -33,6 +35,10 @@ from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, keyed
 from jetserve.orchestrator.detokenize import completion_text
 from sharding import MODEL_DIMS, ShardingConfig, axes, load_preset
+
+# What an unset flag is when the model's generation_config sets none either: greedy.
+DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                max_tokens=32)
 
 
 class _PromptAction(argparse.Action):
@@ -54,11 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action=_PromptAction, dest="prompts", help="prompt text")
     p.add_argument("--prompt-ids", action=_PromptAction, dest="prompts",
                    help="comma-separated token ids, used verbatim (no BOS added)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # Unset sampling flags take the model's defaults (--generation-config), else these.
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"default: the model's max_new_tokens, else {DEFAULTS['max_tokens']}")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's, else 0 (greedy)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    add_generation_config_argument(p)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -73,15 +83,18 @@ def run(args: argparse.Namespace) -> int:
     devices = distributed.setup(args)
     if not args.prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
+    got = generation_config.resolve(vars(args), generation_defaults(args, "generate"),
+                                    DEFAULTS)
+    args.max_tokens = got.pop("max_tokens")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     args.max_concurrent_decodes = slots_for(args, len(devices))
     seed = args.seed
-    if seed is None and args.temperature > 0 and jax.process_count() > 1:
+    if seed is None and got["temperature"] > 0 and jax.process_count() > 1:
         # Every process must feed the same inputs to each step: process 0 draws the seed.
         seed = int(distributed.broadcast_from_primary([secrets.randbits(31)])[0])
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              min_p=args.min_p, seed=seed)
+    got["top_k"] = max(got["top_k"], 0)  # a file's -1: off, as 0
+    sampling = SamplingParams(**got, seed=seed)
     with CompileCounter() as compiled:
         results = _build_and_run(args, devices, sampling)
     if not distributed.is_primary():  # every process ran the same steps; one prints

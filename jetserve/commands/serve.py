@@ -31,17 +31,20 @@ import threading
 
 from jetserve import distributed, lora_adapters
 from jetserve.commands.common import (
+    add_generation_config_argument,
     add_model_arguments,
     add_reasoning_parser_argument,
     add_scheduling_arguments,
     add_step_policy_arguments,
     add_tool_parser_argument,
     engine_config,
+    generation_defaults,
     prefix_cache_budgets,
     refuse_prefix_cache_over_processes,
     step_policy_fields,
 )
 from jetserve.disagg import roles
+from jetserve.generation_config import GenerationDefaults
 from jetserve.orchestrator import kv_events
 from jetserve.orchestrator.config import MIXED, SCHEDULING, TURNS
 from jetserve.server.auth import read_api_key_file
@@ -98,6 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_scheduling_arguments(p)
     add_tool_parser_argument(p)
     add_reasoning_parser_argument(p)
+    add_generation_config_argument(p)
     add_step_policy_arguments(p)
     p.add_argument("--scheduling", default=TURNS, choices=SCHEDULING,
                    help="turns (the default: prefill, insert and generate calls, prompts "
@@ -169,7 +173,16 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         drain_notice_s=args.drain_notice, load_format=args.get_load_format,
                         write_timeout_s=args.write_timeout,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, **_limits(args))
+                        reasoning_parser=args.reasoning_parser,
+                        generation_defaults=_generation_defaults(args), **_limits(args))
+
+
+def _generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
+    """The model's default sampling, where requests are taken: prefill workers sample
+    as their decode process asks."""
+    if args.role == "prefill":
+        return GenerationDefaults()
+    return generation_defaults(args, "serve")
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

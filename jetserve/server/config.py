@@ -7,6 +7,7 @@ import math
 import os
 import ssl
 
+from jetserve.generation_config import GenerationDefaults
 from jetserve.server import reasoning
 from jetserve.server.tool_formats import DEFAULT_PARSER, check_parser
 
@@ -49,6 +50,9 @@ class ServerConfig:
     tool_call_parser: str = DEFAULT_PARSER
     # How the model writes its thinking (jetserve.server.reasoning); None: in content.
     reasoning_parser: str | None = None
+    # The model's default sampling (its generation_config.json, --generation-config auto):
+    # what a request that sets none of temperature, top_p, ... max_tokens gets.
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
     def __post_init__(self):
         check_parser(self.tool_call_parser, "tool_call_parser")

@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from jetserve import generation_config
 from jetserve.lora_adapters import Adapters, UnknownAdapter
 from jetserve.request import Delta, Overloaded, Request
 from jetserve.server import client_id, reflection
@@ -51,6 +52,10 @@ from protos import jetstream_pb2_grpc as pb_grpc
 log = logging.getLogger("jetserve.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+# What an unset sampling field means when the model's generation_config sets none either:
+# greedy, as JetStream's clients expect.
+GRPC_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                     frequency_penalty=0.0, presence_penalty=0.0)
 Sample = pb.DecodeResponse.StreamContent.Sample
 
 # Reachable without a key, so load balancers and orchestration probes can check liveness.
@@ -166,12 +171,13 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         max_tokens = v.check_max_tokens(lim, r.max_tokens, len(ids))
         n = v.check_samples(r.num_samples or 1, "num_samples")
         v.check_sub_requests(lim, 1, n, n_field="num_samples")
-        opt = lambda name, default: getattr(r, name) if r.HasField(name) else default
+        # The extension fields are proto3 `optional`: an unset one takes the model's
+        # default (generation_config.json), else greedy's. max_tokens is JetStream's
+        # plain int32, where unset is 0: no default, as in JetStream.
+        asked = {f: getattr(r, f) if r.HasField(f) else None for f in GRPC_DEFAULTS}
         sampling = v.sampling_params(
-            temperature=opt("temperature", 0.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),
-            min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
-            frequency_penalty=opt("frequency_penalty", 0.0),
-            presence_penalty=opt("presence_penalty", 0.0), seed=opt("seed", None),
+            **generation_config.resolve(asked, lim.generation, GRPC_DEFAULTS),
+            seed=r.seed if r.HasField("seed") else None,
             logit_bias=v.logit_bias_pairs(lim, dict(r.logit_bias)))
         stop = v.check_stop(list(r.stop))
         stop_ids = v.check_stop_token_ids(lim, list(r.stop_token_ids))

@@ -6,8 +6,9 @@ Pure functions over validated bodies (jetserve.server.openai_schema) and joined 
 Conventions kept from OpenAI / vLLM so clients and evaluation harnesses work unchanged:
 - string prompts get BOS the way the tokenizer's config says; token-id prompts are used
   verbatim; chat prompts get what the chat template writes;
-- `temperature` defaults to 1.0; `max_tokens` defaults to 16 for completions and to the
-  room left in the sequence for chat;
+- a field the request leaves unset takes the model's default (its generation_config.json,
+  jetserve.generation_config), else OpenAI's: `temperature` 1.0; `max_tokens` 16 for
+  completions and the room left in the sequence for chat;
 - `echo` + `logprobs` returns the prompt tokens' log-probs first (the first one is null,
   nothing precedes it); with `max_tokens: 0` that is all it returns (scoring);
 - choice index = prompt index x n + sample index.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jetserve import generation_config
 from jetserve.request import Request
 from jetserve.server import (
     chat_template,
@@ -55,19 +57,27 @@ class Prepared:
     harmony: bool = False  # chat: gpt-oss's harmony format, rendered and read by tokens
 
 
+# OpenAI's defaults for what a request leaves unset and the model's generation_config
+# does not set either (jetserve.generation_config.resolve); max_tokens is per endpoint.
+OPENAI_DEFAULTS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                       frequency_penalty=0.0, presence_penalty=0.0)
+COMPLETION_MAX_TOKENS = 16
+
+
 def _common(limits: v.ModelLimits, r: Any, max_tokens_field: str, prompt_len: int,
-            max_tokens: int | None, *, allow_zero: bool) -> tuple[Any, int, dict]:
-    sampling = v.sampling_params(
-        temperature=1.0 if r.temperature is None else r.temperature,
-        top_p=1.0 if r.top_p is None else r.top_p,
-        top_k=0 if r.top_k is None else r.top_k,
-        min_p=0.0 if r.min_p is None else r.min_p,
-        repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
-        frequency_penalty=0.0 if r.frequency_penalty is None else r.frequency_penalty,
-        presence_penalty=0.0 if r.presence_penalty is None else r.presence_penalty,
-        seed=r.seed, logit_bias=v.logit_bias_pairs(limits, r.logit_bias))
-    if max_tokens is None:
-        max_tokens = limits.max_seq_len - prompt_len
+            max_tokens: int | None, *, allow_zero: bool,
+            default_max_tokens: int | None = None) -> tuple[Any, int, dict]:
+    """`default_max_tokens`: max_tokens of a request that sets none and whose model sets
+    none (None: the room left in the sequence)."""
+    room = limits.max_seq_len - prompt_len
+    asked = {f: getattr(r, f) for f in OPENAI_DEFAULTS} | {"max_tokens": max_tokens}
+    got = generation_config.resolve(
+        asked, limits.generation,
+        OPENAI_DEFAULTS | {"max_tokens": room if default_max_tokens is None
+                           else default_max_tokens}, room=room)
+    max_tokens = got.pop("max_tokens")
+    sampling = v.sampling_params(**got, seed=r.seed,
+                                 logit_bias=v.logit_bias_pairs(limits, r.logit_bias))
     max_tokens = v.check_max_tokens(limits, max_tokens, prompt_len, max_tokens_field,
                                     allow_zero=allow_zero)
     n = v.check_samples(1 if r.n is None else r.n)
@@ -127,7 +137,7 @@ def prepare_completion(limits: v.ModelLimits, r: CompletionRequest, served: str,
     run = True
     for ids in prompts:
         sampling, n, kw = _common(limits, r, "max_tokens", len(ids), r.max_tokens,
-                                  allow_zero=True)
+                                  allow_zero=True, default_max_tokens=COMPLETION_MAX_TOKENS)
         if r.best_of is not None and r.best_of != n:
             raise v.InvalidArgument("best_of", f"best_of must equal n ({n}) here, "
                                                f"got {v.show(r.best_of)}")

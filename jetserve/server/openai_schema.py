@@ -29,12 +29,13 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    """Fields both endpoints share. None means "the default"."""
+    """Fields both endpoints share. None means "the default": the model's (its
+    generation_config.json), else OpenAI's (jetserve.server.openai_format)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
-    temperature: float | None = None  # None: 1.0, as OpenAI
+    temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension (vLLM-style); -1 or 0: off
     min_p: float | None = None  # extension
@@ -62,7 +63,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     # str | list[str] | list[int] | list[list[int]]; shapes are checked by prompt_list.
     prompt: Any = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: the model's default, else 16 (as OpenAI)
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
@@ -89,6 +90,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: Any = None
     tools: Any = None  # with messages: listed by the chat template, as chat does
+    chat_template_kwargs: Any = None  # with messages: more template variables, as chat
     add_special_tokens: bool | None = None  # BOS; default: True for prompt, False for chat
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None

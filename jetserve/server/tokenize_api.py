@@ -2,7 +2,8 @@
 (lm-eval's remote tokenizer, GuideLLM, vLLM's own tools) work unchanged.
 
 POST /tokenize  {"prompt": str | "messages": [...], "add_special_tokens"?,
-                 "add_generation_prompt"?, "return_token_strs"?}
+                 "add_generation_prompt"?, "tools"?, "chat_template_kwargs"?,
+                 "return_token_strs"?}
              -> {"count", "max_model_len", "tokens", "token_strs"}
 POST /detokenize {"tokens": [ids]} -> {"prompt": text}
 GET /tokenizer_info -> the tokenizer's config (tokenizer_config.json and chat template)
@@ -39,8 +40,9 @@ def tokenize(limits: v.ModelLimits, r: TokenizeRequest, served: str) -> dict[str
     else:
         add_gen = True if r.add_generation_prompt is None else r.add_generation_prompt
         plan = tool_calls.plan_tools(r.tools, None)
-        ids = chat_template.chat_prompt_ids(limits, r.messages, add_gen,
-                                            tools=plan and plan.tools)
+        ids = chat_template.chat_prompt_ids(
+            limits, r.messages, add_gen, tools=plan and plan.tools,
+            extra=chat_template.check_template_kwargs(r.chat_template_kwargs))
         if r.add_special_tokens and limits.bos_id is not None and ids[:1] != [limits.bos_id]:
             ids = [limits.bos_id] + ids  # as vLLM: BOS on top of the template's text
     strs = None

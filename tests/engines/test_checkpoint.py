@@ -42,9 +42,15 @@ def _orbax_cfg(d):
 
 
 def test_orbax_round_trip_gives_identical_tokens(hf_dir, tmp_path):
-    out = str(tmp_path / "orbax")
-    assert cli.main(["convert", "--from-hf", hf_dir, "--to", out]) == 0
+    src, out = tmp_path / "hf", str(tmp_path / "orbax")
+    shutil.copytree(hf_dir, src)
+    # What transformers 5 writes beside the weights travels with them.
+    (src / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    (src / "generation_config.json").write_text('{"temperature": 0.5}')
+    assert cli.main(["convert", "--from-hf", str(src), "--to", out]) == 0
     assert os.path.isdir(os.path.join(out, "params"))
+    for name in ("chat_template.jinja", "generation_config.json"):
+        assert (src / name).read_text() == open(os.path.join(out, name)).read()
     assert _tokens(out) == _tokens(hf_dir)
 
 

@@ -127,8 +127,6 @@ class LoraTransformerEngine(TransformerEngine):
         self.adapters = AdapterRegistry(lora_config.max_loras)
         self._slot_rows: dict[int, int] = {}  # decode slot -> pool row it holds
         super().__init__(model_config, config=config, **kwargs)
-        if jax.process_count() > 1:
-            raise ValueError("LoRA adapters are served in one process only")
         make = functools.partial(lora.empty_pool, self.model_config, lora_config, self.dtype)
         self._pool = jax.jit(make, out_shardings=self.pool_shardings)()
 

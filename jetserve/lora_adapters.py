@@ -12,6 +12,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from engines.lora_registry import UnknownAdapter
 
 __all__ = ["Adapters", "UnknownAdapter", "add_arguments", "load_modules", "parse_modules"]
@@ -85,6 +87,10 @@ class Adapters:
         if not self.engines:
             raise ValueError("this server holds no LoRA adapters: start it with --max-loras "
                              "N (or --lora-modules) to load some")
+        if jax.process_count() > 1:  # the other processes would not hold it
+            raise ValueError("LoRA adapters are not loaded at run time when several "
+                             "processes serve one model: give every process the same "
+                             "--lora-modules")
         for e in self.engines:
             e.load_adapter(name, path)
 

@@ -214,9 +214,6 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     if args.scheduling == MIXED and (args.role != "both" or jax.process_count() > 1):
         raise ValueError(f"--scheduling mixed serves from one process with --role both, not "
                          f"--role {args.role} over {jax.process_count()} process(es)")
-    if (args.lora_modules or args.max_loras) and jax.process_count() > 1:
-        raise ValueError("--lora-modules / --max-loras: LoRA adapters are served by one "
-                         "process, for now")
     if (args.lora_modules or args.max_loras) and args.role != "both":
         raise ValueError(f"--lora-modules / --max-loras: LoRA adapters are served with "
                          f"--role both (the default), not --role {args.role}, for now")
@@ -224,14 +221,15 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
         return roles.build_decode(args, devices if devices is not None else jax.devices(),
                                   config)
     if jax.process_count() > 1:
-        return _lock_step_orchestrator(args, devices, config)
-    orch = orchestrator.build(
-        args.model, interleaved=not disaggregated, devices=devices,
-        prefill_devices=args.prefill_devices, generate_devices=args.generate_devices,
-        prefill_sharding=args.prefill_sharding or default,
-        generate_sharding=args.generate_sharding or default,
-        engine_config=engine_config(args, devices), config=config)
-    if args.lora_modules:  # into every engine: prefill and generate slices alike
+        orch = _lock_step_orchestrator(args, devices, config)
+    else:
+        orch = orchestrator.build(
+            args.model, interleaved=not disaggregated, devices=devices,
+            prefill_devices=args.prefill_devices, generate_devices=args.generate_devices,
+            prefill_sharding=args.prefill_sharding or default,
+            generate_sharding=args.generate_sharding or default,
+            engine_config=engine_config(args, devices), config=config)
+    if args.lora_modules:  # into every engine (every process's): prefill and generate alike
         lora_adapters.load_modules([*orch.prefill_engines, *orch.generate_engines],
                                    args.lora_modules)
     return orch

@@ -101,7 +101,9 @@ class LockStepOrchestrator(Orchestrator):
         self.primary = distributed.is_primary() if primary is None else primary
         self._broadcast = broadcast or distributed.broadcast_from_primary
         self.idle_wait_s = idle_wait_s
-        self._codec = PlanCodec(engine.max_concurrent_decodes)
+        adapters = getattr(engine, "adapters", None)  # a LoRA engine's, loaded alike everywhere
+        self._codec = PlanCodec(engine.max_concurrent_decodes,
+                                adapters.name_of if adapters is not None else None)
         self._state = engine.init_decode_state()
         # slot -> its request (process 0) or None (the others only know it is in use).
         self._rows: dict[int, LiveRequest | None] = {}
@@ -202,13 +204,13 @@ class LockStepOrchestrator(Orchestrator):
 
     def _groups(self, admissions, lives) -> list[list[tuple[Admission, LiveRequest | None]]]:
         """The admissions in order, in runs that share one prefill call (engine.prefill_rows:
-        whole prompts of a slot, no prompt scoring, no grammar) as the engine's shapes
+        whole prompts of a slot, no prompt scoring, grammar or adapter) as the engine's shapes
         take them, the others one each. The plan alone decides it, so every process
         groups alike."""
         chunk = self.config.prefill_chunk or self.engine.max_prefill_length
         pairs = list(zip(admissions, lives, strict=True))
         shares = [a.slot is not None and not a.prompt_logprobs and not a.constrained
-                  and len(a.prompt_ids) <= chunk for a, _ in pairs]
+                  and a.adapter is None and len(a.prompt_ids) <= chunk for a, _ in pairs]
         groups, i = [], 0
         while i < len(pairs):
             run = 0
@@ -257,8 +259,10 @@ class LockStepOrchestrator(Orchestrator):
         if live is not None:
             live.timing.prefill_start = t0
         try:
-            mask = {} if not a.constrained else {"token_mask": self._mask_from_primary(
+            kw = {} if not a.constrained else {"token_mask": self._mask_from_primary(
                 first_mask(live)["token_mask"] if live is not None else None, 1)}
+            if a.adapter is not None:
+                kw["adapter"] = a.adapter  # the LoRA adapter, by the name all loaded
             if a.prompt_logprobs:
                 if live is None:
                     self.engine.prompt_logprobs(self.params, tokens)
@@ -279,7 +283,7 @@ class LockStepOrchestrator(Orchestrator):
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                     sampling=a.sampling, seed=a.seed,
                                                     existing_prefix=prefix, donate=True,
-                                                    **mask)
+                                                    **kw)
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")

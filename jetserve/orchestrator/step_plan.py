@@ -11,7 +11,8 @@ Wire form (uint32, so float bits and 32-bit seeds pass through a broadcast uncha
     [kind, admissions, payload length, step mask] + B release flags + B admission
     records of
     [slot + 1 (0: score only, no slot), prompt length, flags, seed, top_k, logit_bias
-     pairs, temperature, top_p, min_p, repetition, frequency and presence penalty (f32
+     pairs, LoRA adapter id (engines.lora_registry.adapter_id; 0: the base model),
+     temperature, top_p, min_p, repetition, frequency and presence penalty (f32
      bits)]
   payload, sent only when something is admitted: the prompts' token ids one after
     another, then each admission's logit_bias as (token id, bias f32 bits) pairs, padded
@@ -26,12 +27,13 @@ from collections.abc import Callable
 import numpy as np
 
 from engines import SamplingParams
+from engines.lora_registry import adapter_id
 from jetserve.scheduling.plan import Admission, StepPlan
 
 RUN, STOP = 0, 1
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
            "presence_penalty")
-_INTS = 6  # slot + 1, length, flags, seed, top_k, logit_bias pairs
+_INTS = 7  # slot + 1, length, flags, seed, top_k, logit_bias pairs, adapter id
 _RECORD = _INTS + len(_FLOATS)
 _PROMPT_LOGPROBS, _CONSTRAINED = 1, 2  # flags bits
 _HEAD = 4  # kind, admissions, payload length, step mask
@@ -43,10 +45,13 @@ Broadcast = Callable[[np.ndarray], np.ndarray]  # process 0's array, on every pr
 
 
 class PlanCodec:
-    """Encodes and decodes plans for an engine with `slots` decode slots."""
+    """Encodes and decodes plans for an engine with `slots` decode slots; `adapter_name`
+    turns an adapter id back into the name it was loaded under (every process loads the
+    same adapters: --lora-modules)."""
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, adapter_name: Callable[[int], str] | None = None):
         self.slots = slots
+        self._adapter_name = adapter_name
         self.header_size = _HEAD + slots + slots * _RECORD
 
     def encode(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray | None]:
@@ -69,13 +74,22 @@ class PlanCodec:
             flags = (_PROMPT_LOGPROBS if a.prompt_logprobs else 0) | (
                 _CONSTRAINED if a.constrained else 0)
             r[:_INTS] = [0 if a.slot is None else a.slot + 1, len(a.prompt_ids), flags,
-                         a.seed, sp.top_k, len(sp.logit_bias)]
+                         a.seed, sp.top_k, len(sp.logit_bias),
+                         0 if a.adapter is None else adapter_id(a.adapter)]
             r[_INTS:] = np.asarray([getattr(sp, f) for f in _FLOATS], np.float32).view(np.uint32)
         if not total:
             return h, None
         payload = np.zeros(h[2], np.uint32)
         payload[:total] = np.concatenate(prompts + biases)
         return h, payload
+
+    def _adapter(self, ident: int) -> str | None:
+        if not ident:
+            return None
+        if self._adapter_name is None:
+            raise ValueError(f"the plan names LoRA adapter id {ident}, and this engine "
+                             "serves no adapters")
+        return self._adapter_name(ident)
 
     def payload_size(self, header: np.ndarray) -> int:
         return int(header[2])
@@ -91,7 +105,7 @@ class PlanCodec:
         at = sum(int(r[1]) for r in records)  # the biases follow every prompt
         admissions, start = [], 0
         for r in records:
-            slot1, length, flags, seed, top_k, pairs = (int(x) for x in r[:_INTS])
+            slot1, length, flags, seed, top_k, pairs, ident = (int(x) for x in r[:_INTS])
             floats = r[_INTS:].view(np.float32).tolist()
             words = payload[at: at + 2 * pairs].reshape(pairs, 2)
             at += 2 * pairs
@@ -104,7 +118,8 @@ class PlanCodec:
             admissions.append(Admission(slot=None if slot1 == 0 else slot1 - 1, prompt_ids=ids,
                                         sampling=sampling, seed=seed,
                                         prompt_logprobs=bool(flags & _PROMPT_LOGPROBS),
-                                        constrained=bool(flags & _CONSTRAINED)))
+                                        constrained=bool(flags & _CONSTRAINED),
+                                        adapter=self._adapter(ident)))
         return StepPlan(releases=releases, admissions=tuple(admissions),
                         step_mask=bool(h[3]))
 

@@ -25,6 +25,7 @@ class Admission:
     # Structured output: its first token is sampled under its grammar's mask, which the
     # executor gets from where the grammar lives (process 0, in lock step).
     constrained: bool = False
+    adapter: str | None = None  # the LoRA adapter it runs through (None: the base model)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ here, so every process samples alike.
 
 Requests are duck-typed (a LiveRequest): `done`, `abandoned(now)`,
 `last_step_dispatched()`, `budget`, `request` (prompt_ids, max_tokens, sampling with
-its seed, prompt_logprobs) and, for structured output, `grammar` (None: free). A turn
+its seed, prompt_logprobs, lora_adapter) and, for structured output, `grammar` (None: free). A turn
 whose step runs a constrained slot says so (`StepPlan.step_mask`), and so does each
 constrained admission: the executor then takes the masks from process 0.
 """
@@ -89,4 +89,5 @@ def _admission(slot: int | None, live: Any) -> Admission:
     return Admission(slot=slot, prompt_ids=tuple(request.prompt_ids), sampling=sp,
                      seed=sp.seed if sp.seed is not None else secrets.randbits(31),
                      prompt_logprobs=request.prompt_logprobs,
-                     constrained=slot is not None and _constrained(live))
+                     constrained=slot is not None and _constrained(live),
+                     adapter=getattr(request, "lora_adapter", None))

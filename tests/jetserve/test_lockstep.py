@@ -413,3 +413,68 @@ def test_lock_step_prefills_several_prompts_a_call():
                          ignore_eos=True)
     assert got == [r.token_ids for r in want]
     assert scored.token_ids == want[0].token_ids[:4]
+
+
+def test_lock_step_serves_lora_adapters(tmp_path):
+    """LoRA in lock step: requests for two adapters and the base model on two drivers
+    whose engines loaded the same adapters; the plan carries each admission's adapter
+    (by id), the follower makes process 0's calls, and every stream equals the threaded
+    orchestrator's on the same engine, which equals the merged adapter's (tests of
+    engines/lora_engine.py)."""
+    from engines import EngineConfig
+    from jetserve.lora_adapters import load_modules
+    from jetserve.model_loading import build_engine
+    from jetserve.orchestrator import Orchestrator
+    from tests.engines.lora_files import write_adapter
+
+    cfg = EngineConfig(max_concurrent_decodes=3, max_prefill_length=16, max_seq_len=64,
+                       max_loras=2, max_lora_rank=8)
+    engines = [build_engine("random:tiny", devices=jax.devices()[i:i + 1], engine_config=cfg)
+               for i in range(2)]
+    mc = engines[0].model_config
+    mods = [f"a{i}={write_adapter(tmp_path / f'a{i}', mc, ['q_proj', 'v_proj', 'down_proj'], seed=i)[0]}"
+            for i in (1, 2)]
+    def logged(calls, name, f):
+        def call(*a, **kw):
+            calls.append((name, kw.get("adapter"), kw.get("seed")))
+            return f(*a, **kw)
+        return call
+
+    for e in engines:
+        load_modules([e], mods)
+        e.calls = []
+        for name in ("prefill", "insert", "generate", "free_slot"):
+            setattr(e, name, logged(e.calls, name, getattr(e, name)))
+    prompts = [[(3 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate([5, 20, 8, 3, 11])]
+    prompts.append(prompts[0])  # through the base model: the adapter changes its answer
+    adapters = ["a1", None, "a2", "a1", "a2", None]
+    requests = [Request(prompt_ids=p, max_tokens=10, ignore_eos=True, lora_adapter=a)
+                for p, a in zip(prompts, adapters, strict=True)]
+    send, receive = _queue_broadcast()
+    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), primary=True,
+                                broadcast=send, idle_wait_s=0.01)
+    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
+                                    broadcast=receive)
+    errors = []
+
+    def follow():
+        try:
+            follower.run()
+        except Exception as e:  # shown below
+            errors.append(e)
+
+    handles = [lead.submit(r) for r in requests]
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    with lead:
+        got = [h.result(timeout=300) for h in handles]
+    t.join(60)
+    assert not t.is_alive() and not errors
+    assert engines[0].calls == engines[1].calls
+    assert {c[1] for c in engines[0].calls if c[0] == "prefill"} == {"a1", "a2", None}
+    threaded = Orchestrator.from_engines(engines[0])
+    with threaded:
+        want = [h.result(timeout=300) for h in [threaded.submit(r) for r in requests]]
+    for a, b in zip(got, want, strict=True):
+        assert a.finish_reason == "length" and a.token_ids == b.token_ids
+    assert got[0].token_ids != got[5].token_ids

@@ -157,9 +157,6 @@ class EngineConfig:
         _check_decode_batch_sizes(self)
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {self.layers!r}")
-        if self.layers == "scan" and self.max_loras:
-            raise ValueError("layers 'scan' does not serve LoRA adapters (max_loras > 0) "
-                             "yet: use layers 'loop' or 'auto'")
 
     @property
     def spec(self) -> Speculative:

@@ -42,10 +42,12 @@ from sharding import axes
 CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")
 
 
-def run(body, cfg, dtype, backend, x, positions, inv_freq, kv, initializing: bool):
+def run(body, cfg, dtype, backend, x, positions, inv_freq, kv, initializing: bool,
+        lora=None):
     """x through the cfg.num_layers layers of `body` (a ScanBlock class) over store kv;
     called inside the decoder's compact method, so the layers' parameters sit under its
-    scope as "layers", each [L, ...].
+    scope as "layers", each [L, ...]. `lora` (engines/lora.py LoraBatch, or None) enters
+    whole too: its pool is stacked by layer already, and each layer reads its slice.
 
     The parameters enter the loop whole (broadcast, never sliced by the scan): the body
     declares each one stacked and reads its layer through `Layer`, so the matmul kernels
@@ -54,12 +56,12 @@ def run(body, cfg, dtype, backend, x, positions, inv_freq, kv, initializing: boo
     that a broadcast parameter does not depend on the loop only while `initializing`
     (the extra trace creates them); applying skips it."""
     scanned = nn.scan(body, variable_broadcast="params", split_rngs={"params": False},
-                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                       length=cfg.num_layers, check_constancy_invariants=initializing)
     carry, xs = kv.scan_init()
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, carry), ys = scanned(cfg, dtype, 0, backend, name="layers")(
-        (x, carry), (layers, xs), positions, inv_freq, kv)
+        (x, carry), (layers, xs), positions, inv_freq, kv, lora)
     kv.scan_finish(carry, ys)
     return x
 
@@ -123,7 +125,8 @@ def use_scan(config, platform: str, cpu_kernels: bool, mixed_layers: bool = Fals
     "The scan at loop speed on the CPU" and "Issue 21: the scan as the CPU default"). It
     keeps the loop on a CPU without them (several devices, quantized or bfloat16
     weights), where XLA would copy every layer's weights out of the stack on each step,
-    and with LoRA adapters (their hook is per layer). Either KV layout scans (the paged
+    and with LoRA adapters ("scan" serves them too; "auto" keeps the loop there, where
+    the scanned adapter step has not been measured). Either KV layout scans (the paged
     pools are stacked and carried as the contiguous cache is). Engines of one model may
     so hold their parameters in different layouts: each converts another's at its door
     (engines/param_layout.py). A model whose layers differ in attention (sliding and

@@ -267,12 +267,13 @@ class ScanBlock(Block):
     for layer i knows its layer."""
 
     @nn.compact
-    def __call__(self, carry, xs, positions, inv_freq, kv):
+    def __call__(self, carry, xs, positions, inv_freq, kv, lora=None):
         x, kv_carry = carry
         i, kv_xs = xs
         store = kv.scan_layer(kv_carry, kv_xs, i)
         at = layer_scan.Layer(i, self.cfg.num_layers)
-        x = constrain(self.block(x, positions, inv_freq, store, at=at), _RESIDUAL_ACT,
+        hook = None if lora is None else lora.at_layer(i)  # the pool read at layer i
+        x = constrain(self.block(x, positions, inv_freq, store, hook, at=at), _RESIDUAL_ACT,
                       "layer output")
         return (x, store.scan_carry()), store.scan_ys()
 
@@ -299,9 +300,8 @@ class Decoder(nn.Module):
         x = constrain(x, _RESIDUAL_ACT, "embeddings")
         inv_freq = rope_inputs(c)
         if c.scan_layers:  # one compiled layer body, parameters stacked as "layers"
-            # (LoRA adapters are refused with a scan: EngineConfig.layers)
             x = layer_scan.run(ScanBlock, c, self.dtype, self.backend, x, positions, inv_freq, kv,
-                               self.is_initializing())
+                               self.is_initializing(), lora)
         for i in range(0 if c.scan_layers else c.num_layers):
             hook = None if lora is None else lora.at_layer(i)
             x = Block(c, self.dtype, i, self.backend, name=f"layers_{i}")(x, positions, inv_freq, kv,

@@ -111,8 +111,7 @@ def test_layer_modes_are_checked():
     with pytest.raises(ValueError, match=r"layers must be one of .*'unrolled'"):
         EngineConfig(layers="unrolled")
     assert EngineConfig(layers="scan", kv_layout="paged").layers == "scan"  # both layouts
-    with pytest.raises(ValueError, match=r"layers 'scan' does not serve LoRA.*max_loras"):
-        EngineConfig(layers="scan", max_loras=2)
+    assert EngineConfig(layers="scan", max_loras=2).layers == "scan"  # LoRA scans too
     with pytest.raises(ValueError, match="scan_layers must be True or False"):
         dataclasses.replace(CFG, scan_layers="yes")
 

@@ -26,9 +26,9 @@ def write_adapter(path, targets, **kw):
     return lora_files.write_adapter(path, CFG, targets, **kw)
 
 
-def _engine(speculative="none", **kw):
+def _engine(speculative="none", layers="auto", **kw):
     cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64,
-                       speculative=speculative, max_loras=2, max_lora_rank=8)
+                       speculative=speculative, max_loras=2, max_lora_rank=8, layers=layers)
     return create_engine(CFG, config=cfg, seed=5, devices=kw.pop("devices", jax.devices()[:1]),
                          **kw)
 
@@ -122,6 +122,21 @@ def test_adapter_tokens_equal_merged_weights(adapter, speculative):
     # Only base requests: the engine's plain step, the base model's tokens.
     only_base = generate_many(eng, params, prompts, max_tokens=10, ignore_eos=True)
     assert [r.token_ids for r in only_base] == [r.token_ids for r in want_base]
+
+
+def test_scanned_layers_serve_adapters_as_the_loop(adapter):
+    """layers "scan" reads each layer's slice of the adapter pool inside the scan: the
+    tokens of the loop (checked against merged weights above), adapter and base rows in
+    one batch, prompts whole and in chunks."""
+    path, _ = adapter
+    runs = []
+    for layers in ("loop", "scan"):
+        eng = _engine(layers=layers)
+        eng.load_adapter("a", path)
+        assert eng.model_config.scan_layers == (layers == "scan")
+        runs.append(generate_many(eng, eng.load_params(), _prompts(), max_tokens=10,
+                                  ignore_eos=True, adapters=["a", None, "a", None]))
+    assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]]
 
 
 # ---- rows: least recently used, never one in use ------------------------------------------

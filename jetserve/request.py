@@ -142,7 +142,13 @@ class Request:
 
     def cache_key(self, model_key: str) -> str:
         """The prefix cache's key for this request: a prompt's KV differs by adapter."""
-        return model_key if self.lora_adapter is None else f"{model_key}|lora:{self.lora_adapter}"
+        return adapter_cache_key(model_key, self.lora_adapter)
+
+
+def adapter_cache_key(model_key: str, adapter: str | None) -> str:
+    """The prefix cache's key of prompts run through LoRA adapter `adapter` (None: the
+    base model's, `model_key` itself)."""
+    return model_key if adapter is None else f"{model_key}|lora:{adapter}"
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/prefill_worker.proto\x12\x0fjetserve_disagg\"\xbf\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rsampling_json\x18\x03 \x01(\t\x12\x18\n\x10receiver_devices\x18\x04 \x01(\x05\x12\x12\n\ntoken_mask\x18\x05 \x01(\x0c\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x12\n\nscore_only\x18\x08 \x01(\x08\"\xab\x01\n\x0fPrefillResponse\x12\x11\n\tfirst_row\x18\x01 \x01(\x0c\x12\x15\n\rfirst_columns\x18\x02 \x01(\x05\x12\x18\n\x10transfer_address\x18\x03 \x01(\t\x12\x0c\n\x04uuid\x18\x04 \x01(\x04\x12\x13\n\x0bprefix_json\x18\x05 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\x05\x12\x1c\n\x14prompt_logprobs_json\x18\x07 \x01(\t\"\x1a\n\nAckRequest\x12\x0c\n\x04uuid\x18\x01 \x01(\x04\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xaf\x01\n\x0cLoadResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\x05\x12\x12\n\nregistered\x18\x03 \x01(\x05\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x16\n\x0esignature_json\x18\x05 \x01(\t\x12\x1a\n\x12max_prefill_length\x18\x06 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\x05\x12\x10\n\x08prefills\x18\x08 \x01(\x04\x32\xea\x01\n\rPrefillWorker\x12N\n\x07Prefill\x12\x1f.jetserve_disagg.PrefillRequest\x1a .jetserve_disagg.PrefillResponse\"\x00\x12\x42\n\x03\x41\x63k\x12\x1b.jetserve_disagg.AckRequest\x1a\x1c.jetserve_disagg.AckResponse\"\x00\x12\x45\n\x04Load\x12\x1c.jetserve_disagg.LoadRequest\x1a\x1d.jetserve_disagg.LoadResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/prefill_worker.proto\x12\x0fjetserve_disagg\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rsampling_json\x18\x03 \x01(\t\x12\x18\n\x10receiver_devices\x18\x04 \x01(\x05\x12\x12\n\ntoken_mask\x18\x05 \x01(\x0c\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x12\n\nscore_only\x18\x08 \x01(\x08\x12\x14\n\x0clora_adapter\x18\t \x01(\t\"\xab\x01\n\x0fPrefillResponse\x12\x11\n\tfirst_row\x18\x01 \x01(\x0c\x12\x15\n\rfirst_columns\x18\x02 \x01(\x05\x12\x18\n\x10transfer_address\x18\x03 \x01(\t\x12\x0c\n\x04uuid\x18\x04 \x01(\x04\x12\x13\n\x0bprefix_json\x18\x05 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\x05\x12\x1c\n\x14prompt_logprobs_json\x18\x07 \x01(\t\"\x1a\n\nAckRequest\x12\x0c\n\x04uuid\x18\x01 \x01(\x04\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xaf\x01\n\x0cLoadResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\x05\x12\x12\n\nregistered\x18\x03 \x01(\x05\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x16\n\x0esignature_json\x18\x05 \x01(\t\x12\x1a\n\x12max_prefill_length\x18\x06 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\x05\x12\x10\n\x08prefills\x18\x08 \x01(\x04\x32\xea\x01\n\rPrefillWorker\x12N\n\x07Prefill\x12\x1f.jetserve_disagg.PrefillRequest\x1a .jetserve_disagg.PrefillResponse\"\x00\x12\x42\n\x03\x41\x63k\x12\x1b.jetserve_disagg.AckRequest\x1a\x1c.jetserve_disagg.AckResponse\"\x00\x12\x45\n\x04Load\x12\x1c.jetserve_disagg.LoadRequest\x1a\x1d.jetserve_disagg.LoadResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.prefill_worker_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=49
-  _globals['_PREFILLREQUEST']._serialized_end=240
-  _globals['_PREFILLRESPONSE']._serialized_start=243
-  _globals['_PREFILLRESPONSE']._serialized_end=414
-  _globals['_ACKREQUEST']._serialized_start=416
-  _globals['_ACKREQUEST']._serialized_end=442
-  _globals['_ACKRESPONSE']._serialized_start=444
-  _globals['_ACKRESPONSE']._serialized_end=472
-  _globals['_LOADREQUEST']._serialized_start=474
-  _globals['_LOADREQUEST']._serialized_end=487
-  _globals['_LOADRESPONSE']._serialized_start=490
-  _globals['_LOADRESPONSE']._serialized_end=665
-  _globals['_PREFILLWORKER']._serialized_start=668
-  _globals['_PREFILLWORKER']._serialized_end=902
+  _globals['_PREFILLREQUEST']._serialized_end=262
+  _globals['_PREFILLRESPONSE']._serialized_start=265
+  _globals['_PREFILLRESPONSE']._serialized_end=436
+  _globals['_ACKREQUEST']._serialized_start=438
+  _globals['_ACKREQUEST']._serialized_end=464
+  _globals['_ACKRESPONSE']._serialized_start=466
+  _globals['_ACKRESPONSE']._serialized_end=494
+  _globals['_LOADREQUEST']._serialized_start=496
+  _globals['_LOADREQUEST']._serialized_end=509
+  _globals['_LOADRESPONSE']._serialized_start=512
+  _globals['_LOADRESPONSE']._serialized_end=687
+  _globals['_PREFILLWORKER']._serialized_start=690
+  _globals['_PREFILLWORKER']._serialized_end=924
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling_json", "receiver_devices", "token_mask", "prompt_logprobs", "top_logprobs", "score_only")
+    __slots__ = ("request_id", "token_ids", "sampling_json", "receiver_devices", "token_mask", "prompt_logprobs", "top_logprobs", "score_only", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SCORE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_json: str
@@ -24,7 +25,8 @@ class PrefillRequest(_message.Message):
     prompt_logprobs: bool
     top_logprobs: int
     score_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_json: _Optional[str] = ..., receiver_devices: _Optional[int] = ..., token_mask: _Optional[bytes] = ..., prompt_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., score_only: _Optional[bool] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_json: _Optional[str] = ..., receiver_devices: _Optional[int] = ..., token_mask: _Optional[bytes] = ..., prompt_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., score_only: _Optional[bool] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_row", "first_columns", "transfer_address", "uuid", "prefix_json", "queue_depth", "prompt_logprobs_json")

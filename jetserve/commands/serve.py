@@ -214,9 +214,6 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
     if args.scheduling == MIXED and (args.role != "both" or jax.process_count() > 1):
         raise ValueError(f"--scheduling mixed serves from one process with --role both, not "
                          f"--role {args.role} over {jax.process_count()} process(es)")
-    if (args.lora_modules or args.max_loras) and args.role != "both":
-        raise ValueError(f"--lora-modules / --max-loras: LoRA adapters are served with "
-                         f"--role both (the default), not --role {args.role}, for now")
     if args.role == "decode":
         return roles.build_decode(args, devices if devices is not None else jax.devices(),
                                   config)

@@ -175,7 +175,8 @@ class LockStepPrefillRunner(PrefillRunner):
             mask = t["token_mask"]
             prefix, first = self.prefill(
                 tokens, SamplingParams(**t["sampling"]), seed=t["seed"],
-                token_mask=None if mask is None else np.asarray([mask], np.int32))
+                token_mask=None if mask is None else np.asarray([mask], np.int32),
+                adapter=t["adapter"])
             uuid, meta = self.sender.register(prefix, t["receiver_devices"], uuid=t["uuid"])
             self.prefills += 1
             if job is not None:
@@ -219,5 +220,6 @@ def _job_turn(job: PrefillJob | None) -> dict | None:
             "seed": s.seed if s.seed is not None else secrets.randbits(31),
             "uuid": secrets.randbits(63), "receiver_devices": job.receiver_devices,
             "token_mask": None if job.token_mask is None else job.token_mask[0].tolist(),
-            "prompt_logprobs": job.prompt_logprobs, "score_only": job.score_only}
+            "prompt_logprobs": job.prompt_logprobs, "score_only": job.score_only,
+            "adapter": job.adapter}
 

@@ -28,7 +28,7 @@ from engines import SamplingParams
 from jetserve.disagg.kv_transfer import KVSender
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from jetserve.orchestrator.prefix_cache import PrefixCache
-from jetserve.request import Overloaded
+from jetserve.request import Overloaded, adapter_cache_key
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class PrefillJob:
     token_mask: np.ndarray | None = None  # i32[1, W]: the first token's allowed set
     prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
     score_only: bool = False  # only that: no prefill, no prefix held
+    adapter: str | None = None  # the LoRA adapter to prefill through (None: the base model)
     future: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
 
@@ -121,7 +122,8 @@ class PrefillRunner:
                                      job.prompt_logprobs)
         if job.score_only:
             return scored_only(scored)
-        prefix, first = self.prefill(job.token_ids, job.sampling, token_mask=job.token_mask)
+        prefix, first = self.prefill(job.token_ids, job.sampling, token_mask=job.token_mask,
+                                     adapter=job.adapter)
         uuid, meta = self.sender.register(prefix, job.receiver_devices)
         self.prefills += 1
         return Prefilled(first_row=np.asarray(first.to_host().data)[0], uuid=uuid, meta=meta,
@@ -132,13 +134,19 @@ class PrefillRunner:
         return self.sender.ack(uuid)
 
     def prefill(self, tokens: np.ndarray, sampling: SamplingParams, seed: int | None = None,
-                token_mask: np.ndarray | None = None) -> tuple[Any, Any]:
+                token_mask: np.ndarray | None = None,
+                adapter: str | None = None) -> tuple[Any, Any]:
         """(prefix, first token) of `tokens`, in chunks of max_prefill_length, after the
         longest cached prefix when there is a prefix cache (whose new blocks it caches);
-        `seed` and `token_mask` (structured output) as engine.prefill's."""
-        # Only a constrained prefill names the mask: an engine without masks takes none.
+        `seed`, `token_mask` (structured output) and `adapter` (LoRA) as engine.prefill's.
+        A prompt's KV differs by adapter, and so does its cache key."""
+        # Only a constrained prefill names the mask, only an adapted one the adapter: an
+        # engine without masks or adapters takes neither.
         masked = {} if token_mask is None else {"token_mask": token_mask}
-        hit = None if self.cache is None else self.cache.lookup(self.cache_key, tokens)
+        if adapter is not None:
+            masked["adapter"] = adapter
+        key = adapter_cache_key(self.cache_key, adapter)
+        hit = None if self.cache is None else self.cache.lookup(key, tokens)
         try:
             done = 0 if hit is None else hit.tokens
             prefix = self.cache.existing_prefix(hit, tokens) if done else None

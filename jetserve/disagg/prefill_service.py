@@ -49,6 +49,21 @@ def token_mask_from_bytes(data: bytes, vocab_size: int) -> np.ndarray | None:
     return np.frombuffer(data, np.int32).reshape(1, words)
 
 
+def _adapter(engine, name: str) -> str | None:
+    """The request's lora_adapter (None when empty); ValueError naming the field when
+    this worker does not hold that adapter."""
+    if not name:
+        return None
+    adapters = getattr(engine, "adapters", None)
+    if adapters is None:
+        raise ValueError(f"lora_adapter {name!r}: this prefill worker serves no LoRA "
+                         "adapters (start it with the decode side's --lora-modules)")
+    if name not in adapters:
+        raise ValueError(f"lora_adapter {name!r}: not loaded on this prefill worker "
+                         f"(loaded: {adapters.names()})")
+    return name
+
+
 def sampling_from_json(text: str) -> SamplingParams:
     """SamplingParams from the request's JSON (ValueError naming a bad field)."""
     fields = json.loads(text) if text else {}
@@ -81,7 +96,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                                               self.runner.engine.vocab_size),
                              prompt_logprobs=(max(0, request.top_logprobs)
                                               if request.prompt_logprobs else None),
-                             score_only=request.score_only)
+                             score_only=request.score_only,
+                             adapter=_adapter(self.runner.engine, request.lora_adapter))
             future = self.runner.submit(job)
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -103,7 +103,7 @@ class RemotePrefillWorker(PrefillLoop):
             sampling_json=json.dumps(dataclasses.asdict(req.sampling)),
             receiver_devices=self.receiver_devices, token_mask=_first_mask(live),
             prompt_logprobs=scoring, top_logprobs=req.logprobs or 0,
-            score_only=scoring and req.max_tokens == 0)
+            score_only=scoring and req.max_tokens == 0, lora_adapter=req.lora_adapter or "")
         tried: set[str] = set()
         errors = []
         while True:

@@ -86,12 +86,16 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _engine(args: argparse.Namespace, devices, sharding: str | None):
+    from jetserve import lora_adapters
     from jetserve.commands.common import engine_config
     from jetserve.model_loading import build_engine
 
     devs = list(devices)
-    return build_engine(args.model, devices=devs, sharding=sharding or args.sharding,
-                        engine_config=engine_config(args, devs))
+    engine = build_engine(args.model, devices=devs, sharding=sharding or args.sharding,
+                          engine_config=engine_config(args, devs))
+    if args.lora_modules:  # both roles hold the same adapters: ids cross with the prefix
+        lora_adapters.load_modules([engine], args.lora_modules)
+    return engine
 
 
 def build_decode(args: argparse.Namespace, devices, config):

@@ -1,5 +1,6 @@
 """The prefill worker's gRPC service in this process (random:tiny on one fake device):
-refusals while warming up and draining, named errors for bad requests, a prefix held
+refusals while warming up and draining, named errors for bad requests (an adapter it
+does not hold among them), a prefix held
 from Prefill until Ack, the first token sampled within the mask a request carries, and
 the prompt's log-probs when asked (alone, for scoring)."""
 
@@ -68,6 +69,9 @@ def test_prefill_worker_service(worker):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "beam_width" in msg
     code, msg = _code(stub, token_ids=[])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids has 0 tokens" in msg
+    code, msg = _code(stub, token_ids=[1, 2], lora_adapter="a1")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg.startswith("lora_adapter 'a1': this prefill worker serves no LoRA adapters")
 
     out = stub.Prefill(pb.PrefillRequest(token_ids=[1, 5, 9], receiver_devices=1), timeout=60)
     meta = json.loads(out.prefix_json)

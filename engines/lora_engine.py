@@ -39,7 +39,7 @@ from engines.engine_config import EngineConfig
 from engines.kv_cache import DecodeState, Prefix, insert_prefix
 from engines.lora_loading import read_adapter
 from engines.lora_registry import AdapterRegistry, adapter_id
-from engines.prefill_program import PrefillProgram, empty_prefix
+from engines.prefill_program import PrefillProgram, PrefillRows, empty_prefix
 from engines.speculative import generate_speculative
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
@@ -85,6 +85,17 @@ def lora_prefill(model, top_n, params, tokens, true_length, start, sampling, pro
                                            sampling, prompt_mask, existing, token_mask,
                                            *draft, draft_model=draft_model)
     return LoraPrefix(**_fields(prefix, Prefix), adapter_id=ident), res
+
+
+def lora_prefill_rows(model, top_n, params, tokens, true_lengths, sampling, token_mask,
+                      pool, rows, idents):
+    """device_functions.prefill_rows with each prompt row through its own adapter: pool
+    rows `rows` i32[R], whose ids `idents` i32[R] the prefixes carry (0: the base model)."""
+    bound = _WithLora(model, lora.LoraBatch(pool, rows))
+    prefixes, res = device_functions.prefill_rows(bound, top_n, params, tokens, true_lengths,
+                                                  sampling, token_mask)
+    return tuple(LoraPrefix(**_fields(p, Prefix), adapter_id=idents[i])
+                 for i, p in enumerate(prefixes)), res
 
 
 def lora_empty_prefix(config, draft_config, dtype, capacity: int) -> LoraPrefix:
@@ -169,6 +180,13 @@ class LoraTransformerEngine(TransformerEngine):
             max_seq_len=self.max_seq_len, config=self.model_config, dtype=self.dtype,
             draft_config=self._draft.model_config if self._draft else None,
             empty=lora_empty_prefix)
+        self._prefill_rows = PrefillRows(
+            self._counted("prefill", laid_out(functools.partial(
+                lora_prefill_rows, self.model, top_n))),
+            param_shardings=self.param_shardings, sampling_sharding=prefix_sh.sampling,
+            prefix_sharding=prefix_sh, replicated=r, buckets=self.prefill_buckets(),
+            max_rows=self.config.prefill_batch, vocab_size=self.model_config.vocab_size,
+            extra_shardings=(pool_sh, r, r))
         self._insert_jit = jax.jit(self._counted("insert", lora_insert),
                                    in_shardings=(prefix_sh, state_sh, r, r),
                                    out_shardings=state_sh, donate_argnums=(1,))
@@ -242,6 +260,41 @@ class LoraTransformerEngine(TransformerEngine):
             self.adapters.pin(row)
             weakref.finalize(prefix, self.adapters.unpin, row)
         return prefix, first
+
+    def prefill_rows(self, params, prompts, *, samplings, seeds=None, adapters=None):
+        """As TransformerEngine.prefill_rows, prompt i through adapter adapters[i] (None:
+        the base model; no `adapters`: every prompt's). Each adapter's row is pinned as it
+        is made resident, so a later prompt's adapter never swaps out an earlier one's."""
+        R = len(prompts)
+        names = [None] * R if adapters is None else list(adapters)
+        if len(names) != R:
+            raise ValueError(f"{R} prompts need {R} adapters (None: the base model), got "
+                             f"{len(names)}")
+        rows_n = self._prefill_rows.rows(R)
+        seeds = [None] * R if seeds is None else seeds
+        idents = [0 if n is None else adapter_id(n) for n in names]
+        rows: list[int] = []
+        with self.adapters.lock:
+            try:
+                for name in names:
+                    rows.append(self._row(name, self.row_wait_s))
+                    if rows[-1]:
+                        self.adapters.pin(rows[-1])
+                pad = [0] * (rows_n - R)
+                prefixes, first = self._prefill_rows(
+                    self._in_layout(params), prompts, samplings, seeds,
+                    extra=(self._pool, np.asarray(rows + pad, np.int32),
+                           np.asarray(idents + pad, np.int32)))
+            except BaseException:
+                for row in rows:
+                    if row:
+                        self.adapters.unpin(row)
+                raise
+        for prefix, ident, row in zip(prefixes, idents, rows, strict=True):
+            prefix.host_adapter_id = ident  # as prefill's: insert need not read it back
+            if row:  # held until the prefix is dropped (inserted, or abandoned)
+                weakref.finalize(prefix, self.adapters.unpin, row)
+        return prefixes, first
 
     def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None,
                       donate: bool = False):

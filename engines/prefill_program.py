@@ -182,7 +182,9 @@ class PrefillRows:
     R * T <= max_prefill_length (a call runs no more tokens than one prefill of the
     longest prompt, so its activations are bounded alike); one program per shape (`shapes`,
     which the warm-up compiles), counted with prefill's. Fresh prompts only: no existing
-    prefix, no token mask, no draft model.
+    prefix, no token mask, no draft model. `extra_shardings`: those of arguments `fn`
+    takes after prefill_rows' own (a LoRA engine's pool and each row's adapter), given
+    to each call as `extra`.
 
     Args:
       fn: device_functions.prefill_rows with its model bound.
@@ -193,9 +195,11 @@ class PrefillRows:
     """
 
     def __init__(self, fn: Callable, *, param_shardings, sampling_sharding, prefix_sharding,
-                 replicated, buckets: tuple[int, ...], max_rows: int, vocab_size: int):
+                 replicated, buckets: tuple[int, ...], max_rows: int, vocab_size: int,
+                 extra_shardings: tuple = ()):
         self._fn = fn
-        self._in = (param_shardings, replicated, replicated, sampling_sharding, replicated)
+        self._in = (param_shardings, replicated, replicated, sampling_sharding, replicated,
+                    *extra_shardings)
         self._prefix_sharding, self._replicated = prefix_sharding, replicated
         self._buckets = buckets
         self._vocab_size = vocab_size
@@ -217,15 +221,21 @@ class PrefillRows:
             return waiting
         return max((r for r in counts if r <= waiting), default=1)
 
-    def __call__(self, params, prompts, samplings, seeds):
-        """(R prefixes, ResultTokens whose first R rows are theirs) for R prompts (host
-        token arrays) with their SamplingParams and seeds (None: the params' seed, else a
-        random one); the call runs the smallest row count >= R, padding rows of one token."""
-        R = len(prompts)
+    def rows(self, R: int) -> int:
+        """The row count a call of R prompts runs (ValueError when none takes them)."""
         rows = next((r for r in self.row_counts if R <= r), None)
         if R < 2 or rows is None:
             raise ValueError(f"a prefill of several prompts takes 2 to {self.row_counts[-1]} "
                              f"prompts, got {R}")
+        return rows
+
+    def __call__(self, params, prompts, samplings, seeds, extra: tuple = ()):
+        """(R prefixes, ResultTokens whose first R rows are theirs) for R prompts (host
+        token arrays) with their SamplingParams and seeds (None: the params' seed, else a
+        random one); the call runs the smallest row count >= R (`rows`), padding rows of
+        one token; `extra`: the arguments after prefill_rows' own, for all those rows."""
+        R = len(prompts)
+        rows = self.rows(R)
         if not len(samplings) == len(seeds) == R:
             raise ValueError(f"{R} prompts need {R} samplings and seeds, got "
                              f"{len(samplings)} and {len(seeds)}")
@@ -251,7 +261,7 @@ class PrefillRows:
             per_row.append(SlotSampling.from_params(s, seed))
         sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *per_row)
         prefixes, res = self._jit(rows)(params, padded, lengths, sampling,
-                                        allow_all(rows, self._vocab_size))
+                                        allow_all(rows, self._vocab_size), *extra)
         return list(prefixes[:R]), res
 
     def _jit(self, rows: int) -> Callable:

@@ -29,7 +29,7 @@ from jetserve.orchestrator.step_masks import (
 )
 from jetserve.orchestrator.stopping import stop_ids, token_budget
 from jetserve.orchestrator.timing import Listeners, RequestTiming
-from jetserve.request import Request, check_prompt_fits
+from jetserve.request import Request, adapters_kwargs, check_prompt_fits
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.plan import chunks
@@ -165,7 +165,8 @@ def _prefill_all(engine: Engine, params, lives: list[LiveRequest]):
             group = lives[i:i + n]
             prefixes, first = engine.prefill_rows(
                 params, [list(x.request.prompt_ids) for x in group],
-                samplings=[x.request.sampling for x in group])
+                samplings=[x.request.sampling for x in group],
+                **adapters_kwargs([x.request.lora_adapter for x in group]))
             for row, (live, prefix) in enumerate(zip(group, prefixes, strict=True)):
                 yield live, prefix, first, row, t0
         else:

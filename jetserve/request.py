@@ -145,6 +145,13 @@ class Request:
         return adapter_cache_key(model_key, self.lora_adapter)
 
 
+def adapters_kwargs(adapters: Sequence[str | None]) -> dict:
+    """What engine.prefill_rows takes beyond the prompts: each prompt's LoRA adapter
+    (None: the base model), when any names one; {} for the base model alone (engines
+    without adapters take none)."""
+    return {} if all(a is None for a in adapters) else {"adapters": list(adapters)}
+
+
 def adapter_cache_key(model_key: str, adapter: str | None) -> str:
     """The prefix cache's key of prompts run through LoRA adapter `adapter` (None: the
     base model's, `model_key` itself)."""

@@ -95,11 +95,10 @@ class LiveRequest:
     def may_share_prefill(self, chunk: int) -> bool:
         """Whether this request can be one prompt of a prefill call that takes several
         (Engine.prefill_rows): a fresh, whole prompt (at most `chunk` tokens) with no prompt
-        scoring, grammar or adapter."""
+        scoring or grammar (an adapter goes with it: request.adapters_kwargs)."""
         req = self.request
         return (self.preemptions == 0 and not req.prompt_logprobs and req.max_tokens != 0
-                and self.grammar is None and not req.prefill_kwargs()
-                and len(req.prompt_ids) <= chunk)
+                and self.grammar is None and len(req.prompt_ids) <= chunk)
 
     def release_cache_hit(self) -> None:
         if self.cache_hit is not None:

@@ -70,6 +70,7 @@ from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.step_masks import first_mask, mask_kwargs, must_sync, step_mask
 from jetserve.orchestrator.step_plan import Broadcast, PlanCodec, exchange
+from jetserve.request import adapters_kwargs
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Admission, StepPlan, chunks
 from jetserve.scheduling.turn_planner import TurnPlanner
@@ -204,13 +205,13 @@ class LockStepOrchestrator(Orchestrator):
 
     def _groups(self, admissions, lives) -> list[list[tuple[Admission, LiveRequest | None]]]:
         """The admissions in order, in runs that share one prefill call (engine.prefill_rows:
-        whole prompts of a slot, no prompt scoring, grammar or adapter) as the engine's shapes
+        whole prompts of a slot, no prompt scoring or grammar) as the engine's shapes
         take them, the others one each. The plan alone decides it, so every process
         groups alike."""
         chunk = self.config.prefill_chunk or self.engine.max_prefill_length
         pairs = list(zip(admissions, lives, strict=True))
         shares = [a.slot is not None and not a.prompt_logprobs and not a.constrained
-                  and a.adapter is None and len(a.prompt_ids) <= chunk for a, _ in pairs]
+                  and len(a.prompt_ids) <= chunk for a, _ in pairs]
         groups, i = [], 0
         while i < len(pairs):
             run = 0
@@ -232,7 +233,8 @@ class LockStepOrchestrator(Orchestrator):
         try:
             prefixes, first = self.engine.prefill_rows(
                 self.params, [np.asarray(a.prompt_ids, np.int32) for a, _ in group],
-                samplings=[a.sampling for a, _ in group], seeds=[a.seed for a, _ in group])
+                samplings=[a.sampling for a, _ in group], seeds=[a.seed for a, _ in group],
+                **adapters_kwargs([a.adapter for a, _ in group]))
             for (a, _), prefix in zip(group, prefixes, strict=True):
                 self._state = self.engine.insert(prefix, self._state, a.slot)
                 inserted.append(a.slot)

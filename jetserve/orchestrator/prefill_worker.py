@@ -50,6 +50,7 @@ from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.step_masks import first_mask
 from jetserve.orchestrator.timing import Listeners
+from jetserve.request import adapters_kwargs
 
 # route(live, prefix) hands a prefilled request on; False when the orchestrator stopped.
 # A lookup waits at most this many poll intervals for an earlier request's pages to be
@@ -212,7 +213,8 @@ class PrefillWorker(PrefillLoop):
             else:
                 prefixes, first = self.engine.prefill_rows(
                     self.params, [t for _, t, _, _ in group],
-                    samplings=[live.request.sampling for live, _, _, _ in group])
+                    samplings=[live.request.sampling for live, _, _, _ in group],
+                    **adapters_kwargs([live.request.lora_adapter for live, _, _, _ in group]))
                 self.row_calls += 1
                 outs = [(p, first) for p in prefixes]
         except Exception as e:

@@ -1,6 +1,6 @@
 """Several prompts in one prefill call (engines/prefill_program.py PrefillRows): each row
-gives what a prefill of its prompt alone gives, the shapes are the few the config names,
-and what a call cannot take is refused by name."""
+gives what a prefill of its prompt alone gives (through its own LoRA adapter too), the
+shapes are the few the config names, and what a call cannot take is refused by name."""
 
 import jax
 import numpy as np
@@ -108,9 +108,49 @@ def test_what_a_call_cannot_take_is_named(engine):
 
 @pytest.mark.parametrize("fields, match", [
     ({"prefill_batch": 0}, r"prefill_batch \(--prefill-batch\) must be a positive integer"),
-    ({"prefill_batch": 2, "max_loras": 1}, "do not take LoRA adapters"),
     ({"prefill_batch": 2, "speculative": "draft:random:tiny:2"}, "draft model's KV"),
 ])
 def test_config_refusals(fields, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**fields)
+
+
+def test_rows_through_their_own_adapters_decode_as_prompts_prefilled_alone(tmp_path):
+    """A LoRA engine: rows for adapters a, b, the base model and a again give what each
+    prompt gives alone through its adapter, first token and decode; the adapters change
+    the answers."""
+    from tests.engines.lora_files import write_adapter
+
+    eng = create_engine(CFG, config=EngineConfig(
+        max_concurrent_decodes=4, max_prefill_length=64, max_seq_len=96, prefill_batch=4,
+        max_loras=2, max_lora_rank=8), devices=jax.devices()[:1], seed=3)
+    for name, seed in (("a", 1), ("b", 2)):
+        eng.load_adapter(name, write_adapter(tmp_path / name, CFG, ["q_proj", "v_proj",
+                                                                    "down_proj"], seed=seed)[0])
+    params = eng.load_params()
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 100, size=n).astype(np.int32) for n in (9, 14, 3, 12)]
+    names = ["a", "b", None, "a"]
+
+    def decode(pairs):  # (prefix, first-token results, its row there) per slot
+        state = eng.init_decode_state()
+        for slot, (prefix, _, _) in enumerate(pairs):
+            state = eng.insert(prefix, state, slot)
+        out = [[res.to_host().tokens(row)[0]] for _, res, row in pairs]
+        for _ in range(6):
+            state, res = eng.generate(params, state)
+            for slot in range(len(pairs)):
+                out[slot].append(res.to_host().tokens(slot)[0])
+        for slot in range(len(pairs)):
+            eng.free_slot(slot)
+        return out
+
+    prefixes, first = eng.prefill_rows(params, prompts, samplings=[None] * 4, adapters=names)
+    assert [int(p.adapter_id) != 0 for p in prefixes] == [True, True, False, True]
+    batched = decode([(p, first, row) for row, p in enumerate(prefixes)])
+    del prefixes, first
+    alone = decode([(*eng.prefill(params, p, len(p), adapter=n), 0)
+                    for p, n in zip(prompts, names, strict=True)])
+    assert batched == alone
+    base = decode([(*eng.prefill(params, p, len(p)), 0) for p in prompts])
+    assert base[0] != alone[0] and base[1] != alone[1] and base[2] == alone[2]

@@ -98,8 +98,8 @@ def test_what_shared_calls_do_not_work_with_is_refused_by_name():
         Orchestrator.from_engines(eng, config=OrchestratorConfig(step_policy="decode-first"))
     with pytest.raises(ValueError, match="--prefill-batch 4: --scheduling mixed"):
         MixedOrchestrator(eng, eng.load_params())
-    with pytest.raises(ValueError, match="--prefill-batch: lock step over several processes"):
-        LockStepOrchestrator(eng, eng.load_params(), primary=True, broadcast=lambda x: x)
+    # Lock step takes it (its shared calls: tests/jetserve/test_lockstep.py).
+    LockStepOrchestrator(eng, eng.load_params(), primary=True, broadcast=lambda x: x)
     assert Orchestrator.from_engines(eng)._prefill[0].max_rows == 2  # 2 x 16 = 32 tokens
 
 

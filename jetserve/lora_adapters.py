@@ -87,17 +87,29 @@ class Adapters:
         if not self.engines:
             raise ValueError("this server holds no LoRA adapters: start it with --max-loras "
                              "N (or --lora-modules) to load some")
-        if jax.process_count() > 1:  # the other processes would not hold it
-            raise ValueError("LoRA adapters are not loaded at run time when several "
-                             "processes serve one model: give every process the same "
-                             "--lora-modules")
         for e in self.engines:
             e.load_adapter(name, path)
 
+    def load_at_run_time(self, name: str, path: str) -> None:
+        """`load` for a client's request (POST /v1/load_lora_adapter): refused when
+        several processes serve the model, whose others would not hold the adapter."""
+        _one_process("loaded")
+        self.load(name, path)
+
     def unload(self, name: str) -> None:
+        """Forgets `name` in every engine (a client's request; refused as
+        `load_at_run_time` is)."""
+        _one_process("unloaded")
         self.check(name)
         for e in self.engines:
             e.unload_adapter(name)
+
+
+def _one_process(what: str) -> None:
+    """ValueError when several processes serve the model: only this one would change."""
+    if jax.process_count() > 1:
+        raise ValueError(f"LoRA adapters are not {what} at run time when several processes "
+                         "serve one model: give every process the same --lora-modules")
 
 
 def load_modules(engines: Sequence[Any], items: Sequence[str]) -> Adapters:

@@ -54,7 +54,7 @@ class LoraRoutes:
         if r.lora_name in self.adapters.names():
             raise v.InvalidArgument("lora_name", f"the LoRA adapter {v.show(r.lora_name)} "
                                                  "is already loaded; unload it first")
-        await asyncio.to_thread(self.adapters.load, r.lora_name, r.lora_path)
+        await asyncio.to_thread(self.adapters.load_at_run_time, r.lora_name, r.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{r.lora_name}' added successfully.")
 
     async def unload(self, request: Request) -> Response:

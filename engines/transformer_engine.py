@@ -143,9 +143,6 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
                              f"{draft_config.vocab_size} tokens, the target "
                              f"{self.model_config.vocab_size}: speculative decoding needs "
                              f"the same tokenizer")
-        if jax.process_count() > 1:
-            raise ValueError("speculative 'draft:PATH:K' (a draft model) runs in one "
-                             "process only")
         e = self.config
         config = EngineConfig(max_concurrent_decodes=e.max_concurrent_decodes,
                               max_prefill_length=e.max_prefill_length,

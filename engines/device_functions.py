@@ -70,12 +70,13 @@ def prefill(model: Decoder, top_n: int, params, tokens, true_length, start, samp
 
 
 def prefill_rows(model: Decoder, top_n: int, params, tokens, true_lengths, sampling,
-                 token_mask):
+                 token_mask, draft_params=None, *, draft_model: Decoder | None = None):
     """Several whole prompts in one call, one row each: tokens i32[R, T] (padded),
     true_lengths i32[R], sampling R rows, token_mask i32[R, W]. The weights are read once
     for every row, which is what a prompt short enough to be bound by that read gains.
     Returns (R prefixes, each what `prefill` makes of its row alone; ResultTokens of R
-    rows): the same KV, first token and advanced key as R calls of `prefill`."""
+    rows): the same KV, first token and advanced key as R calls of `prefill`. With a
+    draft model its KV of every prompt comes too, as prefill's."""
     R, T = tokens.shape
     idx = jnp.arange(T)[None, :]
     positions = jnp.broadcast_to(idx, (R, T))
@@ -91,12 +92,17 @@ def prefill_rows(model: Decoder, top_n: int, params, tokens, true_lengths, sampl
                            token_mask=token_mask)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n)
     advanced = dataclasses.replace(sampling, key=next_key)
+    draft = PrefillKV(new_k_pos, None, 0)
+    if draft_model is not None:
+        draft_model.apply({"params": draft_params}, tokens, positions, draft,
+                          last=true_lengths - 1)
 
     def row(i: int) -> Prefix:  # row i, keeping the prefix's batch axis of one
         one = lambda x: x[i:i + 1]  # noqa: E731
         return Prefix(k=tuple(map(one, kv.k)), v=tuple(map(one, kv.v)), k_pos=one(new_k_pos),
                       tokens=one(tokens), length=true_lengths[i], token=tok[i],
-                      sampling=jax.tree.map(one, advanced), prompt_mask=one(mask))
+                      sampling=jax.tree.map(one, advanced), prompt_mask=one(mask),
+                      draft_k=tuple(map(one, draft.k)), draft_v=tuple(map(one, draft.v)))
 
     prefixes = tuple(row(i) for i in range(R))
     res = pack_results(tok, jnp.ones((R,), bool), true_lengths + 1, lp, top_ids, top_lp)

@@ -178,10 +178,6 @@ def _check_prefill_batch(c: EngineConfig) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"prefill_batch (--prefill-batch) must be a positive integer, "
                          f"got {n!r}")
-    if n > 1 and c.spec.kind == "draft":
-        raise ValueError(f"prefill_batch={n}: several prompts per prefill call do not carry "
-                         f"a draft model's KV (speculative {c.speculative!r}); give "
-                         f"prefill_batch 1")
 
 
 def _check_decode_batch_sizes(c: EngineConfig) -> None:

@@ -88,12 +88,14 @@ def lora_prefill(model, top_n, params, tokens, true_length, start, sampling, pro
 
 
 def lora_prefill_rows(model, top_n, params, tokens, true_lengths, sampling, token_mask,
-                      pool, rows, idents):
+                      pool, rows, idents, *draft, draft_model=None):
     """device_functions.prefill_rows with each prompt row through its own adapter: pool
-    rows `rows` i32[R], whose ids `idents` i32[R] the prefixes carry (0: the base model)."""
+    rows `rows` i32[R], whose ids `idents` i32[R] the prefixes carry (0: the base model);
+    a draft model's parameters last, as lora_prefill's."""
     bound = _WithLora(model, lora.LoraBatch(pool, rows))
     prefixes, res = device_functions.prefill_rows(bound, top_n, params, tokens, true_lengths,
-                                                  sampling, token_mask)
+                                                  sampling, token_mask, *draft,
+                                                  draft_model=draft_model)
     return tuple(LoraPrefix(**_fields(p, Prefix), adapter_id=idents[i])
                  for i, p in enumerate(prefixes)), res
 
@@ -182,11 +184,11 @@ class LoraTransformerEngine(TransformerEngine):
             empty=lora_empty_prefix)
         self._prefill_rows = PrefillRows(
             self._counted("prefill", laid_out(functools.partial(
-                lora_prefill_rows, self.model, top_n))),
+                lora_prefill_rows, self.model, top_n, draft_model=draft_model))),
             param_shardings=self.param_shardings, sampling_sharding=prefix_sh.sampling,
             prefix_sharding=prefix_sh, replicated=r, buckets=self.prefill_buckets(),
             max_rows=self.config.prefill_batch, vocab_size=self.model_config.vocab_size,
-            extra_shardings=(pool_sh, r, r))
+            extra_shardings=(pool_sh, r, r, *draft_sh))
         self._insert_jit = jax.jit(self._counted("insert", lora_insert),
                                    in_shardings=(prefix_sh, state_sh, r, r),
                                    out_shardings=state_sh, donate_argnums=(1,))
@@ -284,7 +286,7 @@ class LoraTransformerEngine(TransformerEngine):
                 prefixes, first = self._prefill_rows(
                     self._in_layout(params), prompts, samplings, seeds,
                     extra=(self._pool, np.asarray(rows + pad, np.int32),
-                           np.asarray(idents + pad, np.int32)))
+                           np.asarray(idents + pad, np.int32), *self._draft_args()))
             except BaseException:
                 for row in rows:
                     if row:

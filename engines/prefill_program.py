@@ -182,7 +182,7 @@ class PrefillRows:
     R * T <= max_prefill_length (a call runs no more tokens than one prefill of the
     longest prompt, so its activations are bounded alike); one program per shape (`shapes`,
     which the warm-up compiles), counted with prefill's. Fresh prompts only: no existing
-    prefix, no token mask, no draft model. `extra_shardings`: those of arguments `fn`
+    prefix, no token mask. `extra_shardings`: those of arguments `fn`
     takes after prefill_rows' own (a LoRA engine's pool and each row's adapter), given
     to each call as `extra`.
 

@@ -236,10 +236,11 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
             draft_config=self._draft.model_config if self._draft else None, context=context)
         self._prefill_rows = PrefillRows(
             self._counted("prefill", laid_out(functools.partial(
-                device_functions.prefill_rows, self.model, top_n))),
+                device_functions.prefill_rows, self.model, top_n, draft_model=draft_model))),
             param_shardings=self.param_shardings, sampling_sharding=prefix_sh.sampling,
             prefix_sharding=prefix_sh, replicated=r, buckets=self.prefill_buckets(),
-            max_rows=self.config.prefill_batch, vocab_size=self.model_config.vocab_size)
+            max_rows=self.config.prefill_batch, vocab_size=self.model_config.vocab_size,
+            extra_shardings=draft_sh)
         self._prompt_logprobs_jit = jax.jit(
             self._counted("prompt_logprobs", laid_out(functools.partial(
                 device_functions.prompt_logprobs, self.model, top_n))),
@@ -351,7 +352,8 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
     def prefill_rows(self, params, prompts, *, samplings, seeds=None):
         """Several whole prompts in one call (see Engine.prefill_rows)."""
         seeds = [None] * len(prompts) if seeds is None else seeds
-        return self._prefill_rows(self._in_layout(params), prompts, samplings, seeds)
+        return self._prefill_rows(self._in_layout(params), prompts, samplings, seeds,
+                                  extra=self._draft_args())
 
     def prefill_row_shapes(self) -> list[tuple[int, int]]:
         return self._prefill_rows.shapes()

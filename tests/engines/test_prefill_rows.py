@@ -108,7 +108,6 @@ def test_what_a_call_cannot_take_is_named(engine):
 
 @pytest.mark.parametrize("fields, match", [
     ({"prefill_batch": 0}, r"prefill_batch \(--prefill-batch\) must be a positive integer"),
-    ({"prefill_batch": 2, "speculative": "draft:random:tiny:2"}, "draft model's KV"),
 ])
 def test_config_refusals(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -154,3 +153,44 @@ def test_rows_through_their_own_adapters_decode_as_prompts_prefilled_alone(tmp_p
     assert batched == alone
     base = decode([(*eng.prefill(params, p, len(p)), 0) for p in prompts])
     assert base[0] != alone[0] and base[1] != alone[1] and base[2] == alone[2]
+
+
+def test_rows_carry_the_draft_models_kv():
+    """With a draft model (speculative "draft:PATH:K") each row's prefix holds the draft's
+    KV of its prompt as a prefill alone makes it, and the verify steps after give the same
+    tokens (the draft's proposals read that KV)."""
+    from jetserve.model_loading import RANDOM_MODELS
+
+    draft_cfg = RANDOM_MODELS["tiny"]
+    cfg = ModelConfig(vocab_size=draft_cfg.vocab_size, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    eng = create_engine(cfg, config=EngineConfig(
+        max_concurrent_decodes=4, max_prefill_length=64, max_seq_len=96, prefill_batch=4,
+        speculative="draft:random:tiny:2"), devices=jax.devices()[:1], seed=3,
+        draft_config=draft_cfg)
+    params = eng.load_params()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 100, size=n).astype(np.int32) for n in (9, 14, 3)]
+    prefixes, first = eng.prefill_rows(params, prompts, samplings=[None] * 3)
+    for p, prefix in zip(prompts, prefixes, strict=True):
+        alone, _ = eng.prefill(params, p, len(p))
+        assert len(prefix.draft_k) == len(alone.draft_k) == draft_cfg.num_layers
+        for a, b in zip((*alone.draft_k, *alone.draft_v), (*prefix.draft_k, *prefix.draft_v),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(b)[:, :len(p)], np.asarray(a)[:, :len(p)],
+                                       rtol=1e-5, atol=1e-5)
+
+    def decode(pairs):
+        state = eng.init_decode_state()
+        for slot, (prefix, _, _) in enumerate(pairs):
+            state = eng.insert(prefix, state, slot)
+        out = [[res.to_host().tokens(row)[0]] for _, res, row in pairs]
+        for _ in range(5):
+            state, res = eng.generate(params, state)
+            for slot in range(len(pairs)):
+                out[slot] += res.to_host().tokens(slot)
+        return out
+
+    batched = decode([(p, first, row) for row, p in enumerate(prefixes)])
+    alone = decode([(*eng.prefill(params, p, len(p)), 0) for p in prompts])
+    assert batched == alone

@@ -8,11 +8,14 @@ same values as a [K, ps, H] slice of each layer's pool) or on the host (numpy, t
 layout). Stacks of n blocks are [n, L, 2, b, K, H]; every function here is compiled for
 a power-of-two n (`stack_size`), so the programs stay few whatever the hit lengths.
 `PrefixBlocks` is the transformer engines' side of it (the Engine methods a prefix cache
-calls).
+calls). With a draft model (speculative "draft:PATH:K") the blocks still hold the
+target's KV only: `prefix_of_blocks` remakes the draft's KV of the cached tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engines import layer_scan
-from engines.kv_cache import Prefix
+from engines.kv_cache import PrefillKV, Prefix
 from engines.kv_quant import unpack_entries
 from engines.sampling import SlotSampling
 
@@ -69,7 +72,7 @@ def stack_blocks(blocks: tuple[jax.Array, ...]) -> jax.Array:
 
 
 def prefix_of_blocks(blocks: jax.Array, length: jax.Array, prompt_mask: jax.Array,
-                     tokens: jax.Array) -> Prefix:
+                     tokens: jax.Array, draft_params=None, *, draft_model=None) -> Prefix:
     """A stack [n, L, 2, b, K, H] whose first `length` positions are a prompt's KV, and
     those tokens (i32[1, n*b], zero padded) -> the Prefix a prefill continues (later
     entries are masked). Only k, v, k_pos, tokens, length and prompt_mask are read by a
@@ -77,12 +80,20 @@ def prefix_of_blocks(blocks: jax.Array, length: jax.Array, prompt_mask: jax.Arra
     n, L, _, b, K, H = blocks.shape
     kv = jnp.moveaxis(blocks, 0, 2).reshape(L, 2, 1, n * b, K, H)
     j = jnp.arange(n * b)[None, :]
-    return Prefix(
+    prefix = Prefix(
         k=tuple(kv[i, 0] for i in range(L)), v=tuple(kv[i, 1] for i in range(L)),
         k_pos=jnp.where(j < length, j, -1).astype(jnp.int32), tokens=tokens,
         length=length.astype(jnp.int32), token=jnp.zeros((), jnp.int32),
         sampling=SlotSampling.empty(1), prompt_mask=prompt_mask,
     )
+    if draft_model is None:
+        return prefix
+    # The blocks hold the target's KV; a draft model's of the same tokens is made here,
+    # by its prefill over them (a small model: cheap beside the target's cached part).
+    draft = PrefillKV(prefix.k_pos, None, 0)
+    draft_model.apply({"params": draft_params}, tokens, jnp.broadcast_to(j, tokens.shape),
+                      draft, last=jnp.zeros((1,), jnp.int32))
+    return dataclasses.replace(prefix, draft_k=tuple(draft.k), draft_v=tuple(draft.v))
 
 
 class PrefixBlocks:
@@ -93,7 +104,10 @@ class PrefixBlocks:
     def _build_block_jits(self, prefix_sharding: Any) -> None:
         self._blocks_of_prefix_jit = jax.jit(blocks_of_prefix, static_argnums=(2, 3))
         self._stack_blocks_jit = jax.jit(stack_blocks)
-        self._prefix_of_blocks_jit = jax.jit(prefix_of_blocks, out_shardings=prefix_sharding)
+        draft_model = self._draft.model if self._draft is not None else None
+        self._prefix_of_blocks_jit = jax.jit(
+            functools.partial(prefix_of_blocks, draft_model=draft_model),
+            out_shardings=prefix_sharding)
 
     def cache_blocks(self, prefix: Prefix, first: int, n: int, block: int) -> list[jax.Array]:
         """Blocks first .. first + n - 1 (of `block` tokens) of a prefill's prefix, one
@@ -118,11 +132,9 @@ class PrefixBlocks:
     def prefix_from_blocks(self, stack: Any, tokens: Sequence[int]) -> Prefix:
         """A stack of blocks whose first len(tokens) positions hold those tokens' KV ->
         the Prefix that a prefill continues with `existing_prefix`."""
-        if self._draft is not None:
-            raise ValueError("speculative 'draft:PATH:K' (a draft model) does not work with "
-                             "the prefix cache")
         mask = np.zeros((1, self.model_config.vocab_size), bool)
         mask[0, np.asarray(tokens, np.int64)] = True
         ids = np.zeros((1, stack.shape[0] * stack.shape[3]), np.int32)
         ids[0, : len(tokens)] = tokens
-        return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask, ids)
+        return self._prefix_of_blocks_jit(stack, np.int32(len(tokens)), mask, ids,
+                                          *self._draft_args())

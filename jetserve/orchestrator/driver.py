@@ -128,11 +128,6 @@ class Orchestrator:
             raise ValueError(f"prefill_chunk={config.prefill_chunk} is longer than a prefill "
                              f"engine's max_prefill_length={longest} (--prefill-chunk at "
                              f"most --max-prefill-length)")
-        cached = config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes
-        if cached and any(getattr(e, "has_draft_model", False) for e in prefill_engines):
-            raise ValueError("speculative 'draft:PATH:K' (a draft model) does not work with "
-                             "the prefix cache, whose blocks hold the target's KV only: "
-                             "leave the prefix cache out")
         if len({getattr(e, "has_draft_model", False)
                 for e in (*prefill_engines, *generate_engines)}) > 1:
             raise ValueError("speculative 'draft:PATH:K': the prefill and generate engines "

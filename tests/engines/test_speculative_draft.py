@@ -104,14 +104,8 @@ def test_draft_model_and_setting_must_agree():
         create_engine(CFG, config=EngineConfig(speculative="ngram:2"), draft_config=SMALL)
 
 
-def test_prefix_cache_and_mixed_engines_are_refused(plain, small):
+def test_mixed_engines_are_refused(plain, small):
     eng, params = small
-    with pytest.raises(ValueError, match="prefix cache"):
-        eng.prefix_from_blocks(np.zeros((1, 2, 2, 8, 2, 8), np.float32), [5, 6])
-    with pytest.raises(ValueError, match="does not work with the prefix cache"):
-        Orchestrator.from_engines(eng, params=params,
-                                  config=OrchestratorConfig(prefix_cache_hbm_bytes=2**20))
-
     plain_eng, plain_params = plain
     with pytest.raises(ValueError, match="must all have the draft model"):
         Orchestrator(prefill_engines=[plain_eng], generate_engines=[eng],
@@ -137,6 +131,51 @@ def test_chunked_prefill_carries_the_draft_kv(small):
             np.testing.assert_allclose(np.asarray(g)[:, :40], np.asarray(w)[:, :40],
                                        rtol=1e-4, atol=1e-5)
     assert got_first.to_host().token(0) == first.to_host().token(0)
+
+
+def test_prefix_cache_blocks_remake_the_draft_kv(small):
+    """A prefix-cache hit: the blocks hold the target's KV only, and the prefix made of
+    them has the draft's KV of the cached tokens as the whole prompt's prefill makes it,
+    so the continued prefill and its first token are the uncached ones."""
+    eng, params = small
+    prompt = np.random.default_rng(5).integers(3, 96, 37).tolist()
+    whole, first = eng.prefill(params, prompt, 37, seed=2)
+    donor, _ = eng.prefill(params, prompt[:32] + [1, 2], 34)
+    head = eng.prefix_from_blocks(eng.stack_blocks(eng.cache_blocks(donor, 0, 2, 16)),
+                                  prompt[:32])
+    assert len(head.draft_k) == SMALL.num_layers
+    for w, g in zip((*whole.draft_k, *whole.draft_v), (*head.draft_k, *head.draft_v),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(g)[:, :32], np.asarray(w)[:, :32],
+                                   rtol=1e-4, atol=1e-5)
+    prefix, got_first = eng.prefill(params, prompt[32:], 5, existing_prefix=head, seed=2)
+    for want, got in ((whole.k, prefix.k), (whole.draft_k, prefix.draft_k),
+                      (whole.draft_v, prefix.draft_v)):
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_allclose(np.asarray(g)[:, :37], np.asarray(w)[:, :37],
+                                       rtol=1e-4, atol=1e-5)
+    assert got_first.to_host().token(0) == first.to_host().token(0)
+
+
+def test_prefix_cache_hits_through_the_orchestrator(plain, itself):
+    """A server's prefix cache with the target as its own draft: prompts sharing a long
+    head hit the cache and give the plain engine's tokens, every draft kept (so the
+    draft's KV of the cached part is right)."""
+    head = np.random.default_rng(6).integers(3, 96, 40).tolist()
+    prompts = [head + [7, 8, 9], head + [11], head[:36] + [4, 4, 4, 4, 4]]
+    lens = [12, 10, 8]
+    want, _ = _orchestrated(*plain, prompts, lens)
+    eng, params = itself
+    config = OrchestratorConfig(prefix_cache_hbm_bytes=2**20)
+    with Orchestrator.from_engines(eng, params=params, config=config) as orch:
+        got = []
+        for p, n in zip(prompts, lens, strict=True):  # one at a time: later ones hit
+            got.append(orch.submit(Request(prompt_ids=p, max_tokens=n, ignore_eos=True,
+                                           logprobs=0)).result(600))
+        st = orch.stats()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert st["prefix_cache"][0]["hit_tokens"] >= 32
+    assert st["generate"][0]["accepted"] >= 0.97 * st["generate"][0]["drafted"] > 0
 
 
 # ---- greedy parity and the draft cache ------------------------------------------------------

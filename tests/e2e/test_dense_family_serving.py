@@ -5,7 +5,7 @@ random-weight directory (float32, greedy, end of sequence ignored).
 Each family gets one `jetserve serve` (both roles in one process, paged KV with its prefix
 cache on the KV pages, 8-token prefill chunks) and a split deployment (a `--role prefill`
 process holding a prefix cache, prefilling 16 tokens a call, and a `--role decode` process
-pulling each prefix from it), all warm-up off on one fake device each, the two started at
+pulling each prefix from it, verifying n-gram drafts over it), all warm-up off on one fake device each, the two started at
 once. Both are asked over the openai SDK (token-id prompts, temperature 0, log-probs) and
 over JetStream's gRPC stub: a short prompt, a long one of six sliding windows (so every
 chunk after the first continues a prefix longer than the window), and two prompts sharing
@@ -71,7 +71,7 @@ def _spawn(argv: list[str], servers: int, out: list[str]
 class Deployment:
     """The processes of one deployment of model `d`: "one" (`jetserve serve`, paged KV,
     8-token prefill chunks) or "split" (a prefill worker with the prefix cache and a decode
-    process)."""
+    process with speculative decoding)."""
 
     def __init__(self, d: str, kind: str):
         self.kind, self.procs, self.out, self.worker = kind, [], [], None
@@ -85,8 +85,8 @@ class Deployment:
                 self.worker = self._start(model + CACHE + ["--role", "prefill",
                                                            "--grpc-port", "0"], 1)["gRPC"]
                 self._start(model + ["--role", "decode", "--prefill-workers",
-                                     f"127.0.0.1:{self.worker}", "--grpc-port", "0",
-                                     "--http-port", "0"], 2)
+                                     f"127.0.0.1:{self.worker}", "--speculative", "ngram:3",
+                                     "--grpc-port", "0", "--http-port", "0"], 2)
         except BaseException:
             self.close()
             raise

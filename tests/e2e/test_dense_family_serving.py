@@ -2,18 +2,20 @@
 Gemma 2, Gemma 3, OLMo 2, Phi-3) through the servers, against transformers on the same
 random-weight directory (float32, greedy, end of sequence ignored).
 
-Each family gets one `jetserve serve` (both roles in one process, paged KV with its prefix
-cache on the KV pages, 8-token prefill chunks) and a split deployment (a `--role prefill`
-process holding a prefix cache, prefilling 16 tokens a call, and a `--role decode` process
-pulling each prefix from it, verifying n-gram drafts over it), all warm-up off on one fake device each, the two started at
-once. Both are asked over the openai SDK (token-id prompts, temperature 0, log-probs) and
-over JetStream's gRPC stub: a short prompt, a long one of six sliding windows (so every
-chunk after the first continues a prefix longer than the window), and two prompts sharing
-a 32-token prefix, the second one a prefix-cache hit (counted on /metrics, or by the
-worker's Load when split); and the long prompt is scored (echo, in chunks too). Every
-answer is transformers' `generate`, every log-prob within 1e-4 of transformers'. The
-engine-level checks of each family (tp, speculative decoding, LoRA, convert) are
-tests/parity/test_dense_families.py's.
+Each family gets one `jetserve serve` (both roles in one process on one fake device, paged
+KV with its prefix cache on the KV pages, 8-token prefill chunks) and a split deployment: a
+`--role prefill` process holding a prefix cache, prefilling 16 tokens a call, tp over 4
+fake devices (6 for six query heads, one device where the vocabulary or the MLP does not
+split over 6), and a `--role decode` process on one device pulling
+each prefix from it and verifying n-gram drafts over it. Warm-up is off; the two
+deployments start at once. Both are asked over the openai SDK (token-id prompts,
+temperature 0, log-probs) and over JetStream's gRPC stub: a short prompt, a long one of
+six sliding windows (so every chunk after the first continues a prefix longer than the
+window), and two prompts sharing a 32-token prefix, the second one a prefix-cache hit
+(counted on /metrics, or by the worker's Load when split); and the long prompt is scored
+(echo, in chunks too). Every answer is transformers' `generate`, every log-prob within
+1e-4 of transformers'. The engine-level checks of each family (speculative decoding in
+mixed steps, LoRA, convert) are tests/parity/test_dense_families.py's.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ FIRST, SECOND = SHARED + [5, 9, 11], SHARED + [17, 4, 60, 8, 21]
 PROMPTS = {"short": SHORT, "long": LONG, "first": FIRST, "second": SECOND}
 
 
-def _spawn(argv: list[str], servers: int, out: list[str]
+def _spawn(argv: list[str], servers: int, out: list[str], devices: int = 1
            ) -> tuple[subprocess.Popen, dict[str, int]]:
-    """`jetserve serve ARGV` on one fake CPU device, once its `servers` listen and it
-    takes requests; what it prints goes on into `out`."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(1))
+    """`jetserve serve ARGV` on `devices` fake CPU devices, once its `servers` listen and
+    it takes requests; what it prints goes on into `out`."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=xla_flags(devices))
     proc = subprocess.Popen([sys.executable, "-m", "jetserve", "serve", *ENGINE, *argv],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -70,10 +73,10 @@ def _spawn(argv: list[str], servers: int, out: list[str]
 
 class Deployment:
     """The processes of one deployment of model `d`: "one" (`jetserve serve`, paged KV,
-    8-token prefill chunks) or "split" (a prefill worker with the prefix cache and a decode
-    process with speculative decoding)."""
+    8-token prefill chunks) or "split" (a prefill worker with the prefix cache, tp over
+    `tp` devices, and a decode process with speculative decoding)."""
 
-    def __init__(self, d: str, kind: str):
+    def __init__(self, d: str, kind: str, tp: int):
         self.kind, self.procs, self.out, self.worker = kind, [], [], None
         model = ["--model", d, "--served-model-name", "m"]
         try:
@@ -82,8 +85,9 @@ class Deployment:
                                              "--prefill-chunk", "8", "--grpc-port", "0",
                                              "--http-port", "0"], 2)
             else:
-                self.worker = self._start(model + CACHE + ["--role", "prefill",
-                                                           "--grpc-port", "0"], 1)["gRPC"]
+                self.worker = self._start(model + CACHE + [
+                    "--role", "prefill", "--sharding", "tp", "--grpc-port", "0"], 1,
+                    devices=tp)["gRPC"]
                 self._start(model + ["--role", "decode", "--prefill-workers",
                                      f"127.0.0.1:{self.worker}", "--speculative", "ngram:3",
                                      "--grpc-port", "0", "--http-port", "0"], 2)
@@ -91,8 +95,8 @@ class Deployment:
             self.close()
             raise
 
-    def _start(self, argv: list[str], servers: int) -> dict[str, int]:
-        proc, self.ports = _spawn(argv, servers, self.out)
+    def _start(self, argv: list[str], servers: int, devices: int = 1) -> dict[str, int]:
+        proc, self.ports = _spawn(argv, servers, self.out, devices)
         self.procs.append(proc)
         return self.ports
 
@@ -189,10 +193,13 @@ def served(request, tmp_path_factory):
         tokens = hf_greedy(model, p, MAX_TOKENS)
         want[name] = (tokens, _logprobs(model, p, tokens))
     want["scored"] = _logprobs(model, LONG, [])
+    cfg = model.config  # 6 query heads do not divide over 4: over 6, where all else does
+    tp = 4 if cfg.num_attention_heads % 4 == 0 else cfg.num_attention_heads
+    tp = tp if cfg.vocab_size % tp == 0 and cfg.intermediate_size % tp == 0 else 1
 
     def run(kind: str) -> dict | BaseException:
         try:
-            dep = Deployment(d, kind)
+            dep = Deployment(d, kind, tp)
         except BaseException as e:  # noqa: BLE001 - raised by the deployment's own test
             return e
         try:

@@ -154,8 +154,8 @@ def ask(dep: Deployment) -> dict:
     """"answers": (api, prompt) -> (tokens, log-probs), every prompt over HTTP and gRPC:
     the short and long ones all at once, then the prefix-sharing pair one after the other;
     "hits": the prefix-cache hit tokens counted over the second prompt's first request;
-    "scored": the long prompt's log-probs (echo); "transfers": prefixes the decode process
-    pulled (split)."""
+    "transfers": prefixes the decode process pulled for those (split); "scored": the long
+    prompt's log-probs (echo, scored where it is prefilled, nothing pulled)."""
     call = {"http": lambda p: _http(dep.ports["HTTP"], p),
             "grpc": lambda p: _grpc(dep.ports["gRPC"], p)}
     with ThreadPoolExecutor(4) as pool:
@@ -167,8 +167,9 @@ def ask(dep: Deployment) -> dict:
     answers["grpc", "second"] = call["grpc"](SECOND)
     hits = dep.cache_hits() - hits
     answers["http", "second"] = call["http"](SECOND)
-    return {"answers": answers, "hits": hits, "scored": _scored(dep.ports["HTTP"], LONG),
-            "transfers": _metric(dep.ports["HTTP"], "jetserve_kv_transfers")}
+    transfers = _metric(dep.ports["HTTP"], "jetserve_kv_transfers")
+    return {"answers": answers, "hits": hits, "transfers": transfers,
+            "scored": _scored(dep.ports["HTTP"], LONG)}
 
 
 def _logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:

@@ -63,7 +63,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("role", "queue_depth", "registered", "ready", "signature_json", "max_prefill_length", "max_seq_len", "prefills")
+    __slots__ = ("role", "queue_depth", "registered", "ready", "signature_json", "max_prefill_length", "max_seq_len", "prefills", "prefix_cache_queries", "prefix_cache_hits")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class LoadResponse(_message.Message):
     MAX_PREFILL_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     role: str
     queue_depth: int
     registered: int
@@ -80,4 +82,6 @@ class LoadResponse(_message.Message):
     max_prefill_length: int
     max_seq_len: int
     prefills: int
-    def __init__(self, role: _Optional[str] = ..., queue_depth: _Optional[int] = ..., registered: _Optional[int] = ..., ready: _Optional[bool] = ..., signature_json: _Optional[str] = ..., max_prefill_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., prefills: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, role: _Optional[str] = ..., queue_depth: _Optional[int] = ..., registered: _Optional[int] = ..., ready: _Optional[bool] = ..., signature_json: _Optional[str] = ..., max_prefill_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., prefills: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...

@@ -126,12 +126,15 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:
         e = self.runner.engine
+        cache = {} if self.runner.cache is None else self.runner.cache.stats()
         return pb.LoadResponse(
             role=ROLE, queue_depth=self.runner.depth(),
             registered=self.runner.sender.registered(), ready=self.ready,
             signature_json=json.dumps(prefix_wire.signature(e)),
             max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
-            prefills=self.runner.prefills)
+            prefills=self.runner.prefills,
+            prefix_cache_queries=cache.get("lookup_tokens", 0),
+            prefix_cache_hits=cache.get("hit_tokens", 0))
 
 
 class PrefillServer:

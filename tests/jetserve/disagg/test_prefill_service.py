@@ -17,7 +17,7 @@ from engines import SamplingParams
 from engines.engine_api import HostResults
 from jetserve.disagg.kv_transfer import KVSender
 from jetserve.disagg.prefill_runner import PrefillRunner
-from jetserve.disagg.prefill_service import PrefillServer
+from jetserve.disagg.prefill_service import PrefillServer, PrefillServicer
 from jetserve.model_loading import build_engine
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from protos import prefill_worker_pb2 as pb
@@ -133,6 +133,9 @@ def test_prefix_cache_on_the_prefill_side_gives_the_same_prefix(worker):
     cached.prefill(tokens, SamplingParams())  # caches its two whole 16-token blocks
     prefix, first = cached.prefill(tokens, SamplingParams())
     assert cache.stats()["hits"] == 1 and cache.stats()["hit_tokens"] == 32
+    load = asyncio.run(PrefillServicer(cached).Load(pb.LoadRequest(), None))
+    assert load.prefix_cache_hits == 32  # as the worker reports them
+    assert load.prefix_cache_queries == cache.stats()["lookup_tokens"] > 32
     assert first.to_host().token(0) == want_first.to_host().token(0)
     assert int(prefix.length) == int(want_prefix.length) == 40
     L = int(prefix.length)

@@ -265,7 +265,8 @@ class Engine(abc.ABC):
         """One decode step for every slot; never waits on the host. A paged engine also
         takes the step's page table (i32[B, W], the pages it writes included). The
         transformer engines take `token_mask=` (None, or i32[B, W'] each slot's allowed
-        tokens: engines/token_mask.py), compiled as a second program beside the one
+        tokens: engines/token_mask.py; with speculative decoding i32[B, K+1, W'], one per
+        position the verify step samples), compiled as a second program beside the one
         without, so steps with no constrained slot cost what they did. An engine with
         `decode_batch_sizes` below max_concurrent_decodes takes `rows=` (one of them):
         the step runs the first `rows` slots only, the others untouched and without a

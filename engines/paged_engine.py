@@ -57,7 +57,6 @@ from engines.paged_kv import (
 )
 from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.speculative import advance_slots, draft_model_drafts, ngram_drafts, verify_step
-from engines.token_mask import refuse_mask
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -103,8 +102,8 @@ def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k:
                                 table, token_mask=None, draft_params=None):
     """The verify step of engines.speculative over pages: table i32[B, W] covers every
     position up to length + k of each live slot (SlotPages.lookahead). The drafts come
-    from the sequence's own tokens, or from `draft_model` (whose cache is contiguous)."""
-    refuse_mask(token_mask, "speculative decoding")
+    from the sequence's own tokens, or from `draft_model` (whose cache is contiguous);
+    token_mask None or i32[B, k+1, W] (engines/speculative.py)."""
     S = max_seq_len
     if draft_model is None:
         drafts, q, rest = ngram_drafts(state.history, state.lengths, k), None, state
@@ -115,7 +114,8 @@ def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k:
     positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
     kv = PagedDecodeKV(state, table, positions, state.lengths < S, "xla")
     logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
-    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, rest, drafts, top_n, q)
+    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, rest, drafts, top_n, q,
+                                                                token_mask)
     slot, count = advance_slots(state, tokens, count, S)
     new_state = PagedDecodeState(
         k=tuple(kv.k), v=tuple(kv.v), sampling=dataclasses.replace(state.sampling, key=next_keys),

@@ -19,6 +19,14 @@ longest run of drafts the target agrees with plus one token of its own:
     model's distribution under the same sampling parameters for a draft model), so the
     tokens follow the target's distribution exactly.
 
+Structured output: a verify step takes one token mask per position, i32[B, K+1, W]
+(engines/token_mask.py), applied after the penalties at each position as the plain
+sampler applies its one. A position whose mask allows nothing ends what the row may keep
+there (`mask_cap`): a constrained row gets its grammar's mask at position 0 and empty ones
+after, so it keeps one token a step, drawn from the masked target distribution (a kept
+draft is one p allows); a row whose position-0 mask is empty sits the step out (its token,
+length and RNG key stay), as the plain step's paused rows do. Free rows get all ones.
+
 Each slot then advances by (kept drafts + 1); keys and values written at rejected
 positions lie past the slot's length, are never read (every read masks positions past the
 query), and are overwritten by the next step. The draft model's cache follows the same
@@ -37,7 +45,7 @@ from engines.engine_api import pack_results
 from engines.kv_cache import DecodeKV, DecodeState
 from engines.model import Decoder
 from engines.sampling import SlotSampling, apply_penalties, filter_logits, token_logprobs
-from engines.token_mask import refuse_mask
+from engines.token_mask import apply_token_mask
 
 NGRAM_SIZES = (3, 2, 1)  # longest suffix tried first
 
@@ -75,14 +83,17 @@ def running_counts(counts: jax.Array, drafts: jax.Array) -> jax.Array:
 
 
 def target_probs(logits: jax.Array, s: SlotSampling, prompt_mask: jax.Array,
-                 counts: jax.Array) -> jax.Array:
+                 counts: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
     """The distribution the plain sampler draws from at each verify position:
-    logits f32[B, T, V], counts i32[B, T, V] -> probs f32[B, T, V] (one-hot argmax for
+    logits f32[B, T, V], counts i32[B, T, V], token_mask None or i32[B, T, W] (applied
+    after the penalties, as the sampler's) -> probs f32[B, T, V] (one-hot argmax for
     greedy rows)."""
     B, T, V = logits.shape
     rows = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), s)
     flat = apply_penalties(logits.reshape(B * T, V).astype(jnp.float32), rows,
                            jnp.repeat(prompt_mask, T, axis=0), counts.reshape(B * T, V))
+    if token_mask is not None:
+        flat = apply_token_mask(flat, token_mask.reshape(B * T, -1))
     greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), V, dtype=jnp.float32)
     random = rows.temperature > 0
 
@@ -138,19 +149,33 @@ def verify(p: jax.Array, q: jax.Array, drafts: jax.Array, keys: jax.Array
     return tokens, kept + 1
 
 
-def verify_step(logits, state, drafts, top_n: int, q=None):
+def mask_cap(token_mask: jax.Array) -> jax.Array:
+    """token_mask i32[B, T, W] -> i32[B]: how many tokens each row may keep, the first
+    position whose mask allows nothing (T when none; 0: the row sits the step out)."""
+    empty = ~jnp.any(token_mask != 0, axis=-1)  # (B, T)
+    B, T = empty.shape
+    return jnp.argmax(jnp.concatenate([empty, jnp.ones((B, 1), bool)], axis=1),
+                      axis=1).astype(jnp.int32)
+
+
+def verify_step(logits, state, drafts, top_n: int, q=None, token_mask=None):
     """The speculative half shared by both cache layouts: logits f32[B, K+1, V] of
     [last token, d1..dK], q f32[B, K, V] the drafter's distributions (None: one-hot, for
-    deterministic n-gram drafts) -> (tokens i32[B, K+1], count i32[B] before the
-    cache-room cap, next keys, log-probs f32[B, K+1], top ids, top log-probs)."""
+    deterministic n-gram drafts), token_mask None or i32[B, K+1, W] (module doc) ->
+    (tokens i32[B, K+1], count i32[B] before the cache-room cap, next keys, log-probs
+    f32[B, K+1], top ids, top log-probs)."""
     B, T, V = logits.shape
     counts = running_counts(state.counts, drafts)
-    p = target_probs(logits, state.sampling, state.prompt_mask, counts)
+    p = target_probs(logits, state.sampling, state.prompt_mask, counts, token_mask)
     if q is None:
         q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)
     keys = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(state.sampling.key)
     tokens, count = verify(p, q, drafts, jax.vmap(jax.random.key_data)(keys[:, 1]))
     next_keys = jax.vmap(jax.random.key_data)(keys[:, 0])
+    if token_mask is not None:
+        count = jnp.minimum(count, mask_cap(token_mask))
+        # A row that sat the step out keeps its key, as the plain step's paused rows do.
+        next_keys = jnp.where((count == 0)[:, None], state.sampling.key, next_keys)
     lp, top_ids, top_lp = token_logprobs(logits.reshape(B * T, V), tokens.reshape(-1), top_n)
     return (tokens, count, next_keys, lp.reshape(B, T), top_ids.reshape(B, T, top_n),
             top_lp.reshape(B, T, top_n))
@@ -223,8 +248,8 @@ def generate_speculative(model: Decoder, top_n: int, k: int, draft_model: Decode
                          params, state: DecodeState, token_mask=None, draft_params=None):
     """One verify step: the model runs over [last token, d1..dk] at positions
     pos..pos+k of every slot and keeps what engines.speculative.verify accepts. The
-    drafts come from the sequence's own tokens, or from `draft_model` when given."""
-    refuse_mask(token_mask, "speculative decoding")
+    drafts come from the sequence's own tokens, or from `draft_model` when given;
+    token_mask None or i32[B, k+1, W] (module doc)."""
     S = state.k[0].shape[-1]
     if draft_model is None:
         drafts, q, rest = ngram_drafts(state.history, state.lengths, k), None, state
@@ -235,7 +260,8 @@ def generate_speculative(model: Decoder, top_n: int, k: int, draft_model: Decode
     positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
     kv = DecodeKV(state, positions)
     logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
-    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, rest, drafts, top_n, q)
+    tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, rest, drafts, top_n, q,
+                                                                token_mask)
     slot, count = advance_slots(state, tokens, count, S)
     new_state = DecodeState(
         k=tuple(kv.k), v=tuple(kv.v), k_scale=tuple(kv.k_scale), v_scale=tuple(kv.v_scale),

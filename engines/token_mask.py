@@ -7,7 +7,9 @@ greedy, temperature and top-k/p/min-p all pick among allowed tokens only.
 
 The engines take a mask as an optional argument of generate (None: the step compiled
 without one, so requests without constraints pay nothing) and always take one row in
-prefill (all ones for a free request: one row of V selects, nothing beside a prompt).
+prefill (all ones for a free request: one row of V selects, nothing beside a prompt). A
+speculative verify step takes one mask per position it samples, i32[B, K+1, W]
+(engines/speculative.py).
 """
 
 from __future__ import annotations
@@ -36,14 +38,6 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     words = jnp.take(mask, t // 32, axis=1)  # (B, V)
     allowed = (jnp.right_shift(words, (t % 32).astype(jnp.int32)) & 1) == 1
     return jnp.where(allowed, logits, _NEG_INF)
-
-
-def refuse_mask(token_mask, step: str) -> None:
-    """For steps that cannot apply a mask (speculative verification): the orchestrator
-    refuses constrained requests there first; this stops a direct caller at trace time."""
-    if token_mask is not None:
-        raise ValueError(f"{step} does not apply token masks (structured output): "
-                         "serve constrained requests without speculative decoding")
 
 
 def hold_paused(token_mask: jax.Array, tokens: jax.Array, tok: jax.Array, valid: jax.Array,

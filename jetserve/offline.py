@@ -25,6 +25,7 @@ from jetserve.orchestrator.step_masks import (
     check_constrainable,
     first_mask,
     mask_kwargs,
+    mask_positions,
     step_mask,
 )
 from jetserve.orchestrator.stopping import stop_ids, token_budget
@@ -136,7 +137,7 @@ def _run(engine: Engine, params, lives: list[LiveRequest], readback: ReadBack) -
         rows = sched.slots.rows()
         t = time.monotonic()
         batch = step_batch(rows, sizes)
-        mask, _ = step_mask(rows, batch, engine.vocab_size)
+        mask, _ = step_mask(rows, batch, engine.vocab_size, positions=mask_positions(engine))
         state, res = engine.generate(params, state, **mask_kwargs(mask),
                                      **rows_kwargs(batch, sizes))
         readback.dispatched(res, rows, t)

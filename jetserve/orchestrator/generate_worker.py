@@ -55,7 +55,7 @@ from engines.engine_api import Engine
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefix_cache import Hit, PrefixCache
 from jetserve.orchestrator.readback import ReadBack
-from jetserve.orchestrator.step_masks import mask_kwargs, must_sync, step_mask
+from jetserve.orchestrator.step_masks import mask_kwargs, mask_positions, must_sync, step_mask
 from jetserve.orchestrator.timing import Listeners
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Turn, Waiting
@@ -328,7 +328,8 @@ class GenerateWorker:
         t = time.monotonic()
         try:
             batch = step_batch(rows, self.batch_sizes)
-            mask, paused = step_mask(rows, batch, self.engine.vocab_size, pause=True)
+            mask, paused = step_mask(rows, batch, self.engine.vocab_size, pause=True,
+                                     positions=mask_positions(self.engine))
             with self.step_window(), self.state_lock:
                 self.state, res = self.engine.generate(self.params, self.state,
                                                        **mask_kwargs(mask),

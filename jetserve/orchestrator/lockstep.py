@@ -61,14 +61,20 @@ import jax
 import numpy as np
 
 from engines.engine_api import Engine, ResultTokens
-from engines.token_mask import allow_all, mask_words
+from engines.token_mask import mask_words
 from jetserve import distributed
 from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from jetserve.orchestrator.readback import ReadBack
-from jetserve.orchestrator.step_masks import first_mask, mask_kwargs, must_sync, step_mask
+from jetserve.orchestrator.step_masks import (
+    first_mask,
+    mask_kwargs,
+    mask_positions,
+    must_sync,
+    step_mask,
+)
 from jetserve.orchestrator.step_plan import Broadcast, PlanCodec, exchange
 from jetserve.request import adapters_kwargs
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
@@ -310,11 +316,17 @@ class LockStepOrchestrator(Orchestrator):
             log.exception("reading the first token failed")
             self._readback.end(live, "error", e)
 
-    def _mask_from_primary(self, mask: np.ndarray | None, rows: int) -> np.ndarray:
-        """Process 0's mask i32[rows, W] on every process (the others pass None)."""
+    def _mask_from_primary(self, mask: np.ndarray | None, *shape: int) -> np.ndarray:
+        """Process 0's mask i32[*shape, W] on every process (the others pass None)."""
         if mask is None:
-            mask = np.zeros((rows, mask_words(self.engine.vocab_size)), np.int32)
+            mask = np.zeros((*shape, mask_words(self.engine.vocab_size)), np.int32)
         return np.asarray(self._broadcast(mask), np.int32)
+
+    def _step_mask_shape(self) -> tuple[int, ...]:
+        """A step mask's leading axes: slots, and each position a verify step samples."""
+        positions = mask_positions(self.engine)
+        B = self.engine.max_concurrent_decodes
+        return (B,) if positions == 1 else (B, positions)
 
     def _step_mask(self, rows) -> tuple[np.ndarray | None, set[int]]:
         """Process 0: this step's mask (every row allowed when no slot is constrained any
@@ -322,8 +334,13 @@ class LockStepOrchestrator(Orchestrator):
         if must_sync(rows):
             self._readback.sync()  # the constrained slots' next masks need their tokens
         B = self.engine.max_concurrent_decodes
-        mask, paused = step_mask(rows, B, self.engine.vocab_size, pause=True)
-        return (allow_all(B, self.engine.vocab_size) if mask is None else mask), paused
+        positions = mask_positions(self.engine)
+        mask, paused = step_mask(rows, B, self.engine.vocab_size, pause=True,
+                                 positions=positions)
+        if mask is None:  # every row allowed everything
+            mask = np.full((*self._step_mask_shape(), mask_words(self.engine.vocab_size)),
+                           -1, np.int32)
+        return mask, paused
 
     def _step(self, masked: bool = False) -> None:
         rows = sorted(self._rows.items())
@@ -331,7 +348,7 @@ class LockStepOrchestrator(Orchestrator):
         t = time.monotonic()
         try:
             if masked:
-                mask = self._mask_from_primary(mask, self.engine.max_concurrent_decodes)
+                mask = self._mask_from_primary(mask, *self._step_mask_shape())
             self._state, res = self.engine.generate(self.params, self._state,
                                                     **mask_kwargs(mask))
         except Exception as e:  # the same failure on every process

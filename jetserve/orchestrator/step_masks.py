@@ -43,26 +43,42 @@ def must_sync(rows: Rows) -> bool:
     return any_constrained(rows) and all(live.grammar is not None for _, live in rows)
 
 
-def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False
-              ) -> tuple[np.ndarray | None, set[int]]:
+def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False,
+              positions: int = 1) -> tuple[np.ndarray | None, set[int]]:
     """(i32[B, W] with each constrained slot's allowed next tokens and every other row all
     ones, or None when no slot is constrained; the slots that sit this step out). pause:
     a constrained slot with a step not read yet sits out (all-zero row) instead of
-    getting a mask from a grammar that has not seen its last token."""
+    getting a mask from a grammar that has not seen its last token. `positions` > 1: a
+    speculative verify step's i32[B, positions, W], one mask per position it samples:
+    a constrained slot's grammar mask first and nothing after (its drafts are not
+    checked against the grammar, so it keeps one token a step), free rows all ones."""
     if not any_constrained(rows):
         return None, set()
     mask = allow_all(batch, vocab_size)
+    later = np.full((batch, positions - 1, mask.shape[1]), -1, np.int32)
     paused = set()
     for slot, live in rows:
         g = live.grammar
         if g is None or live.done or g.stopped:
             continue
+        later[slot] = 0
         if pause and live.generated != live.steps + 1:  # a token of its is in flight
             mask[slot] = 0
             paused.add(slot)
         else:
             g.fill(mask, slot, remaining=live.budget - live.generated)
-    return mask, paused
+    if positions == 1:
+        return mask, paused
+    return np.concatenate([mask[:, None], later], axis=1), paused
+
+
+def mask_positions(engine: Any) -> int:
+    """How many positions a generate step of `engine` (or the engine a wrapper holds)
+    samples, each with its mask: K + 1 with speculative decoding, else 1."""
+    inner = _innermost(engine)
+    if not isinstance(inner, TransformerEngine) or not inner.config.spec.enabled:
+        return 1
+    return inner.config.spec.k + 1
 
 
 def mask_kwargs(mask: np.ndarray | None) -> dict:
@@ -74,15 +90,19 @@ def mask_kwargs(mask: np.ndarray | None) -> dict:
 def mask_refusal(engine: Any) -> str | None:
     """Why `engine` (or the engine a page planner, or any wrapper, holds) cannot serve a
     constrained request; None when it can."""
+    inner = _innermost(engine)
+    if not isinstance(inner, TransformerEngine):
+        return f"{type(inner).__name__} applies no token masks"
+    return None
+
+
+def _innermost(engine: Any) -> Any:
+    """The transformer engine `engine` is or wraps (page planners, ...), else the
+    innermost engine it wraps."""
     inner = engine
     while not isinstance(inner, TransformerEngine) and hasattr(inner, "engine"):
         inner = inner.engine
-    if not isinstance(inner, TransformerEngine):
-        return f"{type(inner).__name__} applies no token masks"
-    if inner.config.spec.enabled:
-        return (f"speculative decoding ({inner.config.speculative!r}) does not apply token "
-                "masks; serve structured output without --speculative")
-    return None
+    return inner
 
 
 def check_constrainable(field: str, engines: Sequence[Any], tokenizer: Any) -> None:

@@ -82,8 +82,11 @@ class PagePlanner:
         table = pages.table[:, :width].copy()  # the device may read it later
         out = self.engine.generate(params, decode_state, table, **kw)
         mask = kw.get("token_mask")
+        if mask is not None:  # the first position's masks (a verify step has one a position)
+            mask = np.asarray(mask)
+            mask = mask[:, 0] if mask.ndim == 3 else mask
         pages.after_step(held=() if mask is None else
-                         np.flatnonzero(~np.asarray(mask).any(axis=1)).tolist())
+                         np.flatnonzero(~mask.any(axis=1)).tolist())
         return out
 
     def start_prompt(self, slot: int, tokens: int) -> None:

@@ -136,6 +136,47 @@ def _steps(eng, params, prompts, steps):
     return toks, lps, counts
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_verify_step_takes_a_mask_per_position(spec, layout):
+    """Structured output in a verify step: slot 0 is constrained (its mask at position 0
+    allows one token, nothing after): it keeps exactly that token; slot 1 is free (all
+    ones): its tokens are the unmasked step's; slot 2 sits the step out (nothing allowed at
+    position 0): its token, length and RNG key stay."""
+    from engines.token_mask import mask_words
+
+    eng, params = spec if layout == "contiguous" else _engine(f"ngram:{K}",
+                                                              kv_layout="paged", page_size=8)
+    prompts = _prompts()[:3]
+
+    def filled():
+        state = eng.init_decode_state()
+        for slot, p in enumerate(prompts):
+            prefix, _ = eng.prefill(params, p, len(p))
+            state = eng.insert(prefix, state, slot)
+        return state
+
+    _, free = eng.generate(params, filled())
+    W = mask_words(CFG.vocab_size)
+    mask = np.full((3, K + 1, W), -1, np.int32)
+    only = 41
+    mask[0] = 0
+    mask[0, 0, only // 32] = 1 << (only % 32)
+    mask[2] = 0
+    before = filled()
+    lengths = np.asarray(before.lengths).copy()
+    keep = (lengths[2], np.asarray(before.tokens)[2], np.asarray(before.sampling.key)[2])
+    after, res = eng.generate(params, before, token_mask=mask)
+    h, f = res.to_host(), free.to_host()
+    assert h.tokens(0) == [only]
+    assert h.tokens(1) == f.tokens(1) and len(f.tokens(1)) >= 1
+    assert h.count(2) == 0
+    assert (np.asarray(after.lengths)[2], np.asarray(after.tokens)[2]) == keep[:2]
+    np.testing.assert_array_equal(np.asarray(after.sampling.key)[2], keep[2])
+    assert np.asarray(after.lengths)[0] == lengths[0] + 1
+    for slot in range(3):
+        eng.free_slot(slot)
+
+
 def test_rejected_drafts_are_rolled_back(plain, spec):
     # Random prompts: most drafts are wrong, so almost every step rejects mid-way, writing
     # keys and values at positions the next step must overwrite, never read. Every later

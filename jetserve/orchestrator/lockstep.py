@@ -246,20 +246,26 @@ class LockStepOrchestrator(Orchestrator):
                 inserted.append(a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill of several prompts or insert failed")
-            for slot in inserted:
-                self.engine.free_slot(slot)
-            for a, live in group:
-                self._kv.unreserve(a.slot)
-                if live is not None:
-                    self._readback.end(live, "error", e)
-            if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
-                self._fail_all(e)
+            self._admissions_failed(group, e, inserted)
             return
         for row, (a, live) in enumerate(group):
             self._rows[a.slot] = live
             self.prefills += 1
             if live is not None:
                 self._first_token(live, first, t0, row)
+
+    def _admissions_failed(self, pairs, exc: BaseException, inserted=()) -> None:
+        """Admissions whose prefill or insert failed (alike on every process): their
+        slots given back (those inserted already, freed), their requests ended; a decode
+        state the failed call consumed is made anew (every request ends)."""
+        for slot in inserted:
+            self.engine.free_slot(slot)
+        for a, live in pairs:
+            self._kv.unreserve(a.slot)
+            if live is not None:
+                self._readback.end(live, "error", exc)
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
+            self._fail_all(exc)
 
     def _admit(self, a: Admission, live: LiveRequest | None) -> None:
         tokens = np.asarray(a.prompt_ids, np.int32)
@@ -295,11 +301,7 @@ class LockStepOrchestrator(Orchestrator):
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")
-            self._kv.unreserve(a.slot)
-            if live is not None:
-                self._readback.end(live, "error", e)
-            if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
-                self._fail_all(e)
+            self._admissions_failed([(a, live)], e)
             return
         self._rows[a.slot] = live
         self.prefills += 1

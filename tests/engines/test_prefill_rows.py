@@ -13,6 +13,23 @@ CFG = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_laye
                   num_heads=4, num_kv_heads=2, head_dim=8)
 
 
+def _decode(eng, params, pairs, steps=6):
+    """Each slot's tokens: its prefix (with the first-token results and its row there)
+    inserted into slot 0, 1, ..., then `steps` generate steps; the slots freed after."""
+    state = eng.init_decode_state()
+    for slot, (prefix, _, _) in enumerate(pairs):
+        state = eng.insert(prefix, state, slot)
+    out = [[res.to_host().tokens(row)[0]] for _, res, row in pairs]
+    for _ in range(steps):
+        state, res = eng.generate(params, state)
+        host = res.to_host()
+        for slot in range(len(pairs)):
+            out[slot] += host.tokens(slot)  # several with speculative decoding
+    for slot in range(len(pairs)):
+        eng.free_slot(slot)
+    return out
+
+
 @pytest.fixture(scope="module")
 def engine():
     eng = create_engine(CFG, config=EngineConfig(
@@ -64,21 +81,9 @@ def test_rows_decode_as_prompts_prefilled_alone(engine):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 100, size=n).astype(np.int32) for n in (9, 14, 3, 16)]
 
-    def decode(pairs):  # (prefix, first-token results, its row there) per slot
-        state = eng.init_decode_state()
-        for slot, (prefix, _, _) in enumerate(pairs):
-            state = eng.insert(prefix, state, slot)
-        out = [[res.to_host().tokens(row)[0]] for _, res, row in pairs]
-        for _ in range(6):
-            state, res = eng.generate(params, state)
-            host = res.to_host()
-            for slot in range(len(pairs)):
-                out[slot].append(host.tokens(slot)[0])
-        return out
-
     prefixes, first = eng.prefill_rows(params, prompts, samplings=[None] * 4)
-    batched = decode([(p, first, row) for row, p in enumerate(prefixes)])
-    alone = decode([(*eng.prefill(params, p, len(p)), 0) for p in prompts])
+    batched = _decode(eng, params, [(p, first, row) for row, p in enumerate(prefixes)])
+    alone = _decode(eng, params, [(*eng.prefill(params, p, len(p)), 0) for p in prompts])
     assert batched == alone
 
 
@@ -131,27 +136,14 @@ def test_rows_through_their_own_adapters_decode_as_prompts_prefilled_alone(tmp_p
     prompts = [rng.integers(3, 100, size=n).astype(np.int32) for n in (9, 14, 3, 12)]
     names = ["a", "b", None, "a"]
 
-    def decode(pairs):  # (prefix, first-token results, its row there) per slot
-        state = eng.init_decode_state()
-        for slot, (prefix, _, _) in enumerate(pairs):
-            state = eng.insert(prefix, state, slot)
-        out = [[res.to_host().tokens(row)[0]] for _, res, row in pairs]
-        for _ in range(6):
-            state, res = eng.generate(params, state)
-            for slot in range(len(pairs)):
-                out[slot].append(res.to_host().tokens(slot)[0])
-        for slot in range(len(pairs)):
-            eng.free_slot(slot)
-        return out
-
     prefixes, first = eng.prefill_rows(params, prompts, samplings=[None] * 4, adapters=names)
     assert [int(p.adapter_id) != 0 for p in prefixes] == [True, True, False, True]
-    batched = decode([(p, first, row) for row, p in enumerate(prefixes)])
+    batched = _decode(eng, params, [(p, first, row) for row, p in enumerate(prefixes)])
     del prefixes, first
-    alone = decode([(*eng.prefill(params, p, len(p), adapter=n), 0)
-                    for p, n in zip(prompts, names, strict=True)])
+    alone = _decode(eng, params, [(*eng.prefill(params, p, len(p), adapter=n), 0)
+                                  for p, n in zip(prompts, names, strict=True)])
     assert batched == alone
-    base = decode([(*eng.prefill(params, p, len(p)), 0) for p in prompts])
+    base = _decode(eng, params, [(*eng.prefill(params, p, len(p)), 0) for p in prompts])
     assert base[0] != alone[0] and base[1] != alone[1] and base[2] == alone[2]
 
 
@@ -180,17 +172,6 @@ def test_rows_carry_the_draft_models_kv():
             np.testing.assert_allclose(np.asarray(b)[:, :len(p)], np.asarray(a)[:, :len(p)],
                                        rtol=1e-5, atol=1e-5)
 
-    def decode(pairs):
-        state = eng.init_decode_state()
-        for slot, (prefix, _, _) in enumerate(pairs):
-            state = eng.insert(prefix, state, slot)
-        out = [[res.to_host().tokens(row)[0]] for _, res, row in pairs]
-        for _ in range(5):
-            state, res = eng.generate(params, state)
-            for slot in range(len(pairs)):
-                out[slot] += res.to_host().tokens(slot)
-        return out
-
-    batched = decode([(p, first, row) for row, p in enumerate(prefixes)])
-    alone = decode([(*eng.prefill(params, p, len(p)), 0) for p in prompts])
+    batched = _decode(eng, params, [(p, first, row) for row, p in enumerate(prefixes)])
+    alone = _decode(eng, params, [(*eng.prefill(params, p, len(p)), 0) for p in prompts])
     assert batched == alone

@@ -246,6 +246,34 @@ class _Recorded:
         return self.engine.generate(params, state, table, token_mask)
 
 
+def _in_lock_step(engines, requests, *, queued=False):
+    """Process 0 and a follower over `engines` (the same weights): each request's result
+    through process 0 (all queued before its loop starts with `queued`); the follower
+    must leave its loop at process 0's stop plan, without an error."""
+    send, receive = _queue_broadcast()
+    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), primary=True,
+                                broadcast=send, idle_wait_s=0.01)
+    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
+                                    broadcast=receive)
+    errors = []
+
+    def follow():
+        try:
+            follower.run()
+        except Exception as e:  # shown below
+            errors.append(e)
+
+    handles = [lead.submit(r) for r in requests] if queued else None
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    with lead:
+        handles = handles or [lead.submit(r) for r in requests]
+        results = [h.result(timeout=300) for h in handles]
+    t.join(60)
+    assert not t.is_alive() and not errors
+    return results
+
+
 def test_structured_output_in_lock_step_equals_one_process():
     """Constrained requests (a JSON schema at temperature 1, a regex and a choice, greedy)
     beside free ones, on two lock-step drivers over paged engines of the bundled model:
@@ -277,25 +305,7 @@ def test_structured_output_in_lock_step_equals_one_process():
         Request(prompt_ids=prompt[:-1], max_tokens=12, ignore_eos=True,
                 sampling=SamplingParams(temperature=1.0, seed=3)),
     ]
-    send, receive = _queue_broadcast()
-    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), primary=True,
-                                broadcast=send, idle_wait_s=0.01)
-    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
-                                    broadcast=receive)
-    errors = []
-
-    def follow():
-        try:
-            follower.run()
-        except Exception as e:  # shown below
-            errors.append(e)
-
-    t = threading.Thread(target=follow, daemon=True)
-    t.start()
-    with lead:
-        got = [h.result(timeout=300) for h in [lead.submit(r) for r in requests]]
-    t.join(60)
-    assert not t.is_alive() and not errors
+    got = _in_lock_step(engines, requests)
     assert engines[0].calls == engines[1].calls
     assert sum(c[0] == "generate" and c[1] is not None for c in engines[0].calls) >= 5
     assert sum(c[0] == "prefill" and c[3] is not None for c in engines[0].calls) == 3
@@ -380,32 +390,13 @@ def test_lock_step_prefills_several_prompts_a_call():
         e.prefill_rows = prefill_rows
     prompts = [[(5 * i + j) % 90 + 3 for j in range(n)]
                for i, n in enumerate([3, 9, 5, 100, 7, 2, 11, 4])]
-    send, receive = _queue_broadcast()
-    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), primary=True,
-                                broadcast=send, idle_wait_s=0.01)
-    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
-                                    broadcast=receive)
-    errors = []
-
-    def follow():
-        try:
-            follower.run()
-        except Exception as e:  # shown below
-            errors.append(e)
-
     # All queued before the loop starts: its first turn admits the first four, of which
     # the first three share a call (the fourth is longer than a prefill).
-    handles = [lead.submit(Request(prompt_ids=p, max_tokens=8, ignore_eos=True))
-               for p in prompts]
-    scored = lead.submit(Request(prompt_ids=prompts[0], max_tokens=4, ignore_eos=True,
-                                 prompt_logprobs=True))
-    t = threading.Thread(target=follow, daemon=True)
-    t.start()
-    with lead:
-        got = [h.result(timeout=300).token_ids for h in handles]
-        scored = scored.result(timeout=300)
-    t.join(60)
-    assert not t.is_alive() and not errors
+    *got, scored = _in_lock_step(engines, [
+        *[Request(prompt_ids=p, max_tokens=8, ignore_eos=True) for p in prompts],
+        Request(prompt_ids=prompts[0], max_tokens=4, ignore_eos=True, prompt_logprobs=True)],
+        queued=True)
+    got = [r.token_ids for r in got]
     assert engines[0].calls == engines[1].calls
     shared = [c for c in engines[0].calls if c[0] == "prefill_rows"]
     assert len(shared[0][1]) == 3 and shared[0][1][0] == np.asarray(prompts[0], np.int32).tobytes()
@@ -450,26 +441,7 @@ def test_lock_step_serves_lora_adapters(tmp_path):
     adapters = ["a1", None, "a2", "a1", "a2", None]
     requests = [Request(prompt_ids=p, max_tokens=10, ignore_eos=True, lora_adapter=a)
                 for p, a in zip(prompts, adapters, strict=True)]
-    send, receive = _queue_broadcast()
-    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), primary=True,
-                                broadcast=send, idle_wait_s=0.01)
-    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
-                                    broadcast=receive)
-    errors = []
-
-    def follow():
-        try:
-            follower.run()
-        except Exception as e:  # shown below
-            errors.append(e)
-
-    handles = [lead.submit(r) for r in requests]
-    t = threading.Thread(target=follow, daemon=True)
-    t.start()
-    with lead:
-        got = [h.result(timeout=300) for h in handles]
-    t.join(60)
-    assert not t.is_alive() and not errors
+    got = _in_lock_step(engines, requests)
     assert engines[0].calls == engines[1].calls
     assert {c[1] for c in engines[0].calls if c[0] == "prefill"} == {"a1", "a2", None}
     threaded = Orchestrator.from_engines(engines[0])

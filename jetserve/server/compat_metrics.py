@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:  # the type only: the servers import no engine code
+    from jetserve.orchestrator.driver import Orchestrator
 
 # vLLM's own bucket bounds are finer at the low end for TTFT; ours cover CPU test models
 # up to big accelerator ones (the same as jetserve's histograms).
@@ -63,7 +66,7 @@ def _backlog(stats: dict) -> float:
 class _Gauges:
     """vLLM's and JetStream's gauges (and prefix-cache counters) read from stats()."""
 
-    def __init__(self, orch: Any, model_name: str, max_lora: int):
+    def __init__(self, orch: Orchestrator, model_name: str, max_lora: int):
         self.orch, self.model, self.max_lora = orch, model_name, max_lora
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -157,7 +160,7 @@ class VllmMetrics:
             self.tpot.labels(m).observe(gap)
 
 
-def register(registry: CollectorRegistry, orch: Any, model_name: str) -> VllmMetrics:
+def register(registry: CollectorRegistry, orch: Orchestrator, model_name: str) -> VllmMetrics:
     """Adds the vLLM and JetStream series over `orch` to `registry`."""
     from jetserve.lora_adapters import Adapters
 

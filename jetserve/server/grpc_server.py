@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -49,6 +49,9 @@ from jetserve.server.write_deadline import WriteDeadline
 from protos import jetstream_pb2 as pb
 from protos import jetstream_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:  # the type only: the servers import no engine code
+    from jetserve.orchestrator.driver import Orchestrator
+
 log = logging.getLogger("jetserve.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
@@ -72,7 +75,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
       readiness: while it is warming up, Decode is refused with UNAVAILABLE.
     """
 
-    def __init__(self, orch: Any, limits: v.ModelLimits, *,
+    def __init__(self, orch: Orchestrator, limits: v.ModelLimits, *,
                  is_live: Callable[[], bool] = lambda: True, write_timeout: float = 30.0,
                  cut: StreamCut | None = None, readiness: Readiness | None = None):
         self.readiness = readiness if readiness is not None else Readiness()
@@ -312,7 +315,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """The grpc.aio server with its services; start/stop on the serving loop."""
 
-    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
+    def __init__(self, orch: Orchestrator, limits: v.ModelLimits, config: ServerConfig,
                  readiness: Readiness | None = None):
         self.config = config
         self.live = True

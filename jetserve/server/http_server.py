@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -70,6 +70,9 @@ from jetserve.server.streams import (
     merge,
     submit_all,
 )
+
+if TYPE_CHECKING:  # the type only: the servers import no engine code
+    from jetserve.orchestrator.driver import Orchestrator
 
 log = logging.getLogger("jetserve.server")
 
@@ -157,7 +160,7 @@ def _unfinished(totals: list[Joined]) -> list[int]:
 class OpenAIApp:
     """The routes over one orchestrator; `app` is the FastAPI application."""
 
-    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
+    def __init__(self, orch: Orchestrator, limits: v.ModelLimits, config: ServerConfig,
                  metrics: Any | None = None, readiness: Readiness | None = None):
         self.orch = orch
         self.readiness = readiness if readiness is not None else Readiness()  # 503 until ready
@@ -492,7 +495,7 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """Runs an OpenAIApp under uvicorn on the current asyncio loop."""
 
-    def __init__(self, orch: Any, limits: v.ModelLimits, config: ServerConfig,
+    def __init__(self, orch: Orchestrator, limits: v.ModelLimits, config: ServerConfig,
                  metrics: Any | None = None, readiness: Readiness | None = None):
         self.config = config
         self.api = OpenAIApp(orch, limits, config, metrics, readiness)

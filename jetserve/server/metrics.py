@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,6 +20,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jetserve.disagg.transfer_metrics import transfer_gauges
 from jetserve.server import compat_metrics
+
+if TYPE_CHECKING:  # the type only: the servers import no engine code
+    from jetserve.orchestrator.driver import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ _PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
 class _StatsCollector:
     """Gauges read from orchestrator.stats() at scrape time."""
 
-    def __init__(self, orch: Any):
+    def __init__(self, orch: Orchestrator):
         self.orch = orch
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -139,7 +142,7 @@ class ServerMetrics:
     (done here when an orchestrator is given). With an orchestrator, vLLM's and JetStream's
     names too (compat_metrics.py), labelled with `model_name`."""
 
-    def __init__(self, orch: Any | None = None, model_name: str = "jetserve"):
+    def __init__(self, orch: Orchestrator | None = None, model_name: str = "jetserve"):
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("jetserve_time_to_first_token_seconds",
                               "Arrival to first token", buckets=_LATENCY, registry=r)

@@ -14,12 +14,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from jetserve.server.compat_metrics import request_counts
+
+if TYPE_CHECKING:  # the type only: the servers import no engine code
+    from jetserve.orchestrator.driver import Orchestrator
 
 
 def load(stats: dict, form: str = "vllm-router") -> dict | list[dict]:
@@ -36,7 +39,7 @@ def load(stats: dict, form: str = "vllm-router") -> dict | list[dict]:
              "num_tokens": int(tokens) if tokens else int(running + waiting)}]
 
 
-def add_routes(app: FastAPI, health: Any, orch: Any, load_format: str = "vllm-router"
+def add_routes(app: FastAPI, health: Any, orch: Orchestrator, load_format: str = "vllm-router"
                ) -> None:
     async def liveness() -> Response:
         return JSONResponse({"status": "alive"})

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jetserve.server.config import ServerConfig
 from jetserve.server.grpc_server import GrpcServer
@@ -33,6 +33,9 @@ from jetserve.server.http_server import HttpServer
 from jetserve.server.metrics import ServerMetrics
 from jetserve.server.readiness import Readiness
 from jetserve.server.validation import ModelLimits
+
+if TYPE_CHECKING:  # the type only: the servers import no engine code
+    from jetserve.orchestrator.driver import Orchestrator
 
 
 class _LoopThread:
@@ -66,7 +69,7 @@ async def _build(make: Any) -> Any:
 class Servers:
     """The gRPC and HTTP servers of one orchestrator, each on its own loop thread."""
 
-    def __init__(self, orch: Any, config: ServerConfig, *, metrics: ServerMetrics | None = None,
+    def __init__(self, orch: Orchestrator, config: ServerConfig, *, metrics: ServerMetrics | None = None,
                  warming: bool = False):
         self.orch = orch
         self.config = config
@@ -155,7 +158,7 @@ class BackgroundServers:
             ...s.grpc_port, s.http_port...
     """
 
-    def __init__(self, orch: Any, config: ServerConfig, **kw: Any):
+    def __init__(self, orch: Orchestrator, config: ServerConfig, **kw: Any):
         self._control = _LoopThread("jetserve-servers")
         self.servers: Servers = self._control.call(_build(lambda: Servers(orch, config, **kw)))
 

@@ -17,9 +17,12 @@ import collections
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jetserve.request import Delta, Overloaded, Request
+
+if TYPE_CHECKING:  # the type only: the servers import no engine code
+    from jetserve.orchestrator.driver import Orchestrator
 
 # What an overloaded server (HTTP 429, gRPC RESOURCE_EXHAUSTED) tells a client to wait,
 # in seconds: about how long a slot takes to turn over.
@@ -34,7 +37,7 @@ def internal_error(request_id: str) -> str:
             "details")
 
 
-def submit_all(orch: Any, requests: Sequence[Request]) -> list[Any]:
+def submit_all(orch: Orchestrator, requests: Sequence[Request]) -> list[Any]:
     """Submits every request or none: at once where the orchestrator can (submit_many, so
     none takes a place in the queue), else on Overloaded the ones already in are cancelled."""
     if hasattr(orch, "submit_many"):

@@ -19,9 +19,10 @@ PACKAGES = ("engines", "sharding", "jetserve")
 MAX_LINES = 500
 # Over the limit, each with the most lines it may have: the orchestrator's facade and the
 # HTTP server grew with this round's features (KV-event and LoRA stats, the constrained
-# budget check; /v1/responses) and are not split by line count alone: the one-engine
-# layout of #39 (one executor loop, the routes by family) redraws both. TODO(#39)
-OVER_LIMIT = {"jetserve/orchestrator/driver.py": 519, "jetserve/server/http_server.py": 536}
+# budget check; /v1/responses; the orchestrator's type named where the servers hold it)
+# and are not split by line count alone: the one-engine layout of #39 (one executor loop,
+# the routes by family) redraws both. TODO(#39)
+OVER_LIMIT = {"jetserve/orchestrator/driver.py": 514, "jetserve/server/http_server.py": 539}
 
 # engines/ from the bottom up; a module imports only from its own layer or those below.
 ENGINE_LAYERS = (

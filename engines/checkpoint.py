@@ -129,6 +129,12 @@ _MOE_MLP = [
     ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", "layers_{i}/moe/w3", _t),
     ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "layers_{i}/moe/w2", _t),
 ]
+_QWEN3_MOE_MLP = [
+    ("model.layers.{i}.mlp.gate.weight", "layers_{i}/moe/router", _t),
+    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers_{i}/moe/w1", _t),
+    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers_{i}/moe/w3", _t),
+    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers_{i}/moe/w2", _t),
+]
 _TOP = [
     ("model.embed_tokens.weight", "embed_tokens", _same),
     ("model.norm.weight", "norm", _same),
@@ -146,7 +152,21 @@ FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
     "gemma3_text": _SANDWICH_NORMS + _PROJ + _HEAD_QK_NORMS + _DENSE_MLP,
     "olmo2": _POST_NORMS + _PROJ + _PROJ_QK_NORMS + _DENSE_MLP,
     "phi3": _PHI3,
+    "qwen3_moe": _ATTN + _HEAD_QK_NORMS,  # and each layer's MLP: LAYER_MLP_WEIGHTS
 }
+# Families whose layers differ in MLP: (the dense layers' tensors, the expert layers').
+LAYER_MLP_WEIGHTS: dict[str, tuple[list, list]] = {
+    "qwen3_moe": (_DENSE_MLP, _QWEN3_MOE_MLP),
+}
+
+
+def layer_weights(cfg: ModelConfig, layer: int) -> list[tuple[str, str, Transform]]:
+    """Layer `layer`'s rows of the family's table (with its MLP's, where layers differ)."""
+    rows = FAMILY_WEIGHTS[cfg.family]
+    if cfg.family in LAYER_MLP_WEIGHTS:
+        dense, experts = LAYER_MLP_WEIGHTS[cfg.family]
+        rows = rows + (experts if cfg.moe_layer(layer) else dense)
+    return rows
 
 
 class SafetensorsReader:
@@ -227,7 +247,7 @@ def read_hf_params(
     out: dict = {}
     table = list(_TOP) + ([] if cfg.tie_word_embeddings else list(_HEAD))
     rows = [(h.replace("{i}", str(i)), p.replace("{i}", str(i)), t)
-            for i in range(cfg.num_layers) for h, p, t in FAMILY_WEIGHTS[cfg.family]]
+            for i in range(cfg.num_layers) for h, p, t in layer_weights(cfg, i)]
     for hf_name, path, fn in table + rows:
         want = _get(abstract, path)
         names = ([hf_name.replace("{e}", str(e)) for e in range(cfg.num_experts)]

@@ -10,7 +10,8 @@ from typing import Any
 
 # Families the decoder implements, keyed by HF `model_type`.
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3", "gemma2", "gemma3_text",
-            "olmo2", "phi3")
+            "olmo2", "phi3", "qwen3_moe")
+QWEN3_FAMILIES = ("qwen3", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 ROPE_KINDS = ("llama3", "linear", "yarn", "longrope")
 # Kinds of attention layer (HF `layer_types`): every key so far, or the last sliding_window.
@@ -69,6 +70,11 @@ class ModelConfig:
     scale_embeddings: bool = False  # Gemma: embeddings * sqrt(D)
     num_experts: int = 0  # E; 0 means a dense MLP
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's F; 0: intermediate_size
+    # Layers of an MoE model whose MLP is dense (of intermediate_size: Qwen3-MoE's
+    # mlp_only_layers / decoder_sparse_step); the others route over the experts.
+    dense_layers: tuple[int, ...] = ()
+    moe_renormalize: bool = True  # the top-k router weights renormalised to sum to one
     max_position_embeddings: int = 4096
     # Per layer: FULL or SLIDING (sliding_window keys); None: every layer alike (all
     # sliding when sliding_window is set).
@@ -138,6 +144,14 @@ class ModelConfig:
                 f"num_experts_per_tok must be in [1, {self.num_experts}], "
                 f"got {self.num_experts_per_tok}"
             )
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers) or (
+                self.dense_layers and not self.num_experts):
+            raise ValueError(f"dense_layers must be layers of an MoE model, in [0, "
+                             f"{self.num_layers}), got {list(self.dense_layers)}")
+        if self.moe_intermediate_size < 0:
+            raise ValueError(f"moe_intermediate_size must be >= 0, got "
+                             f"{self.moe_intermediate_size}")
 
     @property
     def num_groups(self) -> int:  # G = N / K
@@ -160,9 +174,19 @@ class ModelConfig:
 
     @property
     def mixed_layers(self) -> bool:
-        """Whether layers differ in attention (window, RoPE): they cannot share one
-        scanned layer body (engines/layer_scan.py)."""
-        return len({self.layer_kind(i) for i in range(self.num_layers)}) > 1
+        """Whether layers differ in attention (window, RoPE) or MLP (dense beside routed
+        experts): they cannot share one scanned layer body (engines/layer_scan.py)."""
+        return (len({self.layer_kind(i) for i in range(self.num_layers)}) > 1
+                or bool(self.dense_layers))
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP routes over the experts."""
+        return bool(self.num_experts) and layer not in self.dense_layers
+
+    @property
+    def expert_size(self) -> int:
+        """F of each expert."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     def param_count(self) -> int:
         D, F, L, N, K, H, V = (self.hidden_size, self.intermediate_size, self.num_layers,
@@ -171,12 +195,12 @@ class ModelConfig:
         attn = D * N * H + 2 * D * K * H + N * H * D
         if self.qkv_bias:
             attn += N * H + 2 * K * H
-        mlp = 3 * D * F * max(self.num_experts, 1) + D * self.num_experts
+        moe = 3 * D * self.expert_size * self.num_experts + D * self.num_experts
+        mlp = sum(moe if self.moe_layer(i) else 3 * D * F for i in range(L))
         norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_layout] * D
         norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H}[self.qk_norm]
-        per_layer = attn + mlp + norms
         head = 0 if self.tie_word_embeddings else V * D
-        return V * D + L * per_layer + D + head
+        return V * D + L * (attn + norms) + mlp + D + head
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
@@ -187,6 +211,7 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         if d["layer_types"] is not None:
             d["layer_types"] = list(d["layer_types"])
+        d["dense_layers"] = list(d["dense_layers"])
         return d
 
     @classmethod
@@ -310,7 +335,7 @@ def _layer_types(hf: dict[str, Any], family: str, window: int | None,
     elif types is None and family == "gemma3_text":
         n = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
         types = [SLIDING if (i + 1) % n else FULL for i in range(L)]
-    elif types is None and family == "qwen3":
+    elif types is None and family in QWEN3_FAMILIES:
         first = int(hf.get("max_window_layers", 0))
         types = [SLIDING if i >= first else FULL for i in range(L)]
     if types is None or len(set(types)) == 1 and types[0] == SLIDING:
@@ -363,8 +388,8 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             raise ValueError("config.json: scaled RoPE on sliding layers is not implemented")
         common["local_rope_theta"] = float(local_rope.get("rope_theta", 10000.0))
     window = None
-    if family in ("mistral", "mixtral", "qwen2", "qwen3"):
-        use_sw = hf.get("use_sliding_window", family not in ("qwen2", "qwen3"))
+    if family in ("mistral", "mixtral", "qwen2", *QWEN3_FAMILIES):
+        use_sw = hf.get("use_sliding_window", family not in ("qwen2", *QWEN3_FAMILIES))
         if use_sw and hf.get("sliding_window"):
             window = int(hf["sliding_window"])
     elif family in ("gemma2", "gemma3_text", "phi3") and hf.get("sliding_window"):
@@ -377,7 +402,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
                 common["layer_types"] = common["sliding_window"] = None
     if family == "qwen2":
         common["qkv_bias"] = True
-    if family in ("qwen3", "gemma3_text"):
+    if family in (*QWEN3_FAMILIES, "gemma3_text"):
         common["qk_norm"] = "head"
     if family == "olmo2":
         common.update(qk_norm="projection", norm_layout="post")
@@ -396,7 +421,30 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     if family == "mixtral":
         common["num_experts"] = int(hf["num_local_experts"])
         common["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
+    if family == "qwen3_moe":
+        common.update(_qwen3_moe(hf, L))
     return ModelConfig(**common)
+
+
+def _qwen3_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
+    """Qwen3-MoE's MLP fields: a layer routes over the experts unless it is one of
+    `mlp_only_layers` or falls between `decoder_sparse_step`s (as transformers picks)."""
+    try:
+        # Published configs say num_experts; transformers 5 writes num_local_experts.
+        E = int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
+        k = int(hf["num_experts_per_tok"])
+        step = int(hf.get("decoder_sparse_step", 1))
+        only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+        F = int(hf["moe_intermediate_size"])
+    except KeyError as e:
+        raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+    if step < 1:
+        raise ValueError(f"config.json decoder_sparse_step must be >= 1, got {step}")
+    if not E:  # no experts: a dense model
+        return {}
+    dense = tuple(i for i in range(L) if i in only or (i + 1) % step)
+    return dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=F,
+                dense_layers=dense, moe_renormalize=bool(hf.get("norm_topk_prob", False)))
 
 
 def load_hf_config(model_dir: str) -> ModelConfig:

@@ -130,12 +130,13 @@ def use_scan(config, platform: str, cpu_kernels: bool, mixed_layers: bool = Fals
     pools are stacked and carried as the contiguous cache is). Engines of one model may
     so hold their parameters in different layouts: each converts another's at its door
     (engines/param_layout.py). A model whose layers differ in attention (sliding and
-    global layers, `mixed_layers`: their windows and RoPE are fixed per layer at trace
-    time) runs the loop; layers "scan" is refused for it."""
+    global layers: their windows and RoPE are fixed per layer at trace time) or in MLP
+    (dense layers among routed ones), `mixed_layers`, runs the loop; layers "scan" is
+    refused for it."""
     if mixed_layers and config.layers == "scan":
         raise ValueError("layers 'scan' runs one layer body, but this model mixes sliding "
-                         "and global attention layers (layer_types): use layers 'loop' or "
-                         "'auto'")
+                         "and global attention layers (layer_types) or dense and expert "
+                         "MLP layers: use layers 'loop' or 'auto'")
     if config.layers == "auto":
         return (platform != "cpu" or cpu_kernels) and not config.max_loras and not mixed_layers
     return config.layers == "scan"

@@ -210,14 +210,14 @@ class MoeMlp(nn.Module):
     @nn.compact
     def __call__(self, x, at=None):
         c = self.cfg
-        D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
+        D, F, E = c.hidden_size, c.expert_size, c.num_experts
         router = _param(self, "router", (D, E), (axes.EMBED, None), self.dtype, at=at)
         kernel = functools.partial(_kernel, self, dtype=self.dtype, at=at)
         w1 = kernel("w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
         w3 = kernel("w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
         w2 = kernel("w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED))
         return moe.moe(x, router, w1, w3, w2, c.num_experts_per_tok, functools.partial(_act, c),
-                       routed=c.num_experts_per_tok < E)
+                       routed=c.num_experts_per_tok < E, renormalize=c.moe_renormalize)
 
 
 class Block(nn.Module):
@@ -241,7 +241,7 @@ class Block(nn.Module):
             return rms_norm(h, norm(name), c.rms_norm_eps, c.norm_plus_one)
 
         def mlp(h):
-            if c.num_experts:
+            if c.moe_layer(self.layer):
                 return MoeMlp(c, self.dtype, name="moe")(h, at)
             return Mlp(c, self.dtype, self.backend, name="mlp")(h, lora, at)
 

@@ -40,11 +40,15 @@ Act = Callable[[jax.Array], jax.Array]
 MAX_BLOCK_ROWS = 16
 
 
-def route(x: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """x [M, D], router [D, E] -> (weights f32[M, k], experts i32[M, k]), as Mixtral:
-    softmax over all E in f32, the top k, renormalised to sum to one."""
+def route(x: jax.Array, router: jax.Array, k: int,
+          renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
+    """x [M, D], router [D, E] -> (weights f32[M, k], experts i32[M, k]): softmax over all
+    E in f32 and the top k, renormalised to sum to one (Mixtral; Qwen3-MoE's
+    norm_topk_prob) or left as they are."""
     probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # (M, E)
     weights, experts = jax.lax.top_k(probs, k)
+    if not renormalize:
+        return weights, experts
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
 
 
@@ -131,15 +135,17 @@ def blocked_ffn(xs, group_sizes, w1, w3, w2, act: Act, block: int | None = None)
     return jax.lax.fori_loop(0, E, expert, jnp.zeros_like(xs))[:R]
 
 
-def moe(x, router, w1, w3, w2, k: int, act: Act, routed: bool) -> jax.Array:
+def moe(x, router, w1, w3, w2, k: int, act: Act, routed: bool,
+        renormalize: bool = True) -> jax.Array:
     """x [B, T, D] through the top-k of E experts (router [D, E], w1/w3 [E, D, F],
-    w2 [E, F, D]) -> [B, T, D]; `routed` picks the routed or the dense form (same result)."""
+    w2 [E, F, D]) -> [B, T, D]; `routed` picks the routed or the dense form (same result);
+    `renormalize` as `route`'s."""
     experts_fn = routed_experts if routed else dense_experts
 
     def run(x, router, w1, w3, w2, first=0):
         B, T, D = x.shape
         x = x.reshape(B * T, D)
-        weights, experts = route(x, router, k)
+        weights, experts = route(x, router, k, renormalize)
         return experts_fn(x, weights, experts, w1, w3, w2, act, first).reshape(B, T, D)
 
     cur = current_layout()

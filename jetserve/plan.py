@@ -93,17 +93,18 @@ class ModelSpec:
     def from_config(cls, cfg: ModelConfig, name: str = "model") -> ModelSpec:
         D, F, L, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
-        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        E, k, Fe = cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_size
         attn = 2 * D * N * H + 2 * D * K * H
-        mlp_active = 3 * D * F * (k if E else 1) + (D * E if E else 0)
+        routed = sum(cfg.moe_layer(i) for i in range(L))  # the others' MLP is dense
+        mlp_active = (L - routed) * 3 * D * F + routed * (3 * D * Fe * k + D * E)
         return cls(
             name=name,
             params=float(cfg.param_count()),
             unread_params=0.0 if cfg.tie_word_embeddings else float(V * D),
-            matmul_params=float(L * (attn + mlp_active) + V * D),
+            matmul_params=float(L * attn + mlp_active + V * D),
             kv_values_per_token=float(2 * L * K * H),
             ffn=F,
-            expert_params=float(3 * D * F * E * L),
+            expert_params=float(3 * D * Fe * E * routed),
             num_experts=E,
             experts_per_tok=k,
             sliding_window=cfg.sliding_window,

@@ -56,6 +56,20 @@ DENSE_CONFIGS = {
 }
 
 
+# Today's MoE families (tests/parity/test_moe_families.py): Qwen3-MoE with dense layers
+# among the expert ones (mlp_only_layers, decoder_sparse_step) and renormalised top-k, and
+# with every layer routed and the top-k weights as the softmax gives them.
+MOE_CONFIGS = {
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=48, decoder_sparse_step=2,
+                                    mlp_only_layers=[3], norm_topk_prob=True,
+                                    tie_word_embeddings=False)),
+    "qwen3_moe_all": ("qwen3_moe", dict(num_attention_heads=4, head_dim=24, num_experts=8,
+                                        num_experts_per_tok=3, moe_intermediate_size=40,
+                                        norm_topk_prob=False)),
+}
+
+
 def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     """Writes a random-weight model of `family` to out_dir (TINY shapes, with `overrides`
     of its config); returns the torch model."""
@@ -66,6 +80,8 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     settings = FAMILY_CONFIGS.get(family)
     if family in DENSE_CONFIGS:
         kind, settings = DENSE_CONFIGS[family]
+    if family in MOE_CONFIGS:
+        kind, settings = MOE_CONFIGS[family]
     cls_cfg, cls_model = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
@@ -77,6 +93,7 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
     }[kind]
     cfg = cls_cfg(**{**TINY, **settings, **overrides})
     torch.manual_seed(seed)

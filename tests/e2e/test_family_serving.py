@@ -1,6 +1,7 @@
-"""Today's dense families (tests/parity/hf_models.py DENSE_CONFIGS: Qwen3, Qwen3 with YaRN,
-Gemma 2, Gemma 3, OLMo 2, Phi-3) through the servers, against transformers on the same
-random-weight directory (float32, greedy, end of sequence ignored).
+"""Today's families (tests/parity/hf_models.py: DENSE_CONFIGS Qwen3, Qwen3 with YaRN,
+Gemma 2, Gemma 3, OLMo 2, Phi-3; and Qwen3-MoE with dense layers among routed ones)
+through the servers, against transformers on the same random-weight directory (float32,
+greedy, end of sequence ignored).
 
 Each family gets one `jetserve serve` (both roles in one process on one fake device, paged
 KV with its prefix cache on the KV pages, 8-token prefill chunks) and a split deployment: a
@@ -37,6 +38,8 @@ from protos import jetstream_pb2_grpc as pb_grpc
 from tests.e2e.serve_process import wait_listening
 from tests.e2e.test_split_serve import _load, _metric
 from tests.parity.hf_models import DENSE_CONFIGS, hf_greedy, make_hf_model
+
+FAMILIES = (*DENSE_CONFIGS, "qwen3_moe")
 from tests.xla import xla_flags
 
 pytestmark = pytest.mark.slow
@@ -182,7 +185,7 @@ def _logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
     return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
-@pytest.fixture(scope="module", params=tuple(DENSE_CONFIGS))
+@pytest.fixture(scope="module", params=FAMILIES)
 def served(request, tmp_path_factory):
     """(variant, transformers' tokens and log-probs of each prompt, each deployment's
     answers or what asking it raised): the family's deployments start and are asked at

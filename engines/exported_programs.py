@@ -205,8 +205,14 @@ def _matches(exported: jax.export.Exported, args) -> bool:
     leaves, tree = jax.tree_util.tree_flatten((args, {}))
     if tree != exported.in_tree or len(leaves) != len(exported.in_avals):
         return False
-    return all(tuple(np.shape(x)) == a.shape and np.result_type(x) == a.dtype
+    return all(tuple(np.shape(x)) == a.shape and _dtype(x) == a.dtype
                for x, a in zip(leaves, exported.in_avals, strict=True))
+
+
+def _dtype(x) -> np.dtype:
+    """An argument's dtype: an array's own (numpy's result_type of an array is
+    deprecated), a Python scalar's as numpy takes it."""
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
 
 
 class CachedJit:

@@ -135,6 +135,19 @@ _QWEN3_MOE_MLP = [
     ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers_{i}/moe/w3", _t),
     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers_{i}/moe/w2", _t),
 ]
+_GLM4_MOE_MLP = [
+    ("model.layers.{i}.mlp.gate.weight", "layers_{i}/moe/router", _t),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers_{i}/moe/router_bias", _same),
+    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers_{i}/moe/w1", _t),
+    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers_{i}/moe/w3", _t),
+    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers_{i}/moe/w2", _t),
+    ("model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+     "layers_{i}/shared_experts/gate_proj", _same),
+    ("model.layers.{i}.mlp.shared_experts.up_proj.weight",
+     "layers_{i}/shared_experts/up_proj", _same),
+    ("model.layers.{i}.mlp.shared_experts.down_proj.weight",
+     "layers_{i}/shared_experts/down_proj", _same),
+]
 _TOP = [
     ("model.embed_tokens.weight", "embed_tokens", _same),
     ("model.norm.weight", "norm", _same),
@@ -152,21 +165,38 @@ FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
     "gemma3_text": _SANDWICH_NORMS + _PROJ + _HEAD_QK_NORMS + _DENSE_MLP,
     "olmo2": _POST_NORMS + _PROJ + _PROJ_QK_NORMS + _DENSE_MLP,
     "phi3": _PHI3,
-    "qwen3_moe": _ATTN + _HEAD_QK_NORMS,  # and each layer's MLP: LAYER_MLP_WEIGHTS
+    # These families' tables go on in layer_weights: each layer's MLP (dense, or experts)
+    # and, for GLM-4.5, the attention's optional parts.
+    "qwen3_moe": _ATTN + _HEAD_QK_NORMS,
+    "glm4_moe": _ATTN,
 }
 # Families whose layers differ in MLP: (the dense layers' tensors, the expert layers').
 LAYER_MLP_WEIGHTS: dict[str, tuple[list, list]] = {
     "qwen3_moe": (_DENSE_MLP, _QWEN3_MOE_MLP),
+    "glm4_moe": (_DENSE_MLP, _GLM4_MOE_MLP),
 }
+# Tensors a family's checkpoints carry that the decoder does not run: GLM-4.5's
+# multi-token-prediction layers, stored after the last decoder layer.
+_UNUSED_LAYERS = ("glm4_moe",)
 
 
 def layer_weights(cfg: ModelConfig, layer: int) -> list[tuple[str, str, Transform]]:
     """Layer `layer`'s rows of the family's table (with its MLP's, where layers differ)."""
     rows = FAMILY_WEIGHTS[cfg.family]
+    if cfg.family == "glm4_moe":
+        rows = (rows + (_BIAS if cfg.qkv_bias else [])
+                + (_HEAD_QK_NORMS if cfg.qk_norm == "head" else []))
     if cfg.family in LAYER_MLP_WEIGHTS:
         dense, experts = LAYER_MLP_WEIGHTS[cfg.family]
         rows = rows + (experts if cfg.moe_layer(layer) else dense)
     return rows
+
+
+def _beyond_last_layer(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of a layer past the decoder's last (GLM-4.5's next-token predictors)."""
+    parts = name.split(".")
+    return (cfg.family in _UNUSED_LAYERS and len(parts) > 2 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers)
 
 
 class SafetensorsReader:
@@ -276,7 +306,8 @@ def read_hf_params(
             )
         _set(out, path, place(path, arr.astype(want.dtype)))
     extra = sorted(k for k in present - used
-                   if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
+                   if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight"
+                   and not _beyond_last_layer(k, cfg))
     if extra:
         raise ValueError(
             f"{model_dir}: {len(extra)} tensors are not used by the {cfg.family} decoder, "

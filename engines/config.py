@@ -10,7 +10,7 @@ from typing import Any
 
 # Families the decoder implements, keyed by HF `model_type`.
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3", "gemma2", "gemma3_text",
-            "olmo2", "phi3", "qwen3_moe")
+            "olmo2", "phi3", "qwen3_moe", "glm4_moe")
 QWEN3_FAMILIES = ("qwen3", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 ROPE_KINDS = ("llama3", "linear", "yarn", "longrope")
@@ -74,7 +74,14 @@ class ModelConfig:
     # Layers of an MoE model whose MLP is dense (of intermediate_size: Qwen3-MoE's
     # mlp_only_layers / decoder_sparse_step); the others route over the experts.
     dense_layers: tuple[int, ...] = ()
-    moe_renormalize: bool = True  # the top-k router weights renormalised to sum to one
+    # The router (engines/moe.py Routing): "softmax" or "sigmoid" (a learned bias for the
+    # choice, group-limited top-k); the top-k weights renormalised to sum to one, scaled.
+    moe_router: str = "softmax"
+    moe_renormalize: bool = True
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_scale: float = 1.0
+    shared_experts: int = 0  # an always-on MLP of shared_experts * expert_size beside them
     max_position_embeddings: int = 4096
     # Per layer: FULL or SLIDING (sliding_window keys); None: every layer alike (all
     # sliding when sliding_window is set).
@@ -149,6 +156,14 @@ class ModelConfig:
                 self.dense_layers and not self.num_experts):
             raise ValueError(f"dense_layers must be layers of an MoE model, in [0, "
                              f"{self.num_layers}), got {list(self.dense_layers)}")
+        if self.moe_router not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_router must be 'softmax' or 'sigmoid', got "
+                             f"{self.moe_router!r}")
+        if self.num_experts and (self.moe_groups < 1 or self.num_experts % self.moe_groups
+                                 or not 1 <= self.moe_topk_groups <= self.moe_groups):
+            raise ValueError(f"moe_groups {self.moe_groups} must divide the {self.num_experts} "
+                             f"experts and moe_topk_groups {self.moe_topk_groups} be in "
+                             f"[1, moe_groups]")
         if self.moe_intermediate_size < 0:
             raise ValueError(f"moe_intermediate_size must be >= 0, got "
                              f"{self.moe_intermediate_size}")
@@ -195,7 +210,8 @@ class ModelConfig:
         attn = D * N * H + 2 * D * K * H + N * H * D
         if self.qkv_bias:
             attn += N * H + 2 * K * H
-        moe = 3 * D * self.expert_size * self.num_experts + D * self.num_experts
+        moe = (3 * D * self.expert_size * (self.num_experts + self.shared_experts)
+               + D * self.num_experts + (self.num_experts if self.moe_router == "sigmoid" else 0))
         mlp = sum(moe if self.moe_layer(i) else 3 * D * F for i in range(L))
         norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_layout] * D
         norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H}[self.qk_norm]
@@ -241,6 +257,7 @@ _UNIMPLEMENTED = {
 # Per family, the fields of _UNIMPLEMENTED it does implement.
 _IMPLEMENTS = {
     "qwen2": ("attention_bias",),
+    "glm4_moe": ("attention_bias",),
     "gemma2": ("final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar"),
     "gemma3_text": ("final_logit_softcapping", "attn_logit_softcapping",
                     "query_pre_attn_scalar"),
@@ -423,7 +440,32 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         common["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
     if family == "qwen3_moe":
         common.update(_qwen3_moe(hf, L))
+    if family == "glm4_moe":
+        common.update(_glm4_moe(hf, L))
     return ModelConfig(**common)
+
+
+def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
+    """GLM-4.5's attention options and MoE: q/k norms per head where `use_qk_norm`, qkv
+    bias where `attention_bias`; the first `first_k_dense_replace` layers dense, the others
+    a sigmoid router with a score-correction bias and group-limited top-k
+    (`n_group`, `topk_group`), `routed_scaling_factor`, and `n_shared_experts` always on."""
+    try:
+        E = int(hf["n_routed_experts"] if "n_routed_experts" in hf else hf["num_local_experts"])
+        out = dict(num_experts=E, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                   dense_layers=tuple(range(min(int(hf.get("first_k_dense_replace", 0)), L))),
+                   moe_router="sigmoid", moe_renormalize=bool(hf.get("norm_topk_prob", True)),
+                   moe_groups=int(hf.get("n_group") or 1),
+                   moe_topk_groups=int(hf.get("topk_group") or 1),
+                   moe_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                   shared_experts=int(hf.get("n_shared_experts") or 0))
+    except KeyError as e:
+        raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+    if hf.get("use_qk_norm"):
+        out["qk_norm"] = "head"
+    out["qkv_bias"] = bool(hf.get("attention_bias", False))
+    return out
 
 
 def _qwen3_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ G = N/K, H head dim, F ffn, V vocab, E experts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -212,12 +213,18 @@ class MoeMlp(nn.Module):
         c = self.cfg
         D, F, E = c.hidden_size, c.expert_size, c.num_experts
         router = _param(self, "router", (D, E), (axes.EMBED, None), self.dtype, at=at)
+        # The sigmoid router's score-correction bias, kept in f32 (it only picks experts).
+        bias = (_param(self, "router_bias", (E,), (None,), jnp.float32,
+                       nn.initializers.zeros, at=at) if c.moe_router == "sigmoid" else None)
         kernel = functools.partial(_kernel, self, dtype=self.dtype, at=at)
         w1 = kernel("w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
         w3 = kernel("w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
         w2 = kernel("w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED))
+        routing = moe.Routing(kind=c.moe_router, renormalize=c.moe_renormalize,
+                              groups=c.moe_groups, topk_groups=c.moe_topk_groups,
+                              scale=c.moe_scale)
         return moe.moe(x, router, w1, w3, w2, c.num_experts_per_tok, functools.partial(_act, c),
-                       routed=c.num_experts_per_tok < E, renormalize=c.moe_renormalize)
+                       routed=c.num_experts_per_tok < E, routing=routing, router_bias=bias)
 
 
 class Block(nn.Module):
@@ -242,7 +249,13 @@ class Block(nn.Module):
 
         def mlp(h):
             if c.moe_layer(self.layer):
-                return MoeMlp(c, self.dtype, name="moe")(h, at)
+                y = MoeMlp(c, self.dtype, name="moe")(h, at)
+                if c.shared_experts:  # always on, beside the routed ones
+                    shared = dataclasses.replace(c, intermediate_size=c.expert_size
+                                                 * c.shared_experts)
+                    y = y + Mlp(shared, self.dtype, self.backend, name="shared_experts")(h, None,
+                                                                                       at)
+                return y
             return Mlp(c, self.dtype, self.backend, name="mlp")(h, lora, at)
 
         attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")

@@ -22,6 +22,7 @@ Letters: M tokens, k experts per token, R = M*k rows, D model, F ffn, E experts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -40,16 +41,49 @@ Act = Callable[[jax.Array], jax.Array]
 MAX_BLOCK_ROWS = 16
 
 
-def route(x: jax.Array, router: jax.Array, k: int,
-          renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
-    """x [M, D], router [D, E] -> (weights f32[M, k], experts i32[M, k]): softmax over all
-    E in f32 and the top k, renormalised to sum to one (Mixtral; Qwen3-MoE's
-    norm_topk_prob) or left as they are."""
-    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # (M, E)
-    weights, experts = jax.lax.top_k(probs, k)
-    if not renormalize:
-        return weights, experts
-    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a router picks a token's experts and weighs them.
+
+    "softmax" (Mixtral, Qwen3-MoE): softmax over all E, the top k.
+    "sigmoid" (GLM-4.5, DeepSeek-V3): a sigmoid score per expert; the top k are chosen by
+      score + a learned bias (`router_bias`, for the choice only), among the `topk_groups`
+      best of `groups` equal groups of experts (a group's worth: its two best scores);
+      their weights are their scores.
+    Then `renormalize` makes the k weights sum to one, and `scale` multiplies them."""
+
+    kind: str = "softmax"
+    renormalize: bool = True
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+
+
+def route(x: jax.Array, router: jax.Array, k: int, routing: Routing = Routing(),
+          router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [M, D], router [D, E] -> (weights f32[M, k], experts i32[M, k]) as `routing`
+    says, in f32."""
+    if routing.kind == "softmax":
+        probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # (M, E)
+        weights, experts = jax.lax.top_k(probs, k)
+        if routing.renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights * routing.scale, experts
+    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ router.astype(jnp.float32))  # (M, E)
+    choice = scores if router_bias is None else scores + router_bias.astype(jnp.float32)
+    if routing.groups > 1:
+        M, E = choice.shape
+        per = E // routing.groups
+        grouped = choice.reshape(M, routing.groups, per)
+        worth = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)  # (M, groups)
+        _, best = jax.lax.top_k(worth, routing.topk_groups)
+        kept = jnp.any(jax.nn.one_hot(best, routing.groups, dtype=bool), axis=1)  # (M, groups)
+        choice = jnp.where(jnp.repeat(kept, per, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if routing.renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * routing.scale, experts
 
 
 def dense_experts(x, weights, experts, w1, w3, w2, act: Act, first=0) -> jax.Array:
@@ -136,21 +170,22 @@ def blocked_ffn(xs, group_sizes, w1, w3, w2, act: Act, block: int | None = None)
 
 
 def moe(x, router, w1, w3, w2, k: int, act: Act, routed: bool,
-        renormalize: bool = True) -> jax.Array:
+        routing: Routing = Routing(), router_bias: jax.Array | None = None) -> jax.Array:
     """x [B, T, D] through the top-k of E experts (router [D, E], w1/w3 [E, D, F],
     w2 [E, F, D]) -> [B, T, D]; `routed` picks the routed or the dense form (same result);
-    `renormalize` as `route`'s."""
+    `routing` and `router_bias` (f32[E] or None) as `route`'s."""
     experts_fn = routed_experts if routed else dense_experts
+    bias = jnp.zeros((router.shape[1],), jnp.float32) if router_bias is None else router_bias
 
-    def run(x, router, w1, w3, w2, first=0):
+    def run(x, router, bias, w1, w3, w2, first=0):
         B, T, D = x.shape
         x = x.reshape(B * T, D)
-        weights, experts = route(x, router, k, renormalize)
+        weights, experts = route(x, router, k, routing, bias)
         return experts_fn(x, weights, experts, w1, w3, w2, act, first).reshape(B, T, D)
 
     cur = current_layout()
     if cur is None or cur[1].size == 1:
-        return run(x, router, w1, w3, w2)
+        return run(x, router, bias, w1, w3, w2)
     config, mesh = cur
     w_spec = config.spec((axes.EXPERT, None, axes.MLP), w1.shape, mesh, "moe w1", strict=False)
     e_axis, f_axis = w_spec[0], w_spec[2]
@@ -160,12 +195,12 @@ def moe(x, router, w1, w3, w2, k: int, act: Act, routed: bool,
     x_spec = config.spec((axes.BATCH, axes.SEQ, None), x.shape, mesh, "moe input", strict=False)
     x_spec = PartitionSpec(*(None if a in sums else a for a in x_spec))
 
-    def local(x, router, w1, w3, w2):
+    def local(x, router, bias, w1, w3, w2):
         first = 0 if e_axis is None else jax.lax.axis_index(e_axis) * w1.shape[0]
-        y = run(x, router, w1, w3, w2, first)
+        y = run(x, router, bias, w1, w3, w2, first)
         return jax.lax.psum(y, sums) if sums else y
 
     w2_spec = PartitionSpec(e_axis, f_axis, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, PartitionSpec(), w_spec, w_spec,
-                                                     w2_spec),
-                         out_specs=x_spec, check_vma=False)(x, router, w1, w3, w2)
+    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, PartitionSpec(), PartitionSpec(),
+                                                     w_spec, w_spec, w2_spec),
+                         out_specs=x_spec, check_vma=False)(x, router, bias, w1, w3, w2)

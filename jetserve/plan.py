@@ -96,7 +96,8 @@ class ModelSpec:
         E, k, Fe = cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_size
         attn = 2 * D * N * H + 2 * D * K * H
         routed = sum(cfg.moe_layer(i) for i in range(L))  # the others' MLP is dense
-        mlp_active = (L - routed) * 3 * D * F + routed * (3 * D * Fe * k + D * E)
+        shared = 3 * D * Fe * cfg.shared_experts  # always on, beside the routed ones
+        mlp_active = (L - routed) * 3 * D * F + routed * (3 * D * Fe * k + D * E + shared)
         return cls(
             name=name,
             params=float(cfg.param_count()),

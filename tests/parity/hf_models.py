@@ -67,6 +67,15 @@ MOE_CONFIGS = {
     "qwen3_moe_all": ("qwen3_moe", dict(num_attention_heads=4, head_dim=24, num_experts=8,
                                         num_experts_per_tok=3, moe_intermediate_size=40,
                                         norm_topk_prob=False)),
+    # GLM-4.5: a sigmoid router with a score-correction bias, group-limited top-k (the
+    # best 1 of 2 groups of 4), scaled weights, a shared expert, the first layer dense;
+    # qkv bias, q/k norms, half the head rotated.
+    "glm4_moe": ("glm4_moe", dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                                  n_group=2, topk_group=1, n_shared_experts=1,
+                                  first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                                  partial_rotary_factor=0.5, moe_intermediate_size=32,
+                                  head_dim=16, tie_word_embeddings=False)),
 }
 
 
@@ -94,6 +103,7 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
     }[kind]
     cfg = cls_cfg(**{**TINY, **settings, **overrides})
     torch.manual_seed(seed)
@@ -106,6 +116,9 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
                 p.normal_(0.0 if kind.startswith("gemma") else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():  # a router's bias, zero as initialized
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model

@@ -1,7 +1,8 @@
 """Today's MoE families against Hugging Face transformers on the same files (float32,
 random weights, tests/parity/hf_models.py MOE_CONFIGS): Qwen3-MoE with dense layers among
 the routed ones and renormalised top-k weights, and with every layer routed and the
-softmax's top-k weights as they are.
+softmax's top-k weights as they are; GLM-4.5 (a sigmoid router with its score-correction
+bias, group-limited top-k, scaled weights, a shared expert, a dense first layer).
 
 Greedy tokens equal transformers' `generate` with a 40-token prompt prefilled in chunks of
 16, on the contiguous and the paged KV layouts, and with the experts spread over 4
@@ -48,11 +49,12 @@ def fam(request, tmp_path_factory):
 def test_config_reads_which_layers_route(fam):
     name, d, model, _ = fam
     cfg = load_hf_config(d)
-    routed = ["SparseMoe" in type(layer.mlp).__name__ for layer in model.model.layers]
+    routed = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
     assert [cfg.moe_layer(i) for i in range(cfg.num_layers)] == routed, name
     assert cfg.mixed_layers == (not all(routed))
     assert cfg.moe_renormalize == model.config.norm_topk_prob
-    assert cfg.param_count() == sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() for n, b in model.named_buffers() if "correction_bias" in n)
+    assert cfg.param_count() == sum(p.numel() for p in model.parameters()) + buffers
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

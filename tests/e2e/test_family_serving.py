@@ -1,5 +1,5 @@
 """Today's families (tests/parity/hf_models.py: DENSE_CONFIGS Qwen3, Qwen3 with YaRN,
-Gemma 2, Gemma 3, OLMo 2, Phi-3; and Qwen3-MoE with dense layers among routed ones)
+Gemma 2, Gemma 3, OLMo 2, Phi-3; Qwen3-MoE with dense layers among routed ones; GLM-4.5)
 through the servers, against transformers on the same random-weight directory (float32,
 greedy, end of sequence ignored).
 
@@ -38,9 +38,9 @@ from protos import jetstream_pb2_grpc as pb_grpc
 from tests.e2e.serve_process import wait_listening
 from tests.e2e.test_split_serve import _load, _metric
 from tests.parity.hf_models import DENSE_CONFIGS, hf_greedy, make_hf_model
-
-FAMILIES = (*DENSE_CONFIGS, "qwen3_moe")
 from tests.xla import xla_flags
+
+FAMILIES = (*DENSE_CONFIGS, "qwen3_moe", "glm4_moe")
 
 pytestmark = pytest.mark.slow
 

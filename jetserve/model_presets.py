@@ -19,6 +19,19 @@ def _gemma3(layers: int, **shape) -> ModelConfig:
                        rope_theta=1e6, local_rope_theta=1e4, **shape)
 
 
+def _qwen3_moe(**shape) -> ModelConfig:
+    """A Qwen3-MoE model: 128 experts, top 8 renormalised, every layer routed."""
+    return ModelConfig(family="qwen3_moe", vocab_size=151936, head_dim=128, qk_norm="head",
+                       rope_theta=1e6, num_experts=128, num_experts_per_tok=8, **shape)
+
+
+def _glm4_moe(**shape) -> ModelConfig:
+    """A GLM-4.5 model: top 8 of the routed experts by a sigmoid router, one shared."""
+    return ModelConfig(family="glm4_moe", vocab_size=151552, head_dim=128, qkv_bias=True,
+                       partial_rotary_factor=0.5, num_experts_per_tok=8, moe_router="sigmoid",
+                       shared_experts=1, rope_theta=1e6, **shape)
+
+
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                              num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128),
@@ -65,4 +78,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                              intermediate_size=13824, num_layers=40, num_heads=40,
                              num_kv_heads=40, head_dim=128, qk_norm="projection",
                              norm_layout="post", rope_theta=500000.0),
+    "qwen3-30b-a3b": _qwen3_moe(hidden_size=2048, intermediate_size=6144, num_layers=48,
+                                num_heads=32, num_kv_heads=4, moe_intermediate_size=768),
+    "qwen3-235b-a22b": _qwen3_moe(hidden_size=4096, intermediate_size=12288, num_layers=94,
+                                  num_heads=64, num_kv_heads=4, moe_intermediate_size=1536),
+    "glm-4.5-air": _glm4_moe(hidden_size=4096, intermediate_size=10944, num_layers=46,
+                             num_heads=96, num_kv_heads=8, num_experts=128,
+                             moe_intermediate_size=1408, dense_layers=(0,)),
+    "glm-4.5": _glm4_moe(hidden_size=5120, intermediate_size=12288, num_layers=92, num_heads=96,
+                         num_kv_heads=8, num_experts=160, moe_intermediate_size=1536,
+                         dense_layers=(0, 1, 2), qk_norm="head", moe_scale=2.5),
 }

@@ -177,6 +177,17 @@ def test_todays_dense_presets_have_their_published_sizes(name, billions):
     assert close(MODEL_PRESETS[name].param_count() / 1e9, billions, 0.01)
 
 
+@pytest.mark.parametrize("name,billions", [
+    ("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.0), ("glm-4.5-air", 106.0),
+    ("glm-4.5", 355.0)])
+def test_todays_moe_presets_have_their_published_sizes(name, billions):
+    """Total parameters as the model cards give them (GLM-4.5's count its one
+    next-token-prediction layer too, which the decoder does not run: within 1%)."""
+    assert close(MODEL_PRESETS[name].param_count() / 1e9, billions, 0.01)
+    spec = ModelSpec.from_config(MODEL_PRESETS[name])
+    assert spec.expert_params > 0.9 * spec.params  # most of an MoE model is its experts
+
+
 def test_sliding_layers_read_their_window_only():
     """Gemma 3 (40 of 48 layers sliding over 1024 keys): a step at 32k context reads the
     global layers' whole context and the sliding layers' window."""

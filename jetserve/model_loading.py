@@ -38,6 +38,14 @@ RANDOM_MODELS: dict[str, ModelConfig] = {
     "llama-156m": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                               num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
                               eos_token_ids=(2,), bos_token_id=1),
+    # Qwen3-MoE of llama-156m's attention and active MLP: 64 experts of F 352, top 8 (8 x
+    # 352 = 2816 per token, llama-156m's F), every layer routed: what routing costs beside
+    # the dense model (`jetserve bench prefill`).
+    "qwen3-moe-156m-active": ModelConfig(
+        family="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+        num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64, qk_norm="head",
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=352,
+        eos_token_ids=(2,), bos_token_id=1),
 }
 
 

@@ -206,7 +206,8 @@ def _engine_config(cfg: DecodeBenchConfig, batch: int) -> EngineConfig:
                         max_prefill_length=min(512, cfg.context), dtype=cfg.dtype,
                         quantize=cfg.quantize, kv_dtype=cfg.kv_dtype, layers=cfg.layers,
                         kv_layout=cfg.kv_layout, page_size=cfg.page_size,
-                        decode_batch_sizes=tuple(sorted({b for b in cfg.batches if b < slots})))
+                        decode_batch_sizes=tuple(sorted({b for b in cfg.batches if b < slots}))
+                        if cfg.slots else ())
 
 
 def _sig(x: float, digits: int = 4) -> float:

@@ -124,6 +124,32 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     return model
 
 
+def written_case(variant: str, tmp_path_factory, prompts, steps: int):
+    """(variant, its directory written by transformers, the torch model, transformers'
+    greedy tokens of each prompt): a parity test file's per-family fixture."""
+    d = str(tmp_path_factory.mktemp(variant))
+    model = make_hf_model(variant, d)
+    return variant, d, model, [hf_greedy(model, p, steps) for p in prompts]
+
+
+def cli_generate(source: str, prompts, steps: int, chunk: int, capsys) -> list[list[int]]:
+    """Each prompt's tokens from `jetserve generate --model source` (greedy, end of sequence
+    ignored, 4 slots of 64 positions, prefill chunks of `chunk`), read from its JSON rows."""
+    import json
+
+    from jetserve import cli
+
+    argv = ["generate", "--model", source, "--max-tokens", str(steps), "--ignore-eos",
+            "--json", "--max-concurrent-decodes", "4", "--max-seq-len", "64",
+            "--max-prefill-length", str(chunk)]
+    for p in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    return [json.loads(line)["token_ids"]
+            for line in capsys.readouterr().out.strip().splitlines()]
+
+
 def hf_greedy(model, prompt, steps: int, logit_bias: dict[int, float] | None = None
               ) -> list[int]:
     """transformers' greedy continuation of `prompt` (token ids), `steps` tokens, past any

@@ -16,8 +16,6 @@ on the variants they could break, so the file stays near two minutes.
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +30,12 @@ from engines.rope import rope_tables
 from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
-from tests.parity.hf_models import DENSE_CONFIGS, hf_greedy, make_hf_model
+from tests.parity.hf_models import (
+    DENSE_CONFIGS,
+    cli_generate,
+    hf_greedy,
+    written_case,
+)
 
 STEPS = 16
 PROMPT_LENGTHS = (40, 7, 23)
@@ -52,9 +55,7 @@ def _prompts():
 @pytest.fixture(scope="module", params=tuple(DENSE_CONFIGS))
 def fam(request, tmp_path_factory):
     """(variant, model dir, torch model, transformers' greedy tokens of each prompt)."""
-    d = str(tmp_path_factory.mktemp(request.param))
-    model = make_hf_model(request.param, d)
-    return request.param, d, model, [hf_greedy(model, p, STEPS) for p in _prompts()]
+    return written_case(request.param, tmp_path_factory, _prompts(), STEPS)
 
 
 def _tokens(engine, params=None):
@@ -147,16 +148,8 @@ def test_cli_generate_and_convert_round_trip(fam, tmp_path, capsys):
         pytest.skip(f"the command line runs on {CLI_VARIANTS}")
     orbax = str(tmp_path / "orbax")
     assert cli.main(["convert", "--from-hf", d, "--to", orbax]) == 0
-    capsys.readouterr()
     for source in (d, orbax):
-        argv = ["generate", "--model", source, "--max-tokens", str(STEPS), "--ignore-eos",
-                "--json", "--max-concurrent-decodes", "4", "--max-seq-len", "64",
-                "--max-prefill-length", str(CHUNK)]
-        for p in _prompts():
-            argv += ["--prompt-ids", ",".join(map(str, p))]
-        assert cli.main(argv) == 0
-        rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
-        assert [r["token_ids"] for r in rows] == want, (name, source)
+        assert cli_generate(source, _prompts(), STEPS, CHUNK, capsys) == want, (name, source)
 
 
 def test_longrope_long_factors_match_transformers_rotary_embedding():

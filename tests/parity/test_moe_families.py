@@ -11,8 +11,6 @@ devices (`ep_tp`); log-probs are within 1e-4 of transformers'.
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from engines import EngineConfig, create_engine, load_hf_config
 from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
-from tests.parity.hf_models import MOE_CONFIGS, hf_greedy, make_hf_model
+from tests.parity.hf_models import MOE_CONFIGS, cli_generate, written_case
 
 STEPS = 12
 PROMPT_LENGTHS = (40, 7, 23)
@@ -41,9 +39,7 @@ def _prompts():
 @pytest.fixture(scope="module", params=tuple(MOE_CONFIGS))
 def fam(request, tmp_path_factory):
     """(variant, model dir, torch model, transformers' greedy tokens of each prompt)."""
-    d = str(tmp_path_factory.mktemp(request.param))
-    model = make_hf_model(request.param, d)
-    return request.param, d, model, [hf_greedy(model, p, STEPS) for p in _prompts()]
+    return written_case(request.param, tmp_path_factory, _prompts(), STEPS)
 
 
 def test_config_reads_which_layers_route(fam):
@@ -92,13 +88,5 @@ def test_cli_generate_and_convert_round_trip(fam, tmp_path, capsys):
     orbax = str(tmp_path / "orbax")
     assert cli.main(["convert", "--from-hf", d, "--to", orbax]) == 0
     assert load_hf_config(d).dense_layers == (0, 2, 3)
-    capsys.readouterr()
     for source in (d, orbax):
-        argv = ["generate", "--model", source, "--max-tokens", str(STEPS), "--ignore-eos",
-                "--json", "--max-concurrent-decodes", "4", "--max-seq-len", "64",
-                "--max-prefill-length", "16"]
-        for p in _prompts():
-            argv += ["--prompt-ids", ",".join(map(str, p))]
-        assert cli.main(argv) == 0
-        rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
-        assert [r["token_ids"] for r in rows] == want, (name, source)
+        assert cli_generate(source, _prompts(), STEPS, 16, capsys) == want, (name, source)

@@ -438,10 +438,11 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     if family == "mixtral":
         common["num_experts"] = int(hf["num_local_experts"])
         common["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
-    if family == "qwen3_moe":
-        common.update(_qwen3_moe(hf, L))
-    if family == "glm4_moe":
-        common.update(_glm4_moe(hf, L))
+    if family in ("qwen3_moe", "glm4_moe"):
+        try:  # the families' own fields
+            common.update((_qwen3_moe if family == "qwen3_moe" else _glm4_moe)(hf, L))
+        except KeyError as e:
+            raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
     return ModelConfig(**common)
 
 
@@ -450,18 +451,15 @@ def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
     bias where `attention_bias`; the first `first_k_dense_replace` layers dense, the others
     a sigmoid router with a score-correction bias and group-limited top-k
     (`n_group`, `topk_group`), `routed_scaling_factor`, and `n_shared_experts` always on."""
-    try:
-        E = int(hf["n_routed_experts"] if "n_routed_experts" in hf else hf["num_local_experts"])
-        out = dict(num_experts=E, num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                   dense_layers=tuple(range(min(int(hf.get("first_k_dense_replace", 0)), L))),
-                   moe_router="sigmoid", moe_renormalize=bool(hf.get("norm_topk_prob", True)),
-                   moe_groups=int(hf.get("n_group") or 1),
-                   moe_topk_groups=int(hf.get("topk_group") or 1),
-                   moe_scale=float(hf.get("routed_scaling_factor", 1.0)),
-                   shared_experts=int(hf.get("n_shared_experts") or 0))
-    except KeyError as e:
-        raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+    E = int(hf["num_local_experts"] if "num_local_experts" in hf else hf["n_routed_experts"])
+    out = dict(num_experts=E, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+               moe_intermediate_size=int(hf["moe_intermediate_size"]),
+               dense_layers=tuple(range(min(int(hf.get("first_k_dense_replace", 0)), L))),
+               moe_router="sigmoid", moe_renormalize=bool(hf.get("norm_topk_prob", True)),
+               moe_groups=int(hf.get("n_group") or 1),
+               moe_topk_groups=int(hf.get("topk_group") or 1),
+               moe_scale=float(hf.get("routed_scaling_factor", 1.0)),
+               shared_experts=int(hf.get("n_shared_experts") or 0))
     if hf.get("use_qk_norm"):
         out["qk_norm"] = "head"
     out["qkv_bias"] = bool(hf.get("attention_bias", False))
@@ -471,15 +469,12 @@ def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
 def _qwen3_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
     """Qwen3-MoE's MLP fields: a layer routes over the experts unless it is one of
     `mlp_only_layers` or falls between `decoder_sparse_step`s (as transformers picks)."""
-    try:
-        # Published configs say num_experts; transformers 5 writes num_local_experts.
-        E = int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
-        k = int(hf["num_experts_per_tok"])
-        step = int(hf.get("decoder_sparse_step", 1))
-        only = {int(i) for i in hf.get("mlp_only_layers") or ()}
-        F = int(hf["moe_intermediate_size"])
-    except KeyError as e:
-        raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+    # Published configs say num_experts; transformers 5 writes num_local_experts.
+    E = int(hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"])
+    k = int(hf["num_experts_per_tok"])
+    step = int(hf.get("decoder_sparse_step", 1))
+    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    F = int(hf["moe_intermediate_size"])
     if step < 1:
         raise ValueError(f"config.json decoder_sparse_step must be >= 1, got {step}")
     if not E:  # no experts: a dense model

@@ -140,6 +140,21 @@ def _queue_broadcast():
     return send, receive
 
 
+def _following(follower):
+    """The follower's loop on a thread of its own: (the thread, the errors it raised)."""
+    errors = []
+
+    def follow():
+        try:
+            follower.run()
+        except Exception as e:  # shown by the test
+            errors.append(e)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    return t, errors
+
+
 @pytest.fixture(params=[0, 3], ids=["plain", "speculative3"])
 def pair(request):
     """Process 0 and a follower; MockEngine steps of one token, or of 1-4 (speculative)."""
@@ -153,16 +168,7 @@ def pair(request):
                                 primary=True, broadcast=send, idle_wait_s=0.01)
     follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
                                     broadcast=receive)
-    errors = []
-
-    def follow():
-        try:
-            follower.run()
-        except Exception as e:  # shown by the test
-            errors.append(e)
-
-    t = threading.Thread(target=follow, daemon=True)
-    t.start()
+    t, errors = _following(follower)
     lead.start()
     yield lead, follower, engines, t, errors
     lead.stop(drain=False, timeout=10)
@@ -255,17 +261,8 @@ def _in_lock_step(engines, requests, *, queued=False):
                                 broadcast=send, idle_wait_s=0.01)
     follower = LockStepOrchestrator(engines[1], engines[1].load_params(), primary=False,
                                     broadcast=receive)
-    errors = []
-
-    def follow():
-        try:
-            follower.run()
-        except Exception as e:  # shown below
-            errors.append(e)
-
     handles = [lead.submit(r) for r in requests] if queued else None
-    t = threading.Thread(target=follow, daemon=True)
-    t.start()
+    t, errors = _following(follower)
     with lead:
         handles = handles or [lead.submit(r) for r in requests]
         results = [h.result(timeout=300) for h in handles]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from engines import EngineConfig, create_engine, load_hf_config
-from engines.config import from_hf_config
+from engines.hf_config import from_hf_config
 from engines.kv_cache import PrefillKV
 from engines.model import rope, rope_inputs
 from engines.rope import rope_tables

@@ -5,6 +5,11 @@ its keys and values (engines/kv_cache.py, engines/paged_kv.py implement it);
 `attention` is causal grouped-query attention by positions over [B, S, K, H] keys and
 values, `decode_attention` the same over a decode cache's own layout.
 
+Attention sinks (gpt-oss): a learned logit per query head that joins every row's softmax
+as one more key with no value, so a row's weights over its keys sum to less than one.
+Every attention path takes them as `sinks` f32[N] (None: no sink); the online-softmax
+paths start each row's running max at its sink's logit and its running sum at 1.
+
 Letters: B batch, T query length, S key length, N query heads, K kv heads, G = N/K,
 H head dim.
 """
@@ -38,17 +43,27 @@ def softcapped(scores: jax.Array, softcap: float | None) -> jax.Array:
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
+def sink_logits(sinks: jax.Array, num_kv_heads: int) -> jax.Array:
+    """The per-head sink logits f32[N] grouped as the queries are: f32[K, G]."""
+    return sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
+
+
 def _attention_probs(scores: jax.Array, qp: jax.Array, kp: jax.Array, head_dim: int,
                      sliding_window: int | None, dtype: Any,
-                     softcap: float | None = None) -> jax.Array:
+                     softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Scaled, causally masked softmax of raw q.k scores (last axis: keys); qp / kp are
     the query / key positions shaped to broadcast against them (key position -1: empty);
-    scaled scores are soft-capped first where `softcap` is given."""
+    scaled scores are soft-capped first where `softcap` is given. `sinks`: each row's
+    sink logit, shaped to broadcast against scores[..., :1], in the softmax's sum only."""
     visible = (kp >= 0) & (kp <= qp)
     if sliding_window is not None:
         visible &= kp > qp - sliding_window
     scores = jnp.where(visible, softcapped(scores / math.sqrt(head_dim), softcap), _MASKED)
-    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    sink = jnp.broadcast_to(sinks, scores.shape[:-1] + (1,))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)
+    return probs[..., :-1].astype(dtype)
 
 
 def attention(
@@ -59,6 +74,7 @@ def attention(
     k_pos: jax.Array,  # i32[B, S], -1 = empty
     sliding_window: int | None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:
     """Causal grouped-query attention by positions; returns [B, T, N, H]."""
     B, T, N, H = q.shape
@@ -67,7 +83,8 @@ def attention(
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
     qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
     kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap)
+    sink = None if sinks is None else sink_logits(sinks, K)[None, :, :, None, None]
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(B, T, N, H)
 
@@ -80,6 +97,7 @@ def decode_attention(
     k_pos: jax.Array,  # i32[B, S], -1 = empty
     sliding_window: int | None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:
     """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
     (T > 1 new tokens per row, speculative verification: q [B, T, N, H], q_pos [B, T].)
@@ -88,17 +106,20 @@ def decode_attention(
     the cache is read once and never transposed (see engines.kv_cache)."""
     B, T, N, H = q.shape
     K = k.shape[1]
+    sink = None if sinks is None else sink_logits(sinks, K)[None]  # (1, K, G)
     if T > 1:
         qg = q.reshape(B, T, K, N // K, H)
         scores = jnp.einsum("btkgh,bkhs->bkgts", qg, k, preferred_element_type=jnp.float32)
         qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
         kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
-        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap)
+        sink = None if sink is None else sink[..., None, None]
+        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink)
         return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
     qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
     scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
     qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
     kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap)
+    sink = None if sink is None else sink[..., None]
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink)
     out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
     return out.reshape(B, 1, N, H)

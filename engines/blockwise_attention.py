@@ -14,7 +14,8 @@ the first to the last one that holds a visible key, found from per-block positio
 ranges (so a causal prompt does about half the tiles, a sliding window a band of them).
 
 Rows that see no key at all come out 0 (the plain path gives the mean of every value);
-no caller uses such a row. Letters: B, T, S, N, K, G = N/K, H as in engines/attention.py.
+no caller uses such a row. Attention sinks (engines/attention.py) start a row's running
+max at its sink's logit and its running sum at 1: the sink is a key with no value. Letters: B, T, S, N, K, G = N/K, H as in engines/attention.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.attention import softcapped
+from engines.attention import sink_logits, softcapped
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -54,10 +55,10 @@ def _key_block_spans(q_pos, k_pos, block_q, block_k, sliding_window):
     return lo, jnp.maximum(lo, hi)
 
 
-def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap):
+def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap, sinks):
     """One query block q [B, K, G*bq, H] (its G heads of a kv head stacked as rows;
     positions qp [B, G*bq]) over key blocks lo..hi-1 of k, v [B, K, S, H]
-    -> [B, K, G*bq, H] in v's dtype."""
+    -> [B, K, G*bq, H] in v's dtype. sinks: None or each row's sink logit f32[K, G*bq]."""
     B, K, R, H = q.shape
     scale = 1.0 / math.sqrt(H)
     qpos = qp[:, None, :, None]  # (B, 1, R, 1)
@@ -85,8 +86,12 @@ def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap):
                         preferred_element_type=jnp.float32)
         return m_new, total, acc * corr[..., None] + pv
 
-    m0 = jnp.full((B, K, R), -jnp.inf, jnp.float32)
-    total0 = jnp.zeros((B, K, R), jnp.float32)
+    if sinks is None:
+        m0 = jnp.full((B, K, R), -jnp.inf, jnp.float32)
+        total0 = jnp.zeros((B, K, R), jnp.float32)
+    else:  # the sink seen first: max its logit, sum exp(0)
+        m0 = jnp.broadcast_to(sinks, (B, K, R))
+        total0 = jnp.ones((B, K, R), jnp.float32)
     acc0 = jnp.zeros((B, K, R, H), jnp.float32)
     _, total, acc = jax.lax.fori_loop(lo, hi, step, (m0, total0, acc0))
     return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(v.dtype)
@@ -94,9 +99,11 @@ def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap):
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                         k_pos: jax.Array, sliding_window: int | None, *, block_q: int,
-                        block_k: int, softcap: float | None = None) -> jax.Array:
+                        block_k: int, softcap: float | None = None,
+                        sinks: jax.Array | None = None) -> jax.Array:
     """`engines.attention.attention`, computed block by block: q [B, T, N, H], k, v
-    [B, S, K, H], q_pos i32[B, T], k_pos i32[B, S] (-1: empty); returns [B, T, N, H].
+    [B, S, K, H], q_pos i32[B, T], k_pos i32[B, S] (-1: empty), sinks None or f32[N];
+    returns [B, T, N, H].
 
     T and S need not divide by the block sizes: queries are padded (their rows dropped)
     and keys padded with empty entries."""
@@ -115,11 +122,13 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
     qb = jnp.transpose(qb, (1, 0, 3, 4, 2, 5)).reshape(nq, B, K, G * block_q, H)
     qpb = jnp.tile(jnp.moveaxis(q_pos.reshape(B, nq, block_q), 1, 0), (1, 1, G))  # (nq, B, G*bq)
     k, v = (jnp.transpose(_pad_to(x, 1, nk * block_k, 0), (0, 2, 1, 3)) for x in (k, v))
+    # Rows of a block are (g, query): each head's sink repeated over its bq queries.
+    sink_rows = None if sinks is None else jnp.repeat(sink_logits(sinks, K), block_q, axis=1)
 
     def one(args):
         qi, qpi, lo_i, hi_i = args
         return _query_block(qi, qpi, k, v, k_pos, lo_i, hi_i, block_k, sliding_window,
-                            softcap)
+                            softcap, sink_rows)
 
     out = jax.lax.map(one, (qb, qpb, lo, hi))  # (nq, B, K, G*bq, H)
     out = out.reshape(nq, B, K, G, block_q, H)

@@ -28,6 +28,10 @@ Implementations:
 With `layer` the pools are a scanned model's stacks [L, K, P + 1, ps, H] and the pages
 are gathered from the stack at that layer (no copy of the layer's pool).
 
+Attention sinks (engines/attention.py) start each token's running max at its head's
+sink logit and its running sum at 1 (the "xla" path); the TPU kernel takes none, so a
+model with sinks never reaches it (engines/paged_kv.py resolve_attention).
+
 Padding tokens have position -1: they see no key and come out 0. Letters: T tokens,
 R rows, W pages per row, N, K, G = N/K, H as in engines/attention.py, ps page size.
 """
@@ -39,7 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.attention import softcapped
+from engines.attention import sink_logits, softcapped
 from engines.kv_quant import unpack_entries
 
 RAGGED_ATTENTION = ("xla", "pallas_tpu")
@@ -71,10 +75,12 @@ def _key_block_range(pos: jax.Array, keys: int, nk: int,
     return jnp.minimum(lo, hi).astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_window, softcap):
+def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_window, softcap,
+                    sinks):
     """Online softmax of tile q [bq, K, G, H] (positions pos i32[bq]) over key blocks
     lo..hi-1; blocks(j) -> block j's (k, v): [K, keys, H] the tile's one row's when
-    `shared`, else [K, bq, keys, H] each token's own -> f32 (acc [bq, K, G, H], sums)."""
+    `shared`, else [K, bq, keys, H] each token's own -> f32 (acc [bq, K, G, H], sums).
+    sinks: None or the heads' sink logits f32[K, G]."""
     bq, K, G, H = q.shape
     scale = 1.0 / math.sqrt(H)
     qp = pos[:, None]  # (bq, 1)
@@ -98,14 +104,17 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
         pv = jnp.einsum(pv_eq, p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
         return m_new, total, acc * corr[..., None] + pv
 
-    m0 = jnp.full((bq, K, G), -jnp.inf, jnp.float32)
-    init = (m0, jnp.zeros((bq, K, G), jnp.float32), jnp.zeros((bq, K, G, H), jnp.float32))
+    if sinks is None:
+        m0, total0 = jnp.full((bq, K, G), -jnp.inf, jnp.float32), jnp.zeros((bq, K, G))
+    else:  # the sink seen first: max its logit, sum exp(0)
+        m0, total0 = jnp.broadcast_to(sinks, (bq, K, G)), jnp.ones((bq, K, G))
+    init = (m0, total0.astype(jnp.float32), jnp.zeros((bq, K, G, H), jnp.float32))
     _, total, acc = jax.lax.fori_loop(lo, hi, step, init)
     return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, softcap,
-          layer):
+          layer, sinks):
     """One tile: q [bq, K, G, H] at positions pos i32[bq] of rows i32[bq]; table
     i32[R, nk * c] -> [bq, K, G, H] in q's dtype. A tile whose live tokens are all of
     one row (most of a chunk's) gathers that row's pages once; a tile of several rows
@@ -125,7 +134,8 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
             return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, keys, H)
                          for p in (k_pool, v_pool))
 
-        return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window, softcap)
+        return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window, softcap,
+                               sinks)
 
     def per_token(q):
         pages = jnp.take(table, rows, axis=0)  # (bq, nk * c)
@@ -135,7 +145,8 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
             return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, bq, keys, H)
                          for p in (k_pool, v_pool))
 
-        return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window, softcap)
+        return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window, softcap,
+                               sinks)
 
     single = jnp.all(~live | (rows == first))
     return jax.lax.cond(single, one_row, per_token, q).astype(q.dtype)
@@ -145,10 +156,11 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            table: jax.Array, rows: jax.Array, positions: jax.Array,
                            sliding_window: int | None, *, block_q: int = 16,
                            block_k: int = 256, layer: jax.Array | None = None,
-                           softcap: float | None = None) -> jax.Array:
+                           softcap: float | None = None,
+                           sinks: jax.Array | None = None) -> jax.Array:
     """q [T, N, H]; pools [K, P + 1, ps, H]; table i32[R, W] each row's pages in position
     order; rows i32[T] each token's row; positions i32[T] (-1: padding) -> [T, N, H];
-    `layer`: the pools are stacks [L, ...], read at that layer.
+    `layer`: the pools are stacks [L, ...], read at that layer; sinks: None or f32[N].
 
     Every key a token may see (positions 0..its own of its row) must already be in the
     pools: a step writes its tokens' keys before attending."""
@@ -166,10 +178,12 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     qb = _pad_rows(q, Tp, 0).reshape(nq, bq, K, G, H)
     pos = _pad_rows(positions, Tp, -1).reshape(nq, bq)
     rws = _pad_rows(rows, Tp, 0).reshape(nq, bq)
+    sink = None if sinks is None else sink_logits(sinks, K)  # (K, G)
 
     def one(args):
         qt, pt, rt = args
-        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window, softcap, layer)
+        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window, softcap, layer,
+                     sink)
 
     out = jax.lax.map(one, (qb, pos, rws))  # (nq, bq, K, G, H)
     return out.reshape(Tp, N, H)[:T]

@@ -13,7 +13,7 @@ import pytest
 
 from engines import EngineConfig, ModelConfig, create_engine
 from engines import attention_kernels as kernels
-from engines.attention import attention
+from engines.attention import attention, decode_attention
 from engines.backend import Backend, backend_for
 from engines.blockwise_attention import blockwise_attention
 
@@ -38,10 +38,10 @@ def _sees_a_key(q_pos, k_pos, window):
     return vis.any(-1)  # (B, T)
 
 
-def _check(q, k, v, q_pos, k_pos, window, block_q=16, block_k=32, softcap=None):
-    want = np.asarray(attention(q, k, v, q_pos, k_pos, window, softcap))
+def _check(q, k, v, q_pos, k_pos, window, block_q=16, block_k=32, softcap=None, sinks=None):
+    want = np.asarray(attention(q, k, v, q_pos, k_pos, window, softcap, sinks))
     f = jax.jit(functools.partial(blockwise_attention, block_q=block_q, block_k=block_k,
-                                  softcap=softcap), static_argnums=(5,))
+                                  softcap=softcap, sinks=sinks), static_argnums=(5,))
     got = np.asarray(f(q, k, v, q_pos, k_pos, window))
     rows = _sees_a_key(q_pos, k_pos, window)
     np.testing.assert_allclose(got[rows], want[rows], rtol=1e-5, atol=1e-5)
@@ -70,6 +70,52 @@ def test_soft_capped_scores(window):
     _check(q, k, v, q_pos, k_pos, window, softcap=1.5)
     capped = attention(q, k, v, q_pos, k_pos, window, 1.5)
     assert np.max(np.abs(np.asarray(capped - attention(q, k, v, q_pos, k_pos, window)))) > 1e-2
+
+
+def _sink_reference(q, k, v, q_pos, k_pos, window, sinks):
+    """Attention with sinks in numpy (float64): each row's softmax over its visible keys'
+    scaled scores and its head's sink logit, the sink's share dropped."""
+    q, k, v, sinks = (np.asarray(a, np.float64) for a in (q, k, v, sinks))
+    B, T, N, H = q.shape
+    G = N // k.shape[2]
+    out = np.zeros_like(q)
+    for b, t, n in np.ndindex(B, T, N):
+        qp, kp = int(q_pos[b, t]), np.asarray(k_pos[b])
+        vis = (kp >= 0) & (kp <= qp) & ((kp > qp - window) if window else True)
+        s = k[b, vis, n // G] @ q[b, t, n] / np.sqrt(H)
+        m = max(s.max(initial=-np.inf), sinks[n])
+        e = np.exp(s - m)
+        out[b, t, n] = e @ v[b, vis, n // G] / (e.sum() + np.exp(sinks[n] - m))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks(window):
+    """gpt-oss's sinks: the one-shot, blockwise (several key blocks, a chunk after a
+    prefix, a row that sees nothing) and decode paths against a float64 reference; the
+    sinks change the result."""
+    sinks = jnp.asarray([1.5, -0.5, 3.0, 0.0], jnp.float32)  # [N]
+    q_pos, k_pos = _prefix_chunk(20, 30, 64)
+    k_pos[0] = -1  # position 0 of the chunk's prefix empty: every row still sees a key
+    q, k, v, qp, kp = _inputs(30, 64, q_pos, k_pos, seed=7)
+    want = _sink_reference(q, k, v, qp, kp, window, sinks)
+    got = attention(q, k, v, qp, kp, window, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(np.asarray(got - attention(q, k, v, qp, kp, window)))) > 1e-2
+    _check(q, k, v, qp, kp, window, block_q=8, block_k=8, sinks=sinks)
+    j = np.arange(40)
+    _check(*_inputs(40, 40, j, np.where(j > 0, j, -1), seed=8), window, block_q=8, block_k=8,
+           sinks=sinks)  # query 0 sees no key: zeros, as without sinks
+    # One new token per row over a decode cache's layout ([B, K, H, S], [B, K, S, H]),
+    # and several (speculative verification).
+    for t in (slice(29, 30), slice(26, 30)):
+        dec = decode_attention(q[:, t], jnp.transpose(k, (0, 2, 3, 1)),
+                               jnp.transpose(v, (0, 2, 1, 3)), qp[:, t], kp, window,
+                               sinks=sinks)
+        np.testing.assert_allclose(np.asarray(dec), want[:, t], rtol=1e-5, atol=1e-5)
+    tiled = Backend(block_q=8, block_k=8)  # the seam passes them on
+    np.testing.assert_allclose(np.asarray(tiled.attention(q, k, v, qp, kp, window,
+                                                          sinks=sinks)), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 9])

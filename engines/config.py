@@ -9,13 +9,15 @@ from typing import Any
 
 # Families the decoder implements, keyed by HF `model_type`.
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3", "gemma2", "gemma3_text",
-            "olmo2", "phi3", "qwen3_moe", "glm4_moe")
+            "olmo2", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss")
 QWEN3_FAMILIES = ("qwen3", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 ROPE_KINDS = ("llama3", "linear", "yarn", "longrope")
 # Kinds of attention layer (HF `layer_types`): every key so far, or the last sliding_window.
 FULL, SLIDING = "full_attention", "sliding_attention"
 QK_NORMS = ("none", "head", "projection")
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
+MOE_ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 NORM_LAYOUTS = ("pre", "post", "sandwich")
 
 
@@ -64,7 +66,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     qkv_bias: bool = False
-    activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    o_bias: bool = False  # a bias on the attention's output projection (gpt-oss)
+    # A learned logit per query head in every softmax's sum, with no value (gpt-oss).
+    attn_sinks: bool = False
+    # The gated MLP's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "clamped_swiglu"
+    # (gpt-oss: gate clamped above and up on both sides at swiglu_limit, then
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     norm_plus_one: bool = False  # Gemma: x * (1 + w)
     scale_embeddings: bool = False  # Gemma: embeddings * sqrt(D)
     num_experts: int = 0  # E; 0 means a dense MLP
@@ -73,14 +83,16 @@ class ModelConfig:
     # Layers of an MoE model whose MLP is dense (of intermediate_size: Qwen3-MoE's
     # mlp_only_layers / decoder_sparse_step); the others route over the experts.
     dense_layers: tuple[int, ...] = ()
-    # The router (engines/moe.py Routing): "softmax" or "sigmoid" (a learned bias for the
-    # choice, group-limited top-k); the top-k weights renormalised to sum to one, scaled.
+    # The router (engines/moe.py Routing): "softmax", "sigmoid" (a learned bias for the
+    # choice, group-limited top-k) or "topk_softmax" (gpt-oss: a biased linear router, the
+    # softmax over the top-k logits); the top-k weights renormalised to sum to one, scaled.
     moe_router: str = "softmax"
     moe_renormalize: bool = True
     moe_groups: int = 1
     moe_topk_groups: int = 1
     moe_scale: float = 1.0
     shared_experts: int = 0  # an always-on MLP of shared_experts * expert_size beside them
+    expert_bias: bool = False  # biases on each expert's projections (gpt-oss)
     max_position_embeddings: int = 4096
     # Per layer: FULL or SLIDING (sliding_window keys); None: every layer alike (all
     # sliding when sliding_window is set).
@@ -143,8 +155,10 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must be in "
                              f"(0, 1] and give an even number of rotary dims of {self.head_dim}")
-        if self.activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.activation == "clamped_swiglu" and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit!r}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, {self.num_experts}], "
@@ -155,9 +169,8 @@ class ModelConfig:
                 self.dense_layers and not self.num_experts):
             raise ValueError(f"dense_layers must be layers of an MoE model, in [0, "
                              f"{self.num_layers}), got {list(self.dense_layers)}")
-        if self.moe_router not in ("softmax", "sigmoid"):
-            raise ValueError(f"moe_router must be 'softmax' or 'sigmoid', got "
-                             f"{self.moe_router!r}")
+        if self.moe_router not in MOE_ROUTERS:
+            raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
         if self.num_experts and (self.moe_groups < 1 or self.num_experts % self.moe_groups
                                  or not 1 <= self.moe_topk_groups <= self.moe_groups):
             raise ValueError(f"moe_groups {self.moe_groups} must divide the {self.num_experts} "
@@ -206,11 +219,12 @@ class ModelConfig:
         D, F, L, N, K, H, V = (self.hidden_size, self.intermediate_size, self.num_layers,
                                self.num_heads, self.num_kv_heads, self.head_dim,
                                self.vocab_size)
+        E, Fe = self.num_experts, self.expert_size
         attn = D * N * H + 2 * D * K * H + N * H * D
-        if self.qkv_bias:
-            attn += N * H + 2 * K * H
-        moe = (3 * D * self.expert_size * (self.num_experts + self.shared_experts)
-               + D * self.num_experts + (self.num_experts if self.moe_router == "sigmoid" else 0))
+        attn += (N * H + 2 * K * H) * self.qkv_bias + D * self.o_bias + N * self.attn_sinks
+        moe = (3 * D * Fe * (E + self.shared_experts) + D * E
+               + (E if self.moe_router in ("sigmoid", "topk_softmax") else 0)
+               + (E * (2 * Fe + D) if self.expert_bias else 0))
         mlp = sum(moe if self.moe_layer(i) else 3 * D * F for i in range(L))
         norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_layout] * D
         norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H}[self.qk_norm]

@@ -1,5 +1,5 @@
-"""One decoder for the Llama, Mistral, Qwen2/3, Gemma 1/2/3, Mixtral, OLMo 2 and Phi-3
-families (Flax linen).
+"""One decoder for the Llama, Mistral, Qwen2/3, Gemma 1/2/3, Mixtral, OLMo 2, Phi-3 and
+the MoE families (Qwen3-MoE, GLM-4.5, gpt-oss) (Flax linen).
 
 The model does math only: it never builds meshes or calls jit. Parameters carry logical
 axis names (`sharding.axes`), which the engine maps to mesh axes. The KV cache is not
@@ -146,14 +146,21 @@ class Attention(nn.Module):
         # A store may attend itself (the contiguous decode store over its own layout; the
         # paged store's TPU kernel reads pages in place).
         cap = c.attn_logit_softcap
+        sinks = (_param(self, "sinks", (N,), (axes.HEADS,), self.dtype, at=at)
+                 if c.attn_sinks else None)  # [N], each head's logit in the softmax's sum
         attend = getattr(kv, "attend", None)
         if attend is not None:
-            out = attend(self.layer, q, positions, window, softcap=cap)
+            out = attend(self.layer, q, positions, window, softcap=cap, sinks=sinks)
         else:
-            out = self.backend.attention(q, k_all, v_all, positions, k_pos, window, softcap=cap)
+            out = self.backend.attention(q, k_all, v_all, positions, k_pos, window, softcap=cap,
+                                         sinks=sinks)
         out = constrain(out, _HEADS_ACT, "attention output")
         out = out.reshape(B, T, N * H)
-        return _adapted(lora, "o_proj", out, self.backend.linear(out, wo.reshape(D, N * H)))
+        y = _adapted(lora, "o_proj", out, self.backend.linear(out, wo.reshape(D, N * H)))
+        if c.o_bias:
+            y = y + _param(self, "o_bias", (D,), (axes.EMBED,), self.dtype,
+                           nn.initializers.zeros, at=at)
+        return y
 
     def _qk_norm(self, q, k, at):
         """RMSNorm of q [B, T, N, H] and k [B, T, K, H] before RoPE: each head over its H
@@ -173,8 +180,14 @@ class Attention(nn.Module):
                 rms_norm(k, wk, c.rms_norm_eps, c.norm_plus_one, axes=(-2, -1)))
 
 
-def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    return nn.silu(x) if cfg.activation == "silu" else nn.gelu(x, approximate=True)
+def glu(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated MLP's hidden from its gate and up projections, by cfg.activation."""
+    if cfg.activation == "clamped_swiglu":  # gpt-oss
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha) * (up + 1)
+    act = nn.silu if cfg.activation == "silu" else functools.partial(nn.gelu, approximate=True)
+    return act(gate) * up
 
 
 class Mlp(nn.Module):
@@ -191,7 +204,7 @@ class Mlp(nn.Module):
         wd = kernel("down_proj", (D, F), (axes.EMBED, axes.MLP))
         gate, up = self.backend.linear_many(x, (wg, wu))
         gate, up = _adapted(lora, "gate_proj", x, gate), _adapted(lora, "up_proj", x, up)
-        h = constrain(_act(self.cfg, gate) * up, (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
+        h = constrain(glu(self.cfg, gate, up), (axes.BATCH, axes.SEQ, axes.MLP), "mlp hidden")
         return _adapted(lora, "down_proj", h, self.backend.linear(h, wd))  # h: (B, T, F)
 
 
@@ -213,18 +226,28 @@ class MoeMlp(nn.Module):
         c = self.cfg
         D, F, E = c.hidden_size, c.expert_size, c.num_experts
         router = _param(self, "router", (D, E), (axes.EMBED, None), self.dtype, at=at)
-        # The sigmoid router's score-correction bias, kept in f32 (it only picks experts).
+        # The sigmoid router's score-correction bias (it only picks experts) or the gpt-oss
+        # router's own bias (in its logits), kept in f32.
         bias = (_param(self, "router_bias", (E,), (None,), jnp.float32,
-                       nn.initializers.zeros, at=at) if c.moe_router == "sigmoid" else None)
+                       nn.initializers.zeros, at=at)
+                if c.moe_router in ("sigmoid", "topk_softmax") else None)
         kernel = functools.partial(_kernel, self, dtype=self.dtype, at=at)
         w1 = kernel("w1", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
         w3 = kernel("w3", (E, D, F), (axes.EXPERT, axes.EMBED, axes.MLP))
         w2 = kernel("w2", (E, F, D), (axes.EXPERT, axes.MLP, axes.EMBED))
+        expert_bias = None
+        if c.expert_bias:
+            b = functools.partial(_param, self, dtype=self.dtype, init=nn.initializers.zeros,
+                                  at=at)
+            expert_bias = moe.ExpertBias(gate=b("b1", (E, F), (axes.EXPERT, axes.MLP)),
+                                         up=b("b3", (E, F), (axes.EXPERT, axes.MLP)),
+                                         down=b("b2", (E, D), (axes.EXPERT, axes.EMBED)))
         routing = moe.Routing(kind=c.moe_router, renormalize=c.moe_renormalize,
                               groups=c.moe_groups, topk_groups=c.moe_topk_groups,
                               scale=c.moe_scale)
-        return moe.moe(x, router, w1, w3, w2, c.num_experts_per_tok, functools.partial(_act, c),
-                       routed=c.num_experts_per_tok < E, routing=routing, router_bias=bias)
+        return moe.moe(x, router, w1, w3, w2, c.num_experts_per_tok, functools.partial(glu, c),
+                       routed=c.num_experts_per_tok < E, routing=routing, router_bias=bias,
+                       expert_bias=expert_bias)
 
 
 class Block(nn.Module):

@@ -17,6 +17,9 @@ outputs are summed over the expert and mlp mesh axes. Left to GSPMD, the CPU loo
 indexing of expert-sharded weights by a traced expert id would gather every expert's
 weights onto every device; the shard_map keeps each expert where it lives.
 
+Expert biases (gpt-oss): each expert's gate, up and down projections may add a bias
+(`ExpertBias`); the down bias is inside the router's weighting, as the expert's output.
+
 Letters: M tokens, k experts per token, R = M*k rows, D model, F ffn, E experts.
 """
 
@@ -33,7 +36,23 @@ from jax.sharding import PartitionSpec
 from sharding import axes
 from sharding.layout import current as current_layout
 
-Act = Callable[[jax.Array], jax.Array]
+# The gated FFN's hidden from its gate and up projections: act(gate) * up, or another
+# gating (engines.model.glu).
+Glu = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ExpertBias:
+    """Biases of the experts' projections: gate and up [E, F], down [E, D]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+    def at(self, e) -> ExpertBias:
+        """Expert e's biases ([F], [F], [D])."""
+        return ExpertBias(self.gate[e], self.up[e], self.down[e])
 
 # The CPU path's smallest block of rows (`blocked_ffn`): each used expert wastes up to
 # one. Sizes from 4 to 64 timed alike, within the noise of a shared machine
@@ -50,7 +69,10 @@ class Routing:
       score + a learned bias (`router_bias`, for the choice only), among the `topk_groups`
       best of `groups` equal groups of experts (a group's worth: its two best scores);
       their weights are their scores.
-    Then `renormalize` makes the k weights sum to one, and `scale` multiplies them."""
+    "topk_softmax" (gpt-oss): the router is a linear layer with a bias (`router_bias`);
+      the k largest logits, their weights the softmax over those k alone.
+    Then `renormalize` makes the k weights sum to one (sigmoid; the softmaxes' already
+    do, over the top k), and `scale` multiplies them."""
 
     kind: str = "softmax"
     renormalize: bool = True
@@ -63,6 +85,12 @@ def route(x: jax.Array, router: jax.Array, k: int, routing: Routing = Routing(),
           router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [M, D], router [D, E] -> (weights f32[M, k], experts i32[M, k]) as `routing`
     says, in f32."""
+    if routing.kind == "topk_softmax":
+        logits = (x @ router).astype(jnp.float32)  # (M, E)
+        if router_bias is not None:
+            logits = logits + router_bias.astype(jnp.float32)
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1) * routing.scale, experts
     if routing.kind == "softmax":
         probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # (M, E)
         weights, experts = jax.lax.top_k(probs, k)
@@ -86,17 +114,23 @@ def route(x: jax.Array, router: jax.Array, k: int, routing: Routing = Routing(),
     return weights * routing.scale, experts
 
 
-def dense_experts(x, weights, experts, w1, w3, w2, act: Act, first=0) -> jax.Array:
+def dense_experts(x, weights, experts, w1, w3, w2, glu: Glu, first=0,
+                  bias: ExpertBias | None = None) -> jax.Array:
     """Every one of the E_l experts w*[E_l, ...] (global ids first..first+E_l-1) on every
     token of x [M, D]; each weighted by its router weight, zero where not chosen."""
     E = w1.shape[0]
     gates = jnp.sum(jax.nn.one_hot(experts - first, E) * weights[..., None], axis=-2)  # (M, E)
-    h = act(jnp.einsum("md,edf->mef", x, w1)) * jnp.einsum("md,edf->mef", x, w3)
-    y = jnp.einsum("mef,efd->med", h, w2)  # (M, E, D)
+    g, u = jnp.einsum("md,edf->mef", x, w1), jnp.einsum("md,edf->mef", x, w3)
+    if bias is not None:
+        g, u = g + bias.gate, u + bias.up
+    y = jnp.einsum("mef,efd->med", glu(g, u), w2)  # (M, E, D)
+    if bias is not None:
+        y = y + bias.down
     return jnp.einsum("med,me->md", y, gates.astype(y.dtype))
 
 
-def routed_experts(x, weights, experts, w1, w3, w2, act: Act, first=0) -> jax.Array:
+def routed_experts(x, weights, experts, w1, w3, w2, glu: Glu, first=0,
+                   bias: ExpertBias | None = None) -> jax.Array:
     """As `dense_experts`, running each token through only its chosen experts; rows whose
     expert is not among the E_l held here contribute nothing."""
     (M, D), k, E = x.shape, experts.shape[1], w1.shape[0]
@@ -104,25 +138,33 @@ def routed_experts(x, weights, experts, w1, w3, w2, act: Act, first=0) -> jax.Ar
     key = jnp.where((local >= 0) & (local < E), local, E)  # E: held elsewhere
     order = jnp.argsort(key, stable=True)  # (R,) sorted row -> its (token, slot) row
     group_sizes = jnp.bincount(key, length=E + 1)[:E].astype(jnp.int32)
-    ys = grouped_ffn(x[order // k], group_sizes, w1, w3, w2, act)  # (R, D)
+    ys = grouped_ffn(x[order // k], group_sizes, w1, w3, w2, glu, bias)  # (R, D)
     # Rows past the groups (other devices' experts) are not defined by ragged_dot.
     ys = jnp.where((jnp.arange(M * k) < jnp.sum(group_sizes))[:, None], ys, 0)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(M, k, D)
     return jnp.einsum("mkd,mk->md", y, weights.astype(y.dtype))
 
 
-def grouped_ffn(xs, group_sizes, w1, w3, w2, act: Act) -> jax.Array:
+def grouped_ffn(xs, group_sizes, w1, w3, w2, glu: Glu,
+                bias: ExpertBias | None = None) -> jax.Array:
     """The gated FFN of expert e on rows xs[start_e : start_e + group_sizes[e]] (rows sorted
     by expert), for every e -> [R, D]; rows past sum(group_sizes) are undefined."""
-    return jax.lax.platform_dependent(xs, group_sizes, w1, w3, w2,
-                                      cpu=lambda *a: blocked_ffn(*a, act),
-                                      default=lambda *a: ragged_ffn(*a, act))
+    return jax.lax.platform_dependent(xs, group_sizes, w1, w3, w2, bias,
+                                      cpu=lambda *a: blocked_ffn(*a[:5], glu, bias=a[5]),
+                                      default=lambda *a: ragged_ffn(*a[:5], glu, a[5]))
 
 
-def ragged_ffn(xs, group_sizes, w1, w3, w2, act: Act) -> jax.Array:
+def ragged_ffn(xs, group_sizes, w1, w3, w2, glu: Glu,
+               bias: ExpertBias | None = None) -> jax.Array:
     """`grouped_ffn` as three `jax.lax.ragged_dot`s."""
-    h = act(jax.lax.ragged_dot(xs, w1, group_sizes)) * jax.lax.ragged_dot(xs, w3, group_sizes)
-    return jax.lax.ragged_dot(h, w2, group_sizes)
+    g = jax.lax.ragged_dot(xs, w1, group_sizes)
+    u = jax.lax.ragged_dot(xs, w3, group_sizes)
+    if bias is None:
+        return jax.lax.ragged_dot(glu(g, u), w2, group_sizes)
+    # Each row's expert (rows past the groups get the last: undefined rows anyway).
+    row = jnp.repeat(jnp.arange(w1.shape[0]), group_sizes, total_repeat_length=xs.shape[0])
+    b = bias.at(row)
+    return jax.lax.ragged_dot(glu(g + b.gate, u + b.up), w2, group_sizes) + b.down
 
 
 def block_rows(R: int, E: int) -> int:
@@ -133,7 +175,8 @@ def block_rows(R: int, E: int) -> int:
     return min(MAX_BLOCK_ROWS, 1 << (share - 1).bit_length())
 
 
-def blocked_ffn(xs, group_sizes, w1, w3, w2, act: Act, block: int | None = None) -> jax.Array:
+def blocked_ffn(xs, group_sizes, w1, w3, w2, glu: Glu, block: int | None = None,
+                bias: ExpertBias | None = None) -> jax.Array:
     """`grouped_ffn` as a loop over experts, each running its n rows in a few blocks.
 
     n is rounded up to a multiple of the smallest block b (`block`, default `block_rows`)
@@ -151,10 +194,14 @@ def blocked_ffn(xs, group_sizes, w1, w3, w2, act: Act, block: int | None = None)
 
     def expert(e, out):
         w1e, w3e, w2e = w1[e], w3[e], w2[e]
+        be = None if bias is None else bias.at(e)
 
         def run(out, s, n):  # rows [s, s + n) through expert e, those up to ends[e] kept
             xb = jax.lax.dynamic_slice_in_dim(xs, s, n)  # (n, D)
-            y = (act(xb @ w1e) * (xb @ w3e)) @ w2e
+            if be is None:
+                y = glu(xb @ w1e, xb @ w3e) @ w2e
+            else:
+                y = glu(xb @ w1e + be.gate, xb @ w3e + be.up) @ w2e + be.down
             mine = (s + jnp.arange(n) < ends[e])[:, None]
             y = jnp.where(mine, y.astype(out.dtype), jax.lax.dynamic_slice_in_dim(out, s, n))
             return jax.lax.dynamic_update_slice_in_dim(out, y, s, 0)
@@ -169,23 +216,25 @@ def blocked_ffn(xs, group_sizes, w1, w3, w2, act: Act, block: int | None = None)
     return jax.lax.fori_loop(0, E, expert, jnp.zeros_like(xs))[:R]
 
 
-def moe(x, router, w1, w3, w2, k: int, act: Act, routed: bool,
-        routing: Routing = Routing(), router_bias: jax.Array | None = None) -> jax.Array:
+def moe(x, router, w1, w3, w2, k: int, glu: Glu, routed: bool,
+        routing: Routing = Routing(), router_bias: jax.Array | None = None,
+        expert_bias: ExpertBias | None = None) -> jax.Array:
     """x [B, T, D] through the top-k of E experts (router [D, E], w1/w3 [E, D, F],
     w2 [E, F, D]) -> [B, T, D]; `routed` picks the routed or the dense form (same result);
-    `routing` and `router_bias` (f32[E] or None) as `route`'s."""
+    `routing` and `router_bias` ([E] or None) as `route`'s; `expert_bias`: the
+    experts' projection biases, or None."""
     experts_fn = routed_experts if routed else dense_experts
     bias = jnp.zeros((router.shape[1],), jnp.float32) if router_bias is None else router_bias
 
-    def run(x, router, bias, w1, w3, w2, first=0):
+    def run(x, router, bias, w1, w3, w2, eb, first=0):
         B, T, D = x.shape
         x = x.reshape(B * T, D)
         weights, experts = route(x, router, k, routing, bias)
-        return experts_fn(x, weights, experts, w1, w3, w2, act, first).reshape(B, T, D)
+        return experts_fn(x, weights, experts, w1, w3, w2, glu, first, eb).reshape(B, T, D)
 
     cur = current_layout()
     if cur is None or cur[1].size == 1:
-        return run(x, router, bias, w1, w3, w2)
+        return run(x, router, bias, w1, w3, w2, expert_bias)
     config, mesh = cur
     w_spec = config.spec((axes.EXPERT, None, axes.MLP), w1.shape, mesh, "moe w1", strict=False)
     e_axis, f_axis = w_spec[0], w_spec[2]
@@ -195,12 +244,18 @@ def moe(x, router, w1, w3, w2, k: int, act: Act, routed: bool,
     x_spec = config.spec((axes.BATCH, axes.SEQ, None), x.shape, mesh, "moe input", strict=False)
     x_spec = PartitionSpec(*(None if a in sums else a for a in x_spec))
 
-    def local(x, router, bias, w1, w3, w2):
+    def local(x, router, bias, w1, w3, w2, eb):
         first = 0 if e_axis is None else jax.lax.axis_index(e_axis) * w1.shape[0]
-        y = run(x, router, bias, w1, w3, w2, first)
+        if eb is not None and f_axis is not None:  # F's shards sum: one adds the down bias
+            keep = (jax.lax.axis_index(f_axis) == 0).astype(eb.down.dtype)
+            eb = dataclasses.replace(eb, down=eb.down * keep)
+        y = run(x, router, bias, w1, w3, w2, eb, first)
         return jax.lax.psum(y, sums) if sums else y
 
     w2_spec = PartitionSpec(e_axis, f_axis, None)
+    eb_spec = None if expert_bias is None else ExpertBias(
+        PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis))
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, PartitionSpec(), PartitionSpec(),
-                                                     w_spec, w_spec, w2_spec),
-                         out_specs=x_spec, check_vma=False)(x, router, bias, w1, w3, w2)
+                                                     w_spec, w_spec, w2_spec, eb_spec),
+                         out_specs=x_spec, check_vma=False)(x, router, bias, w1, w3, w2,
+                                                            expert_bias)

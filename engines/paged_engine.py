@@ -140,7 +140,8 @@ class PagedTransformerEngine(TransformerEngine):
         # The TPU kernel attends one query per slot: verify steps take the gather path.
         self.attention_impl = "xla" if spec.enabled else resolve_attention(
             config.paged_attention, devices[0].platform, model_config.sliding_window,
-            len(devices), model_config.attn_logit_softcap, config.kv_dtype)
+            len(devices), model_config.attn_logit_softcap, config.kv_dtype,
+            model_config.attn_sinks)
         super().__init__(model_config, **kwargs)
 
     # ---- layout ------------------------------------------------------------------------

@@ -87,12 +87,14 @@ def _layer(experts: int, tokens: int, seed: int = 0):
 def decode(args) -> None:
     from engines import moe
 
-    act = jax.nn.silu
+    def glu(gate, up):
+        return jax.nn.silu(gate) * up
+
     for b in args.batches:
         x, *w = _layer(args.experts, b)
         fns = {}
         for routed in (False, True):
-            fn = jax.jit(functools.partial(moe.moe, k=args.top_k, act=act, routed=routed))
+            fn = jax.jit(functools.partial(moe.moe, k=args.top_k, glu=glu, routed=routed))
             jax.block_until_ready(fn(x, *w))
             fns[routed] = functools.partial(fn, x, *w)
         ms = _best_ms(fns, args.repeats)
@@ -112,7 +114,8 @@ def blocks(args) -> None:
     sizes = jnp.bincount(key, length=args.experts).astype(jnp.int32)
     fns = {}
     for b in args.block_rows:
-        fn = jax.jit(functools.partial(moe.blocked_ffn, act=jax.nn.silu, block=b))
+        fn = jax.jit(functools.partial(moe.blocked_ffn, glu=lambda g, u: jax.nn.silu(g) * u,
+                                       block=b))
         jax.block_until_ready(fn(xs, sizes, w1, w3, w2))
         fns[b] = functools.partial(fn, xs, sizes, w1, w3, w2)
     for b, ms in _best_ms(fns, args.repeats).items():

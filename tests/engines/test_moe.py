@@ -19,7 +19,9 @@ from engines.kv_cache import PrefillKV
 from sharding import load_preset, traced_under
 from tests.sharding import families
 
-silu = jax.nn.silu
+
+def silu(gate, up):  # SwiGLU's hidden from its gate and up projections
+    return jax.nn.silu(gate) * up
 
 
 def _weights(E, D, F, seed=0):
@@ -158,3 +160,60 @@ def test_quantized_mixtral_ep_tp_matches_one_device(scheme):
     w1 = params["layers_0"]["moe"]["w1"][qz.QVALUE]  # ep_tp: 4 experts over 4 devices
     assert w1.sharding.shard_shape(w1.shape)[0] == 1
     assert tokens["ep_tp"] == tokens["replicated"]
+
+
+def _biases(E, D, F, seed=3):
+    rng = np.random.default_rng(seed)
+    draw = lambda *s: jnp.asarray(0.5 * rng.standard_normal(s), jnp.float32)  # noqa: E731
+    return moe.ExpertBias(gate=draw(E, F), up=draw(E, F), down=draw(E, D))
+
+
+@pytest.mark.parametrize("block", [None, 1, 4])
+def test_grouped_ffn_with_expert_biases(block):
+    """gpt-oss's expert biases on both grouped paths, against the rows in numpy."""
+    sizes, D, F, R = [7, 0, 12, 1], 8, 12, 20
+    w1, w3, w2 = _weights(len(sizes), D, F)
+    b = _biases(len(sizes), D, F)
+    xs = jnp.asarray(np.random.default_rng(1).standard_normal((R, D)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    expert = np.repeat(np.arange(len(sizes)), sizes)
+    want = np.stack([np.asarray(silu(xs[r] @ w1[e] + b.gate[e], xs[r] @ w3[e] + b.up[e])
+                                @ w2[e] + b.down[e]) for r, e in enumerate(expert)])
+    n = len(expert)
+    blocked = jax.jit(lambda *a: moe.blocked_ffn(*a, silu, block=block, bias=b))(xs, gs, w1,
+                                                                                 w3, w2)
+    np.testing.assert_allclose(np.asarray(blocked)[:n], want, rtol=1e-5, atol=1e-5)
+    ragged = moe.ragged_ffn(xs, gs, w1, w3, w2, silu, b)
+    np.testing.assert_allclose(np.asarray(ragged)[:n], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,E,k", [(1, 4, 2), (40, 8, 2), (16, 4, 4)])
+def test_topk_softmax_routing_and_biased_experts(M, E, k):
+    """gpt-oss's router: a biased linear layer, the top k logits, a softmax over those k;
+    routed equals dense with the experts' biases, and each expert subset sums to the
+    whole (the down bias counted once, with its expert)."""
+    x, _, _ = _tokens_and_routing(M, E, k)
+    rng = np.random.default_rng(4)
+    router = jnp.asarray(rng.standard_normal((16, E)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(E), jnp.float32)
+    weights, experts = moe.route(x, router, k, moe.Routing(kind="topk_softmax"), bias)
+    logits = np.asarray(x) @ np.asarray(router) + np.asarray(bias)
+    top = np.argsort(-logits, axis=1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(experts), top)
+    chosen = np.take_along_axis(logits, top, 1)
+    soft = np.exp(chosen - chosen.max(1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(weights), soft / soft.sum(1, keepdims=True),
+                               rtol=1e-5)
+    w, b = _weights(E, 16, 24), _biases(E, 16, 24)
+    dense = moe.dense_experts(x, weights, experts, *w, silu, bias=b)
+    routed = jax.jit(lambda *a: moe.routed_experts(*a, silu, bias=b))(x, weights, experts, *w)
+    np.testing.assert_allclose(np.asarray(routed), np.asarray(dense), rtol=1e-5, atol=1e-5)
+    n = E // 2
+    halves = []
+    for i in range(2):
+        part = slice(i * n, (i + 1) * n)
+        halves.append(moe.routed_experts(x, weights, experts, *(a[part] for a in w), silu,
+                                         first=i * n, bias=moe.ExpertBias(
+                                             b.gate[part], b.up[part], b.down[part])))
+    np.testing.assert_allclose(np.asarray(sum(halves)), np.asarray(dense), rtol=1e-5,
+                               atol=1e-5)

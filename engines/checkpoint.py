@@ -3,7 +3,9 @@
 Weight names follow the source checkpoint: one mapping table per family says which HF
 tensor fills which parameter and how it is reshaped. Linear kernels keep HF's [out, in]
 order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the MoE
-experts' kernels and the router are transposed to [in, out] (engines.model).
+experts' kernels and the router are transposed to [in, out] (engines.model). A tensor
+published in MXFP4 (`<name>_blocks` and `<name>_scales`, gpt-oss's experts) is read as
+`<name>` decoded to floats (engines/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from engines import ocdbt_reader
+from engines import mxfp4, ocdbt_reader
 from engines.config import ModelConfig
 
 ORBAX_PARAMS_DIR = "params"
@@ -76,6 +78,14 @@ def _rows(part: str, transform: Transform) -> Transform:
             raise ValueError(f"fused kernel has {x.shape[0]} rows, expected {whole}")
         return transform(x[start:start + size], c)
     return take
+
+
+def _even(x, c):  # gpt-oss's gate_up_proj [..., 2F]: gate columns 0, 2, 4, ...
+    return x[..., 0::2]
+
+
+def _odd(x, c):  # ... and up columns 1, 3, 5, ...
+    return x[..., 1::2]
 
 
 def _norm(name: str, ours: str | None = None) -> tuple[str, str, Transform]:
@@ -148,6 +158,21 @@ _GLM4_MOE_MLP = [
     ("model.layers.{i}.mlp.shared_experts.down_proj.weight",
      "layers_{i}/shared_experts/down_proj", _same),
 ]
+_O_BIAS = [("model.layers.{i}.self_attn.o_proj.bias", "layers_{i}/self_attn/o_bias", _same)]
+_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"
+# gpt-oss: sinks; a router with a bias; experts stacked in one tensor each ([E, D, 2F],
+# gate and up columns interleaved; [E, F, D]), with biases.
+_GPT_OSS = [
+    ("model.layers.{i}.self_attn.sinks", "layers_{i}/self_attn/sinks", _same),
+    ("model.layers.{i}.mlp.router.weight", "layers_{i}/moe/router", _t),
+    ("model.layers.{i}.mlp.router.bias", "layers_{i}/moe/router_bias", _same),
+    (_GATE_UP, "layers_{i}/moe/w1", _even),
+    (_GATE_UP, "layers_{i}/moe/w3", _odd),
+    ("model.layers.{i}.mlp.experts.down_proj", "layers_{i}/moe/w2", _same),
+    (_GATE_UP + "_bias", "layers_{i}/moe/b1", _even),
+    (_GATE_UP + "_bias", "layers_{i}/moe/b3", _odd),
+    ("model.layers.{i}.mlp.experts.down_proj_bias", "layers_{i}/moe/b2", _same),
+]
 _TOP = [
     ("model.embed_tokens.weight", "embed_tokens", _same),
     ("model.norm.weight", "norm", _same),
@@ -169,6 +194,7 @@ FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
     # and, for GLM-4.5, the attention's optional parts.
     "qwen3_moe": _ATTN + _HEAD_QK_NORMS,
     "glm4_moe": _ATTN,
+    "gpt_oss": _ATTN + _GPT_OSS,
 }
 # Families whose layers differ in MLP: (the dense layers' tensors, the expert layers').
 LAYER_MLP_WEIGHTS: dict[str, tuple[list, list]] = {
@@ -186,6 +212,8 @@ def layer_weights(cfg: ModelConfig, layer: int) -> list[tuple[str, str, Transfor
     if cfg.family == "glm4_moe":
         rows = (rows + (_BIAS if cfg.qkv_bias else [])
                 + (_HEAD_QK_NORMS if cfg.qk_norm == "head" else []))
+    if cfg.family == "gpt_oss":
+        rows = rows + (_BIAS if cfg.qkv_bias else []) + (_O_BIAS if cfg.o_bias else [])
     if cfg.family in LAYER_MLP_WEIGHTS:
         dense, experts = LAYER_MLP_WEIGHTS[cfg.family]
         rows = rows + (experts if cfg.moe_layer(layer) else dense)
@@ -275,6 +303,7 @@ def read_hf_params(
     present = reader.keys()
     used: set[str] = set()
     out: dict = {}
+    last: tuple[str, Any] = ("", None)  # the last MXFP4 tensor decoded
     table = list(_TOP) + ([] if cfg.tie_word_embeddings else list(_HEAD))
     rows = [(h.replace("{i}", str(i)), p.replace("{i}", str(i)), t)
             for i in range(cfg.num_layers) for h, p, t in layer_weights(cfg, i)]
@@ -284,12 +313,19 @@ def read_hf_params(
                  if "{e}" in hf_name else [hf_name])
         parts = []
         for n in names:
-            if n not in present:
+            mx = (f"{n}_blocks", f"{n}_scales")
+            if n not in present and not set(mx) <= present:
                 raise ValueError(
                     f"{model_dir}: tensor {n!r} is missing from the safetensors files "
                     f"(family {cfg.family})"
                 )
-            raw = reader.get(n)
+            if n not in present:  # MXFP4: decoded (once for the rows that share it)
+                if last[0] != n:
+                    last = (n, mxfp4.dequantize_transposed(*map(reader.get, mx), want.dtype))
+                raw = last[1]
+                used.update(mx)
+            else:
+                raw = reader.get(n)
             try:
                 parts.append(fn(raw, cfg))
             except ValueError:

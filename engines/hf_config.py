@@ -39,6 +39,7 @@ _UNIMPLEMENTED = {
 _IMPLEMENTS = {
     "qwen2": ("attention_bias",),
     "glm4_moe": ("attention_bias",),
+    "gpt_oss": ("attention_bias",),
     "gemma2": ("final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar"),
     "gemma3_text": ("final_logit_softcapping", "attn_logit_softcapping",
                     "query_pre_attn_scalar"),
@@ -128,7 +129,7 @@ def _layer_types(hf: dict[str, Any], family: str, window: int | None,
     if window is None:
         return None
     types = hf.get("layer_types")
-    if types is None and family == "gemma2":
+    if types is None and family in ("gemma2", "gpt_oss"):
         types = [SLIDING if (i + 1) % 2 else FULL for i in range(L)]
     elif types is None and family == "gemma3_text":
         n = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
@@ -148,6 +149,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"config.json model_type {family!r} is not supported; expected one of {FAMILIES}"
         )
+    _quantization(hf, family)
     for field, ok in _UNIMPLEMENTED.items():
         if field not in _IMPLEMENTS.get(family, ()) and hf.get(field) not in ok:
             raise ValueError(f"config.json {field}={hf[field]!r} is not implemented for "
@@ -190,7 +192,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         use_sw = hf.get("use_sliding_window", family not in ("qwen2", *QWEN3_FAMILIES))
         if use_sw and hf.get("sliding_window"):
             window = int(hf["sliding_window"])
-    elif family in ("gemma2", "gemma3_text", "phi3") and hf.get("sliding_window"):
+    elif family in ("gemma2", "gemma3_text", "phi3", "gpt_oss") and hf.get("sliding_window"):
         window = int(hf["sliding_window"])
     if window is not None:
         common["sliding_window"] = window
@@ -219,12 +221,41 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     if family == "mixtral":
         common["num_experts"] = int(hf["num_local_experts"])
         common["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
-    if family in ("qwen3_moe", "glm4_moe"):
+    if family in ("qwen3_moe", "glm4_moe", "gpt_oss"):
+        own = {"qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe, "gpt_oss": _gpt_oss}[family]
         try:  # the families' own fields
-            common.update((_qwen3_moe if family == "qwen3_moe" else _glm4_moe)(hf, L))
+            common.update(own(hf, L))
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
     return ModelConfig(**common)
+
+
+def _gpt_oss(hf: dict[str, Any], L: int) -> dict[str, Any]:
+    """gpt-oss: attention sinks, biases on q, k, v and o (`attention_bias`, on unless
+    set false); every layer routes top-k over `num_local_experts` by a biased linear
+    router (softmax over the top-k logits), experts with biases and the clamped SwiGLU
+    (`swiglu_limit`, `swiglu_alpha`) of `intermediate_size` each."""
+    del L
+    bias = bool(hf.get("attention_bias", True))
+    return dict(num_experts=int(hf["num_local_experts"]),
+                num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["intermediate_size"]), moe_router="topk_softmax",
+                expert_bias=True, activation="clamped_swiglu",
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                attn_sinks=True, qkv_bias=bias, o_bias=bias)
+
+
+def _quantization(hf: dict[str, Any], family: str) -> None:
+    """Refuses a `quantization_config` the checkpoint reader does not read: only gpt-oss's
+    MXFP4 experts (`*_blocks` / `*_scales`, dequantized as they load) are read."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    if family != "gpt_oss" or method != "mxfp4":
+        raise ValueError(f"config.json quantization_config with quant_method {method!r} is "
+                         f"not implemented for {family} (only gpt_oss's 'mxfp4' is read)")
 
 
 def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:

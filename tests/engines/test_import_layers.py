@@ -31,7 +31,7 @@ ENGINE_LAYERS = (
      "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend",
      "token_mask", "layer_scan", "kv_quant", "ragged_attention"),
     # the model and the KV stores (and checkpoint files, the mock engine)
-    ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "ocdbt_reader",
+    ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "ocdbt_reader", "mxfp4",
      "mock_engine",
      "kv_heads", "lora_loading", "lora_registry", "lora", "mixed_batch"),
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)

@@ -76,6 +76,16 @@ MOE_CONFIGS = {
                                   norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
                                   partial_rotary_factor=0.5, moe_intermediate_size=32,
                                   head_dim=16, tie_word_embeddings=False)),
+    # gpt-oss: attention sinks, q/k/v/o biases, sliding (window 8) and full layers in turn,
+    # YaRN untruncated; a biased router (softmax over the top-2 logits of 4 experts),
+    # experts with biases and the clamped SwiGLU at a limit low enough to clamp.
+    "gpt_oss": ("gpt_oss", dict(num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=48, head_dim=16, sliding_window=8,
+                                swiglu_limit=0.5, swiglu_alpha=1.5, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                 "factor": 8.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 64})),
 }
 
 
@@ -104,6 +114,7 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }[kind]
     cfg = cls_cfg(**{**TINY, **settings, **overrides})
     torch.manual_seed(seed)
@@ -114,6 +125,8 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
                 p.normal_(0.0 if kind.startswith("gemma") else 1.0, 0.1)
+            elif name.endswith("sinks"):  # large enough to take a share of the softmax
+                p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():  # a router's bias, zero as initialized

@@ -1,0 +1,204 @@
+"""gpt-oss (gpt_oss) against Hugging Face transformers on the same files, float32, random
+weights (tests/parity/hf_models.py MOE_CONFIGS["gpt_oss"]: 3 layers, sliding window 8
+and full attention in turn, 4 experts top 2, a SwiGLU limit low enough to clamp, sinks
+large enough to matter). The MoE families' shared checks (tokens and log-probs on the
+contiguous and paged layouts with 16-token prefill chunks, experts over 4 devices) run
+on the same config in tests/parity/test_moe_families.py; here what gpt-oss adds:
+
+- the attention sinks on every path a step can take: blockwise prefill over several
+  tiles, decode past the CPU decode kernel (which has no sinks), ragged mixed steps;
+- the experts' biases with the experts and F split over 8 devices (the down bias added
+  once, not per F shard);
+- `jetserve generate --model DIR`, and on its `jetserve convert` Orbax copy;
+- a checkpoint in the published MXFP4 layout (`*_blocks` / `*_scales` experts), decoded
+  as transformers decodes it, giving transformers' tokens and log-probs;
+- the config fields and paths it cannot take refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from engines import EngineConfig, create_engine, load_hf_config, mxfp4
+from engines.backend import Backend
+from engines.hf_config import from_hf_config
+from engines.paged_kv import resolve_attention
+from jetserve import cli
+from jetserve.offline import generate_many
+from sharding import load_preset
+from tests.engines.mixed_driver import run_mixed
+from tests.parity.hf_models import cli_generate, hf_greedy, make_hf_model, written_case
+
+STEPS = 12
+PROMPT_LENGTHS = (40, 7, 23)
+
+
+def _config(**kw) -> EngineConfig:
+    return EngineConfig(**{**dict(max_concurrent_decodes=4, max_prefill_length=16,
+                                  max_seq_len=64), **kw})
+
+
+def _prompts():
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """(model dir, torch model, transformers' greedy tokens of each prompt)."""
+    _, d, model, want = written_case("gpt_oss", tmp_path_factory, _prompts(), STEPS)
+    return d, model, want
+
+
+def _logprobs_close(model, prompts, results):
+    for p, r in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
+        ref = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
+        np.testing.assert_allclose(r.logprobs, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_config_reads_the_family(case):
+    d, model, _ = case
+    cfg = load_hf_config(d)
+    assert (cfg.attn_sinks, cfg.qkv_bias, cfg.o_bias, cfg.expert_bias) == (True,) * 4
+    assert cfg.moe_router == "topk_softmax" and cfg.activation == "clamped_swiglu"
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (0.5, 1.5)
+    assert cfg.layer_types == tuple(model.config.layer_types)
+    assert [cfg.layer_window(i) for i in range(3)] == [8, None, 8]
+    assert cfg.rope_scaling.kind == "yarn" and not cfg.rope_scaling.truncate
+    assert cfg.param_count() == sum(p.numel() for p in model.parameters())
+
+
+def test_blockwise_prefill_and_decode_past_the_cpu_kernel(case):
+    """Tiles of 8 make every 16-token chunk's prefill run the blockwise path (with the
+    sinks in its online softmax); decode steps on one CPU device would take the CPU
+    attention kernel, which has no sinks, and take XLA's path instead."""
+    d, model, want = case
+    engine = create_engine(load_hf_config(d), weights=d, config=_config(),
+                           devices=jax.devices()[:1], backend=Backend(block_q=8, block_k=8))
+    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+                            ignore_eos=True)
+    assert [r.token_ids for r in results] == want
+    _logprobs_close(model, _prompts(), results)
+
+
+def test_mixed_steps_keep_the_tokens(case):
+    """Ragged mixed steps on the paged layout: chunks of 5 beside decode rows."""
+    d, _, want = case
+    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                           config=_config(kv_layout="paged", page_size=4))
+    run = run_mixed(engine, engine.load_params(), _prompts(), max_tokens=STEPS, chunk=5,
+                    budget=7, widest=True)
+    assert run.mixed_steps >= 3
+    assert run.outputs == want
+
+
+def test_experts_and_their_ffn_over_eight_devices(case):
+    """ep_tp on 8 devices: {expert: 4, model: 2}, each device one expert and half its F
+    (gate and up biases split with it, the down bias added by one F shard)."""
+    d, _, want = case
+    engine = create_engine(load_hf_config(d), weights=d, config=_config(),
+                           devices=jax.devices()[:8], sharding=load_preset("ep_tp"))
+    assert dict(engine.mesh.shape) == {"expert": 4, "model": 2}
+    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+                            ignore_eos=True)
+    assert [r.token_ids for r in results] == want
+
+
+def test_cli_generate_and_convert_round_trip(case, tmp_path, capsys):
+    """`jetserve generate` on the HF directory and on its `jetserve convert` Orbax copy
+    (whose config keeps the family's options)."""
+    d, _, want = case
+    orbax = str(tmp_path / "orbax")
+    assert cli.main(["convert", "--from-hf", d, "--to", orbax]) == 0
+    for source in (d, orbax):
+        assert cli_generate(source, _prompts(), STEPS, 16, capsys) == want, source
+
+
+def _write_mxfp4(src: str, dst: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """A copy of the float directory `src` with every expert kernel replaced by random
+    MXFP4 blocks and scales in the published layout ([E, out, in / 32, 16] codes,
+    [E, out, in / 32] exponents around 2^-4), config.json naming the quantization as the
+    published one does; returns the written tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, value in load_file(os.path.join(src, "model.safetensors")).items():
+        if not name.endswith(("gate_up_proj", "down_proj")):
+            out[name] = value
+            continue
+        E, n_in, n_out = value.shape  # the float form is [E, in, out]
+        out[name + "_blocks"] = rng.integers(0, 256, (E, n_out, n_in // 32, 16), np.uint8)
+        out[name + "_scales"] = rng.integers(121, 125, (E, n_out, n_in // 32), np.uint8)
+    os.makedirs(dst)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def test_mxfp4_checkpoint_matches_transformers(tmp_path):
+    """Experts as published (MXFP4), F = 64 (whole blocks of 32): decoded exactly as
+    transformers decodes them, and the tokens and log-probs transformers gives on its
+    dequantized model."""
+    import transformers as tf
+
+    src, dst = str(tmp_path / "float"), str(tmp_path / "mxfp4")
+    make_hf_model("gpt_oss", src, intermediate_size=64)
+    written = _write_mxfp4(src, dst)
+    model = tf.GptOssForCausalLM.from_pretrained(
+        dst, quantization_config=tf.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    experts = model.model.layers[1].mlp.experts
+    for proj in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.experts.{proj}"
+        ours = mxfp4.dequantize_transposed(written[key + "_blocks"], written[key + "_scales"])
+        np.testing.assert_array_equal(ours, getattr(experts, proj).detach().numpy())
+    engine = create_engine(load_hf_config(dst), weights=dst, config=_config(),
+                           devices=jax.devices()[:1])
+    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+                            ignore_eos=True)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, STEPS) for p in _prompts()]
+    _logprobs_close(model, _prompts(), results)
+
+
+def test_mxfp4_decodes_each_code_and_scale():
+    """Byte 0x2F holds code 0xF (-6.0) first and 0x2 (1.0) second, byte 0x97 code 0x7
+    (6.0) and 0x9 (-0.5); a scale of 130 is 2^3, of 125 is 2^-2."""
+    blocks = np.zeros((2, 1, 16), np.uint8)
+    blocks[0, 0, 0], blocks[1, 0, 15] = 0x2F, 0x97
+    got = mxfp4.dequantize(blocks, np.array([[130], [125]], np.uint8))
+    assert got.shape == (2, 32)
+    assert (got[0, :2] == [-48.0, 8.0]).all() and not got[0, 2:].any()
+    assert (got[1, 30:] == [1.5, -0.125]).all() and not got[1, :30].any()
+    with pytest.raises(ValueError, match="must be uint8"):
+        mxfp4.dequantize(blocks.astype(np.int8), np.zeros((2, 1), np.uint8))
+
+
+def test_unimplemented_paths_and_fields_are_refused(case):
+    d, _, _ = case
+    with open(os.path.join(d, "config.json")) as f:
+        hf = json.load(f)
+    with pytest.raises(ValueError, match="quantization_config"):
+        from_hf_config({**hf, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="quantization_config"):
+        from_hf_config({**hf, "model_type": "llama",
+                        "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="sinks=True"):
+        resolve_attention("pallas_tpu", "tpu", None, 1, sinks=True)
+    assert resolve_attention("auto", "tpu", None, 1, sinks=True) == "xla"
+    no_bias = from_hf_config({**hf, "attention_bias": False})
+    assert not (no_bias.qkv_bias or no_bias.o_bias) and no_bias.attn_sinks

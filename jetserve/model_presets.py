@@ -6,7 +6,7 @@ tokenizer ids are left out.
 
 from __future__ import annotations
 
-from engines.config import FULL, SLIDING, ModelConfig
+from engines.config import FULL, SLIDING, ModelConfig, RopeScaling
 
 
 def _gemma3(layers: int, **shape) -> ModelConfig:
@@ -30,6 +30,23 @@ def _glm4_moe(**shape) -> ModelConfig:
     return ModelConfig(family="glm4_moe", vocab_size=151552, head_dim=128, qkv_bias=True,
                        partial_rotary_factor=0.5, num_experts_per_tok=8, moe_router="sigmoid",
                        shared_experts=1, rope_theta=1e6, **shape)
+
+
+def _gpt_oss(layers: int, experts: int) -> ModelConfig:
+    """A gpt-oss model: sliding (128 keys) and full attention layers in turn, attention
+    sinks and q/k/v/o biases, top 4 of the experts by a biased router, biased experts
+    with the clamped SwiGLU; YaRN from 4,096 to 131,072 positions."""
+    return ModelConfig(family="gpt_oss", vocab_size=201088, hidden_size=2880,
+                       intermediate_size=2880, num_layers=layers, num_heads=64,
+                       num_kv_heads=8, head_dim=64, sliding_window=128,
+                       layer_types=tuple(SLIDING if i % 2 == 0 else FULL
+                                         for i in range(layers)),
+                       qkv_bias=True, o_bias=True, attn_sinks=True, num_experts=experts,
+                       num_experts_per_tok=4, moe_router="topk_softmax", expert_bias=True,
+                       activation="clamped_swiglu", rms_norm_eps=1e-5, rope_theta=150000.0,
+                       rope_scaling=RopeScaling(kind="yarn", factor=32.0, truncate=False,
+                                                original_max_position_embeddings=4096),
+                       max_position_embeddings=131072)
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -88,4 +105,6 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "glm-4.5": _glm4_moe(hidden_size=5120, intermediate_size=12288, num_layers=92, num_heads=96,
                          num_kv_heads=8, num_experts=160, moe_intermediate_size=1536,
                          dense_layers=(0, 1, 2), qk_norm="head", moe_scale=2.5),
+    "gpt-oss-20b": _gpt_oss(24, experts=32),
+    "gpt-oss-120b": _gpt_oss(36, experts=128),
 }

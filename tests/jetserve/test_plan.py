@@ -179,13 +179,20 @@ def test_todays_dense_presets_have_their_published_sizes(name, billions):
 
 @pytest.mark.parametrize("name,billions", [
     ("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.0), ("glm-4.5-air", 106.0),
-    ("glm-4.5", 355.0)])
+    ("glm-4.5", 355.0), ("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83)])
 def test_todays_moe_presets_have_their_published_sizes(name, billions):
     """Total parameters as the model cards give them (GLM-4.5's count its one
     next-token-prediction layer too, which the decoder does not run: within 1%)."""
     assert close(MODEL_PRESETS[name].param_count() / 1e9, billions, 0.01)
     spec = ModelSpec.from_config(MODEL_PRESETS[name])
     assert spec.expert_params > 0.9 * spec.params  # most of an MoE model is its experts
+
+
+@pytest.mark.parametrize("name,active", [("gpt-oss-20b", 3.61), ("gpt-oss-120b", 5.13)])
+def test_gpt_oss_presets_read_their_published_active_parameters(name, active):
+    """The model card's active parameters per token (unembedding included): what a
+    step's matmuls read for one token."""
+    assert close(ModelSpec.from_config(MODEL_PRESETS[name]).matmul_params / 1e9, active, 0.01)
 
 
 def test_sliding_layers_read_their_window_only():

@@ -37,8 +37,8 @@ def _gpt_oss(layers: int, experts: int) -> ModelConfig:
     sinks and q/k/v/o biases, top 4 of the experts by a biased router, biased experts
     with the clamped SwiGLU; YaRN from 4,096 to 131,072 positions."""
     return ModelConfig(family="gpt_oss", vocab_size=201088, hidden_size=2880,
-                       intermediate_size=2880, num_layers=layers, num_heads=64,
-                       num_kv_heads=8, head_dim=64, sliding_window=128,
+                       intermediate_size=2880, moe_intermediate_size=2880, num_layers=layers,
+                       num_heads=64, num_kv_heads=8, head_dim=64, sliding_window=128,
                        layer_types=tuple(SLIDING if i % 2 == 0 else FULL
                                          for i in range(layers)),
                        qkv_bias=True, o_bias=True, attn_sinks=True, num_experts=experts,

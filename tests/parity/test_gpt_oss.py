@@ -17,6 +17,7 @@ on the same config in tests/parity/test_moe_families.py; here what gpt-oss adds:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -202,3 +203,32 @@ def test_unimplemented_paths_and_fields_are_refused(case):
     assert resolve_attention("auto", "tpu", None, 1, sinks=True) == "xla"
     no_bias = from_hf_config({**hf, "attention_bias": False})
     assert not (no_bias.qkv_bias or no_bias.o_bias) and no_bias.attn_sinks
+
+
+def test_published_config_reads_as_the_plan_preset():
+    """gpt-oss-20b's config.json as released (top-level rope_theta and rope_scaling, an
+    MXFP4 quantization_config, fields for training only) reads as `plan`'s preset."""
+    from jetserve.model_presets import MODEL_PRESETS
+
+    hf = {"architectures": ["GptOssForCausalLM"], "attention_bias": True,
+          "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+          "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+          "initial_context_length": 4096, "initializer_range": 0.02,
+          "intermediate_size": 2880,
+          "layer_types": ["sliding_attention", "full_attention"] * 12,
+          "max_position_embeddings": 131072, "model_type": "gpt_oss",
+          "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+          "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+          "pad_token_id": 199999, "quantization_config": {
+              "modules_to_not_convert": ["model.layers.*.self_attn",
+                                         "model.layers.*.mlp.router", "model.embed_tokens",
+                                         "lm_head"], "quant_method": "mxfp4"},
+          "rms_norm_eps": 1e-05, "rope_scaling": {
+              "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+              "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+          "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+          "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
+          "vocab_size": 201088}
+    cfg = from_hf_config(hf)
+    preset = MODEL_PRESETS["gpt-oss-20b"]
+    assert cfg == dataclasses.replace(preset, eos_token_ids=(200002,))

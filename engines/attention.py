@@ -10,6 +10,12 @@ as one more key with no value, so a row's weights over its keys sum to less than
 Every attention path takes them as `sinks` f32[N] (None: no sink); the online-softmax
 paths start each row's running max at its sink's logit and its running sum at 1.
 
+Chunked local attention (Llama 4): a query sees only the keys of its own chunk of
+`chunk` positions (key // chunk == query // chunk), causally. Every attention path takes
+it as `chunk` (None: none), through `visible_keys`; no query sees further back than a
+chunk's length, so the paths that skip key blocks outside a sliding window skip by
+`reach` (the shorter of the two).
+
 Letters: B batch, T query length, S key length, N query heads, K kv heads, G = N/K,
 H head dim.
 """
@@ -48,16 +54,35 @@ def sink_logits(sinks: jax.Array, num_kv_heads: int) -> jax.Array:
     return sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
 
 
+def visible_keys(qp: jax.Array, kp: jax.Array, sliding_window: int | None,
+                 chunk: int | None = None) -> jax.Array:
+    """Which keys (positions kp, -1: empty) each query (positions qp) sees, shapes
+    broadcast: causal, within the sliding window, within the query's chunk."""
+    visible = (kp >= 0) & (kp <= qp)
+    if sliding_window is not None:
+        visible &= kp > qp - sliding_window
+    if chunk is not None:
+        visible &= kp // chunk == qp // chunk
+    return visible
+
+
+def reach(sliding_window: int | None, chunk: int | None) -> int | None:
+    """How far back any query sees (None: to position 0): the window, or the chunk's
+    length, whichever is shorter; what the block-skipping paths bound their spans by."""
+    if chunk is None:
+        return sliding_window
+    return chunk if sliding_window is None else min(chunk, sliding_window)
+
+
 def _attention_probs(scores: jax.Array, qp: jax.Array, kp: jax.Array, head_dim: int,
                      sliding_window: int | None, dtype: Any,
-                     softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+                     softcap: float | None = None, sinks: jax.Array | None = None,
+                     chunk: int | None = None) -> jax.Array:
     """Scaled, causally masked softmax of raw q.k scores (last axis: keys); qp / kp are
     the query / key positions shaped to broadcast against them (key position -1: empty);
     scaled scores are soft-capped first where `softcap` is given. `sinks`: each row's
     sink logit, shaped to broadcast against scores[..., :1], in the softmax's sum only."""
-    visible = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        visible &= kp > qp - sliding_window
+    visible = visible_keys(qp, kp, sliding_window, chunk)
     scores = jnp.where(visible, softcapped(scores / math.sqrt(head_dim), softcap), _MASKED)
     if sinks is None:
         return jax.nn.softmax(scores, axis=-1).astype(dtype)
@@ -75,6 +100,7 @@ def attention(
     sliding_window: int | None,
     softcap: float | None = None,
     sinks: jax.Array | None = None,  # f32[N]
+    chunk: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention by positions; returns [B, T, N, H]."""
     B, T, N, H = q.shape
@@ -84,7 +110,7 @@ def attention(
     qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
     kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
     sink = None if sinks is None else sink_logits(sinks, K)[None, :, :, None, None]
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink, chunk)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(B, T, N, H)
 
@@ -98,6 +124,7 @@ def decode_attention(
     sliding_window: int | None,
     softcap: float | None = None,
     sinks: jax.Array | None = None,  # f32[N]
+    chunk: int | None = None,
 ) -> jax.Array:
     """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
     (T > 1 new tokens per row, speculative verification: q [B, T, N, H], q_pos [B, T].)
@@ -113,13 +140,15 @@ def decode_attention(
         qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
         kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
         sink = None if sink is None else sink[..., None, None]
-        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink)
+        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink,
+                                 chunk)
         return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
     qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
     scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
     qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
     kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
     sink = None if sink is None else sink[..., None]
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink)
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink,
+                             chunk)
     out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
     return out.reshape(B, 1, N, H)

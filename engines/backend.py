@@ -113,16 +113,18 @@ class Backend:
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                   k_pos: jax.Array, sliding_window: int | None,
-                  softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+                  softcap: float | None = None, sinks: jax.Array | None = None,
+                  chunk: int | None = None) -> jax.Array:
         """`engines.attention.attention` (same arguments and result) by this backend.
-        The platform kernels take no soft cap and no attention sinks: with either, the
-        XLA paths serve."""
+        The platform kernels take no soft cap, attention sinks nor chunked attention:
+        with any, the XLA paths serve."""
         T, S, H = q.shape[1], k.shape[1], q.shape[3]
         if self.prefill_attention == "plain" or T * S <= self.block_q * self.block_k:
-            return attention(q, k, v, q_pos, k_pos, sliding_window, softcap, sinks)
-        if softcap is not None or sinks is not None:
+            return attention(q, k, v, q_pos, k_pos, sliding_window, softcap, sinks, chunk)
+        if softcap is not None or sinks is not None or chunk is not None:
             return blockwise_attention(q, k, v, q_pos, k_pos, sliding_window, softcap=softcap,
-                                       sinks=sinks, block_q=self.block_q, block_k=self.block_k)
+                                       sinks=sinks, chunk=chunk, block_q=self.block_q,
+                                       block_k=self.block_k)
         if (self.prefill_attention == "cudnn" and T == S and H % 8 == 0 and H <= 128
                 and q.dtype in (jnp.bfloat16, jnp.float16)):
             return attention_kernels.cudnn_attention(

@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.attention import sink_logits, softcapped
+from engines.attention import reach, sink_logits, softcapped, visible_keys
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -55,7 +55,7 @@ def _key_block_spans(q_pos, k_pos, block_q, block_k, sliding_window):
     return lo, jnp.maximum(lo, hi)
 
 
-def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap, sinks):
+def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap, sinks, chunk):
     """One query block q [B, K, G*bq, H] (its G heads of a kv head stacked as rows;
     positions qp [B, G*bq]) over key blocks lo..hi-1 of k, v [B, K, S, H]
     -> [B, K, G*bq, H] in v's dtype. sinks: None or each row's sink logit f32[K, G*bq]."""
@@ -71,9 +71,7 @@ def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap, s
         kp = kp[:, None, None, :]  # (B, 1, 1, bk)
         # One batched matmul per kv head: its G query heads share the keys.
         s = jnp.einsum("bkrh,bksh->bkrs", q, kj, preferred_element_type=jnp.float32)
-        visible = (kp >= 0) & (kp <= qpos)
-        if sliding_window is not None:
-            visible &= kp > qpos - sliding_window
+        visible = visible_keys(qpos, kp, sliding_window, chunk)
         s = jnp.where(visible, softcapped(s * scale, softcap), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # A row that has seen no visible key yet keeps max -inf; shift it by 0 instead so
@@ -100,10 +98,11 @@ def _query_block(q, qp, k, v, k_pos, lo, hi, block_k, sliding_window, softcap, s
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                         k_pos: jax.Array, sliding_window: int | None, *, block_q: int,
                         block_k: int, softcap: float | None = None,
-                        sinks: jax.Array | None = None) -> jax.Array:
+                        sinks: jax.Array | None = None,
+                        chunk: int | None = None) -> jax.Array:
     """`engines.attention.attention`, computed block by block: q [B, T, N, H], k, v
-    [B, S, K, H], q_pos i32[B, T], k_pos i32[B, S] (-1: empty), sinks None or f32[N];
-    returns [B, T, N, H].
+    [B, S, K, H], q_pos i32[B, T], k_pos i32[B, S] (-1: empty), sinks None or f32[N],
+    chunk None or the local attention's chunk; returns [B, T, N, H].
 
     T and S need not divide by the block sizes: queries are padded (their rows dropped)
     and keys padded with empty entries."""
@@ -115,7 +114,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
     # Padded queries repeat the last position, so they widen no block's span.
     q_pos = jnp.pad(q_pos, [(0, 0), (0, Tp - T)], mode="edge")
     k_pos = _pad_to(k_pos, 1, nk * block_k, -1)
-    lo, hi = _key_block_spans(q_pos, k_pos, block_q, block_k, sliding_window)
+    lo, hi = _key_block_spans(q_pos, k_pos, block_q, block_k, reach(sliding_window, chunk))
     # Laid out once so every tile is a plain batched matmul over (B, K): queries as
     # (nq, B, K, G*bq, H), keys and values as (B, K, S, H).
     qb = _pad_to(q, 1, Tp, 0).reshape(B, nq, block_q, K, G, H)
@@ -128,7 +127,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
     def one(args):
         qi, qpi, lo_i, hi_i = args
         return _query_block(qi, qpi, k, v, k_pos, lo_i, hi_i, block_k, sliding_window,
-                            softcap, sink_rows)
+                            softcap, sink_rows, chunk)
 
     out = jax.lax.map(one, (qb, qpb, lo, hi))  # (nq, B, K, G*bq, H)
     out = out.reshape(nq, B, K, G, block_q, H)

@@ -270,10 +270,12 @@ class DecodeKV(layer_scan.StackedStore):
             v = dequantize_kv(v, v_scale[:, :, :w], dtype)
         return k, v
 
-    def attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None):
-        # The CPU kernel takes neither a soft cap nor attention sinks: those take XLA's.
+    def attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None,
+               chunk=None):
+        # The CPU kernel takes no soft cap, attention sinks nor chunked attention: those
+        # take XLA's.
         if (self.cpu_attention and self.live_pos is not None and not self.k_scale
-                and softcap is None and sinks is None
+                and softcap is None and sinks is None and chunk is None
                 and q.dtype == self.k[layer].dtype == jnp.float32):
             return cpu_kernels.decode_attention(q, self.k[layer], self.v[layer], self.live_pos,
                                                 sliding_window, layer=self.at)
@@ -282,7 +284,7 @@ class DecodeKV(layer_scan.StackedStore):
             def branch(q):
                 k, v = self._read(layer, w, q.dtype)
                 return decode_attention(q, k, v, positions, self.k_pos[:, :w], sliding_window,
-                                        softcap, sinks)
+                                        softcap, sinks, chunk)
             return branch
 
         branches = [within(w) for w in self.sizes]

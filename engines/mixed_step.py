@@ -109,13 +109,16 @@ class RaggedPagedKV(layer_scan.StackedStore):
         return k, v, self.layout.positions[None]
 
     def attend(self, layer, q, positions, sliding_window, softcap=None,
-               sinks=None):  # q [1, T, N, H]
+               sinks=None, chunk=None):  # q [1, T, N, H]
         del positions  # the layout's, with padding at -1
         lay = self.layout
         if self.impl == "pallas_tpu":
             if sinks is not None:  # resolve_attention keeps such models off the kernel
                 raise ValueError("the mixed step's pallas_tpu ragged attention takes no "
                                  "attention sinks (a gpt-oss model); use the 'xla' path")
+            if chunk is not None:  # nor chunked attention (resolve_attention)
+                raise ValueError("the mixed step's pallas_tpu ragged attention takes no "
+                                 "chunked attention (a Llama 4 model); use the 'xla' path")
             kv_lens = jnp.where(lay.q_len > 0, jnp.max(jnp.where(
                 lay.rows[None, :] == jnp.arange(self.table.shape[0])[:, None],
                 lay.positions[None, :] + 1, 0), axis=1), 0)
@@ -126,7 +129,7 @@ class RaggedPagedKV(layer_scan.StackedStore):
         else:
             out = ragged_paged_attention(q[0], self.k[layer], self.v[layer], self.table,
                                          lay.rows, lay.positions, sliding_window, softcap=softcap,
-                                         layer=self.at, sinks=sinks)
+                                         layer=self.at, sinks=sinks, chunk=chunk)
         return out[None]
 
 

@@ -68,27 +68,31 @@ class PagedDecodeState:
 
 def resolve_attention(impl: str, platform: str, sliding_window: int | None,
                       num_devices: int, softcap: float | None = None,
-                      kv_dtype: str = "auto", sinks: bool = False) -> str:
+                      kv_dtype: str = "auto", sinks: bool = False,
+                      chunk: int | None = None) -> str:
     """The attention path a paged engine uses ("auto": the kernel where it runs).
 
     The kernel is called on whole arrays, so it runs on a one-device slice only (a sharded
     pool would need it wrapped per shard); elsewhere the gather path serves. It reads
     pools of the model dtype: an int8 pool takes the gather path. It has no attention
-    sinks (`sinks`: the model has them, gpt-oss), nor has the mixed step's ragged kernel.
+    sinks (`sinks`: the model has them, gpt-oss) nor chunked attention (`chunk`, Llama 4),
+    nor has the mixed step's ragged kernel.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"paged_attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
     kernel_fits = (platform == "tpu" and sliding_window is None and softcap is None
-                   and num_devices == 1 and kv_dtype != "int8" and not sinks)
+                   and num_devices == 1 and kv_dtype != "int8" and not sinks
+                   and chunk is None)
     if impl == "auto":
         return "pallas_tpu" if kernel_fits else "xla"
     if impl == "pallas_tpu" and not kernel_fits:
         raise ValueError(
             f"paged_attention='pallas_tpu' needs a TPU slice of one device and a model "
-            f"without a sliding window, attention soft cap or attention sinks, over a pool "
-            f"that is not int8 (got platform {platform!r}, {num_devices} devices, "
-            f"sliding_window={sliding_window}, softcap={softcap}, sinks={sinks}, "
-            f"kv_dtype={kv_dtype!r}); use 'xla' or 'auto'")
+            f"without a sliding window, attention soft cap, attention sinks or chunked "
+            f"attention, over a pool that is not int8 (got platform {platform!r}, "
+            f"{num_devices} devices, sliding_window={sliding_window}, softcap={softcap}, "
+            f"sinks={sinks}, attention_chunk_size={chunk}, kv_dtype={kv_dtype!r}); "
+            f"use 'xla' or 'auto'")
     return impl
 
 
@@ -177,7 +181,8 @@ class PagedDecodeKV(layer_scan.StackedStore):
         k_pos = jnp.where(j <= last[:, None], j, -1)  # (B, W * ps)
         return k_all, v_all, k_pos
 
-    def _kernel_attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None):
+    def _kernel_attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None,
+                       chunk=None):
         """Attention of this step's queries q [B, 1, N, H], read in place by the kernel
         (after `update(layer)`); the model calls it instead of its own attention."""
         # positions are pos; no window, soft cap nor sinks (resolve_attention)
@@ -185,6 +190,9 @@ class PagedDecodeKV(layer_scan.StackedStore):
         if sinks is not None:
             raise ValueError("paged_attention 'pallas_tpu' takes no attention sinks (a "
                              "gpt-oss model); use 'xla'")
+        if chunk is not None:
+            raise ValueError("paged_attention 'pallas_tpu' takes no chunked attention (a "
+                             "Llama 4 model); use 'xla'")
         # Under a scan the kernel gets the layer's pools sliced out: it takes no layer
         # index (TODO(#21): a pool layout the kernel can read at a layer in place).
         return pallas_decode_attention(q, self.layer_of(self.k, layer),

@@ -30,7 +30,8 @@ are gathered from the stack at that layer (no copy of the layer's pool).
 
 Attention sinks (engines/attention.py) start each token's running max at its head's
 sink logit and its running sum at 1 (the "xla" path); the TPU kernel takes none, so a
-model with sinks never reaches it (engines/paged_kv.py resolve_attention).
+model with sinks never reaches it (engines/paged_kv.py resolve_attention); nor one with
+chunked attention (`chunk`, Llama 4), masked as engines/attention.py's `visible_keys`.
 
 Padding tokens have position -1: they see no key and come out 0. Letters: T tokens,
 R rows, W pages per row, N, K, G = N/K, H as in engines/attention.py, ps page size.
@@ -43,7 +44,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.attention import sink_logits, softcapped
+from engines.attention import reach, sink_logits, softcapped, visible_keys
 from engines.kv_quant import unpack_entries
 
 RAGGED_ATTENTION = ("xla", "pallas_tpu")
@@ -76,7 +77,7 @@ def _key_block_range(pos: jax.Array, keys: int, nk: int,
 
 
 def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_window, softcap,
-                    sinks):
+                    sinks, chunk):
     """Online softmax of tile q [bq, K, G, H] (positions pos i32[bq]) over key blocks
     lo..hi-1; blocks(j) -> block j's (k, v): [K, keys, H] the tile's one row's when
     `shared`, else [K, bq, keys, H] each token's own -> f32 (acc [bq, K, G, H], sums).
@@ -92,9 +93,7 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
         kj, vj = blocks(j)
         s = jnp.einsum(qk, q, kj, preferred_element_type=jnp.float32)
         kp = j * keys + jnp.arange(keys)[None, :]  # (1, keys) key positions
-        visible = (qp >= 0) & (kp <= qp)
-        if sliding_window is not None:
-            visible &= kp > qp - sliding_window
+        visible = (qp >= 0) & visible_keys(qp, kp, sliding_window, chunk)
         s = jnp.where(visible[:, None, None, :], softcapped(s * scale, softcap), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key seen yet: exp -> 0
@@ -114,7 +113,7 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
 
 
 def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, softcap,
-          layer, sinks):
+          layer, sinks, chunk):
     """One tile: q [bq, K, G, H] at positions pos i32[bq] of rows i32[bq]; table
     i32[R, nk * c] -> [bq, K, G, H] in q's dtype. A tile whose live tokens are all of
     one row (most of a chunk's) gathers that row's pages once; a tile of several rows
@@ -124,7 +123,7 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
     keys = c * ps
     live = pos >= 0
     first = rows[jnp.argmax(live)]
-    lo, hi = _key_block_range(pos, keys, nk, sliding_window)
+    lo, hi = _key_block_range(pos, keys, nk, reach(sliding_window, chunk))
 
     def one_row(q):
         pages = table[first]  # (nk * c,)
@@ -135,7 +134,7 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
                          for p in (k_pool, v_pool))
 
         return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window, softcap,
-                               sinks)
+                               sinks, chunk)
 
     def per_token(q):
         pages = jnp.take(table, rows, axis=0)  # (bq, nk * c)
@@ -146,7 +145,7 @@ def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, 
                          for p in (k_pool, v_pool))
 
         return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window, softcap,
-                               sinks)
+                               sinks, chunk)
 
     single = jnp.all(~live | (rows == first))
     return jax.lax.cond(single, one_row, per_token, q).astype(q.dtype)
@@ -157,10 +156,12 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            sliding_window: int | None, *, block_q: int = 16,
                            block_k: int = 256, layer: jax.Array | None = None,
                            softcap: float | None = None,
-                           sinks: jax.Array | None = None) -> jax.Array:
+                           sinks: jax.Array | None = None,
+                           chunk: int | None = None) -> jax.Array:
     """q [T, N, H]; pools [K, P + 1, ps, H]; table i32[R, W] each row's pages in position
     order; rows i32[T] each token's row; positions i32[T] (-1: padding) -> [T, N, H];
-    `layer`: the pools are stacks [L, ...], read at that layer; sinks: None or f32[N].
+    `layer`: the pools are stacks [L, ...], read at that layer; sinks: None or f32[N];
+    chunk: None or the local attention's chunk.
 
     Every key a token may see (positions 0..its own of its row) must already be in the
     pools: a step writes its tokens' keys before attending."""
@@ -183,7 +184,7 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     def one(args):
         qt, pt, rt = args
         return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window, softcap, layer,
-                     sink)
+                     sink, chunk)
 
     out = jax.lax.map(one, (qb, pos, rws))  # (nq, bq, K, G, H)
     return out.reshape(Tp, N, H)[:T]

@@ -9,15 +9,16 @@ from typing import Any
 
 # Families the decoder implements, keyed by HF `model_type`.
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3", "gemma2", "gemma3_text",
-            "olmo2", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss")
+            "olmo2", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "llama4_text")
 QWEN3_FAMILIES = ("qwen3", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 ROPE_KINDS = ("llama3", "linear", "yarn", "longrope")
-# Kinds of attention layer (HF `layer_types`): every key so far, or the last sliding_window.
-FULL, SLIDING = "full_attention", "sliding_attention"
-QK_NORMS = ("none", "head", "projection")
+# Kinds of attention layer (HF `layer_types`): every key so far, the last sliding_window,
+# or those of the query's own chunk of attention_chunk_size positions (Llama 4).
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+QK_NORMS = ("none", "head", "projection", "l2")
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
-MOE_ROUTERS = ("softmax", "sigmoid", "topk_softmax")
+MOE_ROUTERS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 NORM_LAYOUTS = ("pre", "post", "sandwich")
 
 
@@ -85,7 +86,9 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     # The router (engines/moe.py Routing): "softmax", "sigmoid" (a learned bias for the
     # choice, group-limited top-k) or "topk_softmax" (gpt-oss: a biased linear router, the
-    # softmax over the top-k logits); the top-k weights renormalised to sum to one, scaled.
+    # softmax over the top-k logits) or "topk_sigmoid" (Llama 4: the sigmoid of each of the
+    # top-k logits scales that expert's input, not its output); the top-k weights
+    # renormalised to sum to one, scaled.
     moe_router: str = "softmax"
     moe_renormalize: bool = True
     moe_groups: int = 1
@@ -98,7 +101,16 @@ class ModelConfig:
     # sliding when sliding_window is set).
     layer_types: tuple[str, ...] | None = None
     qk_norm: str = "none"  # RMSNorm of q and k before RoPE: per "head" (Qwen3, Gemma 3)
-    # or over the whole "projection" (OLMo 2)
+    # or over the whole "projection" (OLMo 2); or "l2" (Llama 4): per head without a
+    # weight, after RoPE, on the RoPE layers only
+    # Llama 4: layers whose attention has no RoPE (NoPE); on them, with
+    # attn_temperature_tuning, each query is scaled by
+    # 1 + attn_scale * log1p(floor((position + 1) / floor_scale)).
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    attention_chunk_size: int | None = None  # CHUNKED layers' chunk of positions
     # Where the block's norms sit: "pre" (Llama: before attention and MLP), "post" (OLMo 2:
     # on their outputs), "sandwich" (Gemma 2/3: before and after each).
     norm_layout: str = "pre"
@@ -142,13 +154,25 @@ class ModelConfig:
             )
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
-            bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
+            bad = [t for t in self.layer_types if t not in (FULL, SLIDING, CHUNKED)]
             if len(self.layer_types) != self.num_layers or bad:
                 raise ValueError(
-                    f"layer_types must name {self.num_layers} layers, each {FULL!r} or "
-                    f"{SLIDING!r}, got {list(self.layer_types)}")
+                    f"layer_types must name {self.num_layers} layers, each {FULL!r}, "
+                    f"{SLIDING!r} or {CHUNKED!r}, got {list(self.layer_types)}")
             if SLIDING in self.layer_types and not self.sliding_window:
                 raise ValueError("layer_types has sliding layers but sliding_window is not set")
+            if CHUNKED in self.layer_types and not self.attention_chunk_size:
+                raise ValueError("layer_types has chunked layers but attention_chunk_size is "
+                                 "not set")
+        c = self.attention_chunk_size
+        if c is not None and (not isinstance(c, int) or c < 1):
+            raise ValueError(f"attention_chunk_size must be a positive integer, got {c!r}")
+        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers must be layers in [0, {self.num_layers}), got "
+                             f"{list(self.nope_layers)}")
+        if self.attn_temperature_tuning and not self.floor_scale > 0:
+            raise ValueError(f"floor_scale must be > 0, got {self.floor_scale!r}")
         for name, allowed in (("qk_norm", QK_NORMS), ("norm_layout", NORM_LAYOUTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -199,12 +223,21 @@ class ModelConfig:
         """The sliding window of layer `layer` (None: it sees every earlier key)."""
         return self.sliding_window if self.layer_kind(layer) == SLIDING else None
 
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of layer `layer` (None: not chunked)."""
+        return self.attention_chunk_size if self.layer_kind(layer) == CHUNKED else None
+
+    def layer_rope(self, layer: int) -> bool:
+        """Whether layer `layer`'s attention applies RoPE (not a Llama 4 NoPE layer)."""
+        return layer not in self.nope_layers
+
     @property
     def mixed_layers(self) -> bool:
-        """Whether layers differ in attention (window, RoPE) or MLP (dense beside routed
-        experts): they cannot share one scanned layer body (engines/layer_scan.py)."""
+        """Whether layers differ in attention (window, chunk, RoPE) or MLP (dense beside
+        routed experts): they cannot share one scanned layer body (engines/layer_scan.py)."""
         return (len({self.layer_kind(i) for i in range(self.num_layers)}) > 1
-                or bool(self.dense_layers))
+                or bool(self.dense_layers)
+                or 0 < len(set(self.nope_layers)) < self.num_layers)
 
     def moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP routes over the experts."""
@@ -227,7 +260,7 @@ class ModelConfig:
                + (E * (2 * Fe + D) if self.expert_bias else 0))
         mlp = sum(moe if self.moe_layer(i) else 3 * D * F for i in range(L))
         norms = {"pre": 2, "post": 2, "sandwich": 4}[self.norm_layout] * D
-        norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H}[self.qk_norm]
+        norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H, "l2": 0}[self.qk_norm]
         head = 0 if self.tie_word_embeddings else V * D
         return V * D + L * (attn + norms) + mlp + D + head
 
@@ -241,6 +274,7 @@ class ModelConfig:
         if d["layer_types"] is not None:
             d["layer_types"] = list(d["layer_types"])
         d["dense_layers"] = list(d["dense_layers"])
+        d["nope_layers"] = list(d["nope_layers"])
         return d
 
     @classmethod

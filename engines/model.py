@@ -1,5 +1,5 @@
 """One decoder for the Llama, Mistral, Qwen2/3, Gemma 1/2/3, Mixtral, OLMo 2, Phi-3 and
-the MoE families (Qwen3-MoE, GLM-4.5, gpt-oss) (Flax linen).
+the MoE families (Qwen3-MoE, GLM-4.5, gpt-oss, Llama 4) (Flax linen).
 
 The model does math only: it never builds meshes or calls jit. Parameters carry logical
 axis names (`sharding.axes`), which the engine maps to mesh axes. The KV cache is not
@@ -124,17 +124,16 @@ class Attention(nn.Module):
             q = q + bias("q_bias", (N, H), (axes.HEADS, axes.HEAD_DIM))
             k = k + bias("k_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM))
             v = v + bias("v_bias", (K, H), (axes.KV_HEADS, axes.HEAD_DIM))
-        if c.qk_norm != "none":
+        if c.qk_norm in ("head", "projection"):
             q, k = self._qk_norm(q, k, at)
         kind = c.layer_kind(self.layer)  # scanned layers are all of one kind
-        window = c.layer_window(self.layer)
-        _, scale = rope_tables(c, kind)
-        rs = c.rope_scaling
-        switch = rs.original_max_position_embeddings if rs and rs.kind == "longrope" else 0
-        if kind == SLIDING and c.local_rope_theta is not None:
-            switch = 0
-        q = rope(q, positions, inv_freq[kind], switch_at=switch, scale=scale)
-        k = rope(k, positions, inv_freq[kind], switch_at=switch, scale=scale)
+        window, chunk = c.layer_window(self.layer), c.layer_chunk(self.layer)
+        if c.layer_rope(self.layer):
+            q, k = self._rope(q, k, positions, inv_freq, kind)
+        elif c.attn_temperature_tuning:  # Llama 4's NoPE layers: sharper far from 0
+            t = jnp.floor((positions.astype(jnp.float32) + 1.0) / c.floor_scale)
+            temp = jnp.log1p(t) * c.attn_scale + 1.0  # (B, T)
+            q = (q.astype(jnp.float32) * temp[:, :, None, None]).astype(q.dtype)
         if c.query_pre_attn_scalar is not None:  # the attention's 1/sqrt(H) becomes this
             q = q * jnp.asarray(math.sqrt(H / c.query_pre_attn_scalar), q.dtype)
         # Heads stay split over the model axis from projection to o_proj (one all-reduce
@@ -150,10 +149,10 @@ class Attention(nn.Module):
                  if c.attn_sinks else None)  # [N], each head's logit in the softmax's sum
         attend = getattr(kv, "attend", None)
         if attend is not None:
-            out = attend(self.layer, q, positions, window, softcap=cap, sinks=sinks)
+            out = attend(self.layer, q, positions, window, softcap=cap, sinks=sinks, chunk=chunk)
         else:
             out = self.backend.attention(q, k_all, v_all, positions, k_pos, window, softcap=cap,
-                                         sinks=sinks)
+                                         sinks=sinks, chunk=chunk)
         out = constrain(out, _HEADS_ACT, "attention output")
         out = out.reshape(B, T, N * H)
         y = _adapted(lora, "o_proj", out, self.backend.linear(out, wo.reshape(D, N * H)))
@@ -161,6 +160,23 @@ class Attention(nn.Module):
             y = y + _param(self, "o_bias", (D,), (axes.EMBED,), self.dtype,
                            nn.initializers.zeros, at=at)
         return y
+
+    def _rope(self, q, k, positions, inv_freq, kind):
+        """q [B, T, N, H] and k [B, T, K, H] rotated by RoPE for a layer of `kind` (then
+        weightless RMS-normed per head where qk_norm is "l2", Llama 4)."""
+        c = self.cfg
+        _, scale = rope_tables(c, kind)
+        rs = c.rope_scaling
+        switch = rs.original_max_position_embeddings if rs and rs.kind == "longrope" else 0
+        if kind == SLIDING and c.local_rope_theta is not None:
+            switch = 0
+        q = rope(q, positions, inv_freq[kind], switch_at=switch, scale=scale)
+        k = rope(k, positions, inv_freq[kind], switch_at=switch, scale=scale)
+        if c.qk_norm == "l2":
+            one = jnp.ones((c.head_dim,), jnp.float32)
+            q = rms_norm(q, one, c.rms_norm_eps, False)
+            k = rms_norm(k, one, c.rms_norm_eps, False)
+        return q, k
 
     def _qk_norm(self, q, k, at):
         """RMSNorm of q [B, T, N, H] and k [B, T, K, H] before RoPE: each head over its H

@@ -71,6 +71,8 @@ class Routing:
       their weights are their scores.
     "topk_softmax" (gpt-oss): the router is a linear layer with a bias (`router_bias`);
       the k largest logits, their weights the softmax over those k alone.
+    "topk_sigmoid" (Llama 4): the k largest logits, their weights their sigmoids, which
+      scale each chosen expert's input rather than its output (`scales_input`).
     Then `renormalize` makes the k weights sum to one (sigmoid; the softmaxes' already
     do, over the top k), and `scale` multiplies them."""
 
@@ -80,11 +82,20 @@ class Routing:
     topk_groups: int = 1
     scale: float = 1.0
 
+    @property
+    def scales_input(self) -> bool:
+        """Whether a token's weight multiplies its expert's input (the expert's output is
+        then summed unweighted): not the same where the FFN is not linear in its input."""
+        return self.kind == "topk_sigmoid"
+
 
 def route(x: jax.Array, router: jax.Array, k: int, routing: Routing = Routing(),
           router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [M, D], router [D, E] -> (weights f32[M, k], experts i32[M, k]) as `routing`
     says, in f32."""
+    if routing.kind == "topk_sigmoid":
+        top, experts = jax.lax.top_k((x @ router).astype(jnp.float32), k)
+        return jax.nn.sigmoid(top) * routing.scale, experts
     if routing.kind == "topk_softmax":
         logits = (x @ router).astype(jnp.float32)  # (M, E)
         if router_bias is not None:
@@ -230,6 +241,11 @@ def moe(x, router, w1, w3, w2, k: int, glu: Glu, routed: bool,
         B, T, D = x.shape
         x = x.reshape(B * T, D)
         weights, experts = route(x, router, k, routing, bias)
+        if routing.scales_input:  # each (token, expert) a row of its own, weight one
+            rows = (x[:, None, :] * weights[..., None].astype(x.dtype)).reshape(-1, D)
+            ones = jnp.ones((rows.shape[0], 1), jnp.float32)
+            y = experts_fn(rows, ones, experts.reshape(-1, 1), w1, w3, w2, glu, first, eb)
+            return jnp.sum(y.reshape(B * T, k, D), axis=1).reshape(B, T, D)
         return experts_fn(x, weights, experts, w1, w3, w2, glu, first, eb).reshape(B, T, D)
 
     cur = current_layout()

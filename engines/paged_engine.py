@@ -141,7 +141,7 @@ class PagedTransformerEngine(TransformerEngine):
         self.attention_impl = "xla" if spec.enabled else resolve_attention(
             config.paged_attention, devices[0].platform, model_config.sliding_window,
             len(devices), model_config.attn_logit_softcap, config.kv_dtype,
-            model_config.attn_sinks)
+            model_config.attn_sinks, model_config.attention_chunk_size)
         super().__init__(model_config, **kwargs)
 
     # ---- layout ------------------------------------------------------------------------

@@ -5,7 +5,9 @@ tensor fills which parameter and how it is reshaped. Linear kernels keep HF's [o
 order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the MoE
 experts' kernels and the router are transposed to [in, out] (engines.model). A tensor
 published in MXFP4 (`<name>_blocks` and `<name>_scales`, gpt-oss's experts) is read as
-`<name>` decoded to floats (engines/mxfp4.py).
+`<name>` decoded to floats (engines/mxfp4.py). Llama 4 rotates interleaved pairs of each
+head's dims (2i, 2i+1) where the decoder rotates halves (i, i + H/2): its q and k rows are
+reordered per head as they load (evens, then odds), which changes no q.k product.
 """
 
 from __future__ import annotations
@@ -86,6 +88,23 @@ def _even(x, c):  # gpt-oss's gate_up_proj [..., 2F]: gate columns 0, 2, 4, ...
 
 def _odd(x, c):  # ... and up columns 1, 3, 5, ...
     return x[..., 1::2]
+
+
+def _first_half(x, c):  # Llama 4's gate_up_proj [E, D, 2F]: gate columns [0, F)
+    return x[..., :x.shape[-1] // 2]
+
+
+def _second_half(x, c):  # ... and up columns [F, 2F)
+    return x[..., x.shape[-1] // 2:]
+
+
+def _pairs_to_halves(heads: Callable[[np.ndarray, ModelConfig], np.ndarray]) -> Transform:
+    """`heads` ([n*H, D] -> [n, H, D]), then each head's H rows reordered from interleaved
+    RoPE pairs to halves: rows 0, 2, 4, ..., then 1, 3, 5, ..."""
+    def reorder(x, c):
+        h = heads(x, c)
+        return np.concatenate([h[:, 0::2], h[:, 1::2]], axis=1)
+    return reorder
 
 
 def _norm(name: str, ours: str | None = None) -> tuple[str, str, Transform]:
@@ -173,6 +192,26 @@ _GPT_OSS = [
     (_GATE_UP + "_bias", "layers_{i}/moe/b3", _odd),
     ("model.layers.{i}.mlp.experts.down_proj_bias", "layers_{i}/moe/b2", _same),
 ]
+_FF = "model.layers.{i}.feed_forward"
+# Llama 4: q and k in interleaved-pair RoPE order; experts stacked in one tensor each
+# ([E, D, 2F] gate then up; [E, F, D]), a shared expert beside them.
+_LLAMA4_ATTN = _PRE_NORMS + [
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers_{i}/self_attn/q_proj",
+     _pairs_to_halves(_q)),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers_{i}/self_attn/k_proj",
+     _pairs_to_halves(_kv)),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers_{i}/self_attn/v_proj", _kv),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers_{i}/self_attn/o_proj", _o),
+]
+_LLAMA4_DENSE = [(f"{_FF}.{p}.weight", f"layers_{{i}}/mlp/{p}", _same)
+                 for p in ("gate_proj", "up_proj", "down_proj")]
+_LLAMA4_MOE = [
+    (f"{_FF}.router.weight", "layers_{i}/moe/router", _t),
+    (f"{_FF}.experts.gate_up_proj", "layers_{i}/moe/w1", _first_half),
+    (f"{_FF}.experts.gate_up_proj", "layers_{i}/moe/w3", _second_half),
+    (f"{_FF}.experts.down_proj", "layers_{i}/moe/w2", _same),
+] + [(f"{_FF}.shared_expert.{p}.weight", f"layers_{{i}}/shared_experts/{p}", _same)
+     for p in ("gate_proj", "up_proj", "down_proj")]
 _TOP = [
     ("model.embed_tokens.weight", "embed_tokens", _same),
     ("model.norm.weight", "norm", _same),
@@ -195,11 +234,13 @@ FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
     "qwen3_moe": _ATTN + _HEAD_QK_NORMS,
     "glm4_moe": _ATTN,
     "gpt_oss": _ATTN + _GPT_OSS,
+    "llama4_text": _LLAMA4_ATTN,
 }
 # Families whose layers differ in MLP: (the dense layers' tensors, the expert layers').
 LAYER_MLP_WEIGHTS: dict[str, tuple[list, list]] = {
     "qwen3_moe": (_DENSE_MLP, _QWEN3_MOE_MLP),
     "glm4_moe": (_DENSE_MLP, _GLM4_MOE_MLP),
+    "llama4_text": (_LLAMA4_DENSE, _LLAMA4_MOE),
 }
 # Tensors a family's checkpoints carry that the decoder does not run: GLM-4.5's
 # multi-token-prediction layers, stored after the last decoder layer.

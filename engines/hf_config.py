@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from engines.config import (
+    CHUNKED,
     FAMILIES,
     FULL,
     GEMMA_FAMILIES,
@@ -221,8 +222,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     if family == "mixtral":
         common["num_experts"] = int(hf["num_local_experts"])
         common["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
-    if family in ("qwen3_moe", "glm4_moe", "gpt_oss"):
-        own = {"qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe, "gpt_oss": _gpt_oss}[family]
+    if family in ("qwen3_moe", "glm4_moe", "gpt_oss", "llama4_text"):
+        own = {"qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe, "gpt_oss": _gpt_oss,
+               "llama4_text": _llama4_text}[family]
         try:  # the families' own fields
             common.update(own(hf, L))
         except KeyError as e:
@@ -244,6 +246,48 @@ def _gpt_oss(hf: dict[str, Any], L: int) -> dict[str, Any]:
                 swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                 swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
                 attn_sinks=True, qkv_bias=bias, o_bias=bias)
+
+
+def _llama4_text(hf: dict[str, Any], L: int) -> dict[str, Any]:
+    """Llama 4's text decoder: NoPE layers (`no_rope_layers`: 1 = RoPE, 0 = none; else
+    every `no_rope_layer_interval`-th), their queries temperature-tuned
+    (`attn_temperature_tuning`, `floor_scale`, `attn_scale`); weightless q/k norms on the
+    RoPE layers (`use_qk_norm`); chunked attention (`attention_chunk_size`) on the
+    layers `layer_types` names so (by default the RoPE ones); experts (`num_local_experts`
+    of `intermediate_size`) on `moe_layers` (else every `interleave_moe_layer_step`-th),
+    each beside a shared expert, routed top-k by the sigmoid of their logits, which
+    scales their input; the other layers dense, of `intermediate_size_mlp`."""
+    rope_flags = hf.get("no_rope_layers") or [
+        int((i + 1) % int(hf.get("no_rope_layer_interval", 4)) != 0) for i in range(L)]
+    if len(rope_flags) < L or any(f not in (0, 1) for f in rope_flags[:L]):
+        raise ValueError(f"config.json no_rope_layers must give 0 or 1 for each of the {L} "
+                         f"layers, got {rope_flags}")
+    chunk = hf.get("attention_chunk_size")
+    types = hf.get("layer_types") or [
+        CHUNKED if r and chunk is not None else FULL for r in rope_flags[:L]]
+    if any(t not in (FULL, CHUNKED) for t in types):
+        raise ValueError(f"config.json llama4_text layer_types must each be {FULL!r} or "
+                         f"{CHUNKED!r}, got {types}")
+    step = int(hf.get("interleave_moe_layer_step", 1))
+    moe_layers = hf.get("moe_layers")
+    if moe_layers is None:
+        if step < 1:
+            raise ValueError(f"config.json interleave_moe_layer_step must be >= 1, got {step}")
+        moe_layers = range(step - 1, L, step)
+    moe_layers = {int(i) for i in moe_layers}
+    return dict(intermediate_size=int(hf["intermediate_size_mlp"]),
+                moe_intermediate_size=int(hf["intermediate_size"]),
+                num_experts=int(hf["num_local_experts"]),
+                num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                dense_layers=tuple(i for i in range(L) if i not in moe_layers),
+                moe_router="topk_sigmoid", shared_experts=1,
+                qk_norm="l2" if hf.get("use_qk_norm", True) else "none",
+                nope_layers=tuple(i for i in range(L) if not rope_flags[i]),
+                attn_temperature_tuning=bool(hf.get("attn_temperature_tuning", True)),
+                floor_scale=float(hf.get("floor_scale", 8192)),
+                attn_scale=float(hf.get("attn_scale", 0.1)),
+                attention_chunk_size=None if chunk is None else int(chunk),
+                layer_types=None if set(types) == {FULL} else tuple(types))
 
 
 def _quantization(hf: dict[str, Any], family: str) -> None:

@@ -88,6 +88,26 @@ MOE_CONFIGS = {
                                                  "original_max_position_embeddings": 64})),
 }
 
+# Llama 4 text (tests/parity/test_llama4.py): its layers' feed_forward is not the MoE
+# families' mlp, so it has its own table.
+LLAMA4_CONFIGS = {
+    # Llama 4 text: chunked attention (chunks of 8) on the RoPE layers 0 and 2, NoPE
+    # layers 1 and 3 with temperature tuning at a floor_scale the prompts cross; weightless
+    # q/k norms; Llama 3.1 RoPE; experts (4, top-1, the sigmoid scaling their input) and a
+    # shared expert on layers 0, 1 and 3, a wider dense MLP on layer 2.
+    "llama4": ("llama4_text", dict(num_hidden_layers=4, num_local_experts=4,
+                                   num_experts_per_tok=1, intermediate_size=48,
+                                   intermediate_size_mlp=96, head_dim=16, moe_layers=[0, 1, 3],
+                                   no_rope_layers=[1, 0, 1, 0], attention_chunk_size=8,
+                                   attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+                                   use_qk_norm=True, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                                    "rope_theta": 500000.0,
+                                                    "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64})),
+}
+
 
 def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     """Writes a random-weight model of `family` to out_dir (TINY shapes, with `overrides`
@@ -101,6 +121,8 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
         kind, settings = DENSE_CONFIGS[family]
     if family in MOE_CONFIGS:
         kind, settings = MOE_CONFIGS[family]
+    if family in LLAMA4_CONFIGS:
+        kind, settings = LLAMA4_CONFIGS[family]
     cls_cfg, cls_model = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
@@ -115,6 +137,7 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "llama4_text": (tf.Llama4TextConfig, tf.Llama4ForCausalLM),
     }[kind]
     cfg = cls_cfg(**{**TINY, **settings, **overrides})
     torch.manual_seed(seed)

@@ -118,6 +118,47 @@ def test_attention_sinks(window):
                                                           sinks=sinks)), want, atol=1e-5)
 
 
+def _chunked_reference(q, k, v, q_pos, k_pos, window, chunk):
+    """Attention in numpy (float64) where a query sees the keys of its own chunk of
+    `chunk` positions only (causal, within the window)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    qp, kp = np.asarray(q_pos), np.asarray(k_pos)
+    out = np.zeros(q.shape)
+    for b, t, n in np.ndindex(*q.shape[:3]):
+        vis = (kp[b] >= 0) & (kp[b] <= qp[b, t]) & (kp[b] // chunk == qp[b, t] // chunk)
+        if window is not None:
+            vis &= kp[b] > qp[b, t] - window
+        s = k[b, vis, n // (N // K)] @ q[b, t, n] / np.sqrt(H)
+        e = np.exp(s - s.max())
+        out[b, t, n] = e @ v[b, vis, n // (N // K)] / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunked_attention(window):
+    """Llama 4's chunks of 8 positions: the one-shot, blockwise (a chunk of the prompt
+    after a prefix, over several key blocks; blocks before a query's chunk skipped) and
+    decode paths against a float64 reference; the chunks change the result."""
+    q_pos, k_pos = _prefix_chunk(20, 30, 64)
+    q, k, v, qp, kp = _inputs(30, 64, q_pos, k_pos, seed=9)
+    want = _chunked_reference(q, k, v, qp, kp, window, 8)
+    got = attention(q, k, v, qp, kp, window, chunk=8)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(np.asarray(got - attention(q, k, v, qp, kp, window)))) > 1e-2
+    for bq, bk in ((8, 8), (4, 16)):
+        f = jax.jit(functools.partial(blockwise_attention, block_q=bq, block_k=bk, chunk=8),
+                    static_argnums=(5,))
+        np.testing.assert_allclose(np.asarray(f(q, k, v, qp, kp, window)), want, rtol=1e-5,
+                                   atol=1e-5)
+    for t in (slice(29, 30), slice(26, 30)):  # a decode cache's layout, one or more new
+        dec = decode_attention(q[:, t], jnp.transpose(k, (0, 2, 3, 1)),
+                               jnp.transpose(v, (0, 2, 1, 3)), qp[:, t], kp, window, chunk=8)
+        np.testing.assert_allclose(np.asarray(dec), want[:, t], rtol=1e-5, atol=1e-5)
+    tiled = Backend(block_q=8, block_k=8)  # the seam keeps it off the platform kernels
+    np.testing.assert_allclose(np.asarray(tiled.attention(q, k, v, qp, kp, window, chunk=8)),
+                               want, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 9])
 def test_chunk_after_an_existing_prefix(window):
     q_pos, k_pos = _prefix_chunk(45, 37, 128)

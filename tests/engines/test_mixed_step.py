@@ -186,6 +186,24 @@ def test_ragged_attention_with_sinks_matches_plain_attention(window):
     assert not np.asarray(got)[~live].any()
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_ragged_attention_with_chunks_matches_plain_attention(window):
+    """Llama 4's chunked attention (chunks of 4 positions) on the mixed step's path, as
+    the one-shot path has it (and it changes the result); padding still comes out zero."""
+    q, k_pool, v_pool, table, rows, pos = _ragged_case(seed=2)
+    got = ragged_paged_attention(q, k_pool, v_pool, table, rows, pos, window,
+                                 block_q=4, block_k=4, chunk=4)
+    k_all, v_all = (gather_pages(p, table, p.dtype) for p in (k_pool, v_pool))
+    S = k_all.shape[1]
+    live = np.asarray(pos) >= 0
+    args = (q[:, None], k_all[rows], v_all[rows], pos[:, None],
+            jnp.broadcast_to(jnp.arange(S), (16, S)), window)
+    want = attention(*args, chunk=4)[:, 0]
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
+    assert np.max(np.abs(np.asarray(attention(*args)[:, 0] - want))[live]) > 1e-2
+    assert not np.asarray(got)[~live].any()
+
+
 def test_ragged_attention_matches_the_kernel_reference():
     """The contract of jax's ragged paged attention kernel (its own plain-jnp reference,
     over our pools re-laid-out as the kernel reads them) equals the XLA path."""

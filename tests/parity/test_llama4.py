@@ -11,7 +11,7 @@ cross several chunks. Checked:
 - blockwise prefill over tiles of 8 and decode past the CPU decode kernel (which has no
   chunked attention); ragged mixed steps on the paged layout;
 - the experts over 4 devices (ep_tp) give one device's tokens;
-- `jetserve generate --model DIR`;
+- `jetserve generate --model DIR`, and on its `jetserve convert` Orbax copy;
 - the config fields and paths it cannot take refused by name.
 """
 
@@ -30,6 +30,7 @@ from engines.backend import Backend
 from engines.config import CHUNKED, FULL
 from engines.hf_config import from_hf_config
 from engines.paged_kv import resolve_attention
+from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
 from tests.engines.mixed_driver import run_mixed
@@ -125,9 +126,14 @@ def test_experts_over_four_devices(case):
     assert [r.token_ids for r in results] == want
 
 
-def test_cli_generate(case, capsys):
+def test_cli_generate_and_convert_round_trip(case, tmp_path, capsys):
+    """`jetserve generate` on the HF directory and on its `jetserve convert` Orbax copy
+    (whose config keeps the layers' kinds, NoPE layers and experts)."""
     d, _, want = case
-    assert cli_generate(d, _prompts(), STEPS, 16, capsys) == want
+    orbax = str(tmp_path / "orbax")
+    assert cli.main(["convert", "--from-hf", d, "--to", orbax]) == 0
+    for source in (d, orbax):
+        assert cli_generate(source, _prompts(), STEPS, 16, capsys) == want, source
 
 
 def test_unimplemented_paths_and_fields_are_refused(case):

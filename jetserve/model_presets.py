@@ -6,7 +6,7 @@ tokenizer ids are left out.
 
 from __future__ import annotations
 
-from engines.config import FULL, SLIDING, ModelConfig, RopeScaling
+from engines.config import CHUNKED, FULL, SLIDING, ModelConfig, RopeScaling
 
 
 def _gemma3(layers: int, **shape) -> ModelConfig:
@@ -47,6 +47,23 @@ def _gpt_oss(layers: int, experts: int) -> ModelConfig:
                        rope_scaling=RopeScaling(kind="yarn", factor=32.0, truncate=False,
                                                 original_max_position_embeddings=4096),
                        max_position_embeddings=131072)
+
+
+def _llama4(layers: int, experts: int) -> ModelConfig:
+    """A Llama 4 text decoder: every 4th layer NoPE with full attention (queries
+    temperature-tuned), the others RoPE with chunked attention over 8192 positions and
+    weightless q/k norms; every layer top 1 of the experts (the sigmoid scaling its
+    input) beside a shared expert. (RoPE scaling left out: a plan counts shapes.)"""
+    nope = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
+    return ModelConfig(family="llama4_text", vocab_size=202048, hidden_size=5120,
+                       intermediate_size=16384, moe_intermediate_size=8192,
+                       num_layers=layers, num_heads=40, num_kv_heads=8, head_dim=128,
+                       num_experts=experts, num_experts_per_tok=1, moe_router="topk_sigmoid",
+                       shared_experts=1, qk_norm="l2", nope_layers=nope,
+                       attn_temperature_tuning=True, attention_chunk_size=8192,
+                       layer_types=tuple(FULL if i in nope else CHUNKED
+                                         for i in range(layers)),
+                       rms_norm_eps=1e-5, rope_theta=500000.0)
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -107,4 +124,5 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                          dense_layers=(0, 1, 2), qk_norm="head", moe_scale=2.5),
     "gpt-oss-20b": _gpt_oss(24, experts=32),
     "gpt-oss-120b": _gpt_oss(36, experts=128),
+    "llama-4-scout": _llama4(48, experts=16),
 }

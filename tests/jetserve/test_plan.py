@@ -195,6 +195,20 @@ def test_gpt_oss_presets_read_their_published_active_parameters(name, active):
     assert close(ModelSpec.from_config(MODEL_PRESETS[name]).matmul_params / 1e9, active, 0.01)
 
 
+def test_llama_4_scout_preset_has_its_published_sizes():
+    """Llama 4 Scout's card: 109B total with its vision encoder (the text decoder alone
+    is 107.77B, 16 experts of 3 * 5120 * 8192 and a shared one on each of 48 layers), and
+    17B active: the attention, the shared and one routed expert per layer, both
+    embeddings."""
+    cfg = MODEL_PRESETS["llama-4-scout"]
+    assert close(cfg.param_count() / 1e9, 107.77, 0.001)
+    assert 0.98 < cfg.param_count() / 109e9 < 1.0
+    spec = ModelSpec.from_config(cfg)
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert close((spec.matmul_params + embed) / 1e9, 17.0, 0.02)
+    assert spec.expert_params == 48 * 16 * 3 * 5120 * 8192  # the shared ones always read
+
+
 def test_sliding_layers_read_their_window_only():
     """Gemma 3 (40 of 48 layers sliding over 1024 keys): a step at 32k context reads the
     global layers' whole context and the sliding layers' window."""

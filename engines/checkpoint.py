@@ -98,12 +98,18 @@ def _second_half(x, c):  # ... and up columns [F, 2F)
     return x[..., x.shape[-1] // 2:]
 
 
+def rope_pairs_to_halves(x: np.ndarray, head_dim: int) -> np.ndarray:
+    """Rows [n*H, ...] of q or k heads reordered, per head, from interleaved RoPE pairs to
+    halves: rows 0, 2, 4, ..., then 1, 3, 5, ... of each head (Llama 4's kernels, and a
+    LoRA adapter's B of them)."""
+    h = x.reshape(-1, head_dim, *x.shape[1:])
+    return np.concatenate([h[:, 0::2], h[:, 1::2]], axis=1).reshape(x.shape)
+
+
 def _pairs_to_halves(heads: Callable[[np.ndarray, ModelConfig], np.ndarray]) -> Transform:
-    """`heads` ([n*H, D] -> [n, H, D]), then each head's H rows reordered from interleaved
-    RoPE pairs to halves: rows 0, 2, 4, ..., then 1, 3, 5, ..."""
+    """`heads` ([n*H, D] -> [n, H, D]) of rows reordered by `rope_pairs_to_halves`."""
     def reorder(x, c):
-        h = heads(x, c)
-        return np.concatenate([h[:, 0::2], h[:, 1::2]], axis=1)
+        return heads(rope_pairs_to_halves(x, c.head_dim), c)
     return reorder
 
 

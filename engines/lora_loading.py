@@ -20,6 +20,7 @@ import re
 
 import numpy as np
 
+from engines.checkpoint import rope_pairs_to_halves
 from engines.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -122,6 +123,8 @@ def _read_tensors(path: str, cfg: ModelConfig, rank: int):
         if x.shape != want:
             raise ValueError(f"{file}: tensor {name!r} has shape {tuple(x.shape)}, the base "
                              f"model's {module} with r={rank} needs {want}")
+        if which == "B" and module in ("q_proj", "k_proj") and cfg.family == "llama4_text":
+            x = rope_pairs_to_halves(x, cfg.head_dim)  # as the base kernels were read
         store = a if which == "A" else b
         if module not in store:
             store[module] = np.zeros((L, *want), np.float32)

@@ -12,6 +12,7 @@ cross several chunks. Checked:
   chunked attention); ragged mixed steps on the paged layout;
 - the experts over 4 devices (ep_tp) give one device's tokens;
 - `jetserve generate --model DIR`, and on its `jetserve convert` Orbax copy;
+- a PEFT LoRA adapter on the attention (its q and k rows reordered as the kernels are);
 - the config fields and paths it cannot take refused by name.
 """
 
@@ -34,7 +35,7 @@ from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
 from tests.engines.mixed_driver import run_mixed
-from tests.parity.hf_models import cli_generate, written_case
+from tests.parity.hf_models import cli_generate, hf_greedy, written_case
 
 STEPS = 12
 PROMPT_LENGTHS = (40, 7, 23)
@@ -155,3 +156,32 @@ def test_unimplemented_paths_and_fields_are_refused(case):
     cfg = from_hf_config({**bare, "interleave_moe_layer_step": 2})
     assert cfg.nope_layers == (3,) and cfg.dense_layers == (0, 2)
     assert cfg.layer_types == (CHUNKED, CHUNKED, CHUNKED, FULL)
+
+
+def test_lora_adapter_matches_peft_merged(case, tmp_path):
+    """A PEFT adapter on q, k, v and o: its q and k B rows reordered as the base kernels
+    are (RoPE pairs to halves); the tokens are transformers' on the merged model."""
+    from tests.parity.lora_adapters import make_adapter, merged_model
+
+    d, _, _ = case
+    adapter = str(tmp_path / "adapter")
+    make_adapter(d, adapter, 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], False, seed=3)
+    merged = merged_model(d, adapter)
+    want = [hf_greedy(merged, p, STEPS) for p in _prompts()]
+    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                           config=_config(max_prefill_length=64, max_loras=1,
+                                          max_lora_rank=4))
+    engine.load_adapter("a", adapter)
+    params = engine.load_params()
+    got = []
+    for p in _prompts():
+        state = engine.init_decode_state()
+        prefix, first = engine.prefill(params, p, len(p), adapter="a")
+        toks = [first.to_host().token(0)]
+        state = engine.insert(prefix, state, 0)
+        for _ in range(STEPS - 1):
+            state, res = engine.generate(params, state)
+            toks.append(res.to_host().token(0))
+        engine.free_slot(0)
+        got.append(toks)
+    assert got == want

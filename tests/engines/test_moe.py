@@ -217,3 +217,32 @@ def test_topk_softmax_routing_and_biased_experts(M, E, k):
                                              b.gate[part], b.up[part], b.down[part])))
     np.testing.assert_allclose(np.asarray(sum(halves)), np.asarray(dense), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_topk_sigmoid_routing_scales_each_experts_input(k):
+    """Llama 4's router: the top k logits, each weight its sigmoid, multiplying the
+    chosen expert's input (the outputs summed unweighted), in the routed and the dense
+    form alike, against a float64 reference; scaling the outputs instead differs."""
+    M, E, D, F = 24, 4, 16, 24
+    x, _, _ = _tokens_and_routing(M, E, k, D)
+    router = jnp.asarray(np.random.default_rng(6).standard_normal((D, E)), jnp.float32)
+    routing = moe.Routing(kind="topk_sigmoid")
+    weights, experts = moe.route(x, router, k, routing)
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    top = np.argsort(-logits, axis=1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(experts), top)
+    sig = 1 / (1 + np.exp(-np.take_along_axis(logits, top, 1)))
+    np.testing.assert_allclose(np.asarray(weights), sig, rtol=1e-5)
+    w = _weights(E, D, F)
+    w1, w3, w2 = (np.asarray(a, np.float64) for a in w)
+    want = np.zeros((M, D))
+    for m, j in np.ndindex(M, k):
+        e, xin = top[m, j], sig[m, j] * np.asarray(x, np.float64)[m]
+        a = xin @ w1[e]
+        want[m] += (a / (1 + np.exp(-a)) * (xin @ w3[e])) @ w2[e]
+    for routed in (True, False):
+        got = moe.moe(x[None], router, *w, k, silu, routed=routed, routing=routing)[0]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+    out_scaled = moe.dense_experts(x, weights, experts, *w, silu)  # weights on the outputs
+    assert np.max(np.abs(np.asarray(out_scaled) - want)) > 1e-3

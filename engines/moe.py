@@ -73,8 +73,8 @@ class Routing:
       the k largest logits, their weights the softmax over those k alone.
     "topk_sigmoid" (Llama 4): the k largest logits, their weights their sigmoids, which
       scale each chosen expert's input rather than its output (`scales_input`).
-    Then `renormalize` makes the k weights sum to one (sigmoid; the softmaxes' already
-    do, over the top k), and `scale` multiplies them."""
+    Then `renormalize` makes the k weights sum to one ("sigmoid"; the softmaxes' already
+    do, over the top k; "topk_sigmoid" keeps its sigmoids), and `scale` multiplies them."""
 
     kind: str = "softmax"
     renormalize: bool = True

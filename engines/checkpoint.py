@@ -57,6 +57,10 @@ def _o(x, c):  # [D, N*H] -> [D, N, H]
     return x.reshape(c.hidden_size, c.num_heads, c.head_dim)
 
 
+def _heads(x, c):  # [N*h, in] -> [N, h, in]
+    return x.reshape(c.num_heads, -1, x.shape[-1])
+
+
 def _qb(x, c):
     return x.reshape(c.num_heads, c.head_dim)
 
@@ -152,11 +156,8 @@ _BIAS = [
     ("model.layers.{i}.self_attn.k_proj.bias", "layers_{i}/self_attn/k_bias", _kvb),
     ("model.layers.{i}.self_attn.v_proj.bias", "layers_{i}/self_attn/v_bias", _kvb),
 ]
-_DENSE_MLP = [
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers_{i}/mlp/gate_proj", _same),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers_{i}/mlp/up_proj", _same),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers_{i}/mlp/down_proj", _same),
-]
+_DENSE_MLP = [(f"model.layers.{{i}}.mlp.{p}.weight", f"layers_{{i}}/mlp/{p}", _same)
+              for p in ("gate_proj", "up_proj", "down_proj")]
 # Experts are stacked: `{e}` runs over experts and the results stack on a new axis 0.
 _MOE_MLP = [
     ("model.layers.{i}.block_sparse_moe.gate.weight", "layers_{i}/moe/router", _t),
@@ -170,19 +171,12 @@ _QWEN3_MOE_MLP = [
     ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers_{i}/moe/w3", _t),
     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers_{i}/moe/w2", _t),
 ]
-_GLM4_MOE_MLP = [
-    ("model.layers.{i}.mlp.gate.weight", "layers_{i}/moe/router", _t),
+# GLM-4.5 and DeepSeek-V3: Qwen3-MoE's, with the router's score-correction bias and the
+# shared experts.
+_GLM4_MOE_MLP = _QWEN3_MOE_MLP + [
     ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers_{i}/moe/router_bias", _same),
-    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers_{i}/moe/w1", _t),
-    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers_{i}/moe/w3", _t),
-    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers_{i}/moe/w2", _t),
-    ("model.layers.{i}.mlp.shared_experts.gate_proj.weight",
-     "layers_{i}/shared_experts/gate_proj", _same),
-    ("model.layers.{i}.mlp.shared_experts.up_proj.weight",
-     "layers_{i}/shared_experts/up_proj", _same),
-    ("model.layers.{i}.mlp.shared_experts.down_proj.weight",
-     "layers_{i}/shared_experts/down_proj", _same),
-]
+] + [(f"model.layers.{{i}}.mlp.shared_experts.{p}.weight", f"layers_{{i}}/shared_experts/{p}",
+      _same) for p in ("gate_proj", "up_proj", "down_proj")]
 _O_BIAS = [("model.layers.{i}.self_attn.o_proj.bias", "layers_{i}/self_attn/o_bias", _same)]
 _GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"
 # gpt-oss: sinks; a router with a bias; experts stacked in one tensor each ([E, D, 2F],
@@ -218,6 +212,12 @@ _LLAMA4_MOE = [
     (f"{_FF}.experts.down_proj", "layers_{i}/moe/w2", _same),
 ] + [(f"{_FF}.shared_expert.{p}.weight", f"layers_{{i}}/shared_experts/{p}", _same)
      for p in ("gate_proj", "up_proj", "down_proj")]
+# DeepSeek-V3's latent attention (engines.model.MlaAttention): per-head kernels split.
+_MLA = {p: (f"model.layers.{{i}}.self_attn.{p}.weight", f"layers_{{i}}/self_attn/{p}", t)
+        for p, t in (("q_proj", _heads), ("q_a_proj", _same), ("q_a_layernorm", _same),
+                     ("q_b_proj", _heads), ("kv_a_proj_with_mqa", _same),
+                     ("kv_a_layernorm", _same), ("kv_b_proj", _heads),
+                     ("o_proj", lambda x, c: x.reshape(x.shape[0], c.num_heads, -1)))}
 _TOP = [
     ("model.embed_tokens.weight", "embed_tokens", _same),
     ("model.norm.weight", "norm", _same),
@@ -241,16 +241,18 @@ FAMILY_WEIGHTS: dict[str, list[tuple[str, str, Transform]]] = {
     "glm4_moe": _ATTN,
     "gpt_oss": _ATTN + _GPT_OSS,
     "llama4_text": _LLAMA4_ATTN,
+    "deepseek_v3": _PRE_NORMS,
 }
 # Families whose layers differ in MLP: (the dense layers' tensors, the expert layers').
 LAYER_MLP_WEIGHTS: dict[str, tuple[list, list]] = {
     "qwen3_moe": (_DENSE_MLP, _QWEN3_MOE_MLP),
     "glm4_moe": (_DENSE_MLP, _GLM4_MOE_MLP),
+    "deepseek_v3": (_DENSE_MLP, _GLM4_MOE_MLP),
     "llama4_text": (_LLAMA4_DENSE, _LLAMA4_MOE),
 }
-# Tensors a family's checkpoints carry that the decoder does not run: GLM-4.5's
-# multi-token-prediction layers, stored after the last decoder layer.
-_UNUSED_LAYERS = ("glm4_moe",)
+# Tensors a family's checkpoints carry that the decoder does not run: GLM-4.5's and
+# DeepSeek-V3's multi-token-prediction layers, stored after the last decoder layer.
+_UNUSED_LAYERS = ("glm4_moe", "deepseek_v3")
 
 
 def layer_weights(cfg: ModelConfig, layer: int) -> list[tuple[str, str, Transform]]:
@@ -261,6 +263,10 @@ def layer_weights(cfg: ModelConfig, layer: int) -> list[tuple[str, str, Transfor
                 + (_HEAD_QK_NORMS if cfg.qk_norm == "head" else []))
     if cfg.family == "gpt_oss":
         rows = rows + (_BIAS if cfg.qkv_bias else []) + (_O_BIAS if cfg.o_bias else [])
+    if cfg.mla:
+        q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if cfg.q_lora_rank else ("q_proj",)
+        rows = rows + [_MLA[p] for p in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm",
+                                         "kv_b_proj", "o_proj")]
     if cfg.family in LAYER_MLP_WEIGHTS:
         dense, experts = LAYER_MLP_WEIGHTS[cfg.family]
         rows = rows + (experts if cfg.moe_layer(layer) else dense)

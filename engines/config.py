@@ -9,7 +9,8 @@ from typing import Any
 
 # Families the decoder implements, keyed by HF `model_type`.
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3", "gemma2", "gemma3_text",
-            "olmo2", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "llama4_text")
+            "olmo2", "phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "llama4_text",
+            "deepseek_v3")
 QWEN3_FAMILIES = ("qwen3", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 ROPE_KINDS = ("llama3", "linear", "yarn", "longrope")
@@ -97,6 +98,21 @@ class ModelConfig:
     shared_experts: int = 0  # an always-on MLP of shared_experts * expert_size beside them
     expert_bias: bool = False  # biases on each expert's projections (gpt-oss)
     max_position_embeddings: int = 4096
+    # Multi-head latent attention (DeepSeek-V3; engines/model.py MlaAttention), on where
+    # kv_lora_rank > 0: queries from x (q_proj) or through a rank-q_lora_rank bottleneck
+    # (q_a_proj, q_a_layernorm, q_b_proj), qk_nope_head_dim + qk_rope_head_dim dims each;
+    # keys and values from one shared latent of kv_lora_rank (kv_a_layernorm) and one
+    # shared RoPE'd key of qk_rope_head_dim (kv_a_proj_with_mqa), expanded per head by
+    # kv_b_proj (qk_nope_head_dim of key, v_head_dim of value). The caches and attention
+    # paths see it in its absorbed form: one kv head (num_kv_heads 1) of head_dim
+    # kv_lora_rank + qk_rope_head_dim, its keys [latent | RoPE'd key], values the same
+    # (only the latent part is read). rope_interleave: RoPE on pairs (2i, 2i+1).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     # Per layer: FULL or SLIDING (sliding_window keys); None: every layer alike (all
     # sliding when sliding_window is set).
     layer_types: tuple[str, ...] | None = None
@@ -200,9 +216,34 @@ class ModelConfig:
             raise ValueError(f"moe_groups {self.moe_groups} must divide the {self.num_experts} "
                              f"experts and moe_topk_groups {self.moe_topk_groups} be in "
                              f"[1, moe_groups]")
+        if self.mla:
+            self._check_mla()
         if self.moe_intermediate_size < 0:
             raise ValueError(f"moe_intermediate_size must be >= 0, got "
                              f"{self.moe_intermediate_size}")
+
+    def _check_mla(self):
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer with kv_lora_rank, "
+                                 f"got {v!r}")
+        if self.qk_rope_head_dim % 2 or self.q_lora_rank < 0:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and "
+                             f"q_lora_rank ({self.q_lora_rank}) >= 0")
+        want = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.num_kv_heads != 1 or self.head_dim != want:
+            raise ValueError(f"multi-head latent attention is one kv head of kv_lora_rank + "
+                             f"qk_rope_head_dim = {want} dims: num_kv_heads must be 1 and "
+                             f"head_dim {want}, got {self.num_kv_heads} and {self.head_dim}")
+        if self.qk_norm != "none" or self.qkv_bias or self.o_bias or self.attn_sinks:
+            raise ValueError("multi-head latent attention takes no qk_norm, qkv_bias, "
+                             "o_bias or attn_sinks")
+
+    @property
+    def mla(self) -> bool:
+        """Whether the attention is multi-head latent attention (kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
 
     @property
     def num_groups(self) -> int:  # G = N / K
@@ -210,7 +251,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dims of each head that RoPE rotates (all but with partial rotary)."""
+        """The leading dims of each head that RoPE rotates (all but with partial rotary;
+        MLA: its qk_rope_head_dim)."""
+        if self.mla:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_kind(self, layer: int) -> str:
@@ -254,6 +298,8 @@ class ModelConfig:
                                self.vocab_size)
         E, Fe = self.num_experts, self.expert_size
         attn = D * N * H + 2 * D * K * H + N * H * D
+        if self.mla:
+            attn = self._mla_params()
         attn += (N * H + 2 * K * H) * self.qkv_bias + D * self.o_bias + N * self.attn_sinks
         moe = (3 * D * Fe * (E + self.shared_experts) + D * E
                + (E if self.moe_router in ("sigmoid", "topk_softmax") else 0)
@@ -263,6 +309,14 @@ class ModelConfig:
         norms += {"none": 0, "head": 2 * H, "projection": (N + K) * H, "l2": 0}[self.qk_norm]
         head = 0 if self.tie_word_embeddings else V * D
         return V * D + L * (attn + norms) + mlp + D + head
+
+    def _mla_params(self) -> int:
+        D, N, Rq, Rkv = self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank
+        Hq = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = D * Rq + Rq + Rq * N * Hq if Rq else D * N * Hq
+        kv = D * (Rkv + self.qk_rope_head_dim) + Rkv + Rkv * N * (self.qk_nope_head_dim
+                                                                  + self.v_head_dim)
+        return q + kv + N * self.v_head_dim * D
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value

@@ -222,9 +222,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     if family == "mixtral":
         common["num_experts"] = int(hf["num_local_experts"])
         common["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
-    if family in ("qwen3_moe", "glm4_moe", "gpt_oss", "llama4_text"):
+    if family in ("qwen3_moe", "glm4_moe", "gpt_oss", "llama4_text", "deepseek_v3"):
         own = {"qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe, "gpt_oss": _gpt_oss,
-               "llama4_text": _llama4_text}[family]
+               "llama4_text": _llama4_text, "deepseek_v3": _deepseek_v3}[family]
         try:  # the families' own fields
             common.update(own(hf, L))
         except KeyError as e:
@@ -319,6 +319,29 @@ def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
     if hf.get("use_qk_norm"):
         out["qk_norm"] = "head"
     out["qkv_bias"] = bool(hf.get("attention_bias", False))
+    return out
+
+
+def _deepseek_v3(hf: dict[str, Any], L: int) -> dict[str, Any]:
+    """DeepSeek-V3: multi-head latent attention (`q_lora_rank`, null for a plain q_proj;
+    `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`,
+    `rope_interleave`), its scores scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    times YaRN's mscale(factor, `mscale_all_dim`) squared where the RoPE is scaled; and
+    GLM-4.5's MoE (`_glm4_moe`: sigmoid router, groups, shared experts, dense first
+    layers)."""
+    Rkv, P = int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"])
+    Hn = int(hf["qk_nope_head_dim"])
+    rope = _rope_of(hf, "deepseek_v3")[0]
+    mscale = 1.0
+    if (rope.get("rope_type", rope.get("type")) or "default") != "default" and rope.get(
+            "mscale_all_dim"):
+        mscale = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+    out = _glm4_moe(hf, L)
+    out.update(q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=Rkv,
+               qk_nope_head_dim=Hn, qk_rope_head_dim=P, v_head_dim=int(hf["v_head_dim"]),
+               rope_interleave=bool(hf.get("rope_interleave", True)),
+               num_kv_heads=1, head_dim=Rkv + P, partial_rotary_factor=1.0,
+               query_pre_attn_scalar=(Hn + P) / mscale ** 4)
     return out
 
 

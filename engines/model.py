@@ -196,6 +196,69 @@ class Attention(nn.Module):
                 rms_norm(k, wk, c.rms_norm_eps, c.norm_plus_one, axes=(-2, -1)))
 
 
+class MlaAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V3), run in its absorbed form: each head's
+    query meets the shared latent through kv_b_proj's key rows (W_UK folded into the
+    query), the heads attend as N queries over one kv head [latent | RoPE'd key] of
+    C = kv_lora_rank + qk_rope_head_dim dims (what the caches hold per token: cfg.head_dim,
+    one kv head), and each head's output over the latents goes through kv_b_proj's value
+    rows (W_UV) before o_proj. Letters: R kv_lora_rank, Q q_lora_rank, P rope dims,
+    A qk_nope_head_dim, E v_head_dim, C = R + P."""
+
+    cfg: ModelConfig
+    dtype: Any
+    layer: int
+    backend: Backend
+
+    @nn.compact
+    def __call__(self, x, positions, inv_freq, kv: KVStore, lora=None, at=None):
+        c = self.cfg
+        if lora is not None:
+            raise ValueError("LoRA adapters are not implemented for multi-head latent "
+                             "attention (deepseek_v3)")
+        D, N, R, P = c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        A, E, Q = c.qk_nope_head_dim, c.v_head_dim, c.q_lora_rank
+        kernel = functools.partial(_kernel, self, dtype=self.dtype, at=at)
+        norm = functools.partial(_param, self, names=(None,), dtype=self.dtype,
+                                 init=nn.initializers.ones, at=at)
+        if Q:
+            wqa = kernel("q_a_proj", (Q, D), (None, axes.EMBED))
+            wqb = kernel("q_b_proj", (N, A + P, Q), (axes.HEADS, axes.HEAD_DIM, None))
+            xq = rms_norm(jnp.einsum("btd,qd->btq", x, wqa), norm("q_a_layernorm", (Q,)),
+                          1e-6, False)
+            q = jnp.einsum("btq,nhq->btnh", xq, wqb)  # (B, T, N, A + P)
+        else:
+            wq = kernel("q_proj", (N, A + P, D), (axes.HEADS, axes.HEAD_DIM, axes.EMBED))
+            q = jnp.einsum("btd,nhd->btnh", x, wq)
+        wkva = kernel("kv_a_proj_with_mqa", (R + P, D), (None, axes.EMBED))
+        wkvb = kernel("kv_b_proj", (N, A + E, R), (axes.HEADS, axes.HEAD_DIM, None))
+        wo = kernel("o_proj", (D, N, E), (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
+        ckv = jnp.einsum("btd,cd->btc", x, wkva)  # (B, T, C)
+        latent = rms_norm(ckv[..., :R], norm("kv_a_layernorm", (R,)), 1e-6, False)
+        q_rot, k_rot = q[..., A:], ckv[:, :, None, R:]  # (B, T, N, P), (B, T, 1, P)
+        if c.rope_interleave:  # pairs (2i, 2i+1) -> halves (i, i + P/2): same q.k
+            half = jnp.asarray(list(range(0, P, 2)) + list(range(1, P, 2)))
+            q_rot, k_rot = q_rot[..., half], k_rot[..., half]
+        kind = c.layer_kind(self.layer)
+        _, scale = rope_tables(c, kind)
+        q_rot = rope(q_rot, positions, inv_freq[kind], scale=scale)
+        k_rot = rope(k_rot, positions, inv_freq[kind], scale=scale)
+        q_lat = jnp.einsum("btna,nar->btnr", q[..., :A], wkvb[:, :A])  # W_UK absorbed
+        # The paths divide scores by sqrt(C); the family's scale is 1/sqrt(this scalar).
+        q = jnp.concatenate([q_lat, q_rot], axis=-1)
+        q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
+        k = jnp.concatenate([latent[:, :, None, :], k_rot], axis=-1)  # (B, T, 1, C)
+        q = constrain(q, _HEADS_ACT, "attention q")
+        k_all, v_all, k_pos = kv.update(self.layer, k, k)
+        attend = getattr(kv, "attend", None)
+        if attend is not None:
+            out = attend(self.layer, q, positions, None)
+        else:
+            out = self.backend.attention(q, k_all, v_all, positions, k_pos, None)
+        out = jnp.einsum("btnr,ner->btne", out[..., :R], wkvb[:, A:])  # W_UV: (B, T, N, E)
+        return jnp.einsum("btne,dne->btd", out, wo)
+
+
 def glu(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
     """The gated MLP's hidden from its gate and up projections, by cfg.activation."""
     if cfg.activation == "clamped_swiglu":  # gpt-oss
@@ -297,7 +360,7 @@ class Block(nn.Module):
                 return y
             return Mlp(c, self.dtype, self.backend, name="mlp")(h, lora, at)
 
-        attn = Attention(c, self.dtype, self.layer, self.backend, name="self_attn")
+        attn = (MlaAttention if c.mla else Attention)(c, self.dtype, self.layer, self.backend, name="self_attn")
         # HF's names: "post_attention_layernorm" is the MLP's input norm in the "pre"
         # layout (Llama) and the attention output's norm in the others.
         if c.norm_layout == "pre":

@@ -108,6 +108,25 @@ LLAMA4_CONFIGS = {
                                                     "original_max_position_embeddings": 64})),
 }
 
+# DeepSeek-V3 (tests/parity/test_deepseek_v3.py): multi-head latent attention at odd ranks
+# (a q bottleneck of 23, a kv latent of 19), key heads of 12 + 8 RoPE dims and values of
+# 10; two dense layers, then experts (8, top 2 of the best 1 of 2 groups, scaled, a
+# shared expert). With the q bottleneck: interleaved-pair RoPE, YaRN with mscale and
+# mscale_all_dim (the scores' scale); without: plain RoPE on halves.
+_MLA = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=19, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+            first_k_dense_replace=2, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, moe_intermediate_size=24,
+            routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)
+DEEPSEEK_CONFIGS = {
+    "deepseek_v3": ("deepseek_v3", dict(
+        _MLA, q_lora_rank=23, rope_interleave=True, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0})),
+    "deepseek_v3_q_proj": ("deepseek_v3", dict(_MLA, q_lora_rank=None, rope_interleave=False)),
+}
+
 
 def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
     """Writes a random-weight model of `family` to out_dir (TINY shapes, with `overrides`
@@ -123,6 +142,8 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
         kind, settings = MOE_CONFIGS[family]
     if family in LLAMA4_CONFIGS:
         kind, settings = LLAMA4_CONFIGS[family]
+    if family in DEEPSEEK_CONFIGS:
+        kind, settings = DEEPSEEK_CONFIGS[family]
     cls_cfg, cls_model = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
@@ -138,6 +159,7 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0, **overrides):
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "llama4_text": (tf.Llama4TextConfig, tf.Llama4ForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }[kind]
     cfg = cls_cfg(**{**TINY, **settings, **overrides})
     torch.manual_seed(seed)

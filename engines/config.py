@@ -299,7 +299,7 @@ class ModelConfig:
         E, Fe = self.num_experts, self.expert_size
         attn = D * N * H + 2 * D * K * H + N * H * D
         if self.mla:
-            attn = self._mla_params()
+            attn = self.mla_params()
         attn += (N * H + 2 * K * H) * self.qkv_bias + D * self.o_bias + N * self.attn_sinks
         moe = (3 * D * Fe * (E + self.shared_experts) + D * E
                + (E if self.moe_router in ("sigmoid", "topk_softmax") else 0)
@@ -310,7 +310,8 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else V * D
         return V * D + L * (attn + norms) + mlp + D + head
 
-    def _mla_params(self) -> int:
+    def mla_params(self) -> int:
+        """The parameters of one layer's latent attention (its projections and norms)."""
         D, N, Rq, Rkv = self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank
         Hq = self.qk_nope_head_dim + self.qk_rope_head_dim
         q = D * Rq + Rq + Rq * N * Hq if Rq else D * N * Hq

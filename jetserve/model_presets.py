@@ -66,6 +66,23 @@ def _llama4(layers: int, experts: int) -> ModelConfig:
                        rms_norm_eps=1e-5, rope_theta=500000.0)
 
 
+def _deepseek_v3(*, experts: int, heads: int, dense: int, groups: int, topk_groups: int,
+                 vocab: int) -> ModelConfig:
+    """A DeepSeek-V3 shape: 61 layers of multi-head latent attention (a q bottleneck of
+    1536, a kv latent of 512 beside 64 RoPE dims: one kv head of 576 per token, absorbed),
+    the first `dense` layers dense, the others top 8 of the routed experts by a sigmoid
+    router within the best `topk_groups` of `groups` groups, one shared expert. (YaRN
+    left out: a plan counts shapes.)"""
+    return ModelConfig(family="deepseek_v3", vocab_size=vocab, hidden_size=7168,
+                       intermediate_size=18432, moe_intermediate_size=2048, num_layers=61,
+                       num_heads=heads, num_kv_heads=1, head_dim=512 + 64, q_lora_rank=1536,
+                       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                       v_head_dim=128, rope_interleave=True, query_pre_attn_scalar=192,
+                       num_experts=experts, num_experts_per_tok=8, moe_router="sigmoid",
+                       moe_groups=groups, moe_topk_groups=topk_groups, moe_scale=2.5,
+                       shared_experts=1, dense_layers=tuple(range(dense)))
+
+
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                              num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128),
@@ -125,4 +142,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "gpt-oss-20b": _gpt_oss(24, experts=32),
     "gpt-oss-120b": _gpt_oss(36, experts=128),
     "llama-4-scout": _llama4(48, experts=16),
+    "deepseek-v3": _deepseek_v3(experts=256, heads=128, dense=3, groups=8, topk_groups=4,
+                                vocab=129280),
+    "kimi-k2": _deepseek_v3(experts=384, heads=64, dense=1, groups=1, topk_groups=1,
+                            vocab=163840),
 }

@@ -94,7 +94,7 @@ class ModelSpec:
         D, F, L, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
         E, k, Fe = cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_size
-        attn = 2 * D * N * H + 2 * D * K * H
+        attn = cfg.mla_params() if cfg.mla else 2 * D * N * H + 2 * D * K * H
         routed = sum(cfg.moe_layer(i) for i in range(L))  # the others' MLP is dense
         shared = 3 * D * Fe * cfg.shared_experts  # always on, beside the routed ones
         mlp_active = (L - routed) * 3 * D * F + routed * (3 * D * Fe * k + D * E + shared)
@@ -111,7 +111,8 @@ class ModelSpec:
             sliding_window=cfg.sliding_window,
             sliding_layers=sum(cfg.layer_window(i) is not None for i in range(L)) / L,
             num_kv_heads=K,
-            kv_proj_params=float(L * 2 * K * H * (D + int(cfg.qkv_bias))),
+            kv_proj_params=float(L * D * H if cfg.mla  # MLA: kv_a_proj_with_mqa
+                                 else L * 2 * K * H * (D + int(cfg.qkv_bias))),
         )
 
     def kv_head_copies(self, chips: int) -> int:

@@ -220,3 +220,20 @@ def test_sliding_layers_read_their_window_only():
     read_share = (8 / 48 * 32768 + 40 / 48 * 1024) / 32768
     kv_ms = 32768 * spec.kv_values_per_token * 2 / V5E.hbm_bandwidth * 1e3  # every layer
     assert close(full.step_ms_memory - one.step_ms_memory, (1 - read_share) * kv_ms)
+
+
+@pytest.mark.parametrize("name,total,active", [("deepseek-v3", 671.0, 37.0),
+                                               ("kimi-k2", 1026.4, 32.0)])
+def test_deepseek_v3_presets_have_their_published_sizes(name, total, active):
+    """DeepSeek-V3's card: 671B in the decoder (685B with its next-token-prediction
+    module, which the decoder does not run), 37B active; Kimi K2's: 1T total (1.026T),
+    32B active (both embeddings counted, as the cards do). The KV cache per token is the
+    latent attention's one kv head of 512 + 64 per layer (keys, and values of the same
+    shape), not 128 heads of keys and values."""
+    cfg = MODEL_PRESETS[name]
+    assert close(cfg.param_count() / 1e9, total, 0.001)
+    spec = ModelSpec.from_config(cfg)
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert close((spec.matmul_params + embed) / 1e9, active, 0.03)
+    assert spec.kv_values_per_token == 2 * 61 * (512 + 64)
+    assert cfg.kv_bytes_per_token(2) == 2 * 61 * (512 + 64) * 2

@@ -8,13 +8,15 @@ several 16-token prefill chunks. Checked:
 - greedy tokens equal transformers' `generate` and log-probs within 1e-4 of its forward,
   on the contiguous and the paged KV layouts (the latent attention in its absorbed form:
   one kv head of kv_lora_rank + qk_rope_head_dim per token, not per-head keys and values);
-- blockwise prefill over tiles of 8;
+- blockwise prefill over tiles of 8; ragged mixed steps on the paged layout;
+- the experts over 4 devices (ep_tp) give one device's tokens;
 - `jetserve generate --model DIR`;
 - the config fields and paths it cannot take refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -27,6 +29,8 @@ from engines import EngineConfig, create_engine, load_hf_config
 from engines.backend import Backend
 from engines.hf_config import from_hf_config
 from jetserve.offline import generate_many
+from sharding import load_preset
+from tests.engines.mixed_driver import run_mixed
 from tests.parity.hf_models import cli_generate, written_case
 
 STEPS = 12
@@ -58,8 +62,9 @@ def _logprobs_close(model, prompts, results):
         np.testing.assert_allclose(r.logprobs, ref, rtol=1e-4, atol=1e-4)
 
 
-def _generate(d, **kw):
-    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1], **kw)
+def _generate(d, devices=None, **kw):
+    engine = create_engine(load_hf_config(d), weights=d, devices=devices or jax.devices()[:1],
+                           **kw)
     return generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
                          ignore_eos=True)
 
@@ -108,6 +113,26 @@ def test_blockwise_prefill(case):
     _logprobs_close(model, _prompts(), results)
 
 
+def test_mixed_steps_keep_the_tokens(case):
+    """Ragged mixed steps on the paged layout: prompt chunks of 5 beside decode rows."""
+    _, d, _, want = case
+    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                           config=_config(kv_layout="paged", page_size=4))
+    run = run_mixed(engine, engine.load_params(), _prompts(), max_tokens=STEPS, chunk=5,
+                    budget=7, widest=True)
+    assert run.mixed_steps >= 3
+    assert run.outputs == want
+
+
+def test_experts_over_four_devices(case):
+    """ep_tp on 4 devices: 2 of the 8 experts each, the heads split as tp does, the one
+    latent kv head on every device; the tokens are transformers'."""
+    _, d, _, want = case
+    results = _generate(d, config=_config(), devices=jax.devices()[:4],
+                        sharding=load_preset("ep_tp"))
+    assert [r.token_ids for r in results] == want
+
+
 def test_cli_generate(case, capsys):
     _, d, _, want = case
     assert cli_generate(d, _prompts(), STEPS, 16, capsys) == want
@@ -123,3 +148,5 @@ def test_unimplemented_fields_are_refused(case):
         from_hf_config({k: v for k, v in hf.items() if k != "kv_lora_rank"})
     with pytest.raises(ValueError, match="quantization_config"):
         from_hf_config({**hf, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="num_kv_heads must be 1"):
+        dataclasses.replace(load_hf_config(d), num_kv_heads=2)

@@ -150,3 +150,6 @@ def test_unimplemented_fields_are_refused(case):
         from_hf_config({**hf, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ValueError, match="num_kv_heads must be 1"):
         dataclasses.replace(load_hf_config(d), num_kv_heads=2)
+    with pytest.raises(ValueError, match="weight_quant 'int8'"):
+        create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                      config=_config(quantize="int8"))

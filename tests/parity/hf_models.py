@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             bos_token_id=1, eos_token_id=2)
@@ -228,3 +230,49 @@ def hf_greedy(model, prompt, steps: int, logit_bias: dict[int, float] | None = N
         out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
                              **extra)
     return out[0, len(prompt):].tolist()
+
+
+# The MoE-shaped family files' shared setting (test_moe_families, test_gpt_oss,
+# test_llama4, test_deepseek_v3): three prompts, the longest in three 16-token chunks.
+PROMPT_LENGTHS = (40, 7, 23)
+
+
+def parity_config(**kw):
+    """4 slots of 64 positions, prefill chunks of 16; `kw` overrides."""
+    from engines import EngineConfig
+
+    return EngineConfig(**{**dict(max_concurrent_decodes=4, max_prefill_length=16,
+                                  max_seq_len=64), **kw})
+
+
+def parity_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+def assert_logprobs_close(model, prompts, results, tol: float = 1e-4) -> None:
+    """Each result's log-probs (of its tokens) within `tol` of the torch model's forward
+    over the prompt and those tokens."""
+    import torch
+
+    for p, r in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
+        ref = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
+        np.testing.assert_allclose(r.logprobs, ref, rtol=tol, atol=tol)
+
+
+def assert_mixed_steps_keep_the_tokens(d: str, want, steps: int) -> None:
+    """Ragged mixed steps on the paged layout (prompt chunks of 5 beside decode rows, 4-token
+    pages, one device) give `want`, the tokens of `parity_prompts`."""
+    import jax
+
+    from engines import create_engine, load_hf_config
+    from tests.engines.mixed_driver import run_mixed
+
+    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                           config=parity_config(kv_layout="paged", page_size=4))
+    run = run_mixed(engine, engine.load_params(), parity_prompts(), max_tokens=steps,
+                    chunk=5, budget=7, widest=True)
+    assert run.mixed_steps >= 3
+    assert run.outputs == want

@@ -23,49 +23,35 @@ import os
 import jax
 import numpy as np
 import pytest
-import torch
 
-from engines import EngineConfig, create_engine, load_hf_config
+from engines import create_engine, load_hf_config
 from engines.backend import Backend
 from engines.hf_config import from_hf_config
 from jetserve.offline import generate_many
 from sharding import load_preset
-from tests.engines.mixed_driver import run_mixed
-from tests.parity.hf_models import cli_generate, written_case
+from tests.parity.hf_models import (
+    assert_logprobs_close,
+    assert_mixed_steps_keep_the_tokens,
+    cli_generate,
+    parity_config,
+    parity_prompts,
+    written_case,
+)
 
 STEPS = 12
-PROMPT_LENGTHS = (40, 7, 23)
 VARIANTS = ("deepseek_v3", "deepseek_v3_q_proj")
-
-
-def _config(**kw) -> EngineConfig:
-    return EngineConfig(**{**dict(max_concurrent_decodes=4, max_prefill_length=16,
-                                  max_seq_len=64), **kw})
-
-
-def _prompts():
-    rng = np.random.default_rng(5)
-    return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def case(request, tmp_path_factory):
     """(variant, model dir, torch model, transformers' greedy tokens of each prompt)."""
-    return written_case(request.param, tmp_path_factory, _prompts(), STEPS)
-
-
-def _logprobs_close(model, prompts, results):
-    for p, r in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
-        ref = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
-        np.testing.assert_allclose(r.logprobs, ref, rtol=1e-4, atol=1e-4)
+    return written_case(request.param, tmp_path_factory, parity_prompts(), STEPS)
 
 
 def _generate(d, devices=None, **kw):
     engine = create_engine(load_hf_config(d), weights=d, devices=devices or jax.devices()[:1],
                            **kw)
-    return generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+    return generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
                          ignore_eos=True)
 
 
@@ -100,42 +86,37 @@ def test_kv_bytes_per_token_are_the_latent_heads(case):
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_tokens_and_logprobs(case, layout):
     _, d, model, want = case
-    results = _generate(d, config=_config(kv_layout=layout))
+    results = _generate(d, config=parity_config(kv_layout=layout))
     assert [r.token_ids for r in results] == want
-    _logprobs_close(model, _prompts(), results)
+    assert_logprobs_close(model, parity_prompts(), results)
 
 
 def test_blockwise_prefill(case):
     """Tiles of 8 make every 16-token chunk's prefill run the blockwise path."""
     _, d, model, want = case
-    results = _generate(d, config=_config(), backend=Backend(block_q=8, block_k=8))
+    results = _generate(d, config=parity_config(), backend=Backend(block_q=8, block_k=8))
     assert [r.token_ids for r in results] == want
-    _logprobs_close(model, _prompts(), results)
+    assert_logprobs_close(model, parity_prompts(), results)
 
 
 def test_mixed_steps_keep_the_tokens(case):
     """Ragged mixed steps on the paged layout: prompt chunks of 5 beside decode rows."""
     _, d, _, want = case
-    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                           config=_config(kv_layout="paged", page_size=4))
-    run = run_mixed(engine, engine.load_params(), _prompts(), max_tokens=STEPS, chunk=5,
-                    budget=7, widest=True)
-    assert run.mixed_steps >= 3
-    assert run.outputs == want
+    assert_mixed_steps_keep_the_tokens(d, want, STEPS)
 
 
 def test_experts_over_four_devices(case):
     """ep_tp on 4 devices: 2 of the 8 experts each, the heads split as tp does, the one
     latent kv head on every device; the tokens are transformers'."""
     _, d, _, want = case
-    results = _generate(d, config=_config(), devices=jax.devices()[:4],
+    results = _generate(d, config=parity_config(), devices=jax.devices()[:4],
                         sharding=load_preset("ep_tp"))
     assert [r.token_ids for r in results] == want
 
 
 def test_cli_generate(case, capsys):
     _, d, _, want = case
-    assert cli_generate(d, _prompts(), STEPS, 16, capsys) == want
+    assert cli_generate(d, parity_prompts(), STEPS, 16, capsys) == want
 
 
 def test_unimplemented_fields_are_refused(case):
@@ -152,4 +133,4 @@ def test_unimplemented_fields_are_refused(case):
         dataclasses.replace(load_hf_config(d), num_kv_heads=2)
     with pytest.raises(ValueError, match="weight_quant 'int8'"):
         create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                      config=_config(quantize="int8"))
+                      config=parity_config(quantize="int8"))

@@ -26,43 +26,32 @@ import numpy as np
 import pytest
 import torch
 
-from engines import EngineConfig, create_engine, load_hf_config, mxfp4
+from engines import create_engine, load_hf_config, mxfp4
 from engines.backend import Backend
 from engines.hf_config import from_hf_config
 from engines.paged_kv import resolve_attention
 from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
-from tests.engines.mixed_driver import run_mixed
-from tests.parity.hf_models import cli_generate, hf_greedy, make_hf_model, written_case
+from tests.parity.hf_models import (
+    assert_logprobs_close,
+    assert_mixed_steps_keep_the_tokens,
+    cli_generate,
+    hf_greedy,
+    make_hf_model,
+    parity_config,
+    parity_prompts,
+    written_case,
+)
 
 STEPS = 12
-PROMPT_LENGTHS = (40, 7, 23)
-
-
-def _config(**kw) -> EngineConfig:
-    return EngineConfig(**{**dict(max_concurrent_decodes=4, max_prefill_length=16,
-                                  max_seq_len=64), **kw})
-
-
-def _prompts():
-    rng = np.random.default_rng(5)
-    return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     """(model dir, torch model, transformers' greedy tokens of each prompt)."""
-    _, d, model, want = written_case("gpt_oss", tmp_path_factory, _prompts(), STEPS)
+    _, d, model, want = written_case("gpt_oss", tmp_path_factory, parity_prompts(), STEPS)
     return d, model, want
-
-
-def _logprobs_close(model, prompts, results):
-    for p, r in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
-        ref = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
-        np.testing.assert_allclose(r.logprobs, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_config_reads_the_family(case):
@@ -82,33 +71,28 @@ def test_blockwise_prefill_and_decode_past_the_cpu_kernel(case):
     sinks in its online softmax); decode steps on one CPU device would take the CPU
     attention kernel, which has no sinks, and take XLA's path instead."""
     d, model, want = case
-    engine = create_engine(load_hf_config(d), weights=d, config=_config(),
+    engine = create_engine(load_hf_config(d), weights=d, config=parity_config(),
                            devices=jax.devices()[:1], backend=Backend(block_q=8, block_k=8))
-    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+    results = generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
                             ignore_eos=True)
     assert [r.token_ids for r in results] == want
-    _logprobs_close(model, _prompts(), results)
+    assert_logprobs_close(model, parity_prompts(), results)
 
 
 def test_mixed_steps_keep_the_tokens(case):
     """Ragged mixed steps on the paged layout: chunks of 5 beside decode rows."""
     d, _, want = case
-    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                           config=_config(kv_layout="paged", page_size=4))
-    run = run_mixed(engine, engine.load_params(), _prompts(), max_tokens=STEPS, chunk=5,
-                    budget=7, widest=True)
-    assert run.mixed_steps >= 3
-    assert run.outputs == want
+    assert_mixed_steps_keep_the_tokens(d, want, STEPS)
 
 
 def test_experts_and_their_ffn_over_eight_devices(case):
     """ep_tp on 8 devices: {expert: 4, model: 2}, each device one expert and half its F
     (gate and up biases split with it, the down bias added by one F shard)."""
     d, _, want = case
-    engine = create_engine(load_hf_config(d), weights=d, config=_config(),
+    engine = create_engine(load_hf_config(d), weights=d, config=parity_config(),
                            devices=jax.devices()[:8], sharding=load_preset("ep_tp"))
     assert dict(engine.mesh.shape) == {"expert": 4, "model": 2}
-    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+    results = generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
                             ignore_eos=True)
     assert [r.token_ids for r in results] == want
 
@@ -120,7 +104,7 @@ def test_cli_generate_and_convert_round_trip(case, tmp_path, capsys):
     orbax = str(tmp_path / "orbax")
     assert cli.main(["convert", "--from-hf", d, "--to", orbax]) == 0
     for source in (d, orbax):
-        assert cli_generate(source, _prompts(), STEPS, 16, capsys) == want, source
+        assert cli_generate(source, parity_prompts(), STEPS, 16, capsys) == want, source
 
 
 def _write_mxfp4(src: str, dst: str, seed: int = 0) -> dict[str, np.ndarray]:
@@ -168,12 +152,12 @@ def test_mxfp4_checkpoint_matches_transformers(tmp_path):
         key = f"model.layers.1.mlp.experts.{proj}"
         ours = mxfp4.dequantize_transposed(written[key + "_blocks"], written[key + "_scales"])
         np.testing.assert_array_equal(ours, getattr(experts, proj).detach().numpy())
-    engine = create_engine(load_hf_config(dst), weights=dst, config=_config(),
+    engine = create_engine(load_hf_config(dst), weights=dst, config=parity_config(),
                            devices=jax.devices()[:1])
-    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+    results = generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
                             ignore_eos=True)
-    assert [r.token_ids for r in results] == [hf_greedy(model, p, STEPS) for p in _prompts()]
-    _logprobs_close(model, _prompts(), results)
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, STEPS) for p in parity_prompts()]
+    assert_logprobs_close(model, parity_prompts(), results)
 
 
 def test_mxfp4_decodes_each_code_and_scale():

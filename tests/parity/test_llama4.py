@@ -22,11 +22,9 @@ import json
 import os
 
 import jax
-import numpy as np
 import pytest
-import torch
 
-from engines import EngineConfig, create_engine, load_hf_config
+from engines import create_engine, load_hf_config
 from engines.backend import Backend
 from engines.config import CHUNKED, FULL
 from engines.hf_config import from_hf_config
@@ -34,41 +32,29 @@ from engines.paged_kv import resolve_attention
 from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
-from tests.engines.mixed_driver import run_mixed
-from tests.parity.hf_models import cli_generate, hf_greedy, written_case
+from tests.parity.hf_models import (
+    assert_logprobs_close,
+    assert_mixed_steps_keep_the_tokens,
+    cli_generate,
+    hf_greedy,
+    parity_config,
+    parity_prompts,
+    written_case,
+)
 
 STEPS = 12
-PROMPT_LENGTHS = (40, 7, 23)
-
-
-def _config(**kw) -> EngineConfig:
-    return EngineConfig(**{**dict(max_concurrent_decodes=4, max_prefill_length=16,
-                                  max_seq_len=64), **kw})
-
-
-def _prompts():
-    rng = np.random.default_rng(5)
-    return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     """(model dir, torch model, transformers' greedy tokens of each prompt)."""
-    _, d, model, want = written_case("llama4", tmp_path_factory, _prompts(), STEPS)
+    _, d, model, want = written_case("llama4", tmp_path_factory, parity_prompts(), STEPS)
     return d, model, want
-
-
-def _logprobs_close(model, prompts, results):
-    for p, r in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
-        ref = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
-        np.testing.assert_allclose(r.logprobs, ref, rtol=1e-4, atol=1e-4)
 
 
 def _generate(d, **kw):
     engine = create_engine(load_hf_config(d), weights=d, **kw)
-    return generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+    return generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
                          ignore_eos=True)
 
 
@@ -90,9 +76,9 @@ def test_config_reads_the_family(case):
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_tokens_and_logprobs(case, layout):
     d, model, want = case
-    results = _generate(d, config=_config(kv_layout=layout), devices=jax.devices()[:1])
+    results = _generate(d, config=parity_config(kv_layout=layout), devices=jax.devices()[:1])
     assert [r.token_ids for r in results] == want
-    _logprobs_close(model, _prompts(), results)
+    assert_logprobs_close(model, parity_prompts(), results)
 
 
 def test_blockwise_prefill_and_decode_past_the_cpu_kernel(case):
@@ -101,28 +87,23 @@ def test_blockwise_prefill_and_decode_past_the_cpu_kernel(case):
     one CPU device would take the CPU attention kernel, which has no chunks, and take
     XLA's path instead."""
     d, model, want = case
-    results = _generate(d, config=_config(), devices=jax.devices()[:1],
+    results = _generate(d, config=parity_config(), devices=jax.devices()[:1],
                         backend=Backend(block_q=8, block_k=8))
     assert [r.token_ids for r in results] == want
-    _logprobs_close(model, _prompts(), results)
+    assert_logprobs_close(model, parity_prompts(), results)
 
 
 def test_mixed_steps_keep_the_tokens(case):
     """Ragged mixed steps on the paged layout: prompt chunks of 5 beside decode rows."""
     d, _, want = case
-    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                           config=_config(kv_layout="paged", page_size=4))
-    run = run_mixed(engine, engine.load_params(), _prompts(), max_tokens=STEPS, chunk=5,
-                    budget=7, widest=True)
-    assert run.mixed_steps >= 3
-    assert run.outputs == want
+    assert_mixed_steps_keep_the_tokens(d, want, STEPS)
 
 
 def test_experts_over_four_devices(case):
     """ep_tp on 4 devices: each holds 1 of the 4 experts (the dense layer and the shared
     experts split as tp does); the tokens are transformers'."""
     d, _, want = case
-    results = _generate(d, config=_config(), devices=jax.devices()[:4],
+    results = _generate(d, config=parity_config(), devices=jax.devices()[:4],
                         sharding=load_preset("ep_tp"))
     assert [r.token_ids for r in results] == want
 
@@ -134,7 +115,7 @@ def test_cli_generate_and_convert_round_trip(case, tmp_path, capsys):
     orbax = str(tmp_path / "orbax")
     assert cli.main(["convert", "--from-hf", d, "--to", orbax]) == 0
     for source in (d, orbax):
-        assert cli_generate(source, _prompts(), STEPS, 16, capsys) == want, source
+        assert cli_generate(source, parity_prompts(), STEPS, 16, capsys) == want, source
 
 
 def test_unimplemented_paths_and_fields_are_refused(case):
@@ -167,14 +148,14 @@ def test_lora_adapter_matches_peft_merged(case, tmp_path):
     adapter = str(tmp_path / "adapter")
     make_adapter(d, adapter, 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], False, seed=3)
     merged = merged_model(d, adapter)
-    want = [hf_greedy(merged, p, STEPS) for p in _prompts()]
+    want = [hf_greedy(merged, p, STEPS) for p in parity_prompts()]
     engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                           config=_config(max_prefill_length=64, max_loras=1,
+                           config=parity_config(max_prefill_length=64, max_loras=1,
                                           max_lora_rank=4))
     engine.load_adapter("a", adapter)
     params = engine.load_params()
     got = []
-    for p in _prompts():
+    for p in parity_prompts():
         state = engine.init_decode_state()
         prefix, first = engine.prefill(params, p, len(p), adapter="a")
         toks = [first.to_host().token(0)]

@@ -14,34 +14,28 @@ devices (`ep_tp`); log-probs are within 1e-4 of transformers'.
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
-import torch
 
-from engines import EngineConfig, create_engine, load_hf_config
+from engines import create_engine, load_hf_config
 from jetserve import cli
 from jetserve.offline import generate_many
 from sharding import load_preset
-from tests.parity.hf_models import MOE_CONFIGS, cli_generate, written_case
+from tests.parity.hf_models import (
+    MOE_CONFIGS,
+    assert_logprobs_close,
+    cli_generate,
+    parity_config,
+    parity_prompts,
+    written_case,
+)
 
 STEPS = 12
-PROMPT_LENGTHS = (40, 7, 23)
-
-
-def _config(**kw) -> EngineConfig:
-    return EngineConfig(**{**dict(max_concurrent_decodes=4, max_prefill_length=16,
-                                  max_seq_len=64), **kw})
-
-
-def _prompts():
-    rng = np.random.default_rng(5)
-    return [rng.integers(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module", params=tuple(MOE_CONFIGS))
 def fam(request, tmp_path_factory):
     """(variant, model dir, torch model, transformers' greedy tokens of each prompt)."""
-    return written_case(request.param, tmp_path_factory, _prompts(), STEPS)
+    return written_case(request.param, tmp_path_factory, parity_prompts(), STEPS)
 
 
 def test_config_reads_which_layers_route(fam):
@@ -60,25 +54,21 @@ def test_config_reads_which_layers_route(fam):
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_tokens_and_logprobs(fam, layout):
     name, d, model, want = fam
-    engine = create_engine(load_hf_config(d), weights=d, config=_config(kv_layout=layout),
+    engine = create_engine(load_hf_config(d), weights=d, config=parity_config(kv_layout=layout),
                            devices=jax.devices()[:1])
-    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+    results = generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
                             ignore_eos=True)
     assert [r.token_ids for r in results] == want, name
-    for p, r in zip(_prompts(), results, strict=True):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([p + r.token_ids])).logits[0], -1)
-        ref = [float(logp[len(p) - 1 + i, t]) for i, t in enumerate(r.token_ids)]
-        np.testing.assert_allclose(r.logprobs, ref, rtol=1e-4, atol=1e-4)
+    assert_logprobs_close(model, parity_prompts(), results)
 
 
 def test_experts_over_four_devices(fam):
     """ep_tp on 4 devices: each holds 2 of the 8 experts (1 of gpt-oss's 4; the dense
     layers split as tp does), and the tokens are transformers'."""
     name, d, model, want = fam
-    engine = create_engine(load_hf_config(d), weights=d, config=_config(),
+    engine = create_engine(load_hf_config(d), weights=d, config=parity_config(),
                            devices=jax.devices()[:4], sharding=load_preset("ep_tp"))
-    results = generate_many(engine, engine.load_params(), _prompts(), max_tokens=STEPS,
+    results = generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
                             ignore_eos=True)
     assert [r.token_ids for r in results] == want, name
 
@@ -93,4 +83,4 @@ def test_cli_generate_and_convert_round_trip(fam, tmp_path, capsys):
     assert cli.main(["convert", "--from-hf", d, "--to", orbax]) == 0
     assert load_hf_config(d).dense_layers == (0, 2, 3)
     for source in (d, orbax):
-        assert cli_generate(source, _prompts(), STEPS, 16, capsys) == want, (name, source)
+        assert cli_generate(source, parity_prompts(), STEPS, 16, capsys) == want, (name, source)

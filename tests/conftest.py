@@ -28,3 +28,20 @@ def _no_exported_program_cache_after_a_test():
     from engines import exported_programs
 
     exported_programs.set_directory(None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs_after_a_module():
+    """Drop jax's caches of compiled programs after each test module. Every live XLA CPU
+    executable holds memory mappings of its own; kept for the whole suite they reach the
+    kernel's per-process limit (vm.max_map_count, 65,530: a crashed run's core held
+    65,377), an mmap in the next compile fails, and jaxlib 0.10.2 crashes unwinding that
+    compile's error (a segfault in libgcc's FDE search). Programs still referenced stay;
+    the next module re-reads what it needs from the persistent compile cache."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -16,6 +16,11 @@ it as `chunk` (None: none), through `visible_keys`; no query sees further back t
 chunk's length, so the paths that skip key blocks outside a sliding window skip by
 `reach` (the shorter of the two).
 
+Key-only caches (multi-head latent attention: engines.config.ModelConfig.value_dim 0):
+a store's value arrays have width 0 and attention reads its values from the keys
+(`key_only`); the stores write, move and transfer the empty value arrays as they do
+any other, so every path keeps one shape of state while the bytes are the keys' alone.
+
 Letters: B batch, T query length, S key length, N query heads, K kv heads, G = N/K,
 H head dim.
 """
@@ -42,6 +47,11 @@ class KVStore(Protocol):
         k_pos holds each key's sequence position, or -1 for an empty entry.
         """
         ...
+
+
+def key_only(v: jax.Array) -> bool:
+    """Whether a store's values are absent (width 0): attention reads them from the keys."""
+    return v.shape[-1] == 0
 
 
 def softcapped(scores: jax.Array, softcap: float | None) -> jax.Array:
@@ -102,7 +112,9 @@ def attention(
     sinks: jax.Array | None = None,  # f32[N]
     chunk: int | None = None,
 ) -> jax.Array:
-    """Causal grouped-query attention by positions; returns [B, T, N, H]."""
+    """Causal grouped-query attention by positions; returns [B, T, N, H] (v of width 0:
+    the keys are the values, `key_only`)."""
+    v = k if key_only(v) else v
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)  # (B, T, K, G, H)
@@ -128,6 +140,7 @@ def decode_attention(
 ) -> jax.Array:
     """`attention` for one new token per row over a decode cache; returns [B, 1, N, H].
     (T > 1 new tokens per row, speculative verification: q [B, T, N, H], q_pos [B, T].)
+    v of width 0 (`key_only`): the values are the keys, read in their own layout.
 
     Both contractions are batched over (B, K) and run along the cache's memory order, so
     the cache is read once and never transposed (see engines.kv_cache)."""
@@ -140,15 +153,20 @@ def decode_attention(
         qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
         kp = k_pos[:, None, None, None, :]  # (B, 1, 1, 1, S)
         sink = None if sink is None else sink[..., None, None]
-        probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink,
+        probs = _attention_probs(scores, qp, kp, H, sliding_window, k.dtype, softcap, sink,
                                  chunk)
+        if key_only(v):
+            return jnp.einsum("bkgts,bkhs->btkgh", probs, k).reshape(B, T, N, H)
         return jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, N, H)
     qg = q.reshape(B, K, N // K, H)  # (B, K, G, H)
     scores = jnp.einsum("bkgh,bkhs->bkgs", qg, k, preferred_element_type=jnp.float32)
     qp = q_pos[:, :, None, None]  # (B, 1, 1, 1)
     kp = k_pos[:, None, None, :]  # (B, 1, 1, S)
     sink = None if sink is None else sink[..., None]
-    probs = _attention_probs(scores, qp, kp, H, sliding_window, v.dtype, softcap, sink,
+    probs = _attention_probs(scores, qp, kp, H, sliding_window, k.dtype, softcap, sink,
                              chunk)
-    out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
+    if key_only(v):
+        out = jnp.einsum("bkgs,bkhs->bkgh", probs, k)  # (B, K, G, H)
+    else:
+        out = jnp.einsum("bkgs,bksh->bkgh", probs, v)  # (B, K, G, H)
     return out.reshape(B, 1, N, H)

@@ -105,8 +105,9 @@ class ModelConfig:
     # shared RoPE'd key of qk_rope_head_dim (kv_a_proj_with_mqa), expanded per head by
     # kv_b_proj (qk_nope_head_dim of key, v_head_dim of value). The caches and attention
     # paths see it in its absorbed form: one kv head (num_kv_heads 1) of head_dim
-    # kv_lora_rank + qk_rope_head_dim, its keys [latent | RoPE'd key], values the same
-    # (only the latent part is read). rope_interleave: RoPE on pairs (2i, 2i+1).
+    # kv_lora_rank + qk_rope_head_dim, its keys [latent | RoPE'd key]; the caches hold the
+    # keys only (`value_dim` 0) and attention reads its values from them (only the latent
+    # part of the output is used). rope_interleave: RoPE on pairs (2i, 2i+1).
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -322,8 +323,16 @@ class ModelConfig:
                                                                   + self.v_head_dim)
         return q + kv + N * self.v_head_dim * D
 
+    @property
+    def value_dim(self) -> int:
+        """The width of each cached value entry: head_dim, or 0 where the caches hold keys
+        only and attention reads the values from them (multi-head latent attention, whose
+        values are the latent part of its keys: engines.attention.key_only)."""
+        return 0 if self.mla else self.head_dim
+
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
+        K, H = self.num_kv_heads, self.head_dim
+        return self.num_layers * K * (H + self.value_dim) * bytes_per_value
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

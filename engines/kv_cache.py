@@ -16,6 +16,10 @@ An int8 cache (`EngineConfig.kv_dtype="int8"`) stores each token's k and v per k
 int8 values with one f32 scale (max |x| over H / 127) in `k_scale`/`v_scale` [B, K, S];
 the generate step dequantizes the window it attends over. Prefixes stay in the model dtype
 (prefill attends over exact keys) and are quantized when inserted into a slot.
+
+A key-only cache (multi-head latent attention, `ModelConfig.value_dim` 0) keeps v of
+width 0 in prefixes and slots alike ([1, T, K, 0], [B, K, S, 0]; int8: no v_scale) and
+attends with the keys as values (engines.attention.key_only).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from engines import cpu_kernels, layer_scan
-from engines.attention import decode_attention
+from engines.attention import decode_attention, key_only
 from engines.engine_api import ResultTokens, pack_results
 from engines.kv_quant import dequantize_kv, quantize_kv
 from engines.sampling import SlotSampling, sample, token_logprobs
@@ -242,7 +246,12 @@ class DecodeKV(layer_scan.StackedStore):
         at = () if self.at is None else (self.at,)  # a stack's layer, written in place
         every = slice(None)
         k_at, v_at = (*at, rows, every, every, self.pos), (*at, rows, every, self.pos)
-        if st.k_scale:  # int8 cache: store quantized, attend over the dequantized window
+        if st.k_scale and not st.v_scale:  # int8 key-only cache: no values, no scales
+            kq, ks = quantize_kv(k)
+            self.k.append(st.k[layer].at[k_at].set(kq, **drop))
+            self.v.append(st.v[layer])
+            self.k_scale.append(st.k_scale[layer].at[v_at].set(ks, **drop))
+        elif st.k_scale:  # int8 cache: store quantized, attend over the dequantized window
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
             self.k.append(st.k[layer].at[k_at].set(kq, **drop))
             self.v.append(st.v[layer].at[v_at].set(vq, **drop))
@@ -265,17 +274,19 @@ class DecodeKV(layer_scan.StackedStore):
         k, v = self.layer_of(self.k, layer)[:B, ..., :w], self.layer_of(self.v, layer)[:B, :, :w]
         if self.k_scale:
             k_scale = self.layer_of(self.k_scale, layer)[:B]
-            v_scale = self.layer_of(self.v_scale, layer)[:B]
             k = (k.astype(jnp.float32) * k_scale[:, :, None, :w]).astype(dtype)
-            v = dequantize_kv(v, v_scale[:, :, :w], dtype)
+            v = (dequantize_kv(v, self.layer_of(self.v_scale, layer)[:B, :, :w], dtype)
+                 if self.v_scale else v.astype(dtype))  # key-only: no values to scale
         return k, v
 
     def attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None,
                chunk=None):
         # The CPU kernel takes no soft cap, attention sinks nor chunked attention: those
         # take XLA's.
+        # Nor a key-only cache (multi-head latent attention): it reads v's own layout.
         if (self.cpu_attention and self.live_pos is not None and not self.k_scale
                 and softcap is None and sinks is None and chunk is None
+                and not key_only(self.v[layer])
                 and q.dtype == self.k[layer].dtype == jnp.float32):
             return cpu_kernels.decode_attention(q, self.k[layer], self.v[layer], self.live_pos,
                                                 sliding_window, layer=self.at)
@@ -307,14 +318,17 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
 
     if state.k_scale:
         kq, ks = zip(*map(quantize_kv, prefix.k), strict=True)
-        vq, vs = zip(*map(quantize_kv, prefix.v), strict=True)
-        k_scale, v_scale = put_layers(put, state.k_scale, ks), put_layers(put, state.v_scale, vs)
+        k_scale, vq, v_scale = put_layers(put, state.k_scale, ks), prefix.v, ()
+        if state.v_scale:
+            vq, vs = zip(*map(quantize_kv, prefix.v), strict=True)
+            v_scale = put_layers(put, state.v_scale, vs)
     else:
         kq, vq, k_scale, v_scale = prefix.k, prefix.v, (), ()
 
     return DecodeState(
         k=put_layers(put_k, state.k, kq),
-        v=put_layers(put, state.v, vq),
+        # A key-only cache's values (width 0, no scales) have nothing to write.
+        v=state.v if key_only(state.v[0]) else put_layers(put, state.v, vq),
         k_scale=k_scale,
         v_scale=v_scale,
         **insert_slot_fields(state, prefix, slot),

@@ -30,13 +30,14 @@ SCALE_BYTES = 4  # an int8 entry's f32 scale, after its H values
 
 
 def entry_width(head_dim: int, kv_dtype: str) -> int:
-    """The last axis of a pool: H, or H + SCALE_BYTES for an int8 pool."""
-    return head_dim + SCALE_BYTES if kv_dtype == "int8" else head_dim
+    """The last axis of a pool: H, or H + SCALE_BYTES for an int8 pool (0 for 0: a
+    key-only cache's value pool holds nothing, not even scales)."""
+    return head_dim + SCALE_BYTES if kv_dtype == "int8" and head_dim else head_dim
 
 
 def pack_entries(new: jax.Array, pool_dtype) -> jax.Array:
     """new [..., H] in the model dtype -> the pool's entries (int8: [..., H + 4])."""
-    if pool_dtype != jnp.int8:
+    if pool_dtype != jnp.int8 or new.shape[-1] == 0:  # 0: a key-only cache's values
         return new.astype(pool_dtype)
     q, scale = quantize_kv(new)
     return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8)], axis=-1)
@@ -44,7 +45,7 @@ def pack_entries(new: jax.Array, pool_dtype) -> jax.Array:
 
 def unpack_entries(entries: jax.Array, dtype) -> jax.Array:
     """Pool entries [..., H or H + 4] -> values [..., H] in `dtype` (int8 dequantized)."""
-    if entries.dtype != jnp.int8:
+    if entries.dtype != jnp.int8 or entries.shape[-1] == 0:
         return entries.astype(dtype)
     scale = jax.lax.bitcast_convert_type(entries[..., -SCALE_BYTES:], jnp.float32)
     return dequantize_kv(entries[..., :-SCALE_BYTES], scale, dtype)

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from engines import layer_scan
+from engines.attention import key_only
 from engines.engine_api import pack_results
 from engines.mixed_batch import MODE_CHUNK, MODE_DECODE, MixedInputs
 from engines.model import Decoder
@@ -123,11 +124,14 @@ class RaggedPagedKV(layer_scan.StackedStore):
                 lay.rows[None, :] == jnp.arange(self.table.shape[0])[:, None],
                 lay.positions[None, :] + 1, 0), axis=1), 0)
             # The kernel takes no layer index: under a scan, the layer's pools sliced out.
-            out = pallas_ragged_attention(q[0], self.layer_of(self.k, layer),
-                                          self.layer_of(self.v, layer), self.table,
-                                          lay.q_len, kv_lens, sliding_window, softcap=softcap)
+            k_pool, v_pool = self.layer_of(self.k, layer), self.layer_of(self.v, layer)
+            out = pallas_ragged_attention(q[0], k_pool, k_pool if key_only(v_pool) else v_pool,
+                                          self.table, lay.q_len, kv_lens, sliding_window,
+                                          softcap=softcap)
         else:
-            out = ragged_paged_attention(q[0], self.k[layer], self.v[layer], self.table,
+            # A key-only cache's (width-0) value pools: the keys are the values.
+            v_pool = self.k[layer] if key_only(self.v[layer]) else self.v[layer]
+            out = ragged_paged_attention(q[0], self.k[layer], v_pool, self.table,
                                          lay.rows, lay.positions, sliding_window, softcap=softcap,
                                          layer=self.at, sinks=sinks, chunk=chunk)
         return out[None]

@@ -201,8 +201,8 @@ class MlaAttention(nn.Module):
     query meets the shared latent through kv_b_proj's key rows (W_UK folded into the
     query), the heads attend as N queries over one kv head [latent | RoPE'd key] of
     C = kv_lora_rank + qk_rope_head_dim dims (what the caches hold per token: cfg.head_dim,
-    one kv head), and each head's output over the latents goes through kv_b_proj's value
-    rows (W_UV) before o_proj. Letters: R kv_lora_rank, Q q_lora_rank, P rope dims,
+    one kv head, keys only: the values are the keys, cfg.value_dim 0), and each head's
+    output over the latents goes through kv_b_proj's value rows (W_UV) before o_proj. Letters: R kv_lora_rank, Q q_lora_rank, P rope dims,
     A qk_nope_head_dim, E v_head_dim, C = R + P."""
 
     cfg: ModelConfig
@@ -249,12 +249,14 @@ class MlaAttention(nn.Module):
         q = q * jnp.asarray(math.sqrt(c.head_dim / c.query_pre_attn_scalar), q.dtype)
         k = jnp.concatenate([latent[:, :, None, :], k_rot], axis=-1)  # (B, T, 1, C)
         q = constrain(q, _HEADS_ACT, "attention q")
-        k_all, v_all, k_pos = kv.update(self.layer, k, k)
+        # Keys only: the stores hold values of width 0 and attention reads the keys as the
+        # values (engines.attention.key_only); of its output only the latent part is used.
+        k_all, _, k_pos = kv.update(self.layer, k, k[..., :0])
         attend = getattr(kv, "attend", None)
         if attend is not None:
             out = attend(self.layer, q, positions, None)
         else:
-            out = self.backend.attention(q, k_all, v_all, positions, k_pos, None)
+            out = self.backend.attention(q, k_all, k_all, positions, k_pos, None)
         out = jnp.einsum("btnr,ner->btne", out[..., :R], wkvb[:, A:])  # W_UV: (B, T, N, E)
         return jnp.einsum("btne,dne->btd", out, wo)
 

@@ -146,11 +146,13 @@ class PagedTransformerEngine(TransformerEngine):
 
     # ---- layout ------------------------------------------------------------------------
 
-    def _pool_shape(self) -> tuple[int, int, int, int]:
+    def _pool_shape(self, values: bool = False) -> tuple[int, int, int, int]:
+        """One layer's key pool shape, or with `values` its value pool's (entries of
+        width 0 for a key-only cache: ModelConfig.value_dim)."""
         c = self.model_config
         g = self.page_geometry
         return (c.num_kv_heads, g.num_pages + 1, g.page_size,
-                entry_width(c.head_dim, self.config.kv_dtype))
+                entry_width(c.value_dim if values else c.head_dim, self.config.kv_dtype))
 
     def _pool_dtype(self):
         return jnp.int8 if self.config.kv_dtype == "int8" else self.dtype
@@ -158,10 +160,11 @@ class PagedTransformerEngine(TransformerEngine):
     def decode_state_shardings(self) -> PagedDecodeState:
         base = super().decode_state_shardings()
         pool = self._named(POOL_AXES, self._pool_shape(), "kv page pool")
+        v_pool = self._named(POOL_AXES, self._pool_shape(values=True), "value page pool")
         c = self.model_config
         L = c.num_layers
         return layer_scan.stack_cache(PagedDecodeState(
-            k=(pool,) * L, v=(pool,) * L, lengths=base.lengths, tokens=base.tokens,
+            k=(pool,) * L, v=(v_pool,) * L, lengths=base.lengths, tokens=base.tokens,
             sampling=base.sampling, prompt_mask=base.prompt_mask, counts=base.counts,
             history=base.history, draft_k=base.draft_k, draft_v=base.draft_v), c.scan_layers)
 
@@ -216,12 +219,13 @@ class PagedTransformerEngine(TransformerEngine):
         """An empty state (the host's page table starts empty with it)."""
         c, e = self.model_config, self.config
         B, S = e.max_concurrent_decodes, e.max_seq_len
-        shape = self._pool_shape()
+        shape, v_shape = self._pool_shape(), self._pool_shape(values=True)
 
         def make():
             pool = jnp.zeros(shape, self._pool_dtype())
+            v_pool = jnp.zeros(v_shape, self._pool_dtype())
             return layer_scan.stack_cache(PagedDecodeState(
-                k=(pool,) * c.num_layers, v=(pool,) * c.num_layers,
+                k=(pool,) * c.num_layers, v=(v_pool,) * c.num_layers,
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
                 **self._empty_draft_cache(),
             ), c.scan_layers)

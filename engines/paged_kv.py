@@ -2,7 +2,9 @@
 
 Each layer keeps its keys and values in a pool of pages, [K, P + 1, page_size, H]
 (kv head, page, offset, head dim): kv heads lead because that is the layout the TPU
-paged-attention kernel reads, so one pool serves both attention paths. An int8 pool
+paged-attention kernel reads, so one pool serves both attention paths. A key-only cache
+(multi-head latent attention) has value pools of width 0, [K, P + 1, ps, 0]: attention
+reads the key pool as the values (engines.attention.key_only). An int8 pool
 (`EngineConfig.kv_dtype="int8"`) holds entries of H + 4 bytes (engines/kv_quant.py): the
 H values quantized per token and kv head, as the contiguous cache does, then their f32
 scale as 4 raw bytes. Scale and values sit in one entry, so a page is still one
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from engines import layer_scan
-from engines.attention import attention
+from engines.attention import attention, key_only
 from engines.kv_cache import Prefix, insert_slot_fields, put_layers
 from engines.kv_quant import pack_entries, unpack_entries
 from engines.sampling import SlotSampling
@@ -168,7 +170,7 @@ class PagedDecodeKV(layer_scan.StackedStore):
         if self.pos.ndim == 1:
             page, off, k, v, last = self.write_page, self.write_off, k[:, 0], v[:, 0], self.pos
         else:  # [B, T] new entries, written as B * T
-            flat = lambda x: x.reshape((-1,) + x.shape[2:])
+            flat = lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])  # 0-wide v too
             page, off, k, v = map(flat, (self.write_page, self.write_off, k, v))
             last = self.pos[:, -1]
         k_pool = write_pages(self.state.k[layer], page, off, k, self.at)
@@ -195,8 +197,10 @@ class PagedDecodeKV(layer_scan.StackedStore):
                              "Llama 4 model); use 'xla'")
         # Under a scan the kernel gets the layer's pools sliced out: it takes no layer
         # index (TODO(#21): a pool layout the kernel can read at a layer in place).
-        return pallas_decode_attention(q, self.layer_of(self.k, layer),
-                                       self.layer_of(self.v, layer), self.table, self.pos + 1)
+        k_pool = self.layer_of(self.k, layer)
+        v_pool = self.layer_of(self.v, layer)
+        return pallas_decode_attention(q, k_pool, k_pool if key_only(v_pool) else v_pool,
+                                       self.table, self.pos + 1)
 
 
 def xla_decode_attention(q, k_pool, v_pool, table, lengths):

@@ -2,7 +2,8 @@
 joined back into a prefix that a prefill continues (`existing_prefix`).
 
 A block is the KV of b consecutive positions of a prompt for every layer, one array
-[L, 2, b, K, H] (keys, then values), in the model dtype. The prefix cache keeps one per
+[L, 2, b, K, H] (keys, then values), in the model dtype; [L, 1, b, K, H] (keys alone)
+for a key-only cache, whose values have width 0 (engines.attention.key_only). The prefix cache keeps one per
 trie node: on the device (these arrays, or a KV page of a paged engine, which holds the
 same values as a [K, ps, H] slice of each layer's pool) or on the host (numpy, the same
 layout). Stacks of n blocks are [n, L, 2, b, K, H]; every function here is compiled for
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engines import layer_scan
+from engines.attention import key_only
 from engines.kv_cache import PrefillKV, Prefix
 from engines.kv_quant import unpack_entries
 from engines.sampling import SlotSampling
@@ -46,15 +48,21 @@ def blocks_of_prefix(prefix: Prefix, first: jax.Array, n: int, b: int) -> jax.Ar
     idx = jnp.argmax(prefix.k_pos[0][None, :] == want[:, None], axis=1)  # (n*b,)
     k = jnp.stack([x[0, idx] for x in prefix.k])  # (L, n*b, K, H)
     v = jnp.stack([x[0, idx] for x in prefix.v])
-    kv = jnp.stack([k, v], 1)  # (L, 2, n*b, K, H)
-    L, _, _, K, H = kv.shape
-    return jnp.moveaxis(kv.reshape(L, 2, n, b, K, H), 2, 0)
+    kv = jnp.stack(_entries(k, v), 1)  # (L, 2 or 1, n*b, K, H)
+    L, E, _, K, H = kv.shape
+    return jnp.moveaxis(kv.reshape(L, E, n, b, K, H), 2, 0)
+
+
+def _entries(k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+    """What a block holds of keys k and values v: both, or the keys of a key-only cache."""
+    return (k,) if key_only(v) else (k, v)
 
 
 def blocks_of_pages(k_pools: tuple[jax.Array, ...], v_pools: tuple[jax.Array, ...],
                     pages: jax.Array, dtype) -> jax.Array:
     """Pools L x [K, P+1, ps, H] (or one stack [L, K, P+1, ps, H], a scanned model's)
-    and pages i32[n] -> [n, L, 2, ps, K, H] in `dtype` (an int8 pool's dequantized)."""
+    and pages i32[n] -> [n, L, 2 (1 key-only), ps, K, H] in `dtype` (an int8 pool's
+    dequantized)."""
 
     def take(pools):  # -> (L, K, n, ps, H)
         if layer_scan.is_stacked(pools, 4):
@@ -62,8 +70,8 @@ def blocks_of_pages(k_pools: tuple[jax.Array, ...], v_pools: tuple[jax.Array, ..
         return jnp.stack([jnp.take(p, pages, axis=1) for p in pools])
 
     k, v = take(k_pools), take(v_pools)
-    kv = unpack_entries(jnp.stack([k, v], 1), dtype)
-    return jnp.transpose(kv, (3, 0, 1, 4, 2, 5))  # (n, L, 2, ps, K, H)
+    kv = unpack_entries(jnp.stack(_entries(k, v), 1), dtype)
+    return jnp.transpose(kv, (3, 0, 1, 4, 2, 5))  # (n, L, 2 or 1, ps, K, H)
 
 
 def stack_blocks(blocks: tuple[jax.Array, ...]) -> jax.Array:
@@ -73,15 +81,19 @@ def stack_blocks(blocks: tuple[jax.Array, ...]) -> jax.Array:
 
 def prefix_of_blocks(blocks: jax.Array, length: jax.Array, prompt_mask: jax.Array,
                      tokens: jax.Array, draft_params=None, *, draft_model=None) -> Prefix:
-    """A stack [n, L, 2, b, K, H] whose first `length` positions are a prompt's KV, and
+    """A stack [n, L, 2 (1 key-only), b, K, H] whose first `length` positions are a
+    prompt's KV, and
     those tokens (i32[1, n*b], zero padded) -> the Prefix a prefill continues (later
     entries are masked). Only k, v, k_pos, tokens, length and prompt_mask are read by a
     continuing prefill; token and sampling are placeholders."""
-    n, L, _, b, K, H = blocks.shape
-    kv = jnp.moveaxis(blocks, 0, 2).reshape(L, 2, 1, n * b, K, H)
+    n, L, E, b, K, H = blocks.shape
+    kv = jnp.moveaxis(blocks, 0, 2).reshape(L, E, 1, n * b, K, H)
     j = jnp.arange(n * b)[None, :]
+    keys = tuple(kv[i, 0] for i in range(L))
+    # E == 1: keys alone (a key-only cache), whose prefix values have width 0.
+    values = tuple(kv[i, 1] for i in range(L)) if E == 2 else tuple(x[..., :0] for x in keys)
     prefix = Prefix(
-        k=tuple(kv[i, 0] for i in range(L)), v=tuple(kv[i, 1] for i in range(L)),
+        k=keys, v=values,
         k_pos=jnp.where(j < length, j, -1).astype(jnp.int32), tokens=tokens,
         length=length.astype(jnp.int32), token=jnp.zeros((), jnp.int32),
         sampling=SlotSampling.empty(1), prompt_mask=prompt_mask,

@@ -171,7 +171,7 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         c, e = self.model_config, self.config
         B, S, K, H = e.max_concurrent_decodes, e.max_seq_len, c.num_kv_heads, c.head_dim
         k_cache = self._named(K_CACHE_AXES, (B, K, H, S), "key cache")
-        v_cache = self._named(V_CACHE_AXES, (B, K, S, H), "value cache")
+        v_cache = self._named(V_CACHE_AXES, (B, K, S, c.value_dim), "value cache")
         vec = self._named((axes.CACHE_BATCH,), (e.max_concurrent_decodes,), "slot lengths")
         bv = self._named((axes.CACHE_BATCH, None), (e.max_concurrent_decodes, c.vocab_size),
                          "token counts")
@@ -179,11 +179,12 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         scales = ()
         if e.kv_dtype == "int8":
             scales = (self._named(SCALE_AXES, (B, K, S), "kv cache scales"),) * L
+        v_scales = scales if c.value_dim else ()  # a key-only cache has no values to scale
         hist = self._named((axes.CACHE_BATCH, None), (B, S if e.spec.enabled else 0),
                            "token history")
         draft = self._draft.decode_state_shardings() if self._draft else None
         return layer_scan.stack_cache(DecodeState(
-            k=(k_cache,) * L, v=(v_cache,) * L, k_scale=scales, v_scale=scales, lengths=vec,
+            k=(k_cache,) * L, v=(v_cache,) * L, k_scale=scales, v_scale=v_scales, lengths=vec,
             tokens=vec, sampling=self._sampling_shardings(axes.CACHE_BATCH), prompt_mask=bv,
             counts=bv, history=hist, draft_k=draft.k if draft else (),
             draft_v=draft.v if draft else ()), c.scan_layers)
@@ -191,11 +192,12 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
     def prefix_destination_sharding(self) -> Prefix:
         c = self.model_config
         kv = self._named(PREFIX_AXES, (1, 1, c.num_kv_heads, c.head_dim), "prefix kv")
+        values = self._named(PREFIX_AXES, (1, 1, c.num_kv_heads, c.value_dim), "prefix values")
         r = self._replicated()
         samp = SlotSampling(**{f.name: r for f in dataclasses.fields(SlotSampling)})
         L = c.num_layers
         draft = self._draft.prefix_destination_sharding() if self._draft else None
-        return Prefix(k=(kv,) * L, v=(kv,) * L, k_pos=r, tokens=r, length=r, token=r,
+        return Prefix(k=(kv,) * L, v=(values,) * L, k_pos=r, tokens=r, length=r, token=r,
                       sampling=samp, prompt_mask=r,
                       draft_k=draft.k if draft else (), draft_v=draft.v if draft else ())
 
@@ -324,9 +326,10 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
             K, H, dtype = c.num_kv_heads, c.head_dim, jnp.int8 if int8 else self.dtype
             L = c.num_layers
             scales = (jnp.zeros((B, K, S), jnp.float32),) * L if int8 else ()
+            Hv = c.value_dim  # 0: a key-only cache (engines.attention.key_only)
             return layer_scan.stack_cache(DecodeState(
-                k=(jnp.zeros((B, K, H, S), dtype),) * L, v=(jnp.zeros((B, K, S, H), dtype),) * L,
-                k_scale=scales, v_scale=scales,
+                k=(jnp.zeros((B, K, H, S), dtype),) * L, v=(jnp.zeros((B, K, S, Hv), dtype),) * L,
+                k_scale=scales, v_scale=scales if Hv else (),
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
                 **self._empty_draft_cache(),
             ), c.scan_layers)

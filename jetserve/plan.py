@@ -5,7 +5,8 @@ Pure host math (no jax), shared by `jetserve plan` and `jetserve bench decode`.
 Derivation. One decode step runs every live sequence forward by one token. Symbols: B
 batch, C live context (tokens in each cache), P parameters, P_read the parameters a step
 reads, P_mm the parameters a token multiplies through (matmul weights), b_w / b_a / b_kv
-bits per weight / activation / KV value, Z = 2 L K H the K and V values stored per token,
+bits per weight / activation / KV value, Z = 2 L K H the K and V values stored per token
+(L K H for a key-only cache: multi-head latent attention's),
 W = HBM bandwidth, R = matmul FLOP/s (both summed over chips), F the MLP width.
 
 * Memory read per step. Every weight matrix is read once and used by all B rows. The
@@ -67,7 +68,7 @@ class ModelSpec:
     params: float  # P: every parameter, stored
     unread_params: float  # parameters a step does not read whole (untied input embedding)
     matmul_params: float  # P_mm: weights each token multiplies through (active experts only)
-    kv_values_per_token: float  # Z = 2 L K H
+    kv_values_per_token: float  # Z = 2 L K H (L K H key-only)
     ffn: int  # F, the MLP width (model-parallel estimate)
     expert_params: float = 0.0  # all routed experts' weights (a subset of params)
     num_experts: int = 0
@@ -103,7 +104,7 @@ class ModelSpec:
             params=float(cfg.param_count()),
             unread_params=0.0 if cfg.tie_word_embeddings else float(V * D),
             matmul_params=float(L * attn + mlp_active + V * D),
-            kv_values_per_token=float(2 * L * K * H),
+            kv_values_per_token=float(cfg.kv_bytes_per_token(1)),
             ffn=F,
             expert_params=float(3 * D * Fe * E * routed),
             num_experts=E,

@@ -46,6 +46,8 @@ def signature(engine: Any) -> dict:
     if c is not None:  # a transformer engine: the model's stored kv heads, not the repeat
         sig.update(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                    head_dim=c.head_dim, dtype=np.dtype(engine.dtype).name)
+        if c.value_dim != c.head_dim:  # a key-only cache: its value arrays have width 0
+            sig.update(value_dim=c.value_dim)
     return sig
 
 
@@ -113,7 +115,8 @@ def check(meta: dict, engine: Any, who: str) -> None:
         if "dtype" in ours and r["dtype"] != ours["dtype"]:
             raise PrefixMismatch(f"{who} sent kv array {i} in {r['dtype']}, this engine "
                                  f"holds {ours['dtype']}")
-        if "head_dim" in ours and H != ours["head_dim"]:
+        widths = {ours.get("head_dim"), ours.get("value_dim", ours.get("head_dim"))}
+        if "head_dim" in ours and H not in widths:  # keys', or a key-only cache's values
             raise PrefixMismatch(f"{who} sent kv array {i} with head_dim {H}, this engine's "
                                  f"is {ours['head_dim']}")
 

@@ -72,9 +72,9 @@ def cache_key(*parts: object) -> str:
 
 
 def block_bytes(engine: Any, block: int) -> int:
-    """Bytes of one block's KV on `engine` (all layers, keys and values)."""
-    c = engine.model_config
-    return c.num_layers * 2 * block * c.num_kv_heads * c.head_dim * np.dtype(engine.dtype).itemsize
+    """Bytes of one block's KV on `engine` (all layers, keys and values; keys only for a
+    key-only cache)."""
+    return block * engine.model_config.kv_bytes_per_token(np.dtype(engine.dtype).itemsize)
 
 
 @dataclasses.dataclass(eq=False)

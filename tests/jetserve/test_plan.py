@@ -228,12 +228,25 @@ def test_deepseek_v3_presets_have_their_published_sizes(name, total, active):
     """DeepSeek-V3's card: 671B in the decoder (685B with its next-token-prediction
     module, which the decoder does not run), 37B active; Kimi K2's: 1T total (1.026T),
     32B active (both embeddings counted, as the cards do). The KV cache per token is the
-    latent attention's one kv head of 512 + 64 per layer (keys, and values of the same
-    shape), not 128 heads of keys and values."""
+    latent attention's one kv head of 512 + 64 per layer, held once (keys only: the
+    values are read from them), not 128 heads of keys and values: 70,272 bytes at bf16."""
     cfg = MODEL_PRESETS[name]
     assert close(cfg.param_count() / 1e9, total, 0.001)
     spec = ModelSpec.from_config(cfg)
     embed = cfg.vocab_size * cfg.hidden_size
     assert close((spec.matmul_params + embed) / 1e9, active, 0.03)
-    assert spec.kv_values_per_token == 2 * 61 * (512 + 64)
-    assert cfg.kv_bytes_per_token(2) == 2 * 61 * (512 + 64) * 2
+    assert spec.kv_values_per_token == 61 * (512 + 64)
+    assert cfg.kv_bytes_per_token(2) == 61 * (512 + 64) * 2 == 70_272
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2"])
+def test_cli_plans_the_latent_cache_once(name, capsys):
+    """`jetserve plan` of the latent-attention presets: (512 + 64) x 61 layers x 2 bytes
+    per token at bf16, the keys alone (the cache holds no copy of the latent as values);
+    tensor parallelism over 64 chips holds the one latent kv head on each of them."""
+    for chips in ("1", "64"):
+        assert cli.main(["plan", "--model-preset", name, "--hardware", "tpu-v6e", "--chips",
+                         chips, "--batch", "1", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["kv_bytes_per_token_per_chip"] == (512 + 64) * 61 * 2 == 70_272
+        assert out["kv_bytes_per_token"] == 70_272 * int(chips)

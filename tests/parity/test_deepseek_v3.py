@@ -7,8 +7,11 @@ several 16-token prefill chunks. Checked:
 
 - greedy tokens equal transformers' `generate` and log-probs within 1e-4 of its forward,
   on the contiguous and the paged KV layouts (the latent attention in its absorbed form:
-  one kv head of kv_lora_rank + qk_rope_head_dim per token, not per-head keys and values);
+  one kv head of kv_lora_rank + qk_rope_head_dim per token, keys only, not per-head keys
+  and values), and the caches' bytes on the device are that latent once;
 - blockwise prefill over tiles of 8; ragged mixed steps on the paged layout;
+- the key-only cache through prefix-cache blocks (of a prefill and of pages), a prefix
+  transfer's check and move, int8 KV and speculative verification;
 - the experts over 4 devices (ep_tp) give one device's tokens;
 - `jetserve generate --model DIR`;
 - the config fields and paths it cannot take refused by name.
@@ -28,6 +31,7 @@ from engines import create_engine, load_hf_config
 from engines.backend import Backend
 from engines.hf_config import from_hf_config
 from jetserve.offline import generate_many
+from jetserve.scheduling.page_planner import PagePlanner
 from sharding import load_preset
 from tests.parity.hf_models import (
     assert_logprobs_close,
@@ -39,6 +43,7 @@ from tests.parity.hf_models import (
 )
 
 STEPS = 12
+INT8_TOL = 0.05  # int8 keys' log-probs against transformers' float forward
 VARIANTS = ("deepseek_v3", "deepseek_v3_q_proj")
 
 
@@ -75,12 +80,25 @@ def test_config_reads_the_family(case):
     assert cfg.param_count() == sum(p.numel() for p in model.parameters()) + bias
 
 
-def test_kv_bytes_per_token_are_the_latent_heads(case):
-    """The cache holds per token per layer one kv head of kv_lora_rank + qk_rope_head_dim
-    (keys; values the same shape), not N heads of keys and values."""
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_kv_bytes_per_token_are_the_latent_once(case, layout):
+    """The cache holds per token per layer one kv head of kv_lora_rank + qk_rope_head_dim,
+    keys only (the values are read from them), not N heads of keys and values nor the
+    latent twice: measured as the device arrays' bytes of an engine's decode state
+    (contiguous: slots x max length tokens; paged: the pool's pages, its scratch page
+    with them, x page size)."""
     _, d, _, _ = case
     cfg = load_hf_config(d)
-    assert cfg.kv_bytes_per_token(4) == 2 * 4 * (19 + 8) * 4
+    assert cfg.kv_bytes_per_token(4) == (19 + 8) * 4 * 4
+    engine = create_engine(cfg, weights=d, devices=jax.devices()[:1],
+                           config=parity_config(kv_layout=layout))
+    state = engine.init_decode_state()
+    g = engine.page_geometry
+    tokens = 4 * 64 if g is None else (g.num_pages + 1) * g.page_size
+    cache = jax.tree.leaves((state.k, state.v, getattr(state, "k_scale", ()),
+                             getattr(state, "v_scale", ())))
+    assert sum(x.nbytes for x in cache) == (19 + 8) * 4 * tokens * 4
+    assert all(x.shape[-1] == 0 for x in state.v)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -89,6 +107,64 @@ def test_tokens_and_logprobs(case, layout):
     results = _generate(d, config=parity_config(kv_layout=layout))
     assert [r.token_ids for r in results] == want
     assert_logprobs_close(model, parity_prompts(), results)
+
+
+def test_key_only_prefix_cache_blocks_and_transfer(case):
+    """The paged key-only cache through the prefix cache and a transfer: a prefill's
+    first 16 positions cut into blocks of a page (keys alone: [L, 1, ps, K, C]), equal to
+    the blocks its inserted pages give, joined back and continued, decode transformers'
+    tokens; its prefix passes the receiving side's wire check and moves to where this
+    engine takes prefixes."""
+    from jetserve.disagg import prefix_wire
+
+    _, d, _, want = case
+    engine = PagePlanner(create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                                       config=parity_config(kv_layout="paged", page_size=8)))
+    params = engine.load_params()
+    prompt = parity_prompts()[0]  # 40 tokens
+    donor, _ = engine.prefill(params, prompt[:16], 16)
+    blocks = engine.stack_blocks(engine.cache_blocks(donor, 0, 2, 8))
+    assert blocks.shape == (2, 4, 1, 8, 1, 19 + 8)
+    state = engine.insert(donor, engine.init_decode_state(), 0)
+    pages = engine.kv_pages.pages_of(0)[:2]
+    np.testing.assert_array_equal(np.asarray(engine.page_blocks(state, pages)), blocks)
+    engine.free_slot(0)
+    prefix = engine.prefix_from_blocks(blocks, prompt[:16])
+    for start in (16, 32):
+        piece = prompt[start:start + 16]
+        prefix, first = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
+    prefix_wire.check(prefix_wire.describe(prefix, engine.engine), engine.engine, "a worker")
+    prefix = jax.device_put(engine.engine.receive_prefix(prefix),
+                            engine.prefix_destination_sharding())
+    state = engine.insert(prefix, engine.init_decode_state(), 1)
+    tokens = [first.to_host().token(0)]
+    while len(tokens) < STEPS:
+        state, res = engine.generate(params, state)
+        tokens.append(res.to_host().token(1))
+    engine.free_slot(1)
+    assert tokens == want[0]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_key_only_cache_under_speculative_decoding(case, layout):
+    """Prompt-lookup drafts verified several tokens a step over the key-only cache keep
+    transformers' greedy tokens."""
+    _, d, _, want = case
+    results = _generate(d, config=parity_config(kv_layout=layout, speculative="ngram:3"))
+    assert [r.token_ids for r in results] == want
+
+
+def test_key_only_cache_in_int8(case):
+    """int8 keys alone (no values, no value scales; pages of C + 4 byte entries): the
+    paged and contiguous int8 caches decode alike, and each token's log-prob stays near
+    transformers' forward over the same tokens."""
+    _, d, model, _ = case
+    runs = {layout: _generate(d, config=parity_config(kv_layout=layout, kv_dtype="int8"))
+            for layout in ("contiguous", "paged")}
+    for a, b in zip(runs["contiguous"], runs["paged"], strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert_logprobs_close(model, parity_prompts(), runs["paged"], tol=INT8_TOL)
 
 
 def test_blockwise_prefill(case):

@@ -246,17 +246,16 @@ class DecodeKV(layer_scan.StackedStore):
         at = () if self.at is None else (self.at,)  # a stack's layer, written in place
         every = slice(None)
         k_at, v_at = (*at, rows, every, every, self.pos), (*at, rows, every, self.pos)
-        if st.k_scale and not st.v_scale:  # int8 key-only cache: no values, no scales
+        if st.k_scale:  # int8 cache: store quantized, attend over the dequantized window
             kq, ks = quantize_kv(k)
             self.k.append(st.k[layer].at[k_at].set(kq, **drop))
-            self.v.append(st.v[layer])
             self.k_scale.append(st.k_scale[layer].at[v_at].set(ks, **drop))
-        elif st.k_scale:  # int8 cache: store quantized, attend over the dequantized window
-            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-            self.k.append(st.k[layer].at[k_at].set(kq, **drop))
-            self.v.append(st.v[layer].at[v_at].set(vq, **drop))
-            self.k_scale.append(st.k_scale[layer].at[v_at].set(ks, **drop))
-            self.v_scale.append(st.v_scale[layer].at[v_at].set(vs, **drop))
+            if st.v_scale:
+                vq, vs = quantize_kv(v)
+                self.v.append(st.v[layer].at[v_at].set(vq, **drop))
+                self.v_scale.append(st.v_scale[layer].at[v_at].set(vs, **drop))
+            else:  # key-only: no values (width 0), no scales
+                self.v.append(st.v[layer])
         else:
             self.k.append(st.k[layer].at[k_at].set(k, **drop))  # (B, K, H, S)
             self.v.append(st.v[layer].at[v_at].set(v, **drop))  # (B, K, S, H)
@@ -281,9 +280,8 @@ class DecodeKV(layer_scan.StackedStore):
 
     def attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None,
                chunk=None):
-        # The CPU kernel takes no soft cap, attention sinks nor chunked attention: those
-        # take XLA's.
-        # Nor a key-only cache (multi-head latent attention): it reads v's own layout.
+        # The CPU kernel takes no soft cap, attention sinks, chunked attention nor a
+        # key-only cache (it reads values in their own layout): those take XLA's.
         if (self.cpu_attention and self.live_pos is not None and not self.k_scale
                 and softcap is None and sinks is None and chunk is None
                 and not key_only(self.v[layer])
@@ -316,14 +314,13 @@ def insert_prefix(prefix: Prefix, state: DecodeState, slot: jax.Array) -> Decode
     def put(cache, new):  # cache [B, K, S, H] (or scales [B, K, S]), new [1, T, K, ...]
         return cache.at[slot, :, idx].set(new[0], mode="drop")
 
+    kq, vq, k_scale, v_scale = prefix.k, prefix.v, (), ()
     if state.k_scale:
         kq, ks = zip(*map(quantize_kv, prefix.k), strict=True)
-        k_scale, vq, v_scale = put_layers(put, state.k_scale, ks), prefix.v, ()
-        if state.v_scale:
-            vq, vs = zip(*map(quantize_kv, prefix.v), strict=True)
-            v_scale = put_layers(put, state.v_scale, vs)
-    else:
-        kq, vq, k_scale, v_scale = prefix.k, prefix.v, (), ()
+        k_scale = put_layers(put, state.k_scale, ks)
+    if state.v_scale:  # int8 but key-only: none
+        vq, vs = zip(*map(quantize_kv, prefix.v), strict=True)
+        v_scale = put_layers(put, state.v_scale, vs)
 
     return DecodeState(
         k=put_layers(put_k, state.k, kq),

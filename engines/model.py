@@ -202,8 +202,9 @@ class MlaAttention(nn.Module):
     query), the heads attend as N queries over one kv head [latent | RoPE'd key] of
     C = kv_lora_rank + qk_rope_head_dim dims (what the caches hold per token: cfg.head_dim,
     one kv head, keys only: the values are the keys, cfg.value_dim 0), and each head's
-    output over the latents goes through kv_b_proj's value rows (W_UV) before o_proj. Letters: R kv_lora_rank, Q q_lora_rank, P rope dims,
-    A qk_nope_head_dim, E v_head_dim, C = R + P."""
+    output over the latents goes through kv_b_proj's value rows (W_UV) before o_proj.
+    Letters: R kv_lora_rank, Q q_lora_rank, P rope dims, A qk_nope_head_dim, E v_head_dim,
+    C = R + P."""
 
     cfg: ModelConfig
     dtype: Any

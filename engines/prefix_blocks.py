@@ -3,10 +3,10 @@ joined back into a prefix that a prefill continues (`existing_prefix`).
 
 A block is the KV of b consecutive positions of a prompt for every layer, one array
 [L, 2, b, K, H] (keys, then values), in the model dtype; [L, 1, b, K, H] (keys alone)
-for a key-only cache, whose values have width 0 (engines.attention.key_only). The prefix cache keeps one per
-trie node: on the device (these arrays, or a KV page of a paged engine, which holds the
-same values as a [K, ps, H] slice of each layer's pool) or on the host (numpy, the same
-layout). Stacks of n blocks are [n, L, 2, b, K, H]; every function here is compiled for
+for a key-only cache, whose values have width 0 (engines.attention.key_only). The
+prefix cache keeps one per trie node: on the device (these arrays, or a KV page of a
+paged engine, which holds the same values as a [K, ps, H] slice of each layer's pool)
+or on the host (numpy, the same layout). Stacks of n blocks are [n, L, 2, b, K, H]; every function here is compiled for
 a power-of-two n (`stack_size`), so the programs stay few whatever the hit lengths.
 `PrefixBlocks` is the transformer engines' side of it (the Engine methods a prefix cache
 calls). With a draft model (speculative "draft:PATH:K") the blocks still hold the

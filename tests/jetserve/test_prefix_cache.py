@@ -34,7 +34,8 @@ class _Engine:
     """Stands in for a paged engine: a real page pool, a block of 32 bytes (1 layer, 1 kv
     head of dim 1, f32), and page reads that return each page's id as its KV."""
 
-    model_config = types.SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
+    model_config = types.SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1,
+                                         kv_bytes_per_token=lambda nbytes: 2 * nbytes)
     dtype = np.float32
 
     def __init__(self, num_pages=16):

@@ -80,24 +80,27 @@ def test_config_reads_the_family(case):
     assert cfg.param_count() == sum(p.numel() for p in model.parameters()) + bias
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_kv_bytes_per_token_are_the_latent_once(case, layout):
+def test_kv_bytes_per_token_are_the_latent_once(case, layout, kv_dtype):
     """The cache holds per token per layer one kv head of kv_lora_rank + qk_rope_head_dim,
     keys only (the values are read from them), not N heads of keys and values nor the
     latent twice: measured as the device arrays' bytes of an engine's decode state
     (contiguous: slots x max length tokens; paged: the pool's pages, its scratch page
-    with them, x page size)."""
+    with them, x page size). float32: 4 bytes a value; int8: 1, and one f32 scale per
+    token and layer for the keys (none for values)."""
     _, d, _, _ = case
     cfg = load_hf_config(d)
     assert cfg.kv_bytes_per_token(4) == (19 + 8) * 4 * 4
     engine = create_engine(cfg, weights=d, devices=jax.devices()[:1],
-                           config=parity_config(kv_layout=layout))
+                           config=parity_config(kv_layout=layout, kv_dtype=kv_dtype))
     state = engine.init_decode_state()
     g = engine.page_geometry
     tokens = 4 * 64 if g is None else (g.num_pages + 1) * g.page_size
     cache = jax.tree.leaves((state.k, state.v, getattr(state, "k_scale", ()),
                              getattr(state, "v_scale", ())))
-    assert sum(x.nbytes for x in cache) == (19 + 8) * 4 * tokens * 4
+    per_entry = (19 + 8) * 4 if kv_dtype == "auto" else 19 + 8 + 4
+    assert sum(x.nbytes for x in cache) == per_entry * 4 * tokens
     assert all(x.shape[-1] == 0 for x in state.v)
 
 

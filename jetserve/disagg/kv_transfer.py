@@ -82,7 +82,7 @@ class KVSender:
         if self.sources is None:
             wired = prefix_wire.wire_layout(prefix, receiver_devices)
             meta = prefix_wire.describe(wired, self.engine)
-            arrays = jax.tree.leaves(wired)
+            arrays = prefix_wire.nonempty(jax.tree.leaves(wired))
         else:
             meta = prefix_wire.describe_pieces(prefix, self.engine, self.sources)
             wired = arrays = prefix_wire.local_pieces(prefix)
@@ -151,7 +151,8 @@ class KVReceiver:
             wanted = {meta["sources"][i]: prefix_wire.piece_specs(meta, i, self.devices[0])
                       for i in sorted({p["source"] for p in meta["pieces"]})}
         else:
-            wanted = {address: prefix_wire.pull_specs(meta, self.devices)}
+            specs = prefix_wire.pull_specs(meta, self.devices)
+            wanted = {address: prefix_wire.nonempty(specs)}
         conns = {a: self._connection(a) for a in wanted}
         try:
             deadline = _wall(self.timeout_s)
@@ -169,7 +170,7 @@ class KVReceiver:
             by_source = {i: pulled[a] for i, a in enumerate(meta["sources"]) if a in pulled}
             leaves = prefix_wire.assemble(meta, by_source, self.devices[0])
         else:
-            leaves = pulled[address]
+            leaves = prefix_wire.with_empty(specs, pulled[address])
         prefix = jax.tree.unflatten(self.treedef, leaves)
         moved = jax.device_put(self.receive(prefix), self.destination)
         jax.block_until_ready(moved)

@@ -22,6 +22,7 @@ dtype is refused with a `PrefixMismatch` naming the field, never written into a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,6 +88,23 @@ def wire_layout(prefix: Any, receiver_devices: int) -> Any:
         return prefix
     first = min(leaves[0].sharding.device_set, key=lambda d: d.id)
     return jax.device_put(prefix, SingleDeviceSharding(first))
+
+
+def nonempty(xs: Sequence[Any]) -> list[Any]:
+    """The arrays (or ShapeDtypeStructs) of xs that hold any entry: a transfer server's
+    pull of an empty array never lands (seen: never ready), so the empty leaves (a
+    key-only cache's values, width 0) are not sent; the receiver makes them
+    (`with_empty`)."""
+    return [x for x in xs if math.prod(x.shape)]
+
+
+def with_empty(specs: Sequence[jax.ShapeDtypeStruct], pulled: Sequence[jax.Array]
+               ) -> list[jax.Array]:
+    """Every leaf of `specs`: the pulled ones (`nonempty(specs)`, in order), and each
+    empty one made here, where its spec places it."""
+    it = iter(pulled)
+    return [next(it) if math.prod(s.shape) else jnp.zeros(s.shape, s.dtype, device=s.sharding)
+            for s in specs]
 
 
 def nbytes(meta: dict) -> int:
@@ -161,7 +179,7 @@ def describe_pieces(prefix: Any, engine: Any, sources: Sequence[str]) -> dict:
     for i, x in enumerate(jax.tree.leaves(prefix)):
         leaves.append({"shape": list(x.shape), "dtype": np.dtype(x.dtype).name})
         pieces += [{"leaf": i, "source": d.process_index, "index": index}
-                   for d, index in owned_pieces(x)]
+                   for d, index in owned_pieces(x) if x.size]  # empty: made by `assemble`
     return {"leaves": leaves, "pieces": pieces, "sources": list(sources),
             "signature": signature(engine)}
 
@@ -171,7 +189,7 @@ def local_pieces(prefix: Any) -> list[jax.Array]:
     arrays, for its transfer server)."""
     me = jax.process_index()
     out = []
-    for x in jax.tree.leaves(prefix):
+    for x in nonempty(jax.tree.leaves(prefix)):
         mine = {s.device: s.data for s in x.addressable_shards}
         out += [mine[d] for d, _ in owned_pieces(x) if d.process_index == me]
     return out

@@ -113,16 +113,21 @@ def test_tokens_and_logprobs(case, layout):
 
 
 def test_key_only_prefix_cache_blocks_and_transfer(case):
-    """The paged key-only cache through the prefix cache and a transfer: a prefill's
-    first 16 positions cut into blocks of a page (keys alone: [L, 1, ps, K, C]), equal to
-    the blocks its inserted pages give, joined back and continued, decode transformers'
-    tokens; its prefix passes the receiving side's wire check and moves to where this
-    engine takes prefixes."""
-    from jetserve.disagg import prefix_wire
+    """The paged key-only cache through the prefix cache and a transfer between roles: a
+    prefill's first 16 positions cut into blocks of a page (keys alone: [L, 1, ps, K, C]),
+    equal to the blocks its inserted pages give, joined back and continued; that prefix
+    pulled by a decode engine on another device (jax's transfer server, as the split
+    roles do: its empty value arrays are made there, not sent) decodes transformers'
+    tokens."""
+    from jetserve.disagg.kv_transfer import KVReceiver, KVSender
 
     _, d, _, want = case
-    engine = PagePlanner(create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                                       config=parity_config(kv_layout="paged", page_size=8)))
+
+    def paged(devices):
+        return PagePlanner(create_engine(load_hf_config(d), weights=d, devices=devices,
+                                         config=parity_config(kv_layout="paged", page_size=8)))
+
+    engine, decoder = paged(jax.devices()[:1]), paged(jax.devices()[1:2])
     params = engine.load_params()
     prompt = parity_prompts()[0]  # 40 tokens
     donor, _ = engine.prefill(params, prompt[:16], 16)
@@ -136,15 +141,19 @@ def test_key_only_prefix_cache_blocks_and_transfer(case):
     for start in (16, 32):
         piece = prompt[start:start + 16]
         prefix, first = engine.prefill(params, piece, len(piece), existing_prefix=prefix)
-    prefix_wire.check(prefix_wire.describe(prefix, engine.engine), engine.engine, "a worker")
-    prefix = jax.device_put(engine.engine.receive_prefix(prefix),
-                            engine.prefix_destination_sharding())
-    state = engine.insert(prefix, engine.init_decode_state(), 1)
+    sender = KVSender(engine.engine, hold_s=30.0)
+    uuid, meta = sender.register(prefix, receiver_devices=1)
+    prefix = KVReceiver(decoder.engine, timeout_s=30.0).pull(sender.address, uuid, meta,
+                                                             "a prefill worker")
+    assert sender.ack(uuid)
+    assert all(x.shape[-1] == 0 for x in prefix.v)
+    state = decoder.insert(prefix, decoder.init_decode_state(), 1)
     tokens = [first.to_host().token(0)]
+    params = decoder.load_params()
     while len(tokens) < STEPS:
-        state, res = engine.generate(params, state)
+        state, res = decoder.generate(params, state)
         tokens.append(res.to_host().token(1))
-    engine.free_slot(1)
+    decoder.free_slot(1)
     assert tokens == want[0]
 
 

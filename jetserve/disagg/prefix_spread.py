@@ -22,6 +22,7 @@ landed, `all_agree`), so either every process has the prefix or none keeps it
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from jetserve.disagg import prefix_wire
 from jetserve.disagg.kv_transfer import _server, _wall, wait_ready
 
 log = logging.getLogger("jetserve.disagg")
@@ -130,8 +132,11 @@ class PrefixSpreader:
         held = []
         try:
             for p in range(1, self.processes):
-                blocks = [_cut(x, key) for x, s in zip(leaves, self.shardings, strict=True)
-                          for key, _ in blocks_of(s, x.shape, p)]
+                # Empty blocks (a key-only cache's values) are not sent: a pull of an
+                # empty array never lands (prefix_wire.nonempty); `_pull` makes them.
+                blocks = prefix_wire.nonempty([
+                    _cut(x, key) for x, s in zip(leaves, self.shardings, strict=True)
+                    for key, _ in blocks_of(s, x.shape, p)])
                 held.append(blocks)
                 self._server.await_pull(uuids[p], blocks, timeout=_wall(self.timeout_s + 5))
         except Exception as e:  # told to the others in the turn: everyone drops this prefix
@@ -189,19 +194,20 @@ class PrefixSpreader:
               ) -> list[list[jax.Array]]:
         """This process's blocks, pulled from process 0, grouped by leaf."""
         one = SingleDeviceSharding(self.device)
-        specs = [jax.ShapeDtypeStruct(tuple(b - a for a, b in key), np.dtype(dtype),
-                                      sharding=one)
-                 for (_, dtype), blocks in zip(turn["leaves"], mine, strict=True)
-                 for key, _ in blocks]
+        specs = [[jax.ShapeDtypeStruct(tuple(b - a for a, b in key), np.dtype(dtype),
+                                       sharding=one) for key, _ in blocks]
+                 for (_, dtype), blocks in zip(turn["leaves"], mine, strict=True)]
         conn = self._connection(turn["address"])
         try:
-            flat = conn.pull(turn["uuids"][self.me], specs, timeout=_wall(self.timeout_s))
+            sent = prefix_wire.nonempty([s for leaf in specs for s in leaf])
+            flat = conn.pull(turn["uuids"][self.me], sent, timeout=_wall(self.timeout_s))
             wait_ready(flat, self.timeout_s, "no prefix blocks from process 0")
         except Exception:
             self._conn = None  # the next pull reconnects
             raise
         it = iter(flat)
-        return [[next(it) for _ in blocks] for blocks in mine]
+        return [prefix_wire.with_empty(leaf, [next(it) for s in leaf if math.prod(s.shape)])
+                for leaf in specs]
 
     def _connection(self, address: str) -> Any:
         if self._conn is None or self._conn[0] != address:

@@ -5,7 +5,8 @@ tensor fills which parameter and how it is reshaped. Linear kernels keep HF's [o
 order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the MoE
 experts' kernels and the router are transposed to [in, out] (engines.model). A tensor
 published in MXFP4 (`<name>_blocks` and `<name>_scales`, gpt-oss's experts) is read as
-`<name>` decoded to floats (engines/mxfp4.py). Llama 4 rotates interleaved pairs of each
+`<name>` decoded to floats (engines/mxfp4.py); so is an FP8 block-quantized weight
+(`<name>` with `<name>_scale_inv` beside it, engines/fp8_block.py). Llama 4 rotates interleaved pairs of each
 head's dims (2i, 2i+1) where the decoder rotates halves (i, i + H/2): its q and k rows are
 reordered per head as they load (evens, then odds), which changes no q.k product.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from engines import mxfp4, ocdbt_reader
+from engines import fp8_block, mxfp4, ocdbt_reader
 from engines.config import ModelConfig
 
 ORBAX_PARAMS_DIR = "params"
@@ -320,12 +321,29 @@ class SafetensorsReader:
     def keys(self) -> set[str]:
         return set(self._where)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise KeyError(f"tensor {name!r} not found in the safetensors files of {self.model_dir}")
         fname = self._where[name]
+        if self._handles[fname].get_slice(name).get_dtype() == "F8_E4M3":
+            return _read_fp8(os.path.join(self.model_dir, fname), name)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return np.asarray(self._handles[fname].get_tensor(name))
+
+
+def _read_fp8(path: str, name: str) -> np.ndarray:
+    """A float8_e4m3fn tensor, read from the file's header and bytes (safetensors' numpy
+    and flax readers have no such dtype)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(size))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + size + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, fp8_block.FP8).reshape(info["shape"])
 
 
 def _set(tree: dict, path: str, value: Any) -> None:
@@ -339,6 +357,34 @@ def _get(tree: dict, path: str) -> Any:
     for k in path.split("/"):
         tree = tree[k]
     return tree
+
+
+def _fp8_block(model_dir: str, family: str) -> tuple[int, int] | None:
+    """The FP8 weight block size config.json's quantization_config gives, if any."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        q = json.load(f).get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "fp8":
+        return fp8_block.block_size(q, family)
+    return None
+
+
+def _read_float(reader: SafetensorsReader, name: str, block: tuple[int, int] | None,
+                dtype: Any) -> tuple[np.ndarray, str | None]:
+    """Tensor `name` as floats, and the name of the FP8 scale it was decoded with."""
+    raw = reader.get(name)
+    scale = name + fp8_block.SCALE_SUFFIX
+    if scale not in reader:
+        if raw.dtype == fp8_block.FP8:
+            raise ValueError(f"{reader.model_dir}: tensor {name!r} is float8_e4m3fn without "
+                             f"{scale!r} beside it")
+        return raw, None
+    if block is None:
+        raise ValueError(f"{reader.model_dir}: tensor {scale!r} needs config.json's "
+                         f"quantization_config with quant_method 'fp8' and weight_block_size")
+    return fp8_block.dequantize(raw, reader.get(scale), block, dtype, name), scale
 
 
 def read_hf_params(
@@ -357,6 +403,7 @@ def read_hf_params(
     used: set[str] = set()
     out: dict = {}
     last: tuple[str, Any] = ("", None)  # the last MXFP4 tensor decoded
+    block = _fp8_block(model_dir, cfg.family)
     table = list(_TOP) + ([] if cfg.tie_word_embeddings else list(_HEAD))
     rows = [(h.replace("{i}", str(i)), p.replace("{i}", str(i)), t)
             for i in range(cfg.num_layers) for h, p, t in layer_weights(cfg, i)]
@@ -378,7 +425,9 @@ def read_hf_params(
                 raw = last[1]
                 used.update(mx)
             else:
-                raw = reader.get(n)
+                raw, scale = _read_float(reader, n, block, want.dtype)
+                if scale:
+                    used.add(scale)
             try:
                 parts.append(fn(raw, cfg))
             except ValueError:

@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any
 
+from engines import fp8_block
 from engines.config import (
     CHUNKED,
     FAMILIES,
@@ -291,15 +292,20 @@ def _llama4_text(hf: dict[str, Any], L: int) -> dict[str, Any]:
 
 
 def _quantization(hf: dict[str, Any], family: str) -> None:
-    """Refuses a `quantization_config` the checkpoint reader does not read: only gpt-oss's
-    MXFP4 experts (`*_blocks` / `*_scales`, dequantized as they load) are read."""
+    """Refuses a `quantization_config` the checkpoint reader does not read: gpt-oss's MXFP4
+    experts (`*_blocks` / `*_scales`) and the FP8 blocks of DeepSeek-V3 and Qwen3
+    (`*.weight_scale_inv`, engines/fp8_block.py) are read, dequantized as they load."""
     q = hf.get("quantization_config")
     if q is None:
         return
     method = q.get("quant_method") if isinstance(q, dict) else q
+    if method == "fp8" and isinstance(q, dict):
+        fp8_block.block_size(q, family)
+        return
     if family != "gpt_oss" or method != "mxfp4":
         raise ValueError(f"config.json quantization_config with quant_method {method!r} is "
-                         f"not implemented for {family} (only gpt_oss's 'mxfp4' is read)")
+                         f"not implemented for {family} (read: gpt_oss's 'mxfp4'; 'fp8' "
+                         f"blocks for {', '.join(fp8_block.FAMILIES)})")
 
 
 def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:

@@ -1,0 +1,162 @@
+"""FP8 block-quantized checkpoints (engines/fp8_block.py) against Hugging Face transformers
+loading the same directory (`FineGrainedFP8Config(dequantize=True)`, float32).
+
+The checkpoint is a random-weight deepseek_v3 model (tests/parity/hf_models.py
+DEEPSEEK_CONFIGS, with the shapes below) saved by transformers, then written in the
+published layout: every attention, MLP, expert and shared-expert linear as
+float8_e4m3fn with a float32 `weight_scale_inv` per 16 x 16 block; the embeddings, LM head,
+norms and router as they were. Blocks of 16 give a tiny model several blocks per matrix.
+transformers 5.25 derives the block from the scale grid and refuses a grid that does not
+divide the matrix (as DeepSeek-V3's own kv_a_proj_with_mqa, 576 rows in blocks of 128,
+has), so every dimension here is a multiple of 16 or a single partial block under 16;
+partial last blocks of several are checked against the definition instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from engines import create_engine, fp8_block, load_hf_config
+from engines.hf_config import from_hf_config
+from jetserve.offline import generate_many
+from tests.parity.hf_models import (
+    assert_logprobs_close,
+    hf_greedy,
+    make_hf_model,
+    parity_config,
+    parity_prompts,
+)
+
+STEPS = 12
+BLOCK = (16, 16)
+# q_b_proj 80 x 12, kv_a_proj_with_mqa 15 x 64, kv_b_proj 128 x 7, o_proj 64 x 80, the
+# dense MLP 128 x 64, experts and the shared expert 12 x 64 (D = 64).
+SHAPES = dict(q_lora_rank=12, kv_lora_rank=7, v_head_dim=20, moe_intermediate_size=12)
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(BLOCK)}
+
+
+def _unquantized(name: str) -> bool:
+    """The tensors published checkpoints keep at full precision."""
+    return (not name.endswith(".weight") or "embed_tokens" in name or "lm_head" in name
+            or "norm" in name or name.endswith("mlp.gate.weight"))
+
+
+def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """W f32[out, in] -> (fp8[out, in], scale_inv f32[ceil(out/bm), ceil(in/bn)]): each
+    block's max |W| maps to 448, the largest float8_e4m3fn value."""
+    (rows, cols), (bm, bn) = w.shape, block
+    gr, gc = -(-rows // bm), -(-cols // bn)
+    padded = np.zeros((gr * bm, gc * bn), np.float32)
+    padded[:rows, :cols] = w
+    amax = np.abs(padded.reshape(gr, bm, gc, bn)).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, bm, axis=0), bn, axis=1)[:rows, :cols]
+    return (w / full).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def write_fp8_checkpoint(src: str, dst: str, block: tuple[int, int]) -> None:
+    """A float safetensors directory rewritten in the published FP8 block layout."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    out = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            for name, t in load_file(os.path.join(src, f)).items():
+                if _unquantized(name) or t.dim() != 2:
+                    out[name] = t
+                    continue
+                q, s = quantize_blocks(t.float().numpy(), block)
+                out[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+                out[name + fp8_block.SCALE_SUFFIX] = torch.from_numpy(s)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**FP8_CONFIG, "weight_block_size": list(block)}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """(FP8 directory, transformers' model loaded from it, its greedy tokens, the float
+    model the checkpoint was written from)."""
+    import torch
+    import transformers as tf
+
+    src = str(tmp_path_factory.mktemp("float"))
+    dst = str(tmp_path_factory.mktemp("fp8"))
+    original = make_hf_model("deepseek_v3", src, **SHAPES)
+    write_fp8_checkpoint(src, dst, BLOCK)
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        dst, quantization_config=tf.FineGrainedFP8Config(dequantize=True,
+                                                         weight_block_size=BLOCK),
+        dtype=torch.float32).eval()
+    return dst, model, [hf_greedy(model, p, STEPS) for p in parity_prompts()], original
+
+
+def test_the_checkpoint_is_quantized_as_published(case):
+    """Each attention / MLP / expert linear is fp8 with its block grid of scales; the
+    transformers model built from it holds those weights, not the float ones."""
+    d, model, _, original = case
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(d, "model.safetensors"), framework="numpy") as f:
+        names = set(f.keys())
+    assert "model.layers.2.mlp.experts.7.down_proj.weight_scale_inv" in names
+    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in names
+    assert "model.layers.2.mlp.gate.weight_scale_inv" not in names
+    assert "lm_head.weight_scale_inv" not in names
+    a = model.model.layers[0].self_attn.kv_b_proj.weight.detach().numpy()
+    b = original.model.layers[0].self_attn.kv_b_proj.weight.detach().numpy()
+    assert a.shape == b.shape == (128, 7) and not np.array_equal(a, b)
+    np.testing.assert_allclose(a, b, atol=0.02)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_tokens_and_logprobs(case, layout):
+    d, model, want, _ = case
+    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
+                           config=parity_config(kv_layout=layout))
+    results = generate_many(engine, engine.load_params(), parity_prompts(),
+                            max_tokens=STEPS, ignore_eos=True)
+    assert [r.token_ids for r in results] == want
+    assert_logprobs_close(model, parity_prompts(), results)
+
+
+def test_partial_blocks_follow_the_definition():
+    """Several blocks with a partial last one each way (as 576 rows in blocks of 128):
+    W[i, j] = fp8[i, j] * scale[i // bm, j // bn]."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(40, 21)).astype(np.float32)
+    q, s = quantize_blocks(w, (16, 8))
+    assert s.shape == (3, 3)
+    got = fp8_block.dequantize(q, s, (16, 8))
+    want = np.array([[float(q[i, j]) * s[i // 16, j // 8] for j in range(21)]
+                     for i in range(40)], np.float32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, w, rtol=0.07, atol=1e-6)  # e4m3: 3 mantissa bits
+    with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(3, 2\).*\(3, 3\)"):
+        fp8_block.dequantize(q, s[:, :2], (16, 8))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_block.dequantize(w, s, (16, 8))
+
+
+def test_unimplemented_settings_are_refused(case):
+    d = case[0]
+    with open(os.path.join(d, "config.json")) as f:
+        hf = json.load(f)
+    for field, value in (("activation_scheme", "static"), ("fmt", "e5m2"),
+                         ("weight_block_size", [128]), ("weight_block_size", None)):
+        with pytest.raises(ValueError, match=field):
+            from_hf_config({**hf, "quantization_config": {**FP8_CONFIG, field: value}})
+    with pytest.raises(ValueError, match="not implemented for glm4_moe"):
+        fp8_block.block_size(FP8_CONFIG, "glm4_moe")

@@ -359,7 +359,7 @@ def _get(tree: dict, path: str) -> Any:
     return tree
 
 
-def _fp8_block(model_dir: str, family: str) -> tuple[int, int] | None:
+def fp8_block_size(model_dir: str, family: str) -> tuple[int, int] | None:
     """The FP8 weight block size config.json's quantization_config gives, if any."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
@@ -387,6 +387,28 @@ def _read_float(reader: SafetensorsReader, name: str, block: tuple[int, int] | N
     return fp8_block.dequantize(raw, reader.get(scale), block, dtype, name), scale
 
 
+def _fp8_kernel(reader: SafetensorsReader, names: list[str], stacked: bool, fn: Transform,
+                cfg: ModelConfig, block: tuple[int, int], want: dict,
+                used: set[str]) -> dict[str, np.ndarray]:
+    """{qvalue, scale} of one kernel kept in FP8 from its tensors `names` (`stacked`: the
+    experts'); a tensor the checkpoint keeps at full precision is quantized here."""
+    parts: dict[str, list[np.ndarray]] = {"qvalue": [], "scale": []}
+    for n in names:
+        scale = n + fp8_block.SCALE_SUFFIX
+        q, s = ((reader.get(n), reader.get(scale)) if scale in reader
+                else fp8_block.quantize(reader.get(n), block))
+        parts["qvalue"].append(fn(q, cfg))
+        parts["scale"].append(fn(s, cfg))
+        used.update((n, scale))
+    out = {k: np.stack(v) if stacked else v[0] for k, v in parts.items()}
+    for k, arr in out.items():
+        if tuple(arr.shape) != tuple(want[k].shape) or arr.dtype != want[k].dtype:
+            raise ValueError(f"{reader.model_dir}: {names[0]!r} ({k}) is {arr.dtype}"
+                             f"{arr.shape}, expected {want[k].dtype}{tuple(want[k].shape)} "
+                             f"from config.json")
+    return out
+
+
 def read_hf_params(
     model_dir: str,
     cfg: ModelConfig,
@@ -403,7 +425,7 @@ def read_hf_params(
     used: set[str] = set()
     out: dict = {}
     last: tuple[str, Any] = ("", None)  # the last MXFP4 tensor decoded
-    block = _fp8_block(model_dir, cfg.family)
+    block = fp8_block_size(model_dir, cfg.family)
     table = list(_TOP) + ([] if cfg.tie_word_embeddings else list(_HEAD))
     rows = [(h.replace("{i}", str(i)), p.replace("{i}", str(i)), t)
             for i in range(cfg.num_layers) for h, p, t in layer_weights(cfg, i)]
@@ -411,6 +433,10 @@ def read_hf_params(
         want = _get(abstract, path)
         names = ([hf_name.replace("{e}", str(e)) for e in range(cfg.num_experts)]
                  if "{e}" in hf_name else [hf_name])
+        if isinstance(want, dict):  # an FP8 kernel kept 8-bit (quantization.py fp8_block)
+            _set(out, path, {k: place(f"{path}/{k}", v) for k, v in _fp8_kernel(
+                reader, names, "{e}" in hf_name, fn, cfg, block, want, used).items()})
+            continue
         parts = []
         for n in names:
             mx = (f"{n}_blocks", f"{n}_scales")

@@ -138,7 +138,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # How the matmul kernels are stored (engines/quantization.py): "none", "int8" (per
-    # output channel) or "int4" (groups of quant_group_size along the input axis).
+    # output channel), "int4" (groups of quant_group_size along the input axis) or
+    # "fp8_block" (an FP8 checkpoint's MLP kernels, blocks of quant_group_size squared).
     weight_quant: str = "none"
     quant_group_size: int = 32
     # One layer body run L times under a scan, parameters and decode cache stacked on a
@@ -148,9 +149,9 @@ class ModelConfig:
     scan_layers: bool = False
 
     def __post_init__(self):
-        if self.weight_quant not in ("none", "int8", "int4"):
-            raise ValueError(
-                f"weight_quant must be 'none', 'int8' or 'int4', got {self.weight_quant!r}")
+        if self.weight_quant not in ("none", "int8", "int4", "fp8_block"):
+            raise ValueError(f"weight_quant must be 'none', 'int8', 'int4' or 'fp8_block', "
+                             f"got {self.weight_quant!r}")
         g = self.quant_group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
             raise ValueError(f"quant_group_size must be an even integer >= 2, got {g!r}")
@@ -239,7 +240,7 @@ class ModelConfig:
         if self.qk_norm != "none" or self.qkv_bias or self.o_bias or self.attn_sinks:
             raise ValueError("multi-head latent attention takes no qk_norm, qkv_bias, "
                              "o_bias or attn_sinks")
-        if self.weight_quant != "none":
+        if self.weight_quant in ("int8", "int4"):  # fp8_block quantizes only the MLPs
             raise ValueError(f"weight_quant {self.weight_quant!r} (--quantize) is not "
                              f"implemented for multi-head latent attention (deepseek_v3)")
 

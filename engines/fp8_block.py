@@ -28,6 +28,7 @@ import numpy as np
 
 SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # The families whose published FP8 checkpoints use this layout.
 FAMILIES = ("deepseek_v3", "qwen3", "qwen3_moe")
 _ACCEPTED = {"fmt": ("e4m3",), "activation_scheme": ("dynamic",)}
@@ -67,10 +68,36 @@ def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
         raise ValueError(f"{name}: FP8 block weights must be float8_e4m3fn, got {weight.dtype}")
     if weight.ndim != 2:
         raise ValueError(f"{name}: FP8 block weights must be 2-D [out, in], got {weight.shape}")
-    (rows, cols), (bm, bn) = weight.shape, block
-    grid = (-(-rows // bm), -(-cols // bn))
+    grid = scale_grid(weight.shape, block)
     if scale_inv.shape != grid:
         raise ValueError(f"{name}{SCALE_SUFFIX} has shape {scale_inv.shape}; a weight of "
                          f"{weight.shape} in blocks of {list(block)} needs {grid}")
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), bm, axis=0), bn, axis=1)
-    return (weight.astype(np.float32) * scale[:rows, :cols]).astype(dtype)
+    return scaled(weight, scale_inv, block, np).astype(dtype)
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scales' shape for a weight [..., out, in]: one per block of its last two axes."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+def scaled(weight: Any, scale_inv: Any, block: tuple[int, int], xp: Any = np) -> Any:
+    """fp8[..., out, in] times each block's scale, in float32 (`xp`: numpy on the host,
+    jax.numpy inside jit)."""
+    rows, cols = weight.shape[-2:]
+    full = xp.repeat(xp.repeat(scale_inv.astype(xp.float32), block[0], axis=-2), block[1],
+                     axis=-1)
+    return weight.astype(xp.float32) * full[..., :rows, :cols]
+
+
+def quantize(w: Any, block: tuple[int, int], xp: Any = np) -> tuple[Any, Any]:
+    """W[..., out, in] -> (fp8, scale_inv f32 of `scale_grid`): each block's max |W| maps
+    to the largest float8_e4m3fn value, as published checkpoints are made."""
+    w = w.astype(xp.float32)
+    *lead, rows, cols = w.shape
+    gr, gc = scale_grid(w.shape, block)[-2:]
+    pad = [(0, 0)] * len(lead) + [(0, gr * block[0] - rows), (0, gc * block[1] - cols)]
+    tiles = xp.pad(w, pad).reshape(*lead, gr, block[0], gc, block[1])
+    amax = xp.max(xp.abs(tiles), axis=(-3, -1))
+    scale = xp.where(amax > 0, amax / FP8_MAX, 1.0).astype(xp.float32)
+    return (w / scaled(xp.ones_like(w), scale, block, xp)).astype(FP8), scale

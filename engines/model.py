@@ -91,7 +91,7 @@ def _kernel(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str,
     dequantized here, inside the jitted step, right before its matmul. `in_place`: a
     float kernel of a scanned layer comes whole with its index (layer_scan.LayerWeight),
     which Backend.linear reads in place."""
-    if mod.cfg.weight_quant == "none":
+    if not quantization.quantizes(mod.cfg.weight_quant, name):
         return layer_scan.param(mod, name, nn.initializers.normal(0.02), shape, names, dtype,
                                 at, whole=in_place)
     return quantization.quantized_kernel(mod, name, shape, names, dtype, at)

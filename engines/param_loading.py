@@ -24,7 +24,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from engines import checkpoint, exported_programs, kv_heads, layer_scan
 from engines.config import ModelConfig
 from engines.model import Decoder
-from engines.quantization import KERNEL_INPUT_AXES, QVALUE, SCALE, quantize, quantize_params
+from engines.quantization import (
+    KERNEL_INPUT_AXES,
+    QVALUE,
+    SCALE,
+    quantize,
+    quantize_params,
+    quantizes,
+)
 from sharding import ShardingConfig
 
 
@@ -123,6 +130,8 @@ def needs_quantizing(cfg: ModelConfig, weights: str | None) -> bool:
         return False
     if weights is not None and checkpoint.is_orbax_dir(weights):
         return checkpoint.read_orbax_config(weights).weight_quant == "none"
+    if weights is not None and cfg.weight_quant == "fp8_block":  # kept as the files hold it
+        return checkpoint.fp8_block_size(weights, cfg.family) != (cfg.quant_group_size,) * 2
     return True
 
 
@@ -220,7 +229,7 @@ def _load_hf(weights: str, source_cfg: ModelConfig, stored: dict, logical: dict 
     def place(path: str, arr: np.ndarray):
         arr = kv_heads.repeat_leaf(arr, flat_logical.get(path), kv_repeat, np)
         leaf = path.rsplit("/", 1)[-1]
-        if not quantizing or leaf not in KERNEL_INPUT_AXES:
+        if not quantizing or not quantizes(scheme, leaf):
             return jax.device_put(arr, flat_sh[path])
         q, s = quantize(arr, KERNEL_INPUT_AXES[leaf], scheme, group, np)
         return {QVALUE: jax.device_put(q, flat_sh[f"{path}/{QVALUE}"]),

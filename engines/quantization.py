@@ -10,6 +10,10 @@ f32[...]}` at W's path:
         input axis: max |W| in the group / 7; values in [-8, 7] are packed two per byte
         along that same axis (element 2j in the low nibble, 2j+1 in the high one), so
         qvalue has that axis halved and each byte stays on the device of its elements.
+  fp8_block  FP8 block checkpoints kept 8-bit (engines/fp8_block.py): qvalue
+        float8_e4m3fn of W's shape, one scale per `group` x `group` block of the last two
+        axes (the published [out, in] matrix, or its transpose for experts); only the MLP
+        and expert kernels (FP8_BLOCK_KERNELS), the others are dequantized as they load.
 
 Logical axis names: qvalue keeps W's names (a packed axis keeps its name and splits over
 the same mesh axis as before); a scale keeps the names of the dimensions it has, so it
@@ -37,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engines import layer_scan
+from engines import fp8_block, layer_scan
 
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "int8", "int4", "fp8_block")
 DEFAULT_GROUP = 32
 QVALUE, SCALE = "qvalue", "scale"
 
@@ -57,6 +61,15 @@ KERNEL_INPUT_AXES: dict[str, tuple[int, ...]] = {
     "w2": (1,),  # [E, F, D]
     "lm_head": (1,),  # [V, D]
 }
+
+
+FP8_BLOCK_KERNELS = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
+
+
+def quantizes(scheme: str, name: str) -> bool:
+    """Whether `scheme` stores kernel `name` quantized."""
+    return (scheme != "none" and name in KERNEL_INPUT_AXES
+            and (scheme != "fp8_block" or name in FP8_BLOCK_KERNELS))
 
 
 def check_scheme(field: str, scheme: str, group: int) -> None:
@@ -86,6 +99,8 @@ class Layout:
 def layout(shape: Sequence[int], names: Sequence[str | None], in_axes: Sequence[int],
            scheme: str, group: int, tensor: str = "kernel") -> Layout:
     shape, names = tuple(shape), tuple(names)
+    if scheme == "fp8_block":
+        return Layout(shape, fp8_block.scale_grid(shape, (group, group)), names, group)
     if scheme == "int8":
         keep = [i for i in range(len(shape)) if i not in in_axes]
         return Layout(shape, tuple(shape[i] for i in keep), tuple(names[i] for i in keep), 0)
@@ -106,6 +121,8 @@ def layout(shape: Sequence[int], names: Sequence[str | None], in_axes: Sequence[
 def quantize(w: Any, in_axes: Sequence[int], scheme: str, group: int,
              xp: Any = np) -> tuple[Any, Any]:
     """W -> (qvalue int8, scale f32) as described in the module docstring."""
+    if scheme == "fp8_block":
+        return fp8_block.quantize(w, (group, group), xp)
     w = w.astype(xp.float32)
     if scheme == "int8":
         amax = xp.max(xp.abs(w), axis=tuple(in_axes), keepdims=True)
@@ -143,6 +160,8 @@ def dequantize(qvalue: jax.Array, scale: jax.Array, in_axes: Sequence[int], sche
                group: int, dtype: Any) -> jax.Array:
     """(qvalue, scale) -> W in `dtype`; meant to run inside jit, next to its matmul."""
     # The product is taken in f32 (a bf16 scale would add up to 0.4% error), then cast.
+    if scheme == "fp8_block":
+        return fp8_block.scaled(qvalue, scale, (group, group), jnp).astype(dtype)
     if scheme == "int8":
         w = qvalue.astype(jnp.float32) * jnp.expand_dims(scale, tuple(in_axes))
         return w.astype(dtype)
@@ -177,7 +196,7 @@ class QuantizedKernel(nn.Module):
         lay = layout(self.shape, self.names, self.in_axes, self.scheme, self.group,
                      self.name or "kernel")
         q = layer_scan.param(self, QVALUE, nn.initializers.zeros, lay.qshape, self.names,
-                             jnp.int8, at)
+                             fp8_block.FP8 if self.scheme == "fp8_block" else jnp.int8, at)
         s = layer_scan.param(self, SCALE, nn.initializers.ones, lay.sshape, lay.snames,
                              jnp.float32, at)
         return dequantize(q, s, self.in_axes, self.scheme, self.group, self.dtype)
@@ -224,7 +243,7 @@ def quantize_params(params: dict, scheme: str, group: int, xp: Any = jnp) -> dic
     for k, v in params.items():
         if isinstance(v, dict):
             out[k] = quantize_params(v, scheme, group, xp)
-        elif k in KERNEL_INPUT_AXES:
+        elif quantizes(scheme, k):
             q, s = quantize(v, KERNEL_INPUT_AXES[k], scheme, group, xp)
             out[k] = {QVALUE: q, SCALE: s}
         else:

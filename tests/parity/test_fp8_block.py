@@ -22,9 +22,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from engines import create_engine, fp8_block, load_hf_config
+from engines import create_engine, fp8_block, load_hf_config, quantization
 from engines.hf_config import from_hf_config
 from jetserve.offline import generate_many
+from sharding import load_preset
 from tests.parity.hf_models import (
     assert_logprobs_close,
     hf_greedy,
@@ -48,19 +49,6 @@ def _unquantized(name: str) -> bool:
             or "norm" in name or name.endswith("mlp.gate.weight"))
 
 
-def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """W f32[out, in] -> (fp8[out, in], scale_inv f32[ceil(out/bm), ceil(in/bn)]): each
-    block's max |W| maps to 448, the largest float8_e4m3fn value."""
-    (rows, cols), (bm, bn) = w.shape, block
-    gr, gc = -(-rows // bm), -(-cols // bn)
-    padded = np.zeros((gr * bm, gc * bn), np.float32)
-    padded[:rows, :cols] = w
-    amax = np.abs(padded.reshape(gr, bm, gc, bn)).max(axis=(1, 3))
-    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
-    full = np.repeat(np.repeat(scale, bm, axis=0), bn, axis=1)[:rows, :cols]
-    return (w / full).astype(ml_dtypes.float8_e4m3fn), scale
-
-
 def write_fp8_checkpoint(src: str, dst: str, block: tuple[int, int]) -> None:
     """A float safetensors directory rewritten in the published FP8 block layout."""
     import torch
@@ -74,7 +62,7 @@ def write_fp8_checkpoint(src: str, dst: str, block: tuple[int, int]) -> None:
                 if _unquantized(name) or t.dim() != 2:
                     out[name] = t
                     continue
-                q, s = quantize_blocks(t.float().numpy(), block)
+                q, s = fp8_block.quantize(t.float().numpy(), block)
                 out[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
                 out[name + fp8_block.SCALE_SUFFIX] = torch.from_numpy(s)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
@@ -85,8 +73,7 @@ def write_fp8_checkpoint(src: str, dst: str, block: tuple[int, int]) -> None:
         json.dump(config, f, indent=1)
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory):
+def _written(variant: str, tmp_path_factory, **overrides):
     """(FP8 directory, transformers' model loaded from it, its greedy tokens, the float
     model the checkpoint was written from)."""
     import torch
@@ -94,13 +81,26 @@ def case(tmp_path_factory):
 
     src = str(tmp_path_factory.mktemp("float"))
     dst = str(tmp_path_factory.mktemp("fp8"))
-    original = make_hf_model("deepseek_v3", src, **SHAPES)
+    original = make_hf_model(variant, src, **overrides)
     write_fp8_checkpoint(src, dst, BLOCK)
     model = tf.AutoModelForCausalLM.from_pretrained(
         dst, quantization_config=tf.FineGrainedFP8Config(dequantize=True,
                                                          weight_block_size=BLOCK),
         dtype=torch.float32).eval()
     return dst, model, [hf_greedy(model, p, STEPS) for p in parity_prompts()], original
+
+
+def _generate(d: str, devices: int = 1, sharding=None, **config):
+    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:devices],
+                           config=parity_config(**config),
+                           **({} if sharding is None else {"sharding": sharding}))
+    return generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
+                         ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    return _written("deepseek_v3", tmp_path_factory, **SHAPES)
 
 
 def test_the_checkpoint_is_quantized_as_published(case):
@@ -121,13 +121,55 @@ def test_the_checkpoint_is_quantized_as_published(case):
     np.testing.assert_allclose(a, b, atol=0.02)
 
 
+def test_mlp_kernels_stay_8bit(case):
+    """The experts', shared experts' and dense MLP's kernels are held as the file holds
+    them (fp8 values, one f32 scale per 16 x 16 block; experts as [E, in, out]); the
+    latent attention's, folded into the query and output, are dequantized."""
+    import torch
+    from safetensors import safe_open
+
+    d = case[0]
+    cfg = load_hf_config(d)
+    assert (cfg.weight_quant, cfg.quant_group_size) == ("fp8_block", 16)
+    engine = create_engine(cfg, weights=d, devices=jax.devices()[:1], config=parity_config())
+    flat = {jax.tree_util.keystr(k): v for k, v in
+            jax.tree_util.tree_leaves_with_path(engine.load_params())}
+    kinds = {k: str(v.dtype) for k, v in flat.items() if "layers" in k}
+    for name in ("'moe']['w1", "'moe']['w2", "'shared_experts']['up_proj", "'mlp']['down_proj"):
+        got = {v for k, v in kinds.items() if f"{name}']['qvalue']" in k}
+        assert got == {"float8_e4m3fn"}, (name, got)
+    assert {v for k, v in kinds.items() if "kv_b_proj" in k} == {"float32"}
+    w1 = np.asarray(flat["['layers_2']['moe']['w1']['qvalue']"])  # [E, D, F]
+    with safe_open(os.path.join(d, "model.safetensors"), framework="pt") as f:
+        expert = f.get_tensor("model.layers.2.mlp.experts.5.gate_proj.weight")  # [F, D]
+    stored = expert.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    assert w1[5].view(np.uint8).tolist() == stored.T.view(np.uint8).tolist()
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_tokens_and_logprobs(case, layout):
     d, model, want, _ = case
-    engine = create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                           config=parity_config(kv_layout=layout))
-    results = generate_many(engine, engine.load_params(), parity_prompts(),
-                            max_tokens=STEPS, ignore_eos=True)
+    results = _generate(d, kv_layout=layout)
+    assert [r.token_ids for r in results] == want
+    assert_logprobs_close(model, parity_prompts(), results)
+
+
+@pytest.mark.slow
+def test_experts_over_four_devices(case):
+    """ep_tp on 4 devices: the fp8 experts and their block scales split 2 of 8 per device,
+    the dense MLP's over the model axis (16-row blocks of 128 rows: whole blocks apiece)."""
+    d, _, want, _ = case
+    results = _generate(d, devices=4, sharding=load_preset("ep_tp"))
+    assert [r.token_ids for r in results] == want
+
+
+@pytest.mark.parametrize("variant", ["qwen3_yarn", "qwen3_moe"])
+def test_qwen3_families(variant, tmp_path_factory):
+    """Qwen3's and Qwen3-MoE's FP8 releases use the same layout: their q/k/v/o
+    (dequantized, heads split as they load), MLPs and experts (kept 8-bit)."""
+    d, model, want, _ = _written(variant, tmp_path_factory)
+    assert load_hf_config(d).weight_quant == "fp8_block"
+    results = _generate(d, kv_layout="paged")
     assert [r.token_ids for r in results] == want
     assert_logprobs_close(model, parity_prompts(), results)
 
@@ -137,13 +179,19 @@ def test_partial_blocks_follow_the_definition():
     W[i, j] = fp8[i, j] * scale[i // bm, j // bn]."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(40, 21)).astype(np.float32)
-    q, s = quantize_blocks(w, (16, 8))
+    q, s = fp8_block.quantize(w, (16, 8))
     assert s.shape == (3, 3)
     got = fp8_block.dequantize(q, s, (16, 8))
     want = np.array([[float(q[i, j]) * s[i // 16, j // 8] for j in range(21)]
                      for i in range(40)], np.float32)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got, w, rtol=0.07, atol=1e-6)  # e4m3: 3 mantissa bits
+    # The same blocks stacked as experts and dequantized in jit, as the decoder does.
+    stacked = jax.jit(lambda q, s: quantization.dequantize(q, s, (1,), "fp8_block", 16,
+                                                           np.float32))
+    q2, s2 = quantization.quantize(np.stack([w, -w]), (1,), "fp8_block", 16)
+    np.testing.assert_array_equal(np.asarray(stacked(q2, s2))[1], -fp8_block.dequantize(
+        *fp8_block.quantize(w, (16, 16)), (16, 16)))
     with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(3, 2\).*\(3, 3\)"):
         fp8_block.dequantize(q, s[:, :2], (16, 8))
     with pytest.raises(ValueError, match="float8_e4m3fn"):

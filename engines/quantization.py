@@ -251,14 +251,16 @@ def quantize_params(params: dict, scheme: str, group: int, xp: Any = jnp) -> dic
     return out
 
 
-def dequantize_params(params: dict, scheme: str, dtype: Any = jnp.float32) -> dict:
-    """The inverse, for tests and quality reports (materialises every kernel)."""
+def dequantize_params(params: dict, scheme: str, dtype: Any = jnp.float32,
+                      group: int = 0) -> dict:
+    """The inverse, for tests and quality reports (materialises every kernel); `group`:
+    fp8_block's block size (int4's groups are read from the shapes)."""
     out = {}
     for k, v in params.items():
         if isinstance(v, dict) and set(v) == {QVALUE, SCALE}:
-            out[k] = dequantize(v[QVALUE], v[SCALE], KERNEL_INPUT_AXES[k], scheme, 0, dtype)
+            out[k] = dequantize(v[QVALUE], v[SCALE], KERNEL_INPUT_AXES[k], scheme, group, dtype)
         elif isinstance(v, dict):
-            out[k] = dequantize_params(v, scheme, dtype)
+            out[k] = dequantize_params(v, scheme, dtype, group)
         else:
             out[k] = v
     return out

@@ -128,7 +128,7 @@ def test_unimplemented_fields_are_refused(case):
     with pytest.raises(ValueError, match="kv_lora_rank"):
         from_hf_config({k: v for k, v in hf.items() if k != "kv_lora_rank"})
     with pytest.raises(ValueError, match="quantization_config"):
-        from_hf_config({**hf, "quantization_config": {"quant_method": "fp8"}})
+        from_hf_config({**hf, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match="num_kv_heads must be 1"):
         dataclasses.replace(load_hf_config(d), num_kv_heads=2)
     with pytest.raises(ValueError, match="weight_quant 'int8'"):

@@ -6,9 +6,11 @@ order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the M
 experts' kernels and the router are transposed to [in, out] (engines.model). A tensor
 published in MXFP4 (`<name>_blocks` and `<name>_scales`, gpt-oss's experts) is read as
 `<name>` decoded to floats (engines/mxfp4.py); so is an FP8 block-quantized weight
-(`<name>` with `<name>_scale_inv` beside it, engines/fp8_block.py). Llama 4 rotates interleaved pairs of each
-head's dims (2i, 2i+1) where the decoder rotates halves (i, i + H/2): its q and k rows are
-reordered per head as they load (evens, then odds), which changes no q.k product.
+(`<name>` with `<name>_scale_inv` beside it, engines/fp8_block.py), unless the model keeps
+it 8-bit (a {qvalue, scale} parameter: the two tensors as stored). Llama 4 rotates
+interleaved pairs of each head's dims (2i, 2i+1) where the decoder rotates halves
+(i, i + H/2): its q and k rows are reordered per head as they load (evens, then odds),
+which changes no q.k product.
 """
 
 from __future__ import annotations
@@ -384,7 +386,8 @@ def _read_float(reader: SafetensorsReader, name: str, block: tuple[int, int] | N
     if block is None:
         raise ValueError(f"{reader.model_dir}: tensor {scale!r} needs config.json's "
                          f"quantization_config with quant_method 'fp8' and weight_block_size")
-    return fp8_block.dequantize(raw, reader.get(scale), block, dtype, name), scale
+    scales = fp8_block.scales_f32(reader.get(scale))
+    return fp8_block.dequantize(raw, scales, block, dtype, name), scale
 
 
 def _fp8_kernel(reader: SafetensorsReader, names: list[str], stacked: bool, fn: Transform,
@@ -395,7 +398,7 @@ def _fp8_kernel(reader: SafetensorsReader, names: list[str], stacked: bool, fn: 
     parts: dict[str, list[np.ndarray]] = {"qvalue": [], "scale": []}
     for n in names:
         scale = n + fp8_block.SCALE_SUFFIX
-        q, s = ((reader.get(n), reader.get(scale)) if scale in reader
+        q, s = ((reader.get(n), fp8_block.scales_f32(reader.get(scale))) if scale in reader
                 else fp8_block.quantize(reader.get(n), block))
         parts["qvalue"].append(fn(q, cfg))
         parts["scale"].append(fn(s, cfg))

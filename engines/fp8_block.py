@@ -1,5 +1,5 @@
-"""FP8 block-quantized weights as DeepSeek-V3 (and Qwen3's FP8 releases) publish them,
-decoded to floats on load.
+"""FP8 block-quantized weights as DeepSeek-V3 (and Qwen3's FP8 releases) publish them:
+decoded to floats on load, or kept 8-bit (engines/quantization.py, scheme fp8_block).
 
 config.json says `"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
 "activation_scheme": "dynamic", "weight_block_size": [bm, bn]}` ([128, 128] as published).
@@ -8,7 +8,9 @@ Each quantized linear `X.weight` W[out, in] is then stored as two tensors:
   `X.weight`            float8_e4m3fn[out, in]: W divided by its block's scale;
   `X.weight_scale_inv`  float32[ceil(out / bm), ceil(in / bn)]: one scale per bm x bn
       block, the last block of a row or column partial where bm or bn does not divide
-      (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 5 row blocks),
+      (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 5 row blocks); with `"scale_fmt":
+      "ue8m0"` the scales are powers of two, stored as float32 or as their biased 8-bit
+      exponents (uint8 e: 2^(e - 127)),
 
 so W[i, j] = fp8[i, j] * scale[i // bm, j // bn]. Which tensors are quantized is read from
 the files (a weight with a `_scale_inv` beside it): as published, every attention and MLP
@@ -31,9 +33,12 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # The families whose published FP8 checkpoints use this layout.
 FAMILIES = ("deepseek_v3", "qwen3", "qwen3_moe")
-_ACCEPTED = {"fmt": ("e4m3",), "activation_scheme": ("dynamic",)}
-_KNOWN_KEYS = ("quant_method", "fmt", "activation_scheme", "weight_block_size",
-               "modules_to_not_convert", "ignored_layers")
+_ACCEPTED = {"fmt": ("e4m3",), "activation_scheme": ("dynamic",),
+             "scale_fmt": ("float", "ue8m0")}
+# Also read: which modules stay unquantized is seen in the files; `dequantize` is
+# transformers' loading choice, ours is the engine's.
+_KNOWN_KEYS = ("quant_method", "weight_block_size", "modules_to_not_convert",
+               "ignored_layers", "dequantize", *_ACCEPTED)
 
 
 def block_size(q: dict[str, Any], family: str) -> tuple[int, int]:
@@ -57,6 +62,14 @@ def block_size(q: dict[str, Any], family: str) -> tuple[int, int]:
         raise ValueError(f"config.json quantization_config.weight_block_size must be two "
                          f"positive integers (e.g. [128, 128]), got {block!r}")
     return int(block[0]), int(block[1])
+
+
+def scales_f32(scale_inv: np.ndarray) -> np.ndarray:
+    """Stored scales as float32 (uint8: ue8m0 exponents, 2^(e - 127))."""
+    s = np.asarray(scale_inv)
+    if s.dtype == np.uint8:
+        return np.ldexp(np.float32(1), s.astype(np.int32) - 127).astype(np.float32)
+    return s.astype(np.float32)
 
 
 def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],

@@ -3,13 +3,17 @@ loading the same directory (`FineGrainedFP8Config(dequantize=True)`, float32).
 
 The checkpoint is a random-weight deepseek_v3 model (tests/parity/hf_models.py
 DEEPSEEK_CONFIGS, with the shapes below) saved by transformers, then written in the
-published layout: every attention, MLP, expert and shared-expert linear as
-float8_e4m3fn with a float32 `weight_scale_inv` per 16 x 16 block; the embeddings, LM head,
-norms and router as they were. Blocks of 16 give a tiny model several blocks per matrix.
-transformers 5.25 derives the block from the scale grid and refuses a grid that does not
-divide the matrix (as DeepSeek-V3's own kv_a_proj_with_mqa, 576 rows in blocks of 128,
-has), so every dimension here is a multiple of 16 or a single partial block under 16;
-partial last blocks of several are checked against the definition instead.
+published layout (by fp8_block.quantize; transformers is the reader that checks it): every
+attention, MLP, expert and shared-expert linear as float8_e4m3fn with a float32
+`weight_scale_inv` per 16 x 16 block; the embeddings, LM head, norms and router as they
+were. Blocks of 16 give a tiny model several blocks per matrix. transformers 5.25 derives
+the block from the scale grid: it refuses a grid that does not divide the matrix (as
+DeepSeek-V3's own kv_a_proj_with_mqa has, 576 rows in blocks of 128) and would misread
+one that does with a partial block (24 rows in blocks of 16 read as two blocks of 12), so
+every dimension here is a multiple of 16 or a single partial block under 16; partial last
+blocks of several are checked against the definition instead. Checked: greedy tokens and
+log-probs (1e-4) on the contiguous and paged layouts, and over 4 devices (ep_tp); the MLP
+kernels held 8-bit as stored; Qwen3 and Qwen3-MoE in the same layout; refusals by name.
 """
 
 from __future__ import annotations
@@ -192,6 +196,10 @@ def test_partial_blocks_follow_the_definition():
     q2, s2 = quantization.quantize(np.stack([w, -w]), (1,), "fp8_block", 16)
     np.testing.assert_array_equal(np.asarray(stacked(q2, s2))[1], -fp8_block.dequantize(
         *fp8_block.quantize(w, (16, 16)), (16, 16)))
+    # ue8m0 scales stored as their biased exponents: 2^(e - 127).
+    e = rng.integers(115, 135, size=s.shape).astype(np.uint8)
+    np.testing.assert_array_equal(fp8_block.dequantize(q, fp8_block.scales_f32(e), (16, 8)),
+                                  fp8_block.dequantize(q, np.exp2(e - 127.0), (16, 8)))
     with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(3, 2\).*\(3, 3\)"):
         fp8_block.dequantize(q, s[:, :2], (16, 8))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
@@ -203,7 +211,8 @@ def test_unimplemented_settings_are_refused(case):
     with open(os.path.join(d, "config.json")) as f:
         hf = json.load(f)
     for field, value in (("activation_scheme", "static"), ("fmt", "e5m2"),
-                         ("weight_block_size", [128]), ("weight_block_size", None)):
+                         ("scale_fmt", "e5m2"), ("group_size", 4), ("weight_block_size", [128]),
+                         ("weight_block_size", None)):
         with pytest.raises(ValueError, match=field):
             from_hf_config({**hf, "quantization_config": {**FP8_CONFIG, field: value}})
     with pytest.raises(ValueError, match="not implemented for glm4_moe"):

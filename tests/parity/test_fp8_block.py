@@ -13,7 +13,8 @@ one that does with a partial block (24 rows in blocks of 16 read as two blocks o
 every dimension here is a multiple of 16 or a single partial block under 16; partial last
 blocks of several are checked against the definition instead. Checked: greedy tokens and
 log-probs (1e-4) on the contiguous and paged layouts, and over 4 devices (ep_tp); the MLP
-kernels held 8-bit as stored; Qwen3 and Qwen3-MoE in the same layout; refusals by name.
+kernels held 8-bit as stored, and so through `jetserve convert` to Orbax; Qwen3 and
+Qwen3-MoE in the same layout; refusals by name.
 """
 
 from __future__ import annotations
@@ -165,6 +166,19 @@ def test_experts_over_four_devices(case):
     d, _, want, _ = case
     results = _generate(d, devices=4, sharding=load_preset("ep_tp"))
     assert [r.token_ids for r in results] == want
+
+
+def test_orbax_convert_keeps_fp8(case, tmp_path):
+    """`jetserve convert` stores the 8-bit kernels as they are; the Orbax checkpoint loads
+    as fp8_block with no flag and gives transformers' tokens."""
+    from engines import checkpoint
+    from jetserve import cli
+
+    d, _, want, _ = case
+    out = str(tmp_path / "orbax")
+    assert cli.main(["convert", "--from-hf", d, "--to", out]) == 0
+    assert checkpoint.read_orbax_config(out).weight_quant == "fp8_block"
+    assert [r.token_ids for r in _generate(out)] == want
 
 
 @pytest.mark.parametrize("variant", ["qwen3_yarn", "qwen3_moe"])

@@ -181,13 +181,14 @@ def test_orbax_convert_keeps_fp8(case, tmp_path):
     assert [r.token_ids for r in _generate(out)] == want
 
 
-@pytest.mark.parametrize("variant", ["qwen3_yarn", "qwen3_moe"])
-def test_qwen3_families(variant, tmp_path_factory):
+@pytest.mark.parametrize("variant,layers", [("qwen3_yarn", "scan"), ("qwen3_moe", "auto")])
+def test_qwen3_families(variant, layers, tmp_path_factory):
     """Qwen3's and Qwen3-MoE's FP8 releases use the same layout: their q/k/v/o
-    (dequantized, heads split as they load), MLPs and experts (kept 8-bit)."""
+    (dequantized, heads split as they load), MLPs and experts (kept 8-bit; Qwen3's
+    stacked for a scan over its layers)."""
     d, model, want, _ = _written(variant, tmp_path_factory)
     assert load_hf_config(d).weight_quant == "fp8_block"
-    results = _generate(d, kv_layout="paged")
+    results = _generate(d, kv_layout="paged", layers=layers)
     assert [r.token_ids for r in results] == want
     assert_logprobs_close(model, parity_prompts(), results)
 

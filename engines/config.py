@@ -141,6 +141,10 @@ class ModelConfig:
     # output channel) or "int4" (groups of quant_group_size along the input axis).
     weight_quant: str = "none"
     quant_group_size: int = 32
+    # How the MoE experts' kernels (w1, w3, w2) are stored, apart from weight_quant:
+    # "mxfp4" keeps them as gpt-oss publishes them (4-bit codes, one power-of-two scale
+    # per 32 inputs), dequantized inside the step like weight_quant's schemes.
+    expert_quant: str = "none"
     # One layer body run L times under a scan, parameters and decode cache stacked on a
     # leading layer axis (engines/layer_scan.py), instead of L unrolled copies: a compile
     # that does not grow with L. Set by the engine (where it runs decides), so it is never
@@ -151,6 +155,12 @@ class ModelConfig:
         if self.weight_quant not in ("none", "int8", "int4"):
             raise ValueError(
                 f"weight_quant must be 'none', 'int8' or 'int4', got {self.weight_quant!r}")
+        if self.expert_quant not in ("none", "mxfp4"):
+            raise ValueError(
+                f"expert_quant must be 'none' or 'mxfp4', got {self.expert_quant!r}")
+        if self.expert_quant != "none" and not self.num_experts:
+            raise ValueError(f"expert_quant {self.expert_quant!r} needs MoE experts "
+                             f"(num_experts is 0)")
         g = self.quant_group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
             raise ValueError(f"quant_group_size must be an even integer >= 2, got {g!r}")

@@ -150,7 +150,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"config.json model_type {family!r} is not supported; expected one of {FAMILIES}"
         )
-    _quantization(hf, family)
+    expert_quant = _quantization(hf, family)
     for field, ok in _UNIMPLEMENTED.items():
         if field not in _IMPLEMENTS.get(family, ()) and hf.get(field) not in ok:
             raise ValueError(f"config.json {field}={hf[field]!r} is not implemented for "
@@ -181,6 +181,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             eos_token_ids=_eos_ids(hf),
             partial_rotary_factor=float(rope.get("partial_rotary_factor")
                                         or hf.get("partial_rotary_factor") or 1.0),
+            expert_quant=expert_quant,
         )
     except KeyError as e:
         raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
@@ -290,16 +291,18 @@ def _llama4_text(hf: dict[str, Any], L: int) -> dict[str, Any]:
                 layer_types=None if set(types) == {FULL} else tuple(types))
 
 
-def _quantization(hf: dict[str, Any], family: str) -> None:
-    """Refuses a `quantization_config` the checkpoint reader does not read: only gpt-oss's
-    MXFP4 experts (`*_blocks` / `*_scales`, dequantized as they load) are read."""
+def _quantization(hf: dict[str, Any], family: str) -> str:
+    """The experts' storage a `quantization_config` names (ModelConfig.expert_quant):
+    gpt-oss's MXFP4 experts (`*_blocks` / `*_scales`, kept 4-bit) are read; any other
+    quantization is refused by name."""
     q = hf.get("quantization_config")
     if q is None:
-        return
+        return "none"
     method = q.get("quant_method") if isinstance(q, dict) else q
     if family != "gpt_oss" or method != "mxfp4":
         raise ValueError(f"config.json quantization_config with quant_method {method!r} is "
                          f"not implemented for {family} (only gpt_oss's 'mxfp4' is read)")
+    return "mxfp4"
 
 
 def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:

@@ -6,9 +6,10 @@ order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the M
 experts' kernels and the router are transposed to [in, out] (engines.model). A tensor
 published in MXFP4 (`<name>_blocks` and `<name>_scales`, gpt-oss's experts) is read as
 `<name>` kept MXFP4 where the decoder stores it so (ModelConfig.expert_quant: its bytes
-moved to the [E, in, out] layout, engines/mxfp4.py), else decoded to floats. Llama 4 rotates interleaved pairs of each
-head's dims (2i, 2i+1) where the decoder rotates halves (i, i + H/2): its q and k rows are
-reordered per head as they load (evens, then odds), which changes no q.k product.
+moved to the [E, in, out] layout, engines/mxfp4.py), else decoded to floats. Llama 4
+rotates interleaved pairs of each head's dims (2i, 2i+1) where the decoder rotates halves
+(i, i + H/2): its q and k rows are reordered per head as they load (evens, then odds),
+which changes no q.k product.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def _experts(params) -> dict[str, jax.Array]:
     return {p: a for p, a in paths.items() if {"w1", "w3", "w2"} & set(p.split("/"))}
 
 
-def test_mxfp4_checkpoint_matches_transformers(mxfp4_case):
+def test_mxfp4_checkpoint_matches_transformers(mxfp4_case, monkeypatch):
     """Experts as published (MXFP4) decode exactly as transformers decodes them, stay
     4-bit on the device (their bytes as published, moved to [E, in, out]; no float copy,
     <= 0.3 of their bfloat16 bytes), and give the tokens and log-probs transformers gives
@@ -173,7 +173,9 @@ def test_mxfp4_checkpoint_matches_transformers(mxfp4_case):
     cfg = load_hf_config(dst)
     assert cfg.expert_quant == "mxfp4"
     engine = create_engine(cfg, weights=dst, config=parity_config(), devices=jax.devices()[:1])
-    params = engine.load_params()
+    with monkeypatch.context() as m:  # loading decodes nothing: no float experts, ever
+        m.setattr(mxfp4, "dequantize", lambda *a, **k: pytest.fail("experts decoded"))
+        params = engine.load_params()
     resident = _experts(params)
     assert {p.rsplit("/", 1)[-1] for p in resident} == {"qvalue", "scale"}
     assert all(a.dtype == np.uint8 for a in resident.values()), "a float expert array"

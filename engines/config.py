@@ -249,9 +249,6 @@ class ModelConfig:
         if self.qk_norm != "none" or self.qkv_bias or self.o_bias or self.attn_sinks:
             raise ValueError("multi-head latent attention takes no qk_norm, qkv_bias, "
                              "o_bias or attn_sinks")
-        if self.weight_quant != "none":
-            raise ValueError(f"weight_quant {self.weight_quant!r} (--quantize) is not "
-                             f"implemented for multi-head latent attention (deepseek_v3)")
 
     @property
     def mla(self) -> bool:

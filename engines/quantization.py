@@ -64,6 +64,11 @@ KERNEL_INPUT_AXES: dict[str, tuple[int, ...]] = {
     "w3": (1,),  # [E, D, F]
     "w2": (1,),  # [E, F, D]
     "lm_head": (1,),  # [V, D]
+    # multi-head latent attention (deepseek_v3; its o_proj is o_proj's [D, N, E])
+    "q_a_proj": (1,),  # [Q, D]
+    "q_b_proj": (2,),  # [N, A + P, Q]
+    "kv_a_proj_with_mqa": (1,),  # [R + P, D]
+    "kv_b_proj": (2,),  # [N, A + E, R]
 }
 
 

@@ -128,8 +128,8 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
                 f"sharding {self.sharding.name!r}: multi-head latent attention (deepseek_v3) "
                 f"has one latent kv head, which is not repeated over the "
                 f"{self.kv_repeat} devices of the kv_heads mesh axis; use a preset that "
-                f"keeps that axis at one device (ep_tp on no more devices than experts, or "
-                f"replicated)")
+                f"keeps that axis at one device (ep_tp on no more devices than experts, "
+                f"dp_ep, or replicated)")
         # The weights as stored (what a checkpoint holds); model_config is what runs.
         self.source_config = model_config
         # Where it runs decides the CPU kernels and the layer scan; the model only reads them.

@@ -5,12 +5,13 @@ tensor fills which parameter and how it is reshaped. Linear kernels keep HF's [o
 order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the MoE
 experts' kernels and the router are transposed to [in, out] (engines.model). A tensor
 published in MXFP4 (`<name>_blocks` and `<name>_scales`, gpt-oss's experts) is read as
-`<name>` decoded to floats (engines/mxfp4.py); so is an FP8 block-quantized weight
-(`<name>` with `<name>_scale_inv` beside it, engines/fp8_block.py), unless the model keeps
-it 8-bit (a {qvalue, scale} parameter: the two tensors as stored). Llama 4 rotates
-interleaved pairs of each head's dims (2i, 2i+1) where the decoder rotates halves
-(i, i + H/2): its q and k rows are reordered per head as they load (evens, then odds),
-which changes no q.k product.
+`<name>` kept MXFP4 where the decoder stores it so (ModelConfig.expert_quant: its bytes
+moved to the [E, in, out] layout, engines/mxfp4.py), else decoded to floats. An FP8
+block-quantized weight (`<name>` with `<name>_scale_inv` beside it, engines/fp8_block.py)
+is decoded to floats too, unless the model keeps it 8-bit (a {qvalue, scale} parameter:
+the two tensors as stored). Llama 4 rotates interleaved pairs of each head's dims
+(2i, 2i+1) where the decoder rotates halves (i, i + H/2): its q and k rows are reordered
+per head as they load (evens, then odds), which changes no q.k product.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from engines import fp8_block, mxfp4, ocdbt_reader
 from engines.config import ModelConfig
+from engines.quantization import kernel_scheme
 
 ORBAX_PARAMS_DIR = "params"
 ORBAX_MARKER = "jetserve_model.json"
@@ -412,6 +414,21 @@ def _fp8_kernel(reader: SafetensorsReader, names: list[str], stacked: bool, fn: 
     return out
 
 
+def _read_mxfp4(reader: SafetensorsReader, name: str, dtype: Any) -> Any:
+    """Tensor `name` published as MXFP4, as [..., in, out]: decoded to `dtype`, or with
+    dtype None kept 4-bit, {"qvalue": codes, "scale": exponents} (engines/quantization.py)."""
+    blocks, scales = reader.get(f"{name}_blocks"), reader.get(f"{name}_scales")
+    if dtype is not None:
+        return mxfp4.dequantize_transposed(blocks, scales, dtype)
+    codes, exponents = mxfp4.transpose_packed(blocks, scales)
+    return {"qvalue": codes, "scale": exponents}
+
+
+def _shapes(tree) -> Any:
+    """An array's shape, or a {"qvalue", "scale"} pair's shapes."""
+    return jax.tree.map(lambda x: tuple(x.shape), tree)
+
+
 def read_hf_params(
     model_dir: str,
     cfg: ModelConfig,
@@ -434,9 +451,11 @@ def read_hf_params(
             for i in range(cfg.num_layers) for h, p, t in layer_weights(cfg, i)]
     for hf_name, path, fn in table + rows:
         want = _get(abstract, path)
+        packed = isinstance(want, dict)  # kept MXFP4: {"qvalue": codes, "scale": exponents}
         names = ([hf_name.replace("{e}", str(e)) for e in range(cfg.num_experts)]
                  if "{e}" in hf_name else [hf_name])
-        if isinstance(want, dict):  # an FP8 kernel kept 8-bit (quantization.py fp8_block)
+        if packed and kernel_scheme(cfg, path.rsplit("/", 1)[-1])[0] == "fp8_block":
+            # an FP8 kernel kept 8-bit
             _set(out, path, {k: place(f"{path}/{k}", v) for k, v in _fp8_kernel(
                 reader, names, "{e}" in hf_name, fn, cfg, block, want, used).items()})
             continue
@@ -448,9 +467,12 @@ def read_hf_params(
                     f"{model_dir}: tensor {n!r} is missing from the safetensors files "
                     f"(family {cfg.family})"
                 )
-            if n not in present:  # MXFP4: decoded (once for the rows that share it)
+            if packed and n in present:
+                raise ValueError(f"{model_dir}: tensor {n!r} is stored as floats, but "
+                                 f"config.json's quantization_config says MXFP4 ({mx[0]!r})")
+            if n not in present:  # MXFP4 (read once for the rows that share it)
                 if last[0] != n:
-                    last = (n, mxfp4.dequantize_transposed(*map(reader.get, mx), want.dtype))
+                    last = (n, _read_mxfp4(reader, n, None if packed else want.dtype))
                 raw = last[1]
                 used.update(mx)
             else:
@@ -458,20 +480,20 @@ def read_hf_params(
                 if scale:
                     used.add(scale)
             try:
-                parts.append(fn(raw, cfg))
+                parts.append(jax.tree.map(lambda x, fn=fn: fn(x, cfg), raw))
             except ValueError:
                 raise ValueError(
-                    f"{model_dir}: tensor {n!r} has shape {raw.shape}, which does not fit "
-                    f"{path} of shape {tuple(want.shape)} from config.json"
+                    f"{model_dir}: tensor {n!r} has shape {_shapes(raw)}, which does not fit "
+                    f"{path} of shape {_shapes(want)} from config.json"
                 ) from None
             used.add(n)
-        arr = np.stack(parts) if "{e}" in hf_name else parts[0]
-        if tuple(arr.shape) != tuple(want.shape):
+        arr = jax.tree.map(lambda *p: np.stack(p), *parts) if "{e}" in hf_name else parts[0]
+        if _shapes(arr) != _shapes(want):
             raise ValueError(
-                f"{model_dir}: tensor {hf_name!r} has shape {arr.shape} after mapping to "
-                f"{path}, expected {tuple(want.shape)} from config.json"
+                f"{model_dir}: tensor {hf_name!r} has shape {_shapes(arr)} after mapping to "
+                f"{path}, expected {_shapes(want)} from config.json"
             )
-        _set(out, path, place(path, arr.astype(want.dtype)))
+        _set(out, path, place(path, jax.tree.map(lambda x, w: x.astype(w.dtype), arr, want)))
     extra = sorted(k for k in present - used
                    if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight"
                    and not _beyond_last_layer(k, cfg))

@@ -293,10 +293,11 @@ def _llama4_text(hf: dict[str, Any], L: int) -> dict[str, Any]:
 
 def _quantization(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """Refuses a `quantization_config` the checkpoint reader does not read: gpt-oss's MXFP4
-    experts (`*_blocks` / `*_scales`, dequantized as they load) and the FP8 blocks of
-    DeepSeek-V3 and Qwen3 (`*.weight_scale_inv`, engines/fp8_block.py) are read. Returns
-    how the weights stay stored: square even FP8 blocks keep the MLP and expert kernels
-    8-bit (weight_quant "fp8_block"); other kernels and blocks are dequantized on load."""
+    experts (`*_blocks` / `*_scales`, kept 4-bit: expert_quant "mxfp4") and the FP8 blocks
+    of DeepSeek-V3 and Qwen3 (`*.weight_scale_inv`, engines/fp8_block.py) are read. Returns
+    the ModelConfig fields saying how the weights stay stored: square even FP8 blocks keep
+    the MLP and expert kernels 8-bit (weight_quant "fp8_block"); other kernels and blocks
+    are dequantized on load."""
     q = hf.get("quantization_config")
     if q is None:
         return {}
@@ -310,7 +311,7 @@ def _quantization(hf: dict[str, Any], family: str) -> dict[str, Any]:
         raise ValueError(f"config.json quantization_config with quant_method {method!r} is "
                          f"not implemented for {family} (read: gpt_oss's 'mxfp4'; 'fp8' "
                          f"blocks for {', '.join(fp8_block.FAMILIES)})")
-    return {}
+    return dict(expert_quant="mxfp4")
 
 
 def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:

@@ -5,9 +5,13 @@ tensor fills which parameter and how it is reshaped. Linear kernels keep HF's [o
 order, with heads split out of the flattened axis ([N*H, D] -> [N, H, D]); the MoE
 experts' kernels and the router are transposed to [in, out] (engines.model). A tensor
 published in MXFP4 (`<name>_blocks` and `<name>_scales`, gpt-oss's experts) is read as
-`<name>` decoded to floats (engines/mxfp4.py). Llama 4 rotates interleaved pairs of each
-head's dims (2i, 2i+1) where the decoder rotates halves (i, i + H/2): its q and k rows are
-reordered per head as they load (evens, then odds), which changes no q.k product.
+`<name>` kept MXFP4 where the decoder stores it so (ModelConfig.expert_quant: its bytes
+moved to the [E, in, out] layout, engines/mxfp4.py), else decoded to floats. An FP8
+block-quantized weight (`<name>` with `<name>_scale_inv` beside it, engines/fp8_block.py)
+is decoded to floats too, unless the model keeps it 8-bit (a {qvalue, scale} parameter:
+the two tensors as stored). Llama 4 rotates interleaved pairs of each head's dims
+(2i, 2i+1) where the decoder rotates halves (i, i + H/2): its q and k rows are reordered
+per head as they load (evens, then odds), which changes no q.k product.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from engines import mxfp4, ocdbt_reader
+from engines import fp8_block, mxfp4, ocdbt_reader
 from engines.config import ModelConfig
+from engines.quantization import kernel_scheme
 
 ORBAX_PARAMS_DIR = "params"
 ORBAX_MARKER = "jetserve_model.json"
@@ -320,12 +325,29 @@ class SafetensorsReader:
     def keys(self) -> set[str]:
         return set(self._where)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise KeyError(f"tensor {name!r} not found in the safetensors files of {self.model_dir}")
         fname = self._where[name]
+        if self._handles[fname].get_slice(name).get_dtype() == "F8_E4M3":
+            return _read_fp8(os.path.join(self.model_dir, fname), name)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return np.asarray(self._handles[fname].get_tensor(name))
+
+
+def _read_fp8(path: str, name: str) -> np.ndarray:
+    """A float8_e4m3fn tensor, read from the file's header and bytes (safetensors' numpy
+    and flax readers have no such dtype)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(size))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + size + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, fp8_block.FP8).reshape(info["shape"])
 
 
 def _set(tree: dict, path: str, value: Any) -> None:
@@ -339,6 +361,72 @@ def _get(tree: dict, path: str) -> Any:
     for k in path.split("/"):
         tree = tree[k]
     return tree
+
+
+def fp8_block_size(model_dir: str, family: str) -> tuple[int, int] | None:
+    """The FP8 weight block size config.json's quantization_config gives, if any."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        q = json.load(f).get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "fp8":
+        return fp8_block.block_size(q, family)
+    return None
+
+
+def _read_float(reader: SafetensorsReader, name: str, block: tuple[int, int] | None,
+                dtype: Any) -> tuple[np.ndarray, str | None]:
+    """Tensor `name` as floats, and the name of the FP8 scale it was decoded with."""
+    raw = reader.get(name)
+    scale = name + fp8_block.SCALE_SUFFIX
+    if scale not in reader:
+        if raw.dtype == fp8_block.FP8:
+            raise ValueError(f"{reader.model_dir}: tensor {name!r} is float8_e4m3fn without "
+                             f"{scale!r} beside it")
+        return raw, None
+    if block is None:
+        raise ValueError(f"{reader.model_dir}: tensor {scale!r} needs config.json's "
+                         f"quantization_config with quant_method 'fp8' and weight_block_size")
+    scales = fp8_block.scales_f32(reader.get(scale))
+    return fp8_block.dequantize(raw, scales, block, dtype, name), scale
+
+
+def _fp8_kernel(reader: SafetensorsReader, names: list[str], stacked: bool, fn: Transform,
+                cfg: ModelConfig, block: tuple[int, int], want: dict,
+                used: set[str]) -> dict[str, np.ndarray]:
+    """{qvalue, scale} of one kernel kept in FP8 from its tensors `names` (`stacked`: the
+    experts'); a tensor the checkpoint keeps at full precision is quantized here."""
+    parts: dict[str, list[np.ndarray]] = {"qvalue": [], "scale": []}
+    for n in names:
+        scale = n + fp8_block.SCALE_SUFFIX
+        q, s = ((reader.get(n), fp8_block.scales_f32(reader.get(scale))) if scale in reader
+                else fp8_block.quantize(reader.get(n), block))
+        parts["qvalue"].append(fn(q, cfg))
+        parts["scale"].append(fn(s, cfg))
+        used.update((n, scale))
+    out = {k: np.stack(v) if stacked else v[0] for k, v in parts.items()}
+    for k, arr in out.items():
+        if tuple(arr.shape) != tuple(want[k].shape) or arr.dtype != want[k].dtype:
+            raise ValueError(f"{reader.model_dir}: {names[0]!r} ({k}) is {arr.dtype}"
+                             f"{arr.shape}, expected {want[k].dtype}{tuple(want[k].shape)} "
+                             f"from config.json")
+    return out
+
+
+def _read_mxfp4(reader: SafetensorsReader, name: str, dtype: Any) -> Any:
+    """Tensor `name` published as MXFP4, as [..., in, out]: decoded to `dtype`, or with
+    dtype None kept 4-bit, {"qvalue": codes, "scale": exponents} (engines/quantization.py)."""
+    blocks, scales = reader.get(f"{name}_blocks"), reader.get(f"{name}_scales")
+    if dtype is not None:
+        return mxfp4.dequantize_transposed(blocks, scales, dtype)
+    codes, exponents = mxfp4.transpose_packed(blocks, scales)
+    return {"qvalue": codes, "scale": exponents}
+
+
+def _shapes(tree) -> Any:
+    """An array's shape, or a {"qvalue", "scale"} pair's shapes."""
+    return jax.tree.map(lambda x: tuple(x.shape), tree)
 
 
 def read_hf_params(
@@ -357,13 +445,20 @@ def read_hf_params(
     used: set[str] = set()
     out: dict = {}
     last: tuple[str, Any] = ("", None)  # the last MXFP4 tensor decoded
+    block = fp8_block_size(model_dir, cfg.family)
     table = list(_TOP) + ([] if cfg.tie_word_embeddings else list(_HEAD))
     rows = [(h.replace("{i}", str(i)), p.replace("{i}", str(i)), t)
             for i in range(cfg.num_layers) for h, p, t in layer_weights(cfg, i)]
     for hf_name, path, fn in table + rows:
         want = _get(abstract, path)
+        packed = isinstance(want, dict)  # kept MXFP4: {"qvalue": codes, "scale": exponents}
         names = ([hf_name.replace("{e}", str(e)) for e in range(cfg.num_experts)]
                  if "{e}" in hf_name else [hf_name])
+        if packed and kernel_scheme(cfg, path.rsplit("/", 1)[-1])[0] == "fp8_block":
+            # an FP8 kernel kept 8-bit
+            _set(out, path, {k: place(f"{path}/{k}", v) for k, v in _fp8_kernel(
+                reader, names, "{e}" in hf_name, fn, cfg, block, want, used).items()})
+            continue
         parts = []
         for n in names:
             mx = (f"{n}_blocks", f"{n}_scales")
@@ -372,28 +467,33 @@ def read_hf_params(
                     f"{model_dir}: tensor {n!r} is missing from the safetensors files "
                     f"(family {cfg.family})"
                 )
-            if n not in present:  # MXFP4: decoded (once for the rows that share it)
+            if packed and n in present:
+                raise ValueError(f"{model_dir}: tensor {n!r} is stored as floats, but "
+                                 f"config.json's quantization_config says MXFP4 ({mx[0]!r})")
+            if n not in present:  # MXFP4 (read once for the rows that share it)
                 if last[0] != n:
-                    last = (n, mxfp4.dequantize_transposed(*map(reader.get, mx), want.dtype))
+                    last = (n, _read_mxfp4(reader, n, None if packed else want.dtype))
                 raw = last[1]
                 used.update(mx)
             else:
-                raw = reader.get(n)
+                raw, scale = _read_float(reader, n, block, want.dtype)
+                if scale:
+                    used.add(scale)
             try:
-                parts.append(fn(raw, cfg))
+                parts.append(jax.tree.map(lambda x, fn=fn: fn(x, cfg), raw))
             except ValueError:
                 raise ValueError(
-                    f"{model_dir}: tensor {n!r} has shape {raw.shape}, which does not fit "
-                    f"{path} of shape {tuple(want.shape)} from config.json"
+                    f"{model_dir}: tensor {n!r} has shape {_shapes(raw)}, which does not fit "
+                    f"{path} of shape {_shapes(want)} from config.json"
                 ) from None
             used.add(n)
-        arr = np.stack(parts) if "{e}" in hf_name else parts[0]
-        if tuple(arr.shape) != tuple(want.shape):
+        arr = jax.tree.map(lambda *p: np.stack(p), *parts) if "{e}" in hf_name else parts[0]
+        if _shapes(arr) != _shapes(want):
             raise ValueError(
-                f"{model_dir}: tensor {hf_name!r} has shape {arr.shape} after mapping to "
-                f"{path}, expected {tuple(want.shape)} from config.json"
+                f"{model_dir}: tensor {hf_name!r} has shape {_shapes(arr)} after mapping to "
+                f"{path}, expected {_shapes(want)} from config.json"
             )
-        _set(out, path, place(path, arr.astype(want.dtype)))
+        _set(out, path, place(path, jax.tree.map(lambda x, w: x.astype(w.dtype), arr, want)))
     extra = sorted(k for k in present - used
                    if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight"
                    and not _beyond_last_layer(k, cfg))

@@ -139,9 +139,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # How the matmul kernels are stored (engines/quantization.py): "none", "int8" (per
-    # output channel) or "int4" (groups of quant_group_size along the input axis).
+    # output channel), "int4" (groups of quant_group_size along the input axis) or
+    # "fp8_block" (an FP8 checkpoint's MLP kernels, blocks of quant_group_size squared).
     weight_quant: str = "none"
     quant_group_size: int = 32
+    # How the MoE experts' kernels (w1, w3, w2) are stored, apart from weight_quant:
+    # "mxfp4" keeps them as gpt-oss publishes them (4-bit codes, one power-of-two scale
+    # per 32 inputs), dequantized inside the step like weight_quant's schemes.
+    expert_quant: str = "none"
     # One layer body run L times under a scan, parameters and decode cache stacked on a
     # leading layer axis (engines/layer_scan.py), instead of L unrolled copies: a compile
     # that does not grow with L. Set by the engine (where it runs decides), so it is never
@@ -149,9 +154,15 @@ class ModelConfig:
     scan_layers: bool = False
 
     def __post_init__(self):
-        if self.weight_quant not in ("none", "int8", "int4"):
+        if self.weight_quant not in ("none", "int8", "int4", "fp8_block"):
+            raise ValueError(f"weight_quant must be 'none', 'int8', 'int4' or 'fp8_block', "
+                             f"got {self.weight_quant!r}")
+        if self.expert_quant not in ("none", "mxfp4"):
             raise ValueError(
-                f"weight_quant must be 'none', 'int8' or 'int4', got {self.weight_quant!r}")
+                f"expert_quant must be 'none' or 'mxfp4', got {self.expert_quant!r}")
+        if self.expert_quant != "none" and not self.num_experts:
+            raise ValueError(f"expert_quant {self.expert_quant!r} needs MoE experts "
+                             f"(num_experts is 0)")
         g = self.quant_group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
             raise ValueError(f"quant_group_size must be an even integer >= 2, got {g!r}")
@@ -240,9 +251,6 @@ class ModelConfig:
         if self.qk_norm != "none" or self.qkv_bias or self.o_bias or self.attn_sinks:
             raise ValueError("multi-head latent attention takes no qk_norm, qkv_bias, "
                              "o_bias or attn_sinks")
-        if self.weight_quant != "none":
-            raise ValueError(f"weight_quant {self.weight_quant!r} (--quantize) is not "
-                             f"implemented for multi-head latent attention (deepseek_v3)")
 
     @property
     def mla(self) -> bool:

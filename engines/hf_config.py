@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any
 
+from engines import fp8_block
 from engines.config import (
     CHUNKED,
     FAMILIES,
@@ -150,7 +151,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"config.json model_type {family!r} is not supported; expected one of {FAMILIES}"
         )
-    _quantization(hf, family)
+    stored_quant = _quantization(hf, family)
     for field, ok in _UNIMPLEMENTED.items():
         if field not in _IMPLEMENTS.get(family, ()) and hf.get(field) not in ok:
             raise ValueError(f"config.json {field}={hf[field]!r} is not implemented for "
@@ -229,7 +230,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             common.update(own(hf, L))
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
-    return ModelConfig(**common)
+    return ModelConfig(**common, **stored_quant)
 
 
 def _gpt_oss(hf: dict[str, Any], L: int) -> dict[str, Any]:
@@ -290,16 +291,27 @@ def _llama4_text(hf: dict[str, Any], L: int) -> dict[str, Any]:
                 layer_types=None if set(types) == {FULL} else tuple(types))
 
 
-def _quantization(hf: dict[str, Any], family: str) -> None:
-    """Refuses a `quantization_config` the checkpoint reader does not read: only gpt-oss's
-    MXFP4 experts (`*_blocks` / `*_scales`, dequantized as they load) are read."""
+def _quantization(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Refuses a `quantization_config` the checkpoint reader does not read: gpt-oss's MXFP4
+    experts (`*_blocks` / `*_scales`, kept 4-bit: expert_quant "mxfp4") and the FP8 blocks
+    of DeepSeek-V3 and Qwen3 (`*.weight_scale_inv`, engines/fp8_block.py) are read. Returns
+    the ModelConfig fields saying how the weights stay stored: square even FP8 blocks keep
+    the MLP and expert kernels 8-bit (weight_quant "fp8_block"); other kernels and blocks
+    are dequantized on load."""
     q = hf.get("quantization_config")
     if q is None:
-        return
+        return {}
     method = q.get("quant_method") if isinstance(q, dict) else q
+    if method == "fp8" and isinstance(q, dict):
+        bm, bn = fp8_block.block_size(q, family)
+        if bm != bn or bm % 2:
+            return {}
+        return dict(weight_quant="fp8_block", quant_group_size=bm)
     if family != "gpt_oss" or method != "mxfp4":
         raise ValueError(f"config.json quantization_config with quant_method {method!r} is "
-                         f"not implemented for {family} (only gpt_oss's 'mxfp4' is read)")
+                         f"not implemented for {family} (read: gpt_oss's 'mxfp4'; 'fp8' "
+                         f"blocks for {', '.join(fp8_block.FAMILIES)})")
+    return dict(expert_quant="mxfp4")
 
 
 def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:

@@ -87,11 +87,11 @@ def _param(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, 
 def _kernel(mod: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
             dtype: Any, at: layer_scan.Layer | None = None,
             in_place: bool = False) -> jax.Array | layer_scan.LayerWeight:
-    """A matmul kernel: a plain param, or stored quantized (cfg.weight_quant) and
-    dequantized here, inside the jitted step, right before its matmul. `in_place`: a
-    float kernel of a scanned layer comes whole with its index (layer_scan.LayerWeight),
-    which Backend.linear reads in place."""
-    if mod.cfg.weight_quant == "none":
+    """A matmul kernel: a plain param, or stored quantized (cfg.weight_quant; the
+    experts' by cfg.expert_quant) and dequantized here, inside the jitted step, right
+    before its matmul. `in_place`: a float kernel of a scanned layer comes whole with its
+    index (layer_scan.LayerWeight), which Backend.linear reads in place."""
+    if quantization.kernel_scheme(mod.cfg, name)[0] == "none":
         return layer_scan.param(mod, name, nn.initializers.normal(0.02), shape, names, dtype,
                                 at, whole=in_place)
     return quantization.quantized_kernel(mod, name, shape, names, dtype, at)

@@ -6,7 +6,9 @@ engine's parameter shardings. Quantize-on-load is the same path over the float m
 when the engine's parameters are quantized but the stored ones are float
 (`needs_quantizing`), HF tensors are quantized one by one on the host (the float model
 never sits on the devices), random and Orbax weights by one jitted function whose float
-input is dropped as soon as it returns. Kv-head replication (engines/kv_heads.py) is the
+input is dropped as soon as it returns. MXFP4 experts (ModelConfig.expert_quant) come
+from the checkpoint as stored, bytes only (engines/checkpoint.py); random ones are drawn
+float and quantized the same way. Kv-head replication (engines/kv_heads.py) is the
 same path again: the weights are read as stored, with K kv heads, and each kv head is
 repeated `kv_repeat` times on the way to the engine's K' heads.
 """
@@ -24,7 +26,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from engines import checkpoint, exported_programs, kv_heads, layer_scan
 from engines.config import ModelConfig
 from engines.model import Decoder
-from engines.quantization import KERNEL_INPUT_AXES, QVALUE, SCALE, quantize, quantize_params
+from engines.quantization import (
+    EXPERT_KERNELS,
+    KERNEL_INPUT_AXES,
+    QVALUE,
+    SCALE,
+    quantize,
+    quantize_params,
+    quantizes,
+)
 from sharding import ShardingConfig
 
 
@@ -123,6 +133,8 @@ def needs_quantizing(cfg: ModelConfig, weights: str | None) -> bool:
         return False
     if weights is not None and checkpoint.is_orbax_dir(weights):
         return checkpoint.read_orbax_config(weights).weight_quant == "none"
+    if weights is not None and cfg.weight_quant == "fp8_block":  # kept as the files hold it
+        return checkpoint.fp8_block_size(weights, cfg.family) != (cfg.quant_group_size,) * 2
     return True
 
 
@@ -146,6 +158,9 @@ def load_params(model: Decoder, weights: str | None, *, seed: int, sharding: Sha
     source_cfg = kv_heads.stored_config(cfg, kv_repeat)
     if quantizing:
         source_cfg = dataclasses.replace(source_cfg, weight_quant="none")
+    float_experts = weights is None and cfg.expert_quant != "none"  # drawn, then quantized
+    if float_experts:
+        source_cfg = dataclasses.replace(source_cfg, expert_quant="none")
     source = Decoder(source_cfg, dtype=model.dtype)
     if source_cfg == cfg:
         stored, stored_sh, logical = abstract, shardings, None
@@ -155,6 +170,8 @@ def load_params(model: Decoder, weights: str | None, *, seed: int, sharding: Sha
 
     def convert(p):  # stored params -> the model's: heads repeated, then quantized
         p = kv_heads.repeat_heads(p, logical, kv_repeat, jnp)
+        if float_experts:
+            p = quantize_params(p, cfg.expert_quant, 0, jnp, EXPERT_KERNELS)
         return quantize_params(p, scheme, group, jnp) if quantizing else p
 
     if weights is None:
@@ -217,10 +234,12 @@ def _load_hf(weights: str, source_cfg: ModelConfig, stored: dict, logical: dict 
         _path(p): s for p, s in jax.tree_util.tree_flatten_with_path(
             logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]}
 
-    def place(path: str, arr: np.ndarray):
+    def place(path: str, arr: np.ndarray | dict):
+        if isinstance(arr, dict):  # kept as stored (MXFP4 experts)
+            return {k: jax.device_put(v, flat_sh[f"{path}/{k}"]) for k, v in arr.items()}
         arr = kv_heads.repeat_leaf(arr, flat_logical.get(path), kv_repeat, np)
         leaf = path.rsplit("/", 1)[-1]
-        if not quantizing or leaf not in KERNEL_INPUT_AXES:
+        if not quantizing or not quantizes(scheme, leaf):
             return jax.device_put(arr, flat_sh[path])
         q, s = quantize(arr, KERNEL_INPUT_AXES[leaf], scheme, group, np)
         return {QVALUE: jax.device_put(q, flat_sh[f"{path}/{QVALUE}"]),

@@ -47,6 +47,23 @@ V_CACHE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ, axes.HEAD_DI
 SCALE_AXES = (axes.CACHE_BATCH, axes.CACHE_HEADS, axes.CACHE_SEQ)
 PREFIX_AXES = (None, None, axes.CACHE_HEADS, axes.HEAD_DIM)
 
+# Why a layout cannot hold a preset's KV placement, for the refusal (ShardingConfig.kv_layouts).
+_LAYOUT_LIMITS = {
+    "paged": "its page pool [K, P + 1, page_size, H] has no slot axis to split (a slot's "
+             "pages may lie anywhere in the pool), so it cannot be split by slot",
+}
+
+
+def _check_kv_layout(sharding: ShardingConfig, kv_layout: str) -> None:
+    if kv_layout not in sharding.kv_layouts:
+        why = _LAYOUT_LIMITS.get(kv_layout, "")
+        raise ValueError(
+            f"sharding {sharding.name!r} places the KV cache for kv_layout "
+            f"{' or '.join(map(repr, sharding.kv_layouts))} only, not {kv_layout!r}"
+            f"{': ' + why if why else ''}; use kv_layout "
+            f"{sharding.kv_layouts[0]!r} (--kv-layout {sharding.kv_layouts[0]}) or another "
+            f"preset")
+
 
 class TransformerEngine(ParamViews, PrefixBlocks, Engine):
     """One decoder on one slice of devices, laid out by a sharding preset.
@@ -97,6 +114,7 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         self._tokenizer = tokenizer
         devices = list(devices) if devices is not None else jax.devices()
         self.sharding = sharding or ShardingConfig()
+        _check_kv_layout(self.sharding, self.config.kv_layout)
         self._mesh = self.sharding.make_mesh(
             devices, {d: getattr(model_config, d) for d in MODEL_DIMS})
         self.dtype = resolve_dtype(self.config.dtype, devices)
@@ -105,6 +123,13 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         self.kv_repeat = self.sharding.kv_head_replicas(
             self._mesh, model_config.num_kv_heads, model_config.num_heads,
             "parameter layers_0/self_attn/k_proj")
+        if model_config.mla and self.kv_repeat > 1:
+            raise ValueError(
+                f"sharding {self.sharding.name!r}: multi-head latent attention (deepseek_v3) "
+                f"has one latent kv head, which is not repeated over the "
+                f"{self.kv_repeat} devices of the kv_heads mesh axis; use a preset that "
+                f"keeps that axis at one device (ep_tp on no more devices than experts, "
+                f"dp_ep, or replicated)")
         # The weights as stored (what a checkpoint holds); model_config is what runs.
         self.source_config = model_config
         # Where it runs decides the CPU kernels and the layer scan; the model only reads them.

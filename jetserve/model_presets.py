@@ -35,7 +35,8 @@ def _glm4_moe(**shape) -> ModelConfig:
 def _gpt_oss(layers: int, experts: int) -> ModelConfig:
     """A gpt-oss model: sliding (128 keys) and full attention layers in turn, attention
     sinks and q/k/v/o biases, top 4 of the experts by a biased router, biased experts
-    with the clamped SwiGLU; YaRN from 4,096 to 131,072 positions."""
+    with the clamped SwiGLU, kept MXFP4 as published; YaRN from 4,096 to 131,072
+    positions."""
     return ModelConfig(family="gpt_oss", vocab_size=201088, hidden_size=2880,
                        intermediate_size=2880, moe_intermediate_size=2880, num_layers=layers,
                        num_heads=64, num_kv_heads=8, head_dim=64, sliding_window=128,
@@ -43,7 +44,8 @@ def _gpt_oss(layers: int, experts: int) -> ModelConfig:
                                          for i in range(layers)),
                        qkv_bias=True, o_bias=True, attn_sinks=True, num_experts=experts,
                        num_experts_per_tok=4, moe_router="topk_softmax", expert_bias=True,
-                       activation="clamped_swiglu", rms_norm_eps=1e-5, rope_theta=150000.0,
+                       activation="clamped_swiglu", expert_quant="mxfp4", rms_norm_eps=1e-5,
+                       rope_theta=150000.0,
                        rope_scaling=RopeScaling(kind="yarn", factor=32.0, truncate=False,
                                                 original_max_position_embeddings=4096),
                        max_position_embeddings=131072)

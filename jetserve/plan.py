@@ -39,6 +39,10 @@ W = HBM bandwidth, R = matmul FLOP/s (both summed over chips), F the MLP width.
   so the cache stored and read per token is Z x chips / K values in all (Z / K per chip)
   and the k / v projections are stored chips / K times; every other weight splits over
   all chips.
+* Attention data parallel (`dp_ep`): the slots and their cache split over the chips (each
+  chip stores and reads 1/chips of the KV, no kv-head copies), the routed experts split
+  over the same chips, and every other weight (attention, dense MLPs, embeddings) whole on
+  every chip: stored and read chips times, while the compute is the same as tp's.
 * Model parallelism for decode: sharding a [D, F] weight over Y chips takes D F b_w / 8 / Y
   / W_chip to read, while the activations it must gather cost ~B D b_a / 8 / ICI regardless
   of Y; communication dominates once Y > F / (B x W_chip / ICI).
@@ -58,6 +62,8 @@ from jetserve.hardware import Hardware
 
 GB = 1e9
 GIB = 2.0**30
+# How the chips hold the model (the sharding presets of the same names).
+LAYOUTS = ("tp", "dp_ep")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,6 +128,18 @@ class ModelSpec:
         K = self.num_kv_heads
         return chips // K if K and chips > K and chips % K == 0 else 1
 
+    def copies(self, chips: int, layout: str = "tp") -> tuple[int, float, float]:
+        """(chips holding each kv head, parameters stored beyond one copy, parameters read
+        beyond one copy per step) when `layout` spreads the model over `chips`."""
+        if layout == "dp_ep":  # all but the routed experts whole on every chip
+            whole = self.params - self.expert_params
+            return 1, whole * (chips - 1), (whole - self.unread_params) * (chips - 1)
+        if layout != "tp":
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        copies = self.kv_head_copies(chips)
+        extra = self.kv_proj_params * (copies - 1)
+        return copies, extra, extra
+
     def read_params(self, batch: int) -> float:
         """P_read: parameters one step of `batch` tokens reads from memory."""
         dense = self.params - self.unread_params - self.expert_params
@@ -181,6 +199,7 @@ class Plan:
     model: ModelSpec
     hardware: Hardware
     chips: int
+    layout: str  # LAYOUTS: how the chips hold the model
     precision: Precision
     context: int
     param_bytes: float
@@ -197,6 +216,7 @@ class Plan:
             "model": dataclasses.asdict(self.model),
             "hardware": self.hardware.to_json(),
             "chips": self.chips,
+            "layout": self.layout,
             "precision": dataclasses.asdict(self.precision),
             "context": self.context,
             "param_bytes": self.param_bytes,
@@ -211,7 +231,7 @@ class Plan:
 
 
 def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, context: int,
-               precision: Precision) -> PlanRow:
+               precision: Precision, layout: str = "tp") -> PlanRow:
     """The floor for one decode step of `batch` sequences, each with `context` live tokens."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -219,7 +239,7 @@ def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, co
         raise ValueError(f"context must be >= 1, got {context}")
     bw = hw.hbm_bandwidth * chips
     flops = hw.matmul_flops(precision.weight_bits, precision.act_bits) * chips
-    copies = model.kv_head_copies(chips)
+    copies, stored_extra, read_extra = model.copies(chips, layout)
     kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
     read_ctx = context
     if model.sliding_window:  # sliding layers read their window, the others everything
@@ -227,9 +247,8 @@ def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, co
         read_ctx = s * min(context, model.sliding_window) + (1 - s) * context
     kv_read = batch * read_ctx * kv_tok
     kv_stored = batch * context * kv_tok
-    kv_proj_copies = model.kv_proj_params * (copies - 1) * precision.weight_bits / 8
-    w_read = model.read_params(batch) * precision.weight_bits / 8 + kv_proj_copies
-    param_bytes = model.params * precision.weight_bits / 8 + kv_proj_copies
+    w_read = (model.read_params(batch) + read_extra) * precision.weight_bits / 8
+    param_bytes = (model.params + stored_extra) * precision.weight_bits / 8
     total = param_bytes + kv_stored
     t_w, t_kv = w_read / bw, kv_read / bw
     t_c = 2.0 * batch * model.matmul_params / flops
@@ -248,20 +267,22 @@ def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, co
 
 
 def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequence[int],
-              context: int, precision: Precision) -> Plan:
+              context: int, precision: Precision, layout: str = "tp") -> Plan:
     if chips < 1:
         raise ValueError(f"chips must be >= 1, got {chips}")
     if not batches:
         raise ValueError("batches is empty")
-    copies = model.kv_head_copies(chips)
+    copies, stored_extra, _ = model.copies(chips, layout)
     kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
-    param_bytes = (model.params + model.kv_proj_params * (copies - 1)) * precision.weight_bits / 8
-    max_batch = kv_tokens_that_fit(model, precision, hw.hbm_bytes * chips, copies) // context
+    param_bytes = (model.params + stored_extra) * precision.weight_bits / 8
+    max_batch = kv_tokens_that_fit(model, precision, hw.hbm_bytes * chips, copies,
+                                   stored_extra) // context
     flops = hw.matmul_flops(precision.weight_bits, precision.act_bits)
     critical = flops / hw.hbm_bandwidth * precision.weight_bits / 16
     rows = tuple(step_floor(model, hw, chips=chips, batch=b, context=context,
-                            precision=precision) for b in batches)
-    return Plan(model=model, hardware=hw, chips=chips, precision=precision, context=context,
+                            precision=precision, layout=layout) for b in batches)
+    return Plan(model=model, hardware=hw, chips=chips, layout=layout, precision=precision,
+                context=context,
                 param_bytes=param_bytes, kv_bytes_per_token=kv_tok,
                 kv_bytes_per_token_per_chip=kv_tok / chips, kv_head_copies=copies,
                 kv_bytes_per_seq=context * kv_tok, max_batch=max_batch,
@@ -269,12 +290,15 @@ def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequen
 
 
 def kv_tokens_that_fit(model: ModelSpec, precision: Precision, memory_bytes: float,
-                       copies: int = 1) -> int:
+                       copies: int = 1, extra_params: float | None = None) -> int:
     """How many tokens of KV cache fit in memory_bytes beside the stored weights:
     floor((memory - P b_w / 8) / (Z b_kv / 8)), 0 when the weights alone do not fit. A
     batch B at context C fits when B C is at most this. `copies`: each kv head held that
-    many times (tp past the kv-head count), its projections and its cache alike."""
-    free = memory_bytes - (model.params + model.kv_proj_params * (copies - 1)) * (
-        precision.weight_bits / 8)
+    many times (tp past the kv-head count), its projections and its cache alike;
+    `extra_params`: parameters stored beyond one copy (default: those projections'
+    copies; ModelSpec.copies gives them for a layout)."""
+    if extra_params is None:
+        extra_params = model.kv_proj_params * (copies - 1)
+    free = memory_bytes - (model.params + extra_params) * (precision.weight_bits / 8)
     kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
     return max(0, math.floor(free / kv_tok)) if free > 0 else 0

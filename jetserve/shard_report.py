@@ -5,6 +5,10 @@ measured bytes from the live arrays' addressable shards. They agree when the lay
 the preset says; a gap means XLA or the loader placed something other than we asked.
 The floor of one decode step is the bytes the busiest device reads, parameters plus a
 full KV cache (every slot at max_seq_len), over its memory bandwidth.
+
+Bytes per parameter are given per storage: a float dtype, or a quantized kernel's scheme
+(engines/quantization.py), whose parameters are its kernel's elements (two per packed
+byte for int4 and mxfp4) and whose bytes are its values' plus its scales'.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from engines import TransformerEngine
+from engines.quantization import QVALUE, SCALE, kernel_scheme
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,6 +112,24 @@ def sharded_fraction(layouts: Iterable[TensorLayout]) -> float:
     return sum(t.bytes for t in layouts if t.sharded) / total if total else 0.0
 
 
+def storage(engine: TransformerEngine, p_lay: list[TensorLayout]) -> list[dict[str, Any]]:
+    """Parameters and bytes per storage (a float dtype or a quantization scheme)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for t in p_lay:
+        parts = t.name.split("/")
+        kind, count = t.dtype, math.prod(t.shape)
+        if len(parts) > 1 and parts[-1] in (QVALUE, SCALE):
+            kind = kernel_scheme(engine.model_config, parts[-2])[0]
+            packed = 2 if kind in ("int4", "mxfp4") else 1
+            count = count * packed if parts[-1] == QVALUE else 0
+        row = rows.setdefault(kind, {"storage": kind, "params": 0, "bytes": 0})
+        row["params"] += count
+        row["bytes"] += t.bytes
+    for row in rows.values():
+        row["bytes_per_param"] = row["bytes"] / row["params"]
+    return sorted(rows.values(), key=lambda r: -r["bytes"])
+
+
 def build_report(engine: TransformerEngine, *, params=None, decode_state=None,
                  bandwidth: float | None = None) -> dict[str, Any]:
     """The report as JSON-ready data; measured columns only for the live trees given."""
@@ -140,6 +163,7 @@ def build_report(engine: TransformerEngine, *, params=None, decode_state=None,
         "param_bytes_total": sum(t.bytes for t in p_lay),
         "kv_cache_bytes_total": sum(t.bytes for t in kv_lay),
         "sharded_param_fraction": sharded_fraction(p_lay),
+        "param_storage": storage(engine, p_lay),
         "tensors": [t.to_json() for t in p_lay + s_lay],
         "per_device": per_device,
         "step_bytes_per_device": busiest,

@@ -11,6 +11,10 @@ the KV cache by kv heads first and give the remaining devices to the batch.
 `replicate_kv_heads: true` (as in `tp`) lets the kv_heads axis take more devices than the
 model has kv heads: M devices for K heads, M a multiple of K dividing num_heads, each head
 held by M / K devices (`kv_head_replicas`; the engine repeats the heads, engines/kv_heads.py).
+
+`kv_layouts` lists the engine KV layouts a preset can place (default both); `dp_ep` splits
+the cache by slot, which the paged layout's pool has no axis for, so it names `contiguous`
+alone and an engine with paged KV refuses it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ PRESETS = {
     "tp_kv_batch": "tp_kv_batch.yaml",
     "seq_tp": "seq_tp.yaml",
     "ep_tp": "ep_tp.yaml",
+    "dp_ep": "dp_ep.yaml",
 }
+# The engine's KV layouts (EngineConfig.kv_layout) a preset may be limited to.
+KV_LAYOUTS = ("contiguous", "paged")
 # Model dimensions a mesh axis may take its size from (ModelConfig field names).
 MODEL_DIMS = ("num_heads", "num_kv_heads", "num_experts")
 
@@ -59,14 +66,20 @@ class ShardingConfig:
     replicate_kv_heads: where the kv_heads mesh axis has more devices than the model has
       kv heads, hold each kv head (projections and cache) on several devices rather than
       refuse the mesh (`kv_head_replicas`).
+    kv_layouts: the KV layouts (EngineConfig.kv_layout) this layout can place.
     """
 
     name: str = "replicated"
     mesh: tuple[tuple[str, int | str], ...] = (("data", 1), ("model", -1))
     rules: tuple[tuple[str, str], ...] = ()
     replicate_kv_heads: bool = False
+    kv_layouts: tuple[str, ...] = KV_LAYOUTS
 
     def __post_init__(self):
+        if (not isinstance(self.kv_layouts, tuple) or not self.kv_layouts
+                or any(k not in KV_LAYOUTS for k in self.kv_layouts)):
+            raise ValueError(f"sharding {self.name!r}: kv_layouts must be a non-empty list "
+                             f"of {KV_LAYOUTS}, got {self.kv_layouts!r}")
         if not isinstance(self.replicate_kv_heads, bool):
             raise ValueError(f"sharding {self.name!r}: replicate_kv_heads must be true or "
                              f"false, got {self.replicate_kv_heads!r}")
@@ -103,10 +116,10 @@ class ShardingConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], name: str) -> ShardingConfig:
-        unknown = set(d) - {"mesh", "rules", "replicate_kv_heads"}
+        unknown = set(d) - {"mesh", "rules", "replicate_kv_heads", "kv_layouts"}
         if unknown:
             raise ValueError(f"sharding {name!r}: unknown keys {sorted(unknown)}; expected "
-                             f"mesh, rules, replicate_kv_heads")
+                             f"mesh, rules, replicate_kv_heads, kv_layouts")
         mesh = d.get("mesh") or {"data": 1, "model": -1}
         rules = d.get("rules") or {}
         for key, value in (("mesh", mesh), ("rules", rules)):
@@ -120,12 +133,15 @@ class ShardingConfig:
                 )
         return cls(name=name, mesh=tuple((str(k), v) for k, v in mesh.items()),
                    rules=tuple((str(k), v) for k, v in rules.items()),
-                   replicate_kv_heads=d.get("replicate_kv_heads", False))
+                   replicate_kv_heads=d.get("replicate_kv_heads", False),
+                   kv_layouts=_layouts(d.get("kv_layouts", KV_LAYOUTS), name))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"mesh": dict(self.mesh), "rules": dict(self.rules)}
         if self.replicate_kv_heads:
             d["replicate_kv_heads"] = True
+        if self.kv_layouts != KV_LAYOUTS:
+            d["kv_layouts"] = list(self.kv_layouts)
         return d
 
     # ---- meshes ------------------------------------------------------------------------
@@ -256,6 +272,13 @@ class ShardingConfig:
     def named(self, mesh: Mesh, names: Sequence[str | None], shape: Sequence[int] | None = None,
               tensor: str = "tensor", *, strict: bool = True) -> NamedSharding:
         return NamedSharding(mesh, self.spec(names, shape, mesh, tensor, strict=strict))
+
+
+def _layouts(value: Any, name: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValueError(f"sharding {name!r}: kv_layouts must be a list of {KV_LAYOUTS}, "
+                         f"got {value!r}")
+    return tuple(value)
 
 
 def load_preset(name_or_path: str | ShardingConfig) -> ShardingConfig:

@@ -7,7 +7,7 @@ import json
 
 from jetserve.hardware import NAMES, get_hardware
 from jetserve.model_presets import MODEL_PRESETS
-from jetserve.plan import GB, ModelSpec, Precision, make_plan
+from jetserve.plan import GB, LAYOUTS, ModelSpec, Precision, make_plan
 
 
 def parse_batches(text: str) -> list[int]:
@@ -29,8 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="cpu", choices=NAMES,
                    help="accelerator preset; cpu is measured on the spot")
     p.add_argument("--chips", type=int, default=1,
-                   help="chips in tensor parallelism (as the tp preset lays them out: past "
-                        "the model's kv heads each kv head is held by several chips)")
+                   help="chips, laid out as --sharding says (tp: past the model's kv "
+                        "heads each kv head is held by several chips)")
+    p.add_argument("--sharding", default="tp", choices=LAYOUTS,
+                   help="how the chips hold the model, as the preset of that name: tp, or "
+                        "dp_ep (the slots and their KV split over the chips, 1/chips of the "
+                        "cache each; the experts split; every other weight on every chip)")
     p.add_argument("--batch", default="1,8,16,32,64", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=2048, help="live tokens per sequence")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
@@ -64,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     prec = Precision.from_dtype(dtype, weight_bits=args.weight_bits, kv_bits=args.kv_bits,
                                 act_bits=args.act_bits)
     plan = make_plan(spec, hw, chips=args.chips, batches=batches, context=args.context,
-                     precision=prec)
+                     precision=prec, layout=args.sharding)
     if args.json:
         print(json.dumps(plan.to_json()))
         return 0
@@ -76,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
           + (f" ({hw.note})" if hw.note else ""))
     print(f"KV cache: {plan.kv_bytes_per_token / 1e3:.1f} kB/token, "
           f"{plan.kv_bytes_per_seq / GB:.3f} GB per sequence of {args.context}")
+    if args.sharding == "dp_ep" and args.chips > 1:
+        print(f"dp_ep over {args.chips} chips: the slots and their cache split, "
+              f"{plan.kv_bytes_per_token_per_chip / 1e3:.2f} kB/token per chip; the "
+              f"experts split; every other weight on every chip")
     if plan.kv_head_copies > 1:
         print(f"kv heads: {args.chips} chips of tensor parallelism (tp) over "
               f"{spec.num_kv_heads} kv heads hold each head, its k/v projections and its "

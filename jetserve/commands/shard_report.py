@@ -79,6 +79,9 @@ def format_text(r: dict, model: str) -> str:
     lines += ["", f"parameters: {_size(r['param_bytes_total'])} in all, "
                   f"{100 * r['sharded_param_fraction']:.1f}% of the bytes sharded; "
                   f"full KV cache {_size(r['kv_cache_bytes_total'])}"]
+    for row in r["param_storage"]:
+        lines.append(f"  {row['storage']}: {row['params']:,} parameters in "
+                     f"{_size(row['bytes'])}, {row['bytes_per_param']:.4g} bytes per parameter")
     rep = r["kv_head_replication"]
     if rep["copies"] > 1:
         lines.append(

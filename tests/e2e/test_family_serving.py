@@ -1,13 +1,14 @@
 """Today's families (tests/parity/hf_models.py: DENSE_CONFIGS Qwen3, Qwen3 with YaRN,
-Gemma 2, Gemma 3, OLMo 2, Phi-3; Qwen3-MoE with dense layers among routed ones; GLM-4.5)
-through the servers, against transformers on the same random-weight directory (float32,
+Gemma 2, Gemma 3, OLMo 2, Phi-3; Qwen3-MoE with dense layers among routed ones; GLM-4.5;
+gpt-oss; Llama 4 text; DeepSeek-V3) through the servers, against transformers on the same random-weight directory (float32,
 greedy, end of sequence ignored).
 
 Each family gets one `jetserve serve` (both roles in one process on one fake device, paged
 KV with its prefix cache on the KV pages, 8-token prefill chunks) and a split deployment: a
 `--role prefill` process holding a prefix cache, prefilling 16 tokens a call, tp over 4
 fake devices (6 for six query heads, one device where the vocabulary or the MLP does not
-split over 6), and a `--role decode` process on one device pulling
+split over 6; DeepSeek-V3, whose one latent kv head tp would repeat, ep_tp over 4: 2 of
+its 8 experts a device), and a `--role decode` process on one device pulling
 each prefix from it and verifying n-gram drafts over it. Warm-up is off; the two
 deployments start at once. Both are asked over the openai SDK (token-id prompts,
 temperature 0, log-probs) and over JetStream's gRPC stub: a short prompt, a long one of
@@ -16,7 +17,8 @@ window), and two prompts sharing a 32-token prefix, the second one a prefix-cach
 (counted on /metrics, or by the worker's Load when split); and the long prompt is scored
 (echo, in chunks too). Every answer is transformers' `generate`, every log-prob within
 1e-4 of transformers'. The engine-level checks of each family (speculative decoding in
-mixed steps, LoRA, convert) are tests/parity/test_dense_families.py's.
+mixed steps, LoRA, convert) are tests/parity/test_dense_families.py's and
+tests/parity/test_moe_paths.py's.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from tests.e2e.test_split_serve import _load, _metric
 from tests.parity.hf_models import DENSE_CONFIGS, hf_greedy, make_hf_model
 from tests.xla import xla_flags
 
-FAMILIES = (*DENSE_CONFIGS, "qwen3_moe", "glm4_moe")
+FAMILIES = (*DENSE_CONFIGS, "qwen3_moe", "glm4_moe", "gpt_oss", "llama4", "deepseek_v3")
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +81,7 @@ class Deployment:
     8-token prefill chunks) or "split" (a prefill worker with the prefix cache, tp over
     `tp` devices, and a decode process with speculative decoding)."""
 
-    def __init__(self, d: str, kind: str, tp: int):
+    def __init__(self, d: str, kind: str, tp: int, preset: str = "tp"):
         self.kind, self.procs, self.out, self.worker = kind, [], [], None
         model = ["--model", d, "--served-model-name", "m"]
         try:
@@ -89,7 +91,7 @@ class Deployment:
                                              "--http-port", "0"], 2)
             else:
                 self.worker = self._start(model + CACHE + [
-                    "--role", "prefill", "--sharding", "tp", "--grpc-port", "0"], 1,
+                    "--role", "prefill", "--sharding", preset, "--grpc-port", "0"], 1,
                     devices=tp)["gRPC"]
                 self._start(model + ["--role", "decode", "--prefill-workers",
                                      f"127.0.0.1:{self.worker}", "--speculative", "ngram:3",
@@ -200,10 +202,13 @@ def served(request, tmp_path_factory):
     cfg = model.config  # 6 query heads do not divide over 4: over 6, where all else does
     tp = 4 if cfg.num_attention_heads % 4 == 0 else cfg.num_attention_heads
     tp = tp if cfg.vocab_size % tp == 0 and cfg.intermediate_size % tp == 0 else 1
+    # DeepSeek-V3's one latent kv head is not repeated over tp's devices: its 8 experts
+    # go over the 4 devices instead (ep_tp), the attention on each whole.
+    preset = "ep_tp" if getattr(cfg, "kv_lora_rank", None) else "tp"
 
     def run(kind: str) -> dict | BaseException:
         try:
-            dep = Deployment(d, kind, tp)
+            dep = Deployment(d, kind, tp, preset)
         except BaseException as e:  # noqa: BLE001 - raised by the deployment's own test
             return e
         try:

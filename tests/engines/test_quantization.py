@@ -2,6 +2,7 @@
 packing, quantizing HF weights at load time, `jetserve convert --quantize` (Orbax round
 trip), and a tensor-parallel quantized engine."""
 
+import dataclasses
 import json
 import os
 
@@ -9,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from engines import EngineConfig, ModelConfig, create_engine, load_hf_config
+from engines import EngineConfig, ModelConfig, create_engine, load_hf_config, mxfp4
 from engines import quantization as qz
 from engines.checkpoint import read_orbax_config
 from jetserve import cli
@@ -75,6 +76,58 @@ def test_int4_group_error_bound_and_packing(shape, in_axes, group, g):
     # Every value of a group is within its scale's range; the largest hits +-7 or -8.
     wg = np.abs(w).reshape(shape[:a] + (shape[a] // g, g) + shape[a + 1:]).max(axis=a + 1)
     np.testing.assert_allclose(s, wg / 7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("xp", [np, jax.numpy], ids=["numpy", "jax"])
+def test_mxfp4_quantizes_its_own_values_exactly_and_dequantizes_in_jit(xp):
+    """Weights that are MXFP4 values already (random codes times 2^(e - 127), decoded by
+    the host reader engines/mxfp4.py) come back unchanged through quantize and the jitted
+    dequantize, in float32 and bfloat16; other weights land within a unit of their
+    block's scale (two where OCP's exponent rule clips the block's largest to 6)."""
+    rng = np.random.default_rng(2)
+    E, D, F = 2, 64, 6
+    blocks = rng.integers(0, 256, (E, F, D // 32, 16), np.uint8)
+    scales = rng.integers(118, 131, (E, F, D // 32), np.uint8)
+    w = mxfp4.dequantize_transposed(blocks, scales)  # [E, D, F]
+    q, s = qz.quantize(xp.asarray(w), (1,), "mxfp4", 0, xp)
+    assert q.dtype == np.uint8 and q.shape == (E, D // 2, F)
+    assert s.dtype == np.uint8 and s.shape == (E, D // 32, F)
+    for dtype in (np.float32, jax.numpy.bfloat16):
+        dq = jax.jit(qz.dequantize, static_argnums=(2, 3, 4, 5))(q, s, (1,), "mxfp4", 0, dtype)
+        assert dq.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(dq, np.float32), w)
+    # The checkpoint's own bytes, moved to [E, in, out], decode to the same weights.
+    codes, exps = mxfp4.transpose_packed(blocks, scales)
+    np.testing.assert_array_equal(
+        np.asarray(qz.dequantize(codes, exps, (1,), "mxfp4", 0, np.float32)), w)
+    v = rng.normal(size=(E, D, F)).astype(np.float32)
+    q, s = qz.quantize(xp.asarray(v), (1,), "mxfp4", 0, xp)
+    dv = np.asarray(qz.dequantize(q, s, (1,), "mxfp4", 0, np.float32))
+    unit = np.repeat(2.0 ** (np.asarray(s, np.float32) - 127), 32, axis=1)
+    # Codes 4 and 6 are 2 units apart, and values up to 8 units clip to 6 (OCP's rule).
+    assert np.all(np.abs(dv - v) <= 2 * unit + 1e-7)
+    assert np.mean(np.abs(dv - v) <= unit + 1e-7) > 0.95
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qz.layout((2, 48, 4), (None,) * 3, (1,), "mxfp4", 0, "w1")
+
+
+def test_random_mxfp4_experts_are_the_float_ones_quantized():
+    """Random weights of a model whose experts are stored MXFP4 are the float model's of
+    the same seed, its experts quantized and every other weight as it is."""
+    cfg = ModelConfig(family="mixtral", vocab_size=64, hidden_size=64, intermediate_size=32,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+                      num_experts_per_tok=2)
+    ec = EngineConfig(**ECFG)
+    plain = create_engine(cfg, config=ec, devices=jax.devices()[:1])
+    eng = create_engine(dataclasses.replace(cfg, expert_quant="mxfp4"), config=ec,
+                        devices=jax.devices()[:1])
+    params = eng.load_params()
+    got = _np(eng.checkpoint_params(params))  # per layer, as checkpoints hold them
+    assert got["layers_0"]["moe"]["w2"]["qvalue"].shape == (4, 16, 64)  # [E, F / 2, D]
+    want = qz.quantize_params(_np(plain.checkpoint_params(plain.load_params())), "mxfp4",
+                              0, np, qz.EXPERT_KERNELS)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert _tokens(eng, params, 4)  # the step runs on them
 
 
 def test_bad_quantize_settings_are_named():

@@ -168,6 +168,39 @@ def test_cli_shows_kv_bytes_per_chip(capsys):
     assert out["kv_head_copies"] == 2 and out["kv_bytes_per_token_per_chip"] == 40960
 
 
+def test_dp_ep_splits_the_latent_cache_and_copies_the_rest():
+    """DeepSeek-V3 on 64 chips: tp holds its one latent kv head on every chip (64 copies of
+    the cache); dp_ep splits the cache by slot (1/64 per chip, no copies) and the experts,
+    and holds every other weight on every chip (stored and read 64 times)."""
+    spec = ModelSpec.from_config(MODEL_PRESETS["deepseek-v3"])
+    per_token = 61 * (512 + 64) * 2  # the keys of one latent head (no values), bf16
+    tp = make_plan(spec, V5E, chips=64, batches=[1], context=4096, precision=BF16)
+    dp = make_plan(spec, V5E, chips=64, batches=[1], context=4096, precision=BF16,
+                   layout="dp_ep")
+    assert tp.kv_head_copies == 64 and tp.kv_bytes_per_token == 64 * per_token
+    assert dp.kv_head_copies == 1 and dp.kv_bytes_per_token == per_token
+    assert dp.kv_bytes_per_token_per_chip == per_token / 64
+    assert dp.rows[0].kv_gb * 64 == pytest.approx(tp.rows[0].kv_gb)
+    whole = spec.params - spec.expert_params  # attention, dense MLPs, shared experts, embeddings
+    assert dp.param_bytes == pytest.approx((spec.params + 63 * whole) * 2)
+    read = (spec.read_params(1) + 63 * (whole - spec.unread_params)) * 2
+    assert dp.rows[0].weights_read_gb == pytest.approx(read / 1e9)
+    one = make_plan(spec, V5E, chips=1, batches=[1], context=4096, precision=BF16,
+                    layout="dp_ep")
+    assert one.param_bytes == make_plan(spec, V5E, chips=1, batches=[1], context=4096,
+                                        precision=BF16).param_bytes
+    with pytest.raises(ValueError, match=r"layout must be one of \('tp', 'dp_ep'\), got 'ep'"):
+        make_plan(spec, V5E, chips=8, batches=[1], context=64, precision=BF16, layout="ep")
+
+
+def test_cli_dp_ep(capsys):
+    assert cli.main(["plan", "--model-preset", "deepseek-v3", "--hardware", "tpu-v6e",
+                     "--chips", "64", "--batch", "1", "--sharding", "dp_ep", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "dp_ep" and out["kv_head_copies"] == 1
+    assert out["kv_bytes_per_token_per_chip"] == 61 * (512 + 64) * 2 / 64
+
+
 @pytest.mark.parametrize("name,billions", [
     ("qwen3-8b", 8.19), ("qwen3-32b", 32.76), ("gemma3-12b", 11.77), ("gemma3-27b", 27.01),
     ("phi4-mini", 3.84), ("olmo2-13b", 13.72)])

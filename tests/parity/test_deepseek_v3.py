@@ -14,7 +14,8 @@ several 16-token prefill chunks. Checked:
   transfer's check and move, int8 KV and speculative verification;
 - the experts over 4 devices (ep_tp) give one device's tokens;
 - `jetserve generate --model DIR`;
-- the config fields and paths it cannot take refused by name.
+- the config fields and paths it cannot take refused by name: int4 weights on odd latent
+  ranks, tp repeating the latent kv head.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def test_cli_generate(case, capsys):
 
 
 def test_unimplemented_fields_are_refused(case):
-    _, d, _, _ = case
+    variant, d, _, _ = case
     with open(os.path.join(d, "config.json")) as f:
         hf = json.load(f)
     with pytest.raises(ValueError, match="attention_bias"):
@@ -216,9 +217,16 @@ def test_unimplemented_fields_are_refused(case):
     with pytest.raises(ValueError, match="kv_lora_rank"):
         from_hf_config({k: v for k, v in hf.items() if k != "kv_lora_rank"})
     with pytest.raises(ValueError, match="quantization_config"):
-        from_hf_config({**hf, "quantization_config": {"quant_method": "fp8"}})
+        from_hf_config({**hf, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match="num_kv_heads must be 1"):
         dataclasses.replace(load_hf_config(d), num_kv_heads=2)
-    with pytest.raises(ValueError, match="weight_quant 'int8'"):
+    # int4 packs pairs along each kernel's input axis: the odd latent ranks cannot
+    # (int8 and int4 with even ranks: tests/parity/test_moe_paths.py).
+    odd = "q_b_proj" if variant == "deepseek_v3" else "kv_b_proj"
+    with pytest.raises(ValueError, match=f"{odd}: int4 packs two values per byte"):
         create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:1],
-                      config=parity_config(quantize="int8"))
+                      config=parity_config(quantize="int4"))
+    # tp would repeat the one latent kv head over its 4 devices.
+    with pytest.raises(ValueError, match="one latent kv head, which is not repeated"):
+        create_engine(load_hf_config(d), weights=d, devices=jax.devices()[:4],
+                      config=parity_config(), sharding=load_preset("tp"))

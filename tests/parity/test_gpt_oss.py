@@ -11,7 +11,8 @@ on the same config in tests/parity/test_moe_families.py; here what gpt-oss adds:
   once, not per F shard);
 - `jetserve generate --model DIR`, and on its `jetserve convert` Orbax copy;
 - a checkpoint in the published MXFP4 layout (`*_blocks` / `*_scales` experts), decoded
-  as transformers decodes it, giving transformers' tokens and log-probs;
+  as transformers decodes it, kept 4-bit on the devices (one and eight, ep_tp), giving
+  transformers' tokens and log-probs; shard-report's bytes per parameter of it;
 - the config fields and paths it cannot take refused by name.
 """
 
@@ -136,28 +137,104 @@ def _write_mxfp4(src: str, dst: str, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def test_mxfp4_checkpoint_matches_transformers(tmp_path):
-    """Experts as published (MXFP4), F = 64 (whole blocks of 32): decoded exactly as
-    transformers decodes them, and the tokens and log-probs transformers gives on its
-    dequantized model."""
+@pytest.fixture(scope="module")
+def mxfp4_case(tmp_path_factory):
+    """(MXFP4 model dir with F = 64: whole blocks of 32, the tensors written, transformers'
+    model of it dequantized, its greedy tokens of each prompt)."""
     import transformers as tf
 
-    src, dst = str(tmp_path / "float"), str(tmp_path / "mxfp4")
+    tmp = tmp_path_factory.mktemp("mxfp4")
+    src, dst = str(tmp / "float"), str(tmp / "mxfp4")
     make_hf_model("gpt_oss", src, intermediate_size=64)
     written = _write_mxfp4(src, dst)
     model = tf.GptOssForCausalLM.from_pretrained(
         dst, quantization_config=tf.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    return dst, written, model, [hf_greedy(model, p, STEPS) for p in parity_prompts()]
+
+
+def _experts(params) -> dict[str, jax.Array]:
+    """path -> leaf, for every leaf under an expert kernel (w1, w3, w2)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = {"/".join(str(getattr(k, "key", k)) for k in p): a for p, a in flat}
+    return {p: a for p, a in paths.items() if {"w1", "w3", "w2"} & set(p.split("/"))}
+
+
+def test_mxfp4_checkpoint_matches_transformers(mxfp4_case, monkeypatch):
+    """Experts as published (MXFP4) decode exactly as transformers decodes them, stay
+    4-bit on the device (their bytes as published, moved to [E, in, out]; no float copy,
+    <= 0.3 of their bfloat16 bytes), and give the tokens and log-probs transformers gives
+    on its dequantized model."""
+    dst, written, model, want = mxfp4_case
     experts = model.model.layers[1].mlp.experts
     for proj in ("gate_up_proj", "down_proj"):
         key = f"model.layers.1.mlp.experts.{proj}"
         ours = mxfp4.dequantize_transposed(written[key + "_blocks"], written[key + "_scales"])
         np.testing.assert_array_equal(ours, getattr(experts, proj).detach().numpy())
-    engine = create_engine(load_hf_config(dst), weights=dst, config=parity_config(),
-                           devices=jax.devices()[:1])
-    results = generate_many(engine, engine.load_params(), parity_prompts(), max_tokens=STEPS,
+    cfg = load_hf_config(dst)
+    assert cfg.expert_quant == "mxfp4"
+    engine = create_engine(cfg, weights=dst, config=parity_config(), devices=jax.devices()[:1])
+    with monkeypatch.context() as m:  # loading decodes nothing: no float experts, ever
+        m.setattr(mxfp4, "dequantize", lambda *a, **k: pytest.fail("experts decoded"))
+        params = engine.load_params()
+    resident = _experts(params)
+    assert {p.rsplit("/", 1)[-1] for p in resident} == {"qvalue", "scale"}
+    assert all(a.dtype == np.uint8 for a in resident.values()), "a float expert array"
+    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_size
+    assert len(resident) == L * 3 * 2
+    assert sum(a.nbytes for a in resident.values()) <= 0.3 * L * E * D * F * 3 * 2
+    # The down projection's codes are the published bytes, input axis first.
+    blocks = written["model.layers.1.mlp.experts.down_proj_blocks"]  # [E, D, F / 32, 16]
+    np.testing.assert_array_equal(np.asarray(resident["layers_1/moe/w2/qvalue"]),
+                                  blocks.reshape(E, D, F // 2).transpose(0, 2, 1))
+    assert params["layers_1"]["self_attn"]["q_proj"].dtype == np.float32  # the rest as before
+    results = generate_many(engine, params, parity_prompts(), max_tokens=STEPS,
                             ignore_eos=True)
-    assert [r.token_ids for r in results] == [hf_greedy(model, p, STEPS) for p in parity_prompts()]
+    assert [r.token_ids for r in results] == want
     assert_logprobs_close(model, parity_prompts(), results)
+
+
+def test_mxfp4_experts_over_eight_devices(mxfp4_case):
+    """ep_tp on 8 devices places the 4-bit experts as the float ones (experts over
+    `expert`, F over `model`: the down projection's packed F axis split in two) and keeps
+    transformers' tokens."""
+    dst, _, _, want = mxfp4_case
+    engine = create_engine(load_hf_config(dst), weights=dst, config=parity_config(),
+                           devices=jax.devices()[:8], sharding=load_preset("ep_tp"))
+    params = engine.load_params()
+    w1, w2 = params["layers_0"]["moe"]["w1"], params["layers_0"]["moe"]["w2"]
+    assert tuple(w1["qvalue"].sharding.spec) == ("expert", None, "model")  # [E, D / 2, F]
+    assert tuple(w2["qvalue"].sharding.spec) == ("expert", "model", None)  # [E, F / 2, D]
+    assert w2["qvalue"].addressable_shards[0].data.shape == (1, 16, 64)  # D = 64
+    results = generate_many(engine, params, parity_prompts(), max_tokens=STEPS,
+                            ignore_eos=True)
+    assert [r.token_ids for r in results] == want
+
+
+def test_quantize_int8_leaves_the_mxfp4_experts(mxfp4_case):
+    """`--quantize int8` on an MXFP4 checkpoint quantizes the other kernels and keeps the
+    experts' published bytes."""
+    dst = mxfp4_case[0]
+    engine = create_engine(load_hf_config(dst), weights=dst, devices=jax.devices()[:1],
+                           config=parity_config(quantize="int8"))
+    layer = engine.load_params()["layers_1"]
+    assert layer["self_attn"]["q_proj"]["qvalue"].dtype == np.int8
+    assert all(layer["moe"][w][k].dtype == np.uint8 for w in ("w1", "w3", "w2")
+               for k in ("qvalue", "scale"))
+
+
+def test_shard_report_gives_mxfp4_bytes_per_parameter(mxfp4_case, capsys):
+    """`jetserve shard-report` counts the experts' parameters (two per byte) and their
+    bytes (codes and one exponent per 32): 0.53125 bytes per parameter."""
+    dst = mxfp4_case[0]
+    cfg = load_hf_config(dst)
+    assert cli.main(["shard-report", "--model", dst, "--no-measure", "--hardware", "tpu-v5e",
+                     "--max-seq-len", "64", "--json"]) == 0
+    rows = {r["storage"]: r for r in json.loads(capsys.readouterr().out)["param_storage"]}
+    assert rows["mxfp4"]["params"] == cfg.num_layers * cfg.num_experts * cfg.hidden_size \
+        * cfg.expert_size * 3
+    assert rows["mxfp4"]["bytes_per_param"] == 0.5 + 1 / 32
+    assert rows["float32"]["bytes_per_param"] == 4
+    assert sum(r["params"] for r in rows.values()) == cfg.param_count()
 
 
 def test_mxfp4_decodes_each_code_and_scale():

@@ -41,6 +41,17 @@ def test_ep_tp_and_seq_tp_sizes():
                                                 "num_experts": 0}) == {"seq": 4, "model": 2}
 
 
+def test_dp_ep_splits_slots_and_experts_over_every_device():
+    cfg = load_preset("dp_ep")
+    assert cfg.mesh_shape(8) == {"data": 8}
+    assert {a: cfg.split_count(a, 8) for a in (axes.CACHE_BATCH, axes.BATCH, axes.EXPERT,
+                                               axes.HEADS, axes.KV_HEADS, axes.MLP)} == {
+        "cache_batch": 8, "batch": 8, "expert": 8, "heads": 1, "kv_heads": 1, "mlp": 1}
+    assert cfg.kv_layouts == ("contiguous",) and load_preset("tp").kv_layouts == (
+        "contiguous", "paged")
+    assert load_preset(cfg) == cfg and ShardingConfig.from_dict(cfg.to_dict(), "dp_ep") == cfg
+
+
 @pytest.mark.parametrize("yaml_text,message", [
     ("mesh: {model: -1}\nrules: {hedas: model}\n", "unknown logical axis 'hedas' in rules"),
     ("mesh: {model: -1}\nrules: {heads: modle}\n", "rule heads: 'modle' names a mesh axis that is not in the mesh"),
@@ -49,6 +60,9 @@ def test_ep_tp_and_seq_tp_sizes():
     ("mesh: {model: kv}\n", "mesh axis 'model' size must be"),
     ("mesh: {model: -1}\nrules: {heads: [model, data]}\n", "rule heads: expected one mesh axis name"),
     ("mesh: {model: -1}\nlayout: {}\n", "unknown keys ['layout']"),
+    ("mesh: {model: -1}\nkv_layouts: paged\n", "kv_layouts must be a list of ('contiguous', 'paged')"),
+    ("mesh: {model: -1}\nkv_layouts: [pagd]\n", "kv_layouts must be a non-empty list of"),
+    ("mesh: {model: -1}\nkv_layouts: []\n", "kv_layouts must be a non-empty list of"),
     ("- just\n- a list\n", "must hold a mapping with mesh and rules"),
     ("mesh: {model: -1\n", "is not valid YAML"),
 ])

@@ -24,6 +24,8 @@ CASES = {
     "mistral-tp-to-tp_kv_batch": ("mistral", "tp", "tp_kv_batch"),
     # And back: two heads -> each of them on two devices.
     "mistral-tp_kv_batch-to-tp": ("mistral", "tp_kv_batch", "tp"),
+    # Experts over `expert` -> attention data parallel, the experts over the same devices.
+    "mixtral-ep_tp-to-dp_ep": ("mixtral", "ep_tp", "dp_ep"),
 }
 
 

@@ -19,7 +19,7 @@ from tests.sharding import families
 # Cases that must fail compile nothing, so they all run by default.
 FAST = {
     ("llama3", "tp", 4), ("llama3", "tp_kv_batch", 8), ("llama3", "seq_tp", 8),
-    ("mixtral", "ep_tp", 8), ("mixtral", "replicated", 4),
+    ("mixtral", "ep_tp", 8), ("mixtral", "replicated", 4), ("mixtral", "dp_ep", 4),
 }
 ALL = list(itertools.product(families.FAMILIES, families.PRESET_NAMES, families.DEVICE_COUNTS))
 MATRIX = [
@@ -37,6 +37,12 @@ def test_preset_matches_single_device(family, preset, n, reference_tokens):
         with pytest.raises(ValueError) as e:
             families.make_engine(family, preset, devices)
         msg = str(e.value)
+        if bad == "expert":  # dp_ep: the experts over every device
+            assert re.search(rf"parameter \S+/w[123]: dimension 0 \(expert\) of size "
+                             rf"{families.model_config(family).num_experts} does not divide "
+                             rf"over mesh axis 'data' of size {n} in sharding '{preset}'",
+                             msg), msg
+            return
         # Names the tensor, the dimension, its size, the mesh axis and the preset.
         # (A q/k/v projection's kernel, or its bias where the family has one: qwen2.)
         assert re.search(rf"parameter \S+/[kv]_(proj|bias): dimension 0 "

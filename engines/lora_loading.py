@@ -20,8 +20,8 @@ import re
 
 import numpy as np
 
-from engines.checkpoint import rope_pairs_to_halves
 from engines.config import ModelConfig
+from engines.hf_weights import rope_pairs_to_halves
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

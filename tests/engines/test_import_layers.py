@@ -27,11 +27,12 @@ OVER_LIMIT = {"jetserve/orchestrator/driver.py": 514, "jetserve/server/http_serv
 # engines/ from the bottom up; a module imports only from its own layer or those below.
 ENGINE_LAYERS = (
     # configs, the Engine API, attention / sampling / quantization / expert math
-    ("config", "hf_config", "rope", "engine_config", "engine_api", "attention", "sampling", "quantization",
+    ("config", "hf_config", "hf_weights", "rope", "mxfp4", "fp8_block", "engine_config",
+     "engine_api", "attention", "sampling", "quantization",
      "cpu_kernels", "moe", "blockwise_attention", "attention_kernels", "backend",
      "token_mask", "layer_scan", "kv_quant", "ragged_attention"),
     # the model and the KV stores (and checkpoint files, the mock engine)
-    ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "ocdbt_reader", "mxfp4",
+    ("model", "kv_cache", "paged_kv", "prefix_blocks", "checkpoint", "ocdbt_reader",
      "mock_engine",
      "kv_heads", "lora_loading", "lora_registry", "lora", "mixed_batch"),
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)

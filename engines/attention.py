@@ -76,14 +76,6 @@ def visible_keys(qp: jax.Array, kp: jax.Array, sliding_window: int | None,
     return visible
 
 
-def reach(sliding_window: int | None, chunk: int | None) -> int | None:
-    """How far back any query sees (None: to position 0): the window, or the chunk's
-    length, whichever is shorter; what the block-skipping paths bound their spans by."""
-    if chunk is None:
-        return sliding_window
-    return chunk if sliding_window is None else min(chunk, sliding_window)
-
-
 def _attention_probs(scores: jax.Array, qp: jax.Array, kp: jax.Array, head_dim: int,
                      sliding_window: int | None, dtype: Any,
                      softcap: float | None = None, sinks: jax.Array | None = None,

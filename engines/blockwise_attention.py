@@ -25,7 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.attention import reach, sink_logits, softcapped, visible_keys
+from engines.attention import sink_logits, softcapped, visible_keys
+from engines.config import reach
 
 _BIG = jnp.iinfo(jnp.int32).max
 

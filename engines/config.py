@@ -283,6 +283,11 @@ class ModelConfig:
         """The attention chunk of layer `layer` (None: not chunked)."""
         return self.attention_chunk_size if self.layer_kind(layer) == CHUNKED else None
 
+    def layer_reach(self, layer: int) -> int | None:
+        """How far back layer `layer`'s queries see (None: to position 0): its window or
+        its attention chunk (engines.attention.reach)."""
+        return reach(self.layer_window(layer), self.layer_chunk(layer))
+
     def layer_rope(self, layer: int) -> bool:
         """Whether layer `layer`'s attention applies RoPE (not a Llama 4 NoPE layer)."""
         return layer not in self.nope_layers
@@ -363,3 +368,18 @@ class ModelConfig:
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def reach(sliding_window: int | None, chunk: int | None) -> int | None:
+    """How far back any query sees (None: to position 0): the window, or the chunk's
+    length, whichever is shorter; what the block-skipping paths bound their spans by."""
+    if chunk is None:
+        return sliding_window
+    return chunk if sliding_window is None else min(chunk, sliding_window)
+
+
+def ring_pages(reach: int, span: int, page_size: int) -> int:
+    """Pages per slot of a paged layer that sees `reach` positions back, when one step
+    writes at most `span` positions of a slot (engines/paged_kv.py WindowRing): the keys
+    a step's queries read and those it writes fit without a page holding two of them."""
+    return -(-(reach + span - 1) // page_size) + 1

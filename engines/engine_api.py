@@ -155,6 +155,14 @@ class PageGeometry:
     max_seq_len: int
     num_pages: int | None = None
     lookahead: int = 0
+    # Layers with a bounded reach keep a ring of `ring_pages` pages per slot instead of
+    # pages of the pool (engines/paged_kv.py WindowRing): `ring_layers` of them; 0: none.
+    ring_pages: int = 0
+    ring_layers: int = 0
+    # Device bytes (the paged engine fills them in): one page of the pool over every layer
+    # in it, keys and values; every slot's ring over its layers.
+    page_bytes: int = 0
+    ring_bytes: int = 0
 
     def __post_init__(self):
         for name in ("slots", "page_size", "max_seq_len"):

@@ -49,7 +49,7 @@ from engines.attention import key_only
 from engines.engine_api import pack_results
 from engines.mixed_batch import MODE_CHUNK, MODE_DECODE, MixedInputs
 from engines.model import Decoder
-from engines.paged_kv import PagedDecodeState, pool_shape, write_pages
+from engines.paged_kv import PagedDecodeState, PageTables, WindowRing, pool_shape, write_pages
 from engines.ragged_attention import pallas_ragged_attention, ragged_paged_attention
 from engines.sampling import sample, token_logprobs
 
@@ -85,26 +85,30 @@ def ragged_layout(inp: MixedInputs, state: PagedDecodeState, max_seq_len: int) -
                         decode_live=decode_live)
 
 
-class RaggedPagedKV(layer_scan.StackedStore):
+class RaggedPagedKV(layer_scan.StackedStore, PageTables):
     """KVStore of the mixed step: writes each token's k, v into its row's page, then
     attends over its row's pages (`attend`; what `update` returns is unused). Under a
     scan over layers the stacked pools are the loop's carry (layer_scan.StackedStore)."""
 
     def __init__(self, state: PagedDecodeState, table: jax.Array, layout: RaggedLayout,
-                 impl: str):
-        self.state, self.table, self.layout, self.impl = state, table, layout, impl
-        _, P1, ps, _ = pool_shape(state.k)
+                 impl: str, ring: WindowRing | None = None):
+        self.state, self.layout, self.impl = state, layout, impl
+        ps = pool_shape(state.k)[2]
         W = table.shape[1]
         pos = layout.positions
         idx = jnp.where(pos >= 0, pos // ps, 0)
-        page = table[layout.rows, jnp.minimum(idx, W - 1)]
-        self.write_page = jnp.where((pos >= 0) & (idx < W), page, P1 - 1)  # else: trash
+        writes = (pos >= 0) & (idx < W)
+
+        def write_page(table, trash):
+            return jnp.where(writes, table[layout.rows, jnp.minimum(idx, W - 1)], trash)
+
+        self.set_tables(state.k, table, ring, write_page)
         self.write_off = jnp.where(pos >= 0, pos % ps, 0)
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
 
     def update(self, layer, k, v):  # k, v [1, T, K, H]
-        page, off = self.write_page, self.write_off
+        page, off = self.pages_of(layer)[1], self.write_off
         self.k.append(write_pages(self.state.k[layer], page, off, k[0], self.at))
         self.v.append(write_pages(self.state.v[layer], page, off, v[0], self.at))
         return k, v, self.layout.positions[None]
@@ -126,23 +130,26 @@ class RaggedPagedKV(layer_scan.StackedStore):
             # The kernel takes no layer index: under a scan, the layer's pools sliced out.
             k_pool, v_pool = self.layer_of(self.k, layer), self.layer_of(self.v, layer)
             out = pallas_ragged_attention(q[0], k_pool, k_pool if key_only(v_pool) else v_pool,
-                                          self.table, lay.q_len, kv_lens, sliding_window,
+                                          self.pages_of(layer)[0], lay.q_len, kv_lens,
+                                          sliding_window,
                                           softcap=softcap)
         else:
             # A key-only cache's (width-0) value pools: the keys are the values.
             v_pool = self.k[layer] if key_only(self.v[layer]) else self.v[layer]
-            out = ragged_paged_attention(q[0], self.k[layer], v_pool, self.table,
+            out = ragged_paged_attention(q[0], self.k[layer], v_pool, self.pages_of(layer)[0],
                                          lay.rows, lay.positions, sliding_window, softcap=softcap,
                                          layer=self.at, sinks=sinks, chunk=chunk)
         return out[None]
 
 
-def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
-               state: PagedDecodeState, table: jax.Array, inp: MixedInputs):
-    """The step of the module doc: (new state, ResultTokens)."""
+def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
+               ring: WindowRing | None, params, state: PagedDecodeState, table: jax.Array,
+               inp: MixedInputs):
+    """The step of the module doc: (new state, ResultTokens). `ring`: the pages of the
+    layers with a bounded reach (engines/paged_kv.py WindowRing), None: the shared pool's."""
     S = max_seq_len
     lay = ragged_layout(inp, state, S)
-    kv = RaggedPagedKV(state, table, lay, impl)
+    kv = RaggedPagedKV(state, table, lay, impl, ring)
     positions = jnp.maximum(lay.positions, 0)[None]
     logits = model.apply({"params": params}, lay.tokens[None], positions, kv,
                          last=lay.last[None])[0]  # (B, V)

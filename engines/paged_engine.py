@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -52,6 +53,7 @@ from engines.model import Decoder
 from engines.paged_kv import (
     PagedDecodeKV,
     PagedDecodeState,
+    WindowRing,
     insert_paged,
     resolve_attention,
 )
@@ -63,8 +65,9 @@ from sharding import axes, traced_under
 POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
 
 
-def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
-                    state: PagedDecodeState, table, token_mask=None):
+def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
+                    ring: WindowRing | None, params, state: PagedDecodeState, table,
+                    token_mask=None):
     """One decode step; table i32[B, W] is each slot's first W pages (trash-padded);
     token_mask None or i32[B, W'] allowed tokens (engines/token_mask.py). A slot whose row
     allows nothing sits the step out (token_mask.hold_paused); the page planner, which
@@ -72,21 +75,21 @@ def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, par
     S = max_seq_len
     valid = state.lengths < S
     pos = jnp.minimum(state.lengths, S - 1)  # (B,)
-    kv = PagedDecodeKV(state, table, pos, valid, impl)
+    kv = PagedDecodeKV(state, table, pos, valid, impl, ring)
     logits = model.apply({"params": params}, state.tokens[:, None], pos[:, None], kv)[:, 0]
     slot, results = step_slot_fields(state, logits, valid, top_n, model.backend.cpu_kernels,
                                      token_mask, pause=True)
     return PagedDecodeState(k=tuple(kv.k), v=tuple(kv.v), **slot), results
 
 
-def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, params,
-                       state: PagedDecodeState, table, rows):
+def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
+                       ring: WindowRing | None, params, state: PagedDecodeState, table, rows):
     """The mixed step of decode rows alone (rows bool[B]: the slots in a decode row): the
     generate step over those slots, the same program and attention generate takes; the
     slots in no row (their lengths read as full) are left bit-identical."""
     S = max_seq_len
     lengths = jnp.where(rows, state.lengths, S)
-    new, results = _generate_paged(model, top_n, S, impl, params,
+    new, results = _generate_paged(model, top_n, S, impl, ring, params,
                                    dataclasses.replace(state, lengths=lengths), table)
     ran = lengths < S
     keep = lambda new_f, old_f: jnp.where(  # noqa: E731
@@ -98,8 +101,9 @@ def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str, 
 
 
 def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
-                                draft_model: Decoder | None, params, state: PagedDecodeState,
-                                table, token_mask=None, draft_params=None):
+                                draft_model: Decoder | None, ring: WindowRing | None, params,
+                                state: PagedDecodeState, table, token_mask=None,
+                                draft_params=None):
     """The verify step of engines.speculative over pages: table i32[B, W] covers every
     position up to length + k of each live slot (SlotPages.lookahead). The drafts come
     from the sequence's own tokens, or from `draft_model` (whose cache is contiguous);
@@ -112,7 +116,7 @@ def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k:
         drafts, q, rest, dk, dv = draft_model_drafts(draft_model, k, draft_params, state)
     inp = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
     positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
-    kv = PagedDecodeKV(state, table, positions, state.lengths < S, "xla")
+    kv = PagedDecodeKV(state, table, positions, state.lengths < S, "xla", ring)
     logits = model.apply({"params": params}, inp, positions, kv)  # (B, k+1, V)
     tokens, count, next_keys, lp, top_ids, top_lp = verify_step(logits, rest, drafts, top_n, q,
                                                                 token_mask)
@@ -121,6 +125,20 @@ def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k:
         k=tuple(kv.k), v=tuple(kv.v), sampling=dataclasses.replace(state.sampling, key=next_keys),
         prompt_mask=state.prompt_mask, draft_k=tuple(dk), draft_v=tuple(dv), **slot)
     return new_state, pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
+
+
+def window_ring(model_config, config, geometry: PageGeometry) -> WindowRing | None:
+    """The ring pages of the layers with a bounded reach (a sliding window, an attention
+    chunk: engines/paged_kv.py WindowRing), where it holds fewer pages than the shared
+    pool (at short max_seq_len a ring per slot could hold more); None: every layer in
+    the shared pool. A step writes at most a prompt chunk or k + 1 positions per slot."""
+    c = model_config
+    reaches = tuple(c.layer_reach(i) for i in range(c.num_layers))
+    span = max(config.max_prefill_length, config.spec.k + 1)
+    ring = WindowRing.plan(reaches, span, config.page_size, config.max_concurrent_decodes)
+    if ring is None or ring.num_pages >= geometry.num_pages:
+        return None
+    return ring
 
 
 class PagedTransformerEngine(TransformerEngine):
@@ -134,8 +152,12 @@ class PagedTransformerEngine(TransformerEngine):
             raise ValueError("PagedTransformerEngine needs config=EngineConfig(kv_layout='paged')")
         B, S, ps = config.max_concurrent_decodes, config.max_seq_len, config.page_size
         spec = config.spec
-        self._geometry = PageGeometry(slots=B, page_size=ps, max_seq_len=S,
-                                      num_pages=config.num_pages, lookahead=spec.k)
+        geometry = PageGeometry(slots=B, page_size=ps, max_seq_len=S,
+                                num_pages=config.num_pages, lookahead=spec.k)
+        self.ring = window_ring(model_config, config, geometry)
+        self._geometry = dataclasses.replace(
+            geometry, ring_pages=self.ring.pages if self.ring else 0,
+            ring_layers=sum(self.ring.layers) if self.ring else 0)
         devices = list(kwargs.get("devices") or jax.devices())
         # The TPU kernel attends one query per slot: verify steps take the gather path.
         self.attention_impl = "xla" if spec.enabled else resolve_attention(
@@ -143,28 +165,41 @@ class PagedTransformerEngine(TransformerEngine):
             len(devices), model_config.attn_logit_softcap, config.kv_dtype,
             model_config.attn_sinks, model_config.attention_chunk_size)
         super().__init__(model_config, **kwargs)
+        self._geometry = dataclasses.replace(self._geometry, **self._kv_bytes())
 
     # ---- layout ------------------------------------------------------------------------
 
-    def _pool_shape(self, values: bool = False) -> tuple[int, int, int, int]:
-        """One layer's key pool shape, or with `values` its value pool's (entries of
-        width 0 for a key-only cache: ModelConfig.value_dim)."""
+    def _pool_shape(self, layer: int, values: bool = False) -> tuple[int, int, int, int]:
+        """Layer `layer`'s key pool shape, or with `values` its value pool's (entries of
+        width 0 for a key-only cache: ModelConfig.value_dim): the ring's pages for a
+        layer in the ring, else the shared pool's."""
         c = self.model_config
         g = self.page_geometry
-        return (c.num_kv_heads, g.num_pages + 1, g.page_size,
+        pages = self.ring.num_pages if self.ring and self.ring.holds(layer) else g.num_pages
+        return (c.num_kv_heads, pages + 1, g.page_size,
                 entry_width(c.value_dim if values else c.head_dim, self.config.kv_dtype))
+
+    def _kv_bytes(self) -> dict:
+        """PageGeometry's page_bytes and ring_bytes: what the pools hold on the device,
+        trash pages aside."""
+        c, g = self.model_config, self.page_geometry
+        entry = sum(math.prod(self._pool_shape(0, values)[2:]) for values in (False, True))
+        entry *= c.num_kv_heads * np.dtype(self._pool_dtype()).itemsize  # one page, one layer
+        ring = g.ring_layers * self.ring.num_pages * entry if self.ring else 0
+        return dict(page_bytes=(c.num_layers - g.ring_layers) * entry, ring_bytes=ring)
 
     def _pool_dtype(self):
         return jnp.int8 if self.config.kv_dtype == "int8" else self.dtype
 
     def decode_state_shardings(self) -> PagedDecodeState:
         base = super().decode_state_shardings()
-        pool = self._named(POOL_AXES, self._pool_shape(), "kv page pool")
-        v_pool = self._named(POOL_AXES, self._pool_shape(values=True), "value page pool")
         c = self.model_config
         L = c.num_layers
+        k = tuple(self._named(POOL_AXES, self._pool_shape(i), "kv page pool") for i in range(L))
+        v = tuple(self._named(POOL_AXES, self._pool_shape(i, values=True), "value page pool")
+                  for i in range(L))
         return layer_scan.stack_cache(PagedDecodeState(
-            k=(pool,) * L, v=(v_pool,) * L, lengths=base.lengths, tokens=base.tokens,
+            k=k, v=v, lengths=base.lengths, tokens=base.tokens,
             sampling=base.sampling, prompt_mask=base.prompt_mask, counts=base.counts,
             history=base.history, draft_k=base.draft_k, draft_v=base.draft_v), c.scan_layers)
 
@@ -176,17 +211,18 @@ class PagedTransformerEngine(TransformerEngine):
         r = self._replicated()
         laid_out = functools.partial(traced_under, self.sharding, self._mesh)
         self._insert_jit = jax.jit(
-            self._counted("insert", insert_paged), in_shardings=(prefix_sh, state_sh, r, r),
+            self._counted("insert", functools.partial(insert_paged, ring=self.ring)),
+            in_shardings=(prefix_sh, state_sh, r, r),
             out_shardings=state_sh, donate_argnums=(1,),
         )
         spec = self.config.spec
         draft_model = self._draft.model if self._draft else None
         draft_sh = (self._draft.param_shardings,) if self._draft else ()  # _draft_args()
         gen = (functools.partial(_generate_paged_speculative, self.model, top_n,
-                                 self.config.max_seq_len, spec.k, draft_model)
+                                 self.config.max_seq_len, spec.k, draft_model, self.ring)
                if spec.enabled else
                functools.partial(_generate_paged, self.model, top_n, self.config.max_seq_len,
-                                 self.attention_impl))
+                                 self.attention_impl, self.ring))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
             in_shardings=(self.param_shardings, state_sh, r, r, *draft_sh),
@@ -200,7 +236,7 @@ class PagedTransformerEngine(TransformerEngine):
         ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
         self._mixed_jit = jax.jit(
             self._counted("mixed", laid_out(functools.partial(
-                mixed_step, self.model, top_n, self.config.max_seq_len, ragged))),
+                mixed_step, self.model, top_n, self.config.max_seq_len, ragged, self.ring))),
             in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
@@ -208,7 +244,7 @@ class PagedTransformerEngine(TransformerEngine):
         self._decode_rows_jit = jax.jit(
             self._counted("mixed", laid_out(functools.partial(
                 _decode_rows_paged, self.model, top_n, self.config.max_seq_len,
-                self.attention_impl))),
+                self.attention_impl, self.ring))),
             in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
@@ -219,13 +255,14 @@ class PagedTransformerEngine(TransformerEngine):
         """An empty state (the host's page table starts empty with it)."""
         c, e = self.model_config, self.config
         B, S = e.max_concurrent_decodes, e.max_seq_len
-        shape, v_shape = self._pool_shape(), self._pool_shape(values=True)
+        L = c.num_layers
 
         def make():
-            pool = jnp.zeros(shape, self._pool_dtype())
-            v_pool = jnp.zeros(v_shape, self._pool_dtype())
+            zeros = lambda i, values: jnp.zeros(self._pool_shape(i, values),  # noqa: E731
+                                                self._pool_dtype())
             return layer_scan.stack_cache(PagedDecodeState(
-                k=(pool,) * c.num_layers, v=(v_pool,) * c.num_layers,
+                k=tuple(zeros(i, False) for i in range(L)),
+                v=tuple(zeros(i, True) for i in range(L)),
                 **empty_slot_fields(B, S, c.vocab_size, history=e.spec.enabled),
                 **self._empty_draft_cache(),
             ), c.scan_layers)
@@ -247,7 +284,12 @@ class PagedTransformerEngine(TransformerEngine):
 
     def page_blocks(self, decode_state: PagedDecodeState, pages: Sequence[int]) -> jax.Array:
         """The KV of `pages` as prefix-cache blocks: a stack [stack_size(n), L, 2, ps, K, H]
-        (padding reads the trash page)."""
+        (padding reads the trash page). Not with a ring: its layers keep no pages behind
+        their reach, so a page of the shared pool is not a block of every layer."""
+        if self.ring is not None:
+            raise ValueError("the KV of shared pages is not every layer's where layers with "
+                             "a sliding window keep a ring of pages (a prefix cache keeps "
+                             "blocks of its own for such a model)")
         idx = np.full((stack_size(len(pages)),), self.page_geometry.trash, np.int32)
         idx[: len(pages)] = pages
         return self._blocks_of_pages_jit(decode_state.k, decode_state.v, idx)

@@ -24,6 +24,16 @@ per field, [L, K, P + 1, ps, H]; the stores write pages into it at their layer a
 gather from it there (`write_pages` / `gather_pages` with a layer index), so the scan
 carries the donated pools and no layer's pool is copied out or rebuilt.
 
+Layers that see only a bounded reach back (a sliding window, Llama 4's attention chunks)
+keep no pages behind it: with a `WindowRing` their pools hold a ring of `pages` pages
+per slot instead of pages of the shared pool, [K, slots * pages + 1, ps, H] (the last
+page trash). Position p of slot b lives in ring page b * pages + (p // ps) % pages, so
+a page is written over once every position it held is out of reach of every query that
+can still read it. The ring's table is a function of the slot, computed on the device
+(`WindowRing.table`), with the shared table's shape: key j of a row is position j, the
+positions behind the reach read whatever the ring holds now and the window mask hides
+them. The host plans the shared pool only; the ring is fixed per slot.
+
 Attention in the decode step:
   - "xla": gather the slot's W pages (pool[:, table] -> [K, B, W, ps, H]) and run the
     model's own masked attention over them; runs everywhere.
@@ -36,12 +46,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from engines import layer_scan
 from engines.attention import attention, key_only
+from engines.config import ring_pages
 from engines.kv_cache import Prefix, insert_slot_fields, put_layers
 from engines.kv_quant import pack_entries, unpack_entries
 from engines.sampling import SlotSampling
@@ -98,11 +110,80 @@ def resolve_attention(impl: str, platform: str, sliding_window: int | None,
     return impl
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowRing:
+    """Ring pages of the layers with a bounded reach (module doc). `pages` per slot:
+    engines.config.ring_pages, ceil((reach + span - 1) / page_size) + 1, where span is
+    the most positions one step writes for a slot (a prompt chunk, or the k + 1 of a
+    speculative verify step). `layers`: per layer, whether it is in the ring."""
+
+    pages: int
+    slots: int
+    layers: tuple[bool, ...]
+
+    @staticmethod
+    def plan(reaches: tuple[int | None, ...], span: int, page_size: int,
+             slots: int) -> WindowRing | None:
+        """The ring of a model whose layer i sees `reaches[i]` positions back (None: every
+        earlier one); None where no layer has a bounded reach."""
+        bounded = [r for r in reaches if r is not None]
+        if not bounded:
+            return None
+        return WindowRing(pages=ring_pages(max(bounded), span, page_size), slots=slots,
+                          layers=tuple(r is not None for r in reaches))
+
+    @property
+    def num_pages(self) -> int:
+        """The ring pool's pages (its trash page aside)."""
+        return self.slots * self.pages
+
+    def holds(self, layer) -> bool:
+        """Whether `layer` keeps its KV in the ring. A model whose layers differ never
+        scans them (engines/layer_scan.use_scan), so a traced layer index only comes
+        with layers that are all alike."""
+        return all(self.layers) or (any(self.layers) and self.layers[layer])
+
+    def table(self, width: int) -> jax.Array:
+        """i32[slots, width]: the ring page of each slot's logical page j."""
+        return (jnp.arange(self.slots, dtype=jnp.int32)[:, None] * self.pages
+                + jnp.arange(width, dtype=jnp.int32)[None, :] % self.pages)
+
+
 def pool_shape(pools: tuple[jax.Array, ...]) -> tuple[int, int, int, int]:
     """One layer's pool shape (K, P + 1, ps, entry width), whether the pools are stacked
     or not."""
     K, P1, ps, H = pools[0].shape[-4:]
     return K, P1, ps, H
+
+
+class PageTables:
+    """What a step's KV store writes through: the shared pool's page table and each
+    written entry's page there, and the ring's for the layers in it (WindowRing)."""
+
+    def set_tables(self, pools: tuple[jax.Array, ...], table: jax.Array,
+                   ring: WindowRing | None, write_page: Callable) -> None:
+        """write_page(table, trash): each new entry's page in `table` (trash where the
+        step writes nothing)."""
+        self.table, self.ring = table, ring
+        self.write_page = write_page(table, shared_trash(pools, ring))
+        if ring is not None:
+            self.ring_table = ring.table(table.shape[1])
+            self.ring_write_page = write_page(self.ring_table, ring.num_pages)
+
+    def pages_of(self, layer) -> tuple[jax.Array, jax.Array]:
+        """(page table, write pages) of `layer`: the ring's for a layer in the ring."""
+        if self.ring is not None and self.ring.holds(layer):
+            return self.ring_table, self.ring_write_page
+        return self.table, self.write_page
+
+
+def shared_trash(pools: tuple[jax.Array, ...], ring: WindowRing | None) -> int:
+    """The shared pool's trash page (its last), read off the first layer not in the ring
+    (0 where every layer is: no shared page is written then)."""
+    for i, pool in enumerate(pools):
+        if ring is None or not ring.holds(i):
+            return pool.shape[-3] - 1
+    return 0
 
 
 def write_pages(pool: jax.Array, pages: jax.Array, offsets: jax.Array, new: jax.Array,
@@ -134,31 +215,31 @@ def gather_pages(pool: jax.Array, table: jax.Array, dtype,
     return unpack_entries(g, dtype)
 
 
-class PagedDecodeKV(layer_scan.StackedStore):
+class PagedDecodeKV(layer_scan.StackedStore, PageTables):
     """KVStore of the paged decode step: write each slot's new k, v into its page, then
     attend over its live pages (gathered, or read in place by the kernel). Under a scan
     over layers the stacked pools are the loop's carry (layer_scan.StackedStore)."""
 
     def __init__(self, state: PagedDecodeState, table: jax.Array, pos: jax.Array,
-                 live: jax.Array, impl: str):
-        self.state = state
-        self.table = table  # i32[B, W]
+                 live: jax.Array, impl: str, ring: WindowRing | None = None):
+        self.state = state  # table i32[B, W]
         # i32[B]: where this step's token goes; i32[B, T]: T consecutive positions per
         # slot (speculative verification, with the "xla" attention path only).
         self.pos = pos
         self.impl = impl
-        K, P1, ps, H = pool_shape(state.k)
+        ps = pool_shape(state.k)[2]
         self.page_size = ps
-        trash = P1 - 1
         idx = pos // ps
         W = table.shape[1]
-        if pos.ndim == 1:
-            in_table = live & (idx < W)
-            page = jnp.take_along_axis(table, jnp.minimum(idx, W - 1)[:, None], 1)[:, 0]
-        else:
-            in_table = live[:, None] & (idx < W)
-            page = jnp.take_along_axis(table, jnp.minimum(idx, W - 1), 1)
-        self.write_page = jnp.where(in_table, page, trash)  # (B,) or (B, T)
+        in_table = (live if pos.ndim == 1 else live[:, None]) & (idx < W)
+
+        def write_page(table, trash):  # (B,) or (B, T)
+            at = jnp.minimum(idx, W - 1)
+            page = (jnp.take_along_axis(table, at[:, None], 1)[:, 0] if pos.ndim == 1
+                    else jnp.take_along_axis(table, at, 1))
+            return jnp.where(in_table, page, trash)
+
+        self.set_tables(state.k, table, ring, write_page)
         self.write_off = pos % ps
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
@@ -167,18 +248,19 @@ class PagedDecodeKV(layer_scan.StackedStore):
         self.attend = self._kernel_attend if impl == "pallas_tpu" else None
 
     def update(self, layer, k, v):
+        table, page = self.pages_of(layer)
         if self.pos.ndim == 1:
-            page, off, k, v, last = self.write_page, self.write_off, k[:, 0], v[:, 0], self.pos
+            off, k, v, last = self.write_off, k[:, 0], v[:, 0], self.pos
         else:  # [B, T] new entries, written as B * T
             flat = lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])  # 0-wide v too
-            page, off, k, v = map(flat, (self.write_page, self.write_off, k, v))
+            page, off, k, v = map(flat, (page, self.write_off, k, v))
             last = self.pos[:, -1]
         k_pool = write_pages(self.state.k[layer], page, off, k, self.at)
         v_pool = write_pages(self.state.v[layer], page, off, v, self.at)
         self.k.append(k_pool)
         self.v.append(v_pool)
-        k_all = gather_pages(k_pool, self.table, k.dtype, self.at)
-        v_all = gather_pages(v_pool, self.table, v.dtype, self.at)
+        k_all = gather_pages(k_pool, table, k.dtype, self.at)
+        v_all = gather_pages(v_pool, table, v.dtype, self.at)
         j = jnp.arange(k_all.shape[1])[None, :]
         k_pos = jnp.where(j <= last[:, None], j, -1)  # (B, W * ps)
         return k_all, v_all, k_pos
@@ -228,22 +310,42 @@ def pallas_decode_attention(q, k_pool, v_pool, table, lengths):
 
 
 def insert_paged(prefix: Prefix, state: PagedDecodeState, slot: jax.Array,
-                 pages: jax.Array) -> PagedDecodeState:
+                 pages: jax.Array, ring: WindowRing | None = None) -> PagedDecodeState:
     """Scatters a prefix into the pages the host gave its slot (pages i32[ceil(T/ps)],
-    in position order); other slots' pages and rows are untouched. Stacked pools (a
-    scanned model's) take every layer in one batched scatter."""
-    _, P1, ps, _ = pool_shape(state.k)
+    in position order; entries past the shared pool are not written); other slots' pages
+    and rows are untouched. Stacked pools (a scanned model's) take every layer in one
+    batched scatter. Layers in the `ring` take the positions of the prefix's last
+    ring.pages pages into the slot's ring (those before are out of reach)."""
+    ps = pool_shape(state.k)[2]
     kp = prefix.k_pos[0]  # (T,)
     valid = kp >= 0
     safe = jnp.where(valid, kp, 0)
-    page = jnp.where(valid, pages[jnp.minimum(safe // ps, pages.shape[0] - 1)], P1)  # P1: drop
+    drop = shared_trash(state.k, ring) + 1  # past the pool: dropped
+    page = jnp.where(valid, pages[jnp.minimum(safe // ps, pages.shape[0] - 1)], drop)
     off = safe % ps
 
     def put(pool, new):  # new [1, T, K, H]
         return write_pages(pool, page, off, new[0])
 
+    put_of = lambda layer: put  # noqa: E731
+    if ring is not None:
+        logical = safe // ps
+        kept = valid & (logical > (prefix.length - 1) // ps - ring.pages)
+        ring_page = jnp.where(kept, slot * ring.pages + logical % ring.pages,
+                              ring.num_pages + 1)
+
+        def put_ring(pool, new):
+            return write_pages(pool, ring_page, off, new[0])
+
+        put_of = lambda layer: put_ring if ring.holds(layer) else put  # noqa: E731
+
+    def put_each(caches, news):
+        if layer_scan.is_stacked(caches, news[0].ndim):  # layers alike: one scatter
+            return put_layers(put_of(0), caches, news)
+        return tuple(put_of(i)(c, n) for i, (c, n) in enumerate(zip(caches, news, strict=True)))
+
     return PagedDecodeState(
-        k=put_layers(put, state.k, prefix.k),
-        v=put_layers(put, state.v, prefix.v),
+        k=put_each(state.k, prefix.k),
+        v=put_each(state.v, prefix.v),
         **insert_slot_fields(state, prefix, slot),
     )

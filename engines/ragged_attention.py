@@ -44,7 +44,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engines.attention import reach, sink_logits, softcapped, visible_keys
+from engines.attention import sink_logits, softcapped, visible_keys
+from engines.config import reach
 from engines.kv_quant import unpack_entries
 
 RAGGED_ATTENTION = ("xla", "pallas_tpu")

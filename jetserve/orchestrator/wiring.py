@@ -24,15 +24,17 @@ from jetserve.scheduling.step_budget import StepBudget
 def build_prefix_cache(engine: Engine, config: OrchestratorConfig,
                   own: GenerateWorker | None) -> PrefixCache | None:
     """A prefix cache for one prefill engine, when the config gives it a budget: in the
-    engine's own KV pages when it is a paged engine that also generates (own), else in
-    device arrays of its own."""
+    engine's own KV pages when it is a paged engine that also generates (own) and keeps
+    every layer in its pages, else in device arrays of its own."""
     hbm, host = config.prefix_cache_hbm_bytes, config.prefix_cache_host_bytes
     if not hbm and not host:
         return None
     if not hasattr(engine, "prefix_from_blocks"):
         raise ValueError(f"a prefix cache needs an engine that continues prefixes; "
                          f"{type(engine).__name__} does not")
-    if own is not None and own.pages is not None:
+    # A ring of pages (sliding-window layers, engines/paged_kv.py WindowRing) keeps no
+    # page of those layers behind their window: blocks of the cache's own then.
+    if own is not None and own.pages is not None and not engine.page_geometry.ring_pages:
         own.cache = PrefixCache(store=PageStore(engine, own.read_pages, own.sched.kv),
                                 hbm_bytes=hbm, host_bytes=host)
         return own.cache

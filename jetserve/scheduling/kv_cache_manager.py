@@ -112,12 +112,14 @@ class KVCacheManager:
         return self.pages.pool.refcount(page) == 1
 
     def stats(self) -> dict:
-        """kv_pages / kv_pages_free / kv_page_size for the stats and the metrics ({} when
-        contiguous)."""
+        """kv_pages / kv_pages_free / kv_page_size, and kv_bytes / kv_bytes_used (device
+        bytes of the pool and the sliding layers' rings, SlotPages.kv_bytes; 0 where the
+        engine gave none) for the stats and the metrics ({} when contiguous)."""
         if self.pages is None:
             return {}
+        total, used = self.pages.kv_bytes()
         return {"kv_pages": self.pages.pool.num_pages, "kv_pages_free": self.pages.free_count,
-                "kv_page_size": self.page_size}
+                "kv_page_size": self.page_size, "kv_bytes": total, "kv_bytes_used": used}
 
     def _room(self, need: int) -> bool:
         free = self.pages.free_count

@@ -45,7 +45,8 @@ class PagePlanner:
         self.engine = engine
         self.kv_pages = SlotPages(slots=g.slots, page_size=g.page_size,
                                   num_pages=g.num_pages, max_seq_len=g.max_seq_len,
-                                  lookahead=g.lookahead)
+                                  lookahead=g.lookahead, page_bytes=g.page_bytes,
+                                  ring_bytes=g.ring_bytes)
 
     def __getattr__(self, name: str) -> Any:  # the engine's everything else
         if name == "engine":  # not set yet (a half-built planner): no recursion

@@ -120,7 +120,7 @@ class SlotPages:
     """
 
     def __init__(self, *, slots: int, page_size: int, num_pages: int, max_seq_len: int,
-                 lookahead: int = 0):
+                 lookahead: int = 0, page_bytes: int = 0, ring_bytes: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.slots = slots
@@ -132,6 +132,9 @@ class SlotPages:
                 f"num_pages={num_pages} cannot hold one sequence of max_seq_len={max_seq_len} "
                 f"({self.max_pages} pages of {page_size}); give at least {self.max_pages}")
         self.lookahead = lookahead
+        # Device bytes of one page (every layer in the pool) and of every slot's ring of
+        # pages (sliding layers: engines/paged_kv.py WindowRing), for the stats.
+        self.page_bytes, self.ring_bytes = page_bytes, ring_bytes
         self.pool = PagePool(num_pages)
         self.trash = num_pages
         self.table = np.full((slots, self.max_pages), self.trash, np.int32)
@@ -162,6 +165,13 @@ class SlotPages:
     def pages_for_step(self) -> int:
         """Pages the next generate step must allocate (slots starting a new page)."""
         return sum(self._step_pages(s) for s in self._len)
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(bytes of KV the device holds, bytes of it in use): the pool's pages and the
+        rings; in use, the pages held and the rings of the slots holding a sequence."""
+        ring_used = self.ring_bytes * len(self._len) // self.slots
+        return (self.pool.num_pages * self.page_bytes + self.ring_bytes,
+                self.pool.used_count * self.page_bytes + ring_used)
 
     def live_slots(self) -> list[int]:
         return sorted(self._len)

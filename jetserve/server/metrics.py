@@ -84,12 +84,19 @@ def _kv_gauges(stats: dict) -> Iterator[GaugeMetricFamily]:
     pages_total = GaugeMetricFamily("jetserve_kv_pages_total", "KV pages", labels=["engine"])
     preempted = GaugeMetricFamily("jetserve_preemptions", "Requests preempted for KV pages "
                                   "(recomputed later)", labels=["engine"])
+    kv_bytes = GaugeMetricFamily("jetserve_kv_bytes", "Device bytes of the paged KV cache "
+                                 "(the page pool and sliding layers' rings)", labels=["engine"])
+    kv_used = GaugeMetricFamily("jetserve_kv_bytes_used", "Of them, bytes held by sequences "
+                                "and cached prefixes", labels=["engine"])
     for row in stats.get("generate") or ():
         if _number(row.get("kv_pages")):
             e = str(row.get("engine", 0))
             pages.add_metric([e], float(row["kv_pages_free"]))
             pages_total.add_metric([e], float(row["kv_pages"]))
             preempted.add_metric([e], float(row["preemptions"]))
+            if _number(row.get("kv_bytes")):
+                kv_bytes.add_metric([e], float(row["kv_bytes"]))
+                kv_used.add_metric([e], float(row["kv_bytes_used"]))
     hit_rate = GaugeMetricFamily("jetserve_prefix_cache_hit_rate", "Prefix cache lookups "
                                  "that hit", labels=["engine"])
     nbytes = GaugeMetricFamily("jetserve_prefix_cache_bytes", "Prefix cache bytes per tier",
@@ -103,7 +110,7 @@ def _kv_gauges(stats: dict) -> Iterator[GaugeMetricFamily]:
         for tier in ("hbm", "host"):
             nbytes.add_metric([e, tier], float(row[f"{tier}_bytes"]))
             blocks.add_metric([e, tier], float(row[f"{tier}_blocks"]))
-    yield from (pages, pages_total, preempted, hit_rate, nbytes, blocks)
+    yield from (pages, pages_total, preempted, kv_bytes, kv_used, hit_rate, nbytes, blocks)
 
 
 def _queue_depths(stats: dict) -> list[tuple[str, str, float]]:

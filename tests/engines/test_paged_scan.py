@@ -18,9 +18,11 @@ from jetserve.scheduling.page_planner import PagePlanner
 from tests.engines import programs
 from tests.engines.mixed_driver import run_mixed
 
-# A sliding window shorter than the longest sequence, pages of 4 tokens.
+# A sliding window shorter than the longest sequence, pages of 4 tokens. (Its ring of
+# pages, engines/paged_kv.py WindowRing, would be 3 slots x 12 pages, no fewer than the
+# pool's 36: every layer keeps its pages in the pool, whose pages these tests read.)
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=24)
+                  num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=28)
 PROMPTS = [list(range(1, 30)), [5, 6, 7], [9, 2, 6, 11, 40, 3], [77, 6, 50, 1, 8]]
 SHAPES = dict(max_concurrent_decodes=3, max_prefill_length=16, max_seq_len=48,
               kv_layout="paged", page_size=4)
@@ -49,6 +51,7 @@ def _run(eng, params, prompts=PROMPTS):
 
 
 def test_the_pools_are_stacked_under_the_scan(engines):
+    assert all(engines[m][0].ring is None for m in engines)
     scan, loop = engines["scan"][0], engines["loop"][0]
     assert scan.model_config.scan_layers and not loop.model_config.scan_layers
     state = scan.init_decode_state()
@@ -57,6 +60,21 @@ def test_the_pools_are_stacked_under_the_scan(engines):
     assert state.k[0].shape == state.v[0].shape == (3, K, P1, ps, H)
     spec = scan.decode_state_shardings().k[0].spec
     assert len(spec) == 0 or spec[0] is None  # the layer axis is never split
+
+
+def test_rings_of_pages_stacked_under_the_scan():
+    """Every layer sliding (window 12): each keeps a ring of 8 pages a slot, the rings
+    stacked [L, ...] under the scan, and the scan gives the loop's tokens and log-probs."""
+    cfg = dataclasses.replace(CFG, sliding_window=12)
+    runs = {}
+    for mode in ("loop", "scan"):
+        eng = _engine(mode, cfg)
+        assert eng.ring is not None and eng.ring.pages == 8 and all(eng.ring.layers)
+        runs[mode] = _run(eng, eng.load_params())
+    state = eng.init_decode_state()
+    assert state.k[0].shape[:3] == (3, 2, 3 * 8 + 1)
+    assert runs["scan"][0] == runs["loop"][0]
+    np.testing.assert_allclose(runs["scan"][1], runs["loop"][1], atol=1e-5)
 
 
 def test_generate_gives_the_loops_tokens(engines):

@@ -13,6 +13,10 @@ W = HBM bandwidth, R = matmul FLOP/s (both summed over chips), F the MLP width.
   input embedding is the exception: a step gathers B rows of it, so P_read = P - V D
   when it is untied; tied, the output head reads it whole, so P_read = P. Each sequence's
   cache is read whole: B C Z b_kv / 8 bytes. With a sliding window, C is capped at it.
+  Stored, a sliding layer holds every position in the contiguous layout, and in the
+  paged one a ring of pages per sequence, ceil((window + chunk - 1) / page) + 1 pages
+  (engines/paged_kv.py WindowRing): C_held = s min(C, ring) + (1 - s) C for a share s
+  of sliding layers.
   Mixture of experts: a layer reads only the experts its tokens route to; with uniform
   routing of k of E experts, the expected share touched is 1 - (1 - k/E)^B.
 
@@ -57,7 +61,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from engines.config import ModelConfig
+from engines.config import ModelConfig, ring_pages
 from jetserve.hardware import Hardware
 
 GB = 1e9
@@ -230,9 +234,29 @@ class Plan:
         }
 
 
+def held_context(model: ModelSpec, context: int, ring_tokens: int | None) -> float:
+    """Positions of KV one sequence of `context` tokens keeps, averaged over its layers:
+    all of them, or with `ring_tokens` (a paged engine's ring, held_ring_tokens) that
+    many at most on the sliding layers."""
+    if not model.sliding_window or ring_tokens is None:
+        return float(context)
+    s = model.sliding_layers
+    return s * min(context, ring_tokens) + (1 - s) * context
+
+
+def held_ring_tokens(model: ModelSpec, page_size: int, chunk: int) -> int | None:
+    """Positions a paged engine's ring keeps per sequence on a sliding layer when prompts
+    are prefilled in chunks of `chunk` (None: the model has no sliding layer)."""
+    if not model.sliding_window:
+        return None
+    return ring_pages(model.sliding_window, chunk, page_size) * page_size
+
+
 def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, context: int,
-               precision: Precision, layout: str = "tp") -> PlanRow:
-    """The floor for one decode step of `batch` sequences, each with `context` live tokens."""
+               precision: Precision, layout: str = "tp",
+               ring_tokens: int | None = None) -> PlanRow:
+    """The floor for one decode step of `batch` sequences, each with `context` live
+    tokens; `ring_tokens`: what a sliding layer stores per sequence (paged), else all."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if context < 1:
@@ -246,7 +270,7 @@ def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, co
         s = model.sliding_layers
         read_ctx = s * min(context, model.sliding_window) + (1 - s) * context
     kv_read = batch * read_ctx * kv_tok
-    kv_stored = batch * context * kv_tok
+    kv_stored = batch * held_context(model, context, ring_tokens) * kv_tok
     w_read = (model.read_params(batch) + read_extra) * precision.weight_bits / 8
     param_bytes = (model.params + stored_extra) * precision.weight_bits / 8
     total = param_bytes + kv_stored
@@ -267,7 +291,8 @@ def step_floor(model: ModelSpec, hw: Hardware, *, chips: int = 1, batch: int, co
 
 
 def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequence[int],
-              context: int, precision: Precision, layout: str = "tp") -> Plan:
+              context: int, precision: Precision, layout: str = "tp",
+              ring_tokens: int | None = None) -> Plan:
     if chips < 1:
         raise ValueError(f"chips must be >= 1, got {chips}")
     if not batches:
@@ -275,17 +300,19 @@ def make_plan(model: ModelSpec, hw: Hardware, *, chips: int = 1, batches: Sequen
     copies, stored_extra, _ = model.copies(chips, layout)
     kv_tok = model.kv_values_per_token * copies * precision.kv_bits / 8
     param_bytes = (model.params + stored_extra) * precision.weight_bits / 8
-    max_batch = kv_tokens_that_fit(model, precision, hw.hbm_bytes * chips, copies,
-                                   stored_extra) // context
+    held = held_context(model, context, ring_tokens)
+    max_batch = int(kv_tokens_that_fit(model, precision, hw.hbm_bytes * chips, copies,
+                                       stored_extra) // held)
     flops = hw.matmul_flops(precision.weight_bits, precision.act_bits)
     critical = flops / hw.hbm_bandwidth * precision.weight_bits / 16
     rows = tuple(step_floor(model, hw, chips=chips, batch=b, context=context,
-                            precision=precision, layout=layout) for b in batches)
+                            precision=precision, layout=layout, ring_tokens=ring_tokens)
+                 for b in batches)
     return Plan(model=model, hardware=hw, chips=chips, layout=layout, precision=precision,
                 context=context,
                 param_bytes=param_bytes, kv_bytes_per_token=kv_tok,
                 kv_bytes_per_token_per_chip=kv_tok / chips, kv_head_copies=copies,
-                kv_bytes_per_seq=context * kv_tok, max_batch=max_batch,
+                kv_bytes_per_seq=held * kv_tok, max_batch=max_batch,
                 critical_batch=critical, rows=rows)
 
 

@@ -215,10 +215,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Benchmarks whose modules parse their own flags ("+" as this parser's prefix keeps
     # it from reading theirs).
     for name, module, what in (
-            ("transfer", "transfer", "KV bytes/s pulled between two processes vs device_put "
-             "in one"),
+            ("transfer", "transfer", "KV bytes/s pulled between two processes vs one's device_put"),
             ("serve-path", "serve_path", "a served batch against the bare generate step"),
             ("prefill-rows", "prefill_rows", "one prefill call of R prompts against R calls"),
+            ("window-kv", "window_kv", "sliding layers' KV page rings vs an all-global cache"),
             ("ray-batch", "ray_batch", "batch --ray with 1, 2, ... actors against one process")):
         own = sub.add_parser(name, help=f"{what} (jetserve/bench/{module}.py; its own flags)",
                              add_help=False, prefix_chars="+")

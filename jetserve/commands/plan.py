@@ -7,7 +7,7 @@ import json
 
 from jetserve.hardware import NAMES, get_hardware
 from jetserve.model_presets import MODEL_PRESETS
-from jetserve.plan import GB, LAYOUTS, ModelSpec, Precision, make_plan
+from jetserve.plan import GB, LAYOUTS, ModelSpec, Precision, held_ring_tokens, make_plan
 
 
 def parse_batches(text: str) -> list[int]:
@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the chips hold the model, as the preset of that name: tp, or "
                         "dp_ep (the slots and their KV split over the chips, 1/chips of the "
                         "cache each; the experts split; every other weight on every chip)")
+    p.add_argument("--kv-layout", default="contiguous", choices=["contiguous", "paged"],
+                   help="as serve's: paged keeps a ring of pages per sequence on sliding "
+                        "layers instead of every position")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (paged)")
+    p.add_argument("--max-prefill-length", type=int, default=512,
+                   help="prompt chunk, the most positions one step writes (paged: the "
+                        "sliding layers' ring holds window + chunk - 1 of them)")
     p.add_argument("--batch", default="1,8,16,32,64", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=2048, help="live tokens per sequence")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
@@ -60,15 +67,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--chips must be >= 1, got {args.chips}")
     if args.context < 1:
         raise ValueError(f"--context must be >= 1, got {args.context}")
+    if args.page_size < 1 or args.max_prefill_length < 1:
+        raise ValueError(f"--page-size and --max-prefill-length must be >= 1, got "
+                         f"{args.page_size} and {args.max_prefill_length}")
     batches = parse_batches(args.batch)
     spec = model_spec(args)
+    ring = (held_ring_tokens(spec, args.page_size, args.max_prefill_length)
+            if args.kv_layout == "paged" else None)
     hw = get_hardware(args.hardware)
     dtype = args.dtype if args.dtype != "auto" else (
         "float32" if args.hardware == "cpu" else "bfloat16")
     prec = Precision.from_dtype(dtype, weight_bits=args.weight_bits, kv_bits=args.kv_bits,
                                 act_bits=args.act_bits)
     plan = make_plan(spec, hw, chips=args.chips, batches=batches, context=args.context,
-                     precision=prec, layout=args.sharding)
+                     precision=prec, layout=args.sharding, ring_tokens=ring)
     if args.json:
         print(json.dumps(plan.to_json()))
         return 0
@@ -80,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
           + (f" ({hw.note})" if hw.note else ""))
     print(f"KV cache: {plan.kv_bytes_per_token / 1e3:.1f} kB/token, "
           f"{plan.kv_bytes_per_seq / GB:.3f} GB per sequence of {args.context}")
+    if ring is not None:
+        print(f"paged: the {spec.sliding_layers:.0%} of layers with a window of "
+              f"{spec.sliding_window} keep a ring of {ring} positions per sequence")
     if args.sharding == "dp_ep" and args.chips > 1:
         print(f"dp_ep over {args.chips} chips: the slots and their cache split, "
               f"{plan.kv_bytes_per_token_per_chip / 1e3:.2f} kB/token per chip; the "

@@ -255,6 +255,25 @@ def test_sliding_layers_read_their_window_only():
     assert close(full.step_ms_memory - one.step_ms_memory, (1 - read_share) * kv_ms)
 
 
+def test_paged_sliding_layers_store_their_ring_only(capsys):
+    """Gemma 3 27B at 32k on the paged layout: the 52 of 62 layers with a window of 1024
+    store a ring of ceil((1024 + 512 - 1) / 16) + 1 = 97 pages of 16 per sequence, the 10
+    global layers every position: about a fifth of the contiguous layout's bytes, and a
+    batch five times larger fits."""
+    out = {}
+    for layout in ("contiguous", "paged"):
+        assert cli.main(["plan", "--model-preset", "gemma3-27b", "--hardware", "tpu-v5p",
+                         "--context", "32768", "--batch", "1", "--kv-layout", layout,
+                         "--json"]) == 0
+        out[layout] = json.loads(capsys.readouterr().out)
+    share = (10 * 32768 + 52 * 97 * 16) / (62 * 32768)
+    assert close(out["paged"]["kv_bytes_per_seq"], share * out["contiguous"]["kv_bytes_per_seq"])
+    assert close(out["paged"]["rows"][0]["kv_gb"], share * out["contiguous"]["rows"][0]["kv_gb"])
+    assert out["paged"]["max_batch"] >= 4 * out["contiguous"]["max_batch"] > 0
+    assert cli.main(["plan", "--model-preset", "gemma3-27b", "--kv-layout", "paged"]) == 0
+    assert "keep a ring of 1552 positions per sequence" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name,total,active", [("deepseek-v3", 671.0, 37.0),
                                                ("kimi-k2", 1026.4, 32.0)])
 def test_deepseek_v3_presets_have_their_published_sizes(name, total, active):

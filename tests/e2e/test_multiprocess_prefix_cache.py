@@ -11,13 +11,13 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import httpx
 
 from jetserve.cli import main as jetserve_main
+from tests.e2e.split_processes import logged, sigterm_all_exit_cleanly
 from tests.e2e.test_multiprocess_serve import ENGINE, MODEL, ROOT, _free_port, _ports, preset
 from tests.xla import xla_flags
 
@@ -62,22 +62,19 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_two_processes_share_prefix_cache_hits_and_tokens(tmp_path, preset):
     port = _free_port()
-    procs, errs = [], []
-    for i in range(2):
-        err = open(tmp_path / f"process-{i}.stderr", "w+")  # noqa: SIM115 (closed below)
-        errs.append(err)
-        cmd = [sys.executable, "-m", "jetserve", "serve", "--model", MODEL, *ENGINE,
-               "--sharding", preset, "--no-warmup", "--host", "127.0.0.1",
-               "--grpc-port", "0", "--http-port", "0",
-               "--prefix-cache-hbm-mb", str(3 * BLOCK_MB), "--prefix-cache-host-mb", "1",
-               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-               "--process-id", str(i)]
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4))
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stderr=err,
-                                      stdout=subprocess.PIPE if i == 0 else err))
-    try:
+    with logged(tmp_path, ["p0", "p1"]) as (procs, files):
+        for i in range(2):
+            cmd = [sys.executable, "-m", "jetserve", "serve", "--model", MODEL, *ENGINE,
+                   "--sharding", preset, "--no-warmup", "--host", "127.0.0.1",
+                   "--grpc-port", "0", "--http-port", "0",
+                   "--prefix-cache-hbm-mb", str(3 * BLOCK_MB), "--prefix-cache-host-mb", "1",
+                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                   "--process-id", str(i)]
+            env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4))
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stderr=files[i],
+                                          stdout=subprocess.PIPE if i == 0 else files[i]))
         want = _reference(preset)  # while the two servers start
-        ports = _ports(procs[0], errs)
+        ports = _ports(procs[0], files)
         with httpx.Client(base_url=f"http://127.0.0.1:{ports['HTTP']}", timeout=300) as c:
             got = [_complete(c, p) for p in PROMPTS]
             metrics = c.get("/metrics").text
@@ -86,18 +83,4 @@ def test_two_processes_share_prefix_cache_hits_and_tokens(tmp_path, preset):
         assert _metric(metrics, "vllm:prefix_cache_hits_total", model_name=MODEL) == 96
         assert _metric(metrics, "jetserve_prefix_cache_blocks", engine="0", tier="hbm") == 3
         assert _metric(metrics, "jetserve_prefix_cache_blocks", engine="0", tier="host") == 3
-        procs[0].send_signal(signal.SIGTERM)
-        codes = [p.wait(120) for p in procs]
-        logs = []
-        for e in errs:
-            e.seek(0)
-            logs.append(e.read())
-        assert codes == [0, 0], [log[-3000:] for log in logs]
-        assert not any("Traceback" in log for log in logs), logs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for e in errs:
-            e.close()
+        sigterm_all_exit_cleanly(procs, files, [0])

@@ -61,7 +61,6 @@ from jetserve.commands.common import (
     engine_config,
     generation_defaults,
     prefix_cache_budgets,
-    refuse_prefix_cache_over_processes,
     step_policy_fields,
 )
 from jetserve.lora_adapters import load_modules, parse_modules
@@ -273,10 +272,10 @@ def _orchestrator(args: argparse.Namespace, devices):
     config = orchestrated.config(engine, max_queued=args.max_queued,
                                  prefill_chunk=args.prefill_chunk,
                                  **prefix_cache_budgets(args), **step_policy_fields(args))
+    config = keyed(config, args.model, engine)
     if jax.process_count() > 1:
-        refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
         return LockStepOrchestrator(engine, engine.load_params(), config=config)
-    return Orchestrator.from_engines(engine, config=keyed(config, args.model, engine))
+    return Orchestrator.from_engines(engine, config=config)
 
 
 def _merge(args: argparse.Namespace) -> int:

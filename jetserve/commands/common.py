@@ -216,13 +216,6 @@ def step_policy_fields(args: argparse.Namespace) -> dict:
                 step_policy=args.step_policy, prefill_lookahead=args.prefill_lookahead)
 
 
-def refuse_prefix_cache_over_processes(budgets: dict) -> None:
-    """The lock-step driver of several processes has no prefix cache."""
-    if budgets["prefix_cache_hbm_bytes"] or budgets["prefix_cache_host_bytes"]:
-        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: the prefix cache "
-                         "does not run over several processes; leave them out")
-
-
 def prefix_cache_budgets(args: argparse.Namespace) -> dict:
     """OrchestratorConfig fields from --prefix-cache-hbm-mb / --prefix-cache-host-mb."""
     out = {}

@@ -27,7 +27,6 @@ from jetserve.commands.common import (
     generation_defaults,
     parse_ids,
     prefix_cache_budgets,
-    refuse_prefix_cache_over_processes,
 )
 from jetserve.compile_cache import CompileCounter
 from jetserve.model_loading import build_engine, model_config
@@ -174,7 +173,10 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
 
 
 def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:
-    refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
+    if any(prefix_cache_budgets(args).values()):  # jetserve.offline's loop keeps none
+        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: `jetserve generate` "
+                         "over several processes has no prefix cache (`jetserve serve` and "
+                         "`jetserve batch` over several processes do); leave them out")
     results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
                             sampling=sampling, ignore_eos=args.ignore_eos,
                             adapters=[args.lora] * len(prompts))

@@ -40,7 +40,6 @@ from jetserve.commands.common import (
     engine_config,
     generation_defaults,
     prefix_cache_budgets,
-    refuse_prefix_cache_over_processes,
     step_policy_fields,
 )
 from jetserve.disagg import roles
@@ -246,17 +245,18 @@ def _per_client(args: argparse.Namespace) -> int:
 
 def _lock_step_orchestrator(args: argparse.Namespace, devices, config):
     from jetserve.model_loading import build_engine
+    from jetserve.orchestrator import keyed
     from jetserve.orchestrator.lockstep import LockStepOrchestrator
 
     if args.prefill_devices is not None or args.generate_devices is not None:
         # Every process must own devices of each engine's mesh to take part in its steps.
         raise ValueError("--prefill-devices / --generate-devices: with several processes "
                          "one engine spans every device; leave them out")
-    refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     engine = build_engine(args.model, devices=devices,
                           sharding=args.generate_sharding or args.sharding,
                           engine_config=engine_config(args, devices))
-    return LockStepOrchestrator(engine, engine.load_params(), config=config)
+    return LockStepOrchestrator(engine, engine.load_params(),
+                                config=keyed(config, args.model, engine))
 
 
 async def _serve(orch, config: ServerConfig, warm: bool) -> None:

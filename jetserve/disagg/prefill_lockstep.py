@@ -44,6 +44,7 @@ from jetserve import distributed
 from jetserve.disagg.kv_transfer import KVSender
 from jetserve.disagg.prefill_runner import Prefilled, PrefillJob, PrefillRunner, scored_only
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
+from jetserve.orchestrator.prefix_cache import PrefixCache
 
 log = logging.getLogger("jetserve.disagg")
 
@@ -81,7 +82,9 @@ def gather_addresses(address: str) -> list[str]:
 class LockStepPrefillRunner(PrefillRunner):
     """PrefillRunner over an engine that spans several processes (see module doc).
 
-    Args (beyond PrefillRunner's, which has no prefix cache here):
+    Args (beyond PrefillRunner's; its prefix cache, one on every process, stays alike on
+    all: each applies the same turns in the same order, prefix_cache.py "Several
+    processes"):
       primary: whether this is process 0 (default: jax.process_index() == 0).
       broadcast: process 0's array on every process (default:
         distributed.broadcast_from_primary).
@@ -90,8 +93,10 @@ class LockStepPrefillRunner(PrefillRunner):
 
     def __init__(self, engine: Any, params: Any, sender: KVSender, *, max_queued: int,
                  poll_s: float = 0.05, primary: bool | None = None,
-                 broadcast: Broadcast | None = None, idle_wait_s: float = 0.1):
-        super().__init__(engine, params, sender, max_queued=max_queued, poll_s=poll_s)
+                 broadcast: Broadcast | None = None, idle_wait_s: float = 0.1,
+                 cache: PrefixCache | None = None, cache_key: str = ""):
+        super().__init__(engine, params, sender, max_queued=max_queued, poll_s=poll_s,
+                         cache=cache, cache_key=cache_key)
         self.primary = distributed.is_primary() if primary is None else primary
         self._broadcast = broadcast or distributed.broadcast_from_primary
         self.idle_wait_s = idle_wait_s

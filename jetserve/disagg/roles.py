@@ -64,10 +64,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefill-workers goes with --role decode, not --role {role}")
     if role == "both":
         return
-    from jetserve.commands.common import prefix_cache_budgets, refuse_prefix_cache_over_processes
+    from jetserve.commands.common import prefix_cache_budgets
 
-    if args.coordinator is not None:
-        refuse_prefix_cache_over_processes(prefix_cache_budgets(args))
     if (args.prefill_devices is not None or args.generate_devices is not None
             or args.interleaved):
         raise ValueError(f"--role {role}: one engine spans this process's devices (--devices "
@@ -140,7 +138,8 @@ def run_prefill(args: argparse.Namespace, devices) -> int:
     sender = KVSender(engine, host=args.transfer_host, hold_s=args.prefix_hold_timeout)
     if jax.process_count() > 1:
         runner = LockStepPrefillRunner(engine, engine.load_params(), sender,
-                                       max_queued=args.max_queued_requests)
+                                       max_queued=args.max_queued_requests,
+                                       **_prefix_cache(args, engine))
         if jax.process_index() != 0:
             print(f"jetserve serve: process {jax.process_index()} follows process 0's "
                   "prefills", file=sys.stderr, flush=True)

@@ -28,6 +28,13 @@ alone reads the step before back first) and broadcast as one more array before t
 that takes them; the plan says which calls take one (`Admission.constrained`,
 `StepPlan.step_mask`), so the others know to wait for it.
 
+Prefix cache (--prefix-cache-hbm-mb / --prefix-cache-host-mb): every process keeps one
+(an array store: prefix_cache.py, "Several processes") and, applying a plan, looks up
+every admission with a slot in plan order, prefills only what follows its hit, caches
+the prompt's new blocks and releases the hits, in the same order everywhere; so the
+caches stay alike and every process takes the same hit decision without a word in the
+plan. A prompt that continues a cached prefix is prefilled in a call of its own.
+
 Process 0 keeps everything else of `Orchestrator` (it is a subclass): submit, validation,
 the bounded admission queue (clients served in turn), the detokenize thread, request
 handles, listeners, stats, drain on stop. So the servers run on it unchanged. Its loop runs on a thread of its own
@@ -67,6 +74,7 @@ from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
+from jetserve.orchestrator.prefix_cache import Hit
 from jetserve.orchestrator.readback import ReadBack
 from jetserve.orchestrator.step_masks import (
     first_mask,
@@ -76,7 +84,8 @@ from jetserve.orchestrator.step_masks import (
     step_mask,
 )
 from jetserve.orchestrator.step_plan import Broadcast, PlanCodec, exchange
-from jetserve.request import adapters_kwargs
+from jetserve.orchestrator.wiring import build_prefix_cache
+from jetserve.request import adapter_cache_key, adapters_kwargs
 from jetserve.scheduling.kv_cache_manager import KVCacheManager
 from jetserve.scheduling.plan import Admission, StepPlan, chunks
 from jetserve.scheduling.turn_planner import TurnPlanner
@@ -119,6 +128,7 @@ class LockStepOrchestrator(Orchestrator):
         self._planner = TurnPlanner(engine.max_concurrent_decodes, self._kv)
         self._held: LiveRequest | None = None  # next in line, waiting for pages (process 0)
         self._readback = ReadBack(0, self._outbox, self._listeners)
+        self.cache = build_prefix_cache(engine, self.config, None)  # every process its own
         self.steps = self.prefills = 0
 
     def _thread_bodies(self):
@@ -137,7 +147,12 @@ class LockStepOrchestrator(Orchestrator):
                           "steps": self.steps, **self._readback.counts()}]
         if self._kv.paged:
             s["generate"][0].update(**self._kv.stats(), preemptions=0)
+        if self.cache is not None:
+            s["prefix_cache"] = [{"engine": 0, **self.cache.stats()}]
         return s
+
+    def prefix_caches(self) -> list[tuple[int, Any]]:
+        return [] if self.cache is None else [(0, self.cache)]
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -201,54 +216,74 @@ class LockStepOrchestrator(Orchestrator):
         for slot in plan.releases:
             del self._rows[slot]
             self.engine.free_slot(slot)
-        for group in self._groups(plan.admissions, lives):
-            if len(group) > 1:
-                self._admit_rows(group)
-            else:
-                self._admit(*group[0])
+        hits = [self._lookup(a) for a in plan.admissions]
+        try:
+            for group in self._groups(plan.admissions, lives, hits):
+                if len(group) > 1:
+                    self._admit_rows(group)
+                else:
+                    self._admit(*group[0])
+        finally:
+            for hit in hits:  # in plan order on every process (each evicts alike)
+                if hit is not None:
+                    hit.release()
         if self._rows:
             self._step(plan.step_mask)
 
-    def _groups(self, admissions, lives) -> list[list[tuple[Admission, LiveRequest | None]]]:
+    def _lookup(self, a: Admission) -> Hit | None:
+        """The prefix-cache hit of an admission with a slot (pinned until released)."""
+        if self.cache is None or a.slot is None:
+            return None
+        return self.cache.lookup(adapter_cache_key(self.config.prefix_cache_key, a.adapter),
+                                 a.prompt_ids)
+
+    def _groups(self, admissions, lives, hits) -> list[list[tuple[Admission, LiveRequest | None,
+                                                                  Hit | None]]]:
         """The admissions in order, in runs that share one prefill call (engine.prefill_rows:
-        whole prompts of a slot, no prompt scoring or grammar) as the engine's shapes
-        take them, the others one each. The plan alone decides it, so every process
-        groups alike."""
+        whole prompts of a slot, no prompt scoring, grammar or cached prefix) as the
+        engine's shapes take them, the others one each. The plan (and the caches, alike
+        everywhere) alone decides it, so every process groups alike."""
         chunk = self.config.prefill_chunk or self.engine.max_prefill_length
-        pairs = list(zip(admissions, lives, strict=True))
+        pairs = list(zip(admissions, lives, hits, strict=True))
         shares = [a.slot is not None and not a.prompt_logprobs and not a.constrained
-                  and len(a.prompt_ids) <= chunk for a, _ in pairs]
+                  and len(a.prompt_ids) <= chunk and (hit is None or not hit.tokens)
+                  for a, _, hit in pairs]
         groups, i = [], 0
         while i < len(pairs):
             run = 0
             while i + run < len(pairs) and shares[i + run]:
                 run += 1
-            n = self.engine.prefill_rows_for(run, max(len(a.prompt_ids) for a, _ in
+            n = self.engine.prefill_rows_for(run, max(len(a.prompt_ids) for a, _, _ in
                                                       pairs[i:i + run])) if run > 1 else 1
             groups.append(pairs[i:i + n])
             i += n
         return groups
 
-    def _admit_rows(self, group: list[tuple[Admission, LiveRequest | None]]) -> None:
-        """Several whole prompts in one prefill call, then each inserted into its slot."""
+    def _admit_rows(self, group: list[tuple[Admission, LiveRequest | None, Hit | None]]
+                    ) -> None:
+        """Several whole prompts in one prefill call, then each inserted into its slot
+        (after its blocks are cached, when there is a prefix cache)."""
         t0 = time.monotonic()
-        for _, live in group:
+        for _, live, _ in group:
             if live is not None:
                 live.timing.prefill_start = t0
         inserted = []
         try:
             prefixes, first = self.engine.prefill_rows(
-                self.params, [np.asarray(a.prompt_ids, np.int32) for a, _ in group],
-                samplings=[a.sampling for a, _ in group], seeds=[a.seed for a, _ in group],
-                **adapters_kwargs([a.adapter for a, _ in group]))
-            for (a, _), prefix in zip(group, prefixes, strict=True):
+                self.params, [np.asarray(a.prompt_ids, np.int32) for a, _, _ in group],
+                samplings=[a.sampling for a, _, _ in group],
+                seeds=[a.seed for a, _, _ in group],
+                **adapters_kwargs([a.adapter for a, _, _ in group]))
+            for (a, _, hit), prefix in zip(group, prefixes, strict=True):
+                if hit is not None:
+                    self.cache.insert(hit, prefix)
                 self._state = self.engine.insert(prefix, self._state, a.slot)
                 inserted.append(a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill of several prompts or insert failed")
             self._admissions_failed(group, e, inserted)
             return
-        for row, (a, live) in enumerate(group):
+        for row, (a, live, _) in enumerate(group):
             self._rows[a.slot] = live
             self.prefills += 1
             if live is not None:
@@ -260,14 +295,14 @@ class LockStepOrchestrator(Orchestrator):
         state the failed call consumed is made anew (every request ends)."""
         for slot in inserted:
             self.engine.free_slot(slot)
-        for a, live in pairs:
+        for a, live, _ in pairs:
             self._kv.unreserve(a.slot)
             if live is not None:
                 self._readback.end(live, "error", exc)
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self._state)):
             self._fail_all(exc)
 
-    def _admit(self, a: Admission, live: LiveRequest | None) -> None:
+    def _admit(self, a: Admission, live: LiveRequest | None, hit: Hit | None) -> None:
         tokens = np.asarray(a.prompt_ids, np.int32)
         t0 = time.monotonic()
         if live is not None:
@@ -288,20 +323,25 @@ class LockStepOrchestrator(Orchestrator):
                     live.timing.prefill_end = time.monotonic()
                     self._readback.end(live, "length")
                 return
-            pieces = chunks(len(tokens), self.config.prefill_chunk
-                            or self.engine.max_prefill_length)
-            # Several chunks: the KV at its final size, filled in place.
-            prefix = self.engine.empty_prefix(len(tokens)) if len(pieces) > 1 else None
+            done = 0 if hit is None else hit.tokens  # the cached part
+            pieces = [(done + s, done + e) for s, e in chunks(
+                len(tokens) - done, self.config.prefill_chunk or self.engine.max_prefill_length)]
+            if done:  # the cache's blocks as a prefix of their own (its first chunk copies it)
+                prefix = self.cache.existing_prefix(hit, tokens)
+            else:  # several chunks: the KV at its final size, filled in place
+                prefix = self.engine.empty_prefix(len(tokens)) if len(pieces) > 1 else None
             for start, end in pieces:
                 piece = tokens[start:end]
                 prefix, first = self.engine.prefill(self.params, piece, len(piece),
                                                     sampling=a.sampling, seed=a.seed,
-                                                    existing_prefix=prefix, donate=True,
-                                                    **kw)
+                                                    existing_prefix=prefix,
+                                                    donate=not done or start > done, **kw)
+            if hit is not None:
+                self.cache.insert(hit, prefix)
             self._state = self.engine.insert(prefix, self._state, a.slot)
         except Exception as e:  # the same failure on every process
             log.exception("prefill or insert failed")
-            self._admissions_failed([(a, live)], e)
+            self._admissions_failed([(a, live, hit)], e)
             return
         self._rows[a.slot] = live
         self.prefills += 1

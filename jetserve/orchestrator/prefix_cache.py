@@ -5,7 +5,8 @@ change of any never serves stale KV). A node is one block of `block` tokens belo
 parent's and holds that block's KV (engines/prefix_blocks.py), whichever prompt put it
 there: a system prompt shared by many prompts is stored once.
 
-Tiers: a node's KV is on the device ("hbm") or on the host ("host": numpy [L, 2, b, K, H]).
+Tiers: a node's KV is on the device ("hbm") or on the host ("host": numpy [L, 2, b, K, H];
+of an engine over several processes, each process's own shards of it, `LocalShards`).
 The device tier is one of two stores:
   - `PageStore`: pages of the engine's own KV pool, when one paged engine prefills and
     generates (interleaved). A node holds one reference to its page, taken through the
@@ -39,6 +40,14 @@ Concurrency: one lock guards the trie. With a page store, every call that change
 (adopt, make_room, clear) runs on the generate thread, which owns the pool and the decode
 state; the prefill thread only looks up, reads pages (`read_pages` takes the generate
 worker's state lock) and releases.
+
+Several processes (an engine whose mesh spans them: orchestrator/lockstep.py,
+disagg/prefill_lockstep.py): every process keeps a cache of its own, an array store, and
+calls it with the same arguments in the same order (the broadcast plan's admissions, in
+plan order, lookups with no wait). Nothing in the trie depends on anything else (no
+clock, no thread), so the tries stay identical by construction and every process takes
+the same hit decision; each holds its own shards of the blocks (device arrays over the
+global mesh; on the host, `LocalShards`).
 """
 
 from __future__ import annotations
@@ -111,6 +120,27 @@ class Hit:
             self._cache._unpin(self, self._nodes)
 
 
+class LocalShards:
+    """The host tier of a device block that spans several processes (an engine over
+    several processes, lockstep.py): this process's own shards of it (numpy, one per
+    distinct index), and where each goes back. Every process keeps its part; none holds
+    the whole block."""
+
+    def __init__(self, block: jax.Array):
+        self.shape, self.sharding = block.shape, block.sharding
+        self.parts: dict[str, np.ndarray] = {}
+        self.where: list[tuple[Any, str]] = []  # (device, key of its part)
+        for shard in block.addressable_shards:
+            key = repr(shard.index)
+            if key not in self.parts:
+                self.parts[key] = np.asarray(shard.data)
+            self.where.append((shard.device, key))
+
+    def to_device(self) -> jax.Array:
+        arrays = [jax.device_put(self.parts[key], d) for d, key in self.where]
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+
+
 class ArrayStore:
     """Device tier as one device array per node, on the prefill engine."""
 
@@ -126,10 +156,15 @@ class ArrayStore:
         return self.engine.cache_blocks(prefix, first, n, self.block)
 
     def to_device(self, host: Any) -> Any:
+        if isinstance(host, LocalShards):
+            return host.to_device()
         return jax.device_put(host, self._sharding)
 
-    def to_host(self, nodes: list[_Node]) -> list[np.ndarray]:
-        return jax.device_get([n.kv for n in nodes])
+    def to_host(self, nodes: list[_Node]) -> list[Any]:
+        blocks = [n.kv for n in nodes]
+        if all(b.is_fully_addressable for b in blocks):
+            return jax.device_get(blocks)
+        return [LocalShards(b) for b in blocks]  # an engine over several processes
 
     def free(self, nodes: list[_Node]) -> None:
         for n in nodes:

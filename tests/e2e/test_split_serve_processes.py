@@ -2,7 +2,9 @@
 2 x 2 fake CPU devices, jax.distributed with gloo on 127.0.0.1: one tp engine over all 4)
 and a `--role decode` process (tp_kv_batch over 2): each prefix's blocks are pulled from
 both processes' transfer servers. Concurrent gRPC and openai-SDK streams give what
-`jetserve generate` gives, a prompt scored there has the log-probs of one process;
+`jetserve generate` gives, a prompt scored there has the log-probs of one process; with
+the prefix cache on (every process its own), a prompt sent again hits what its first
+prefill cached and answers the same;
 afterwards no prefix is held on either process, and SIGTERM to
 process 0 stops both.
 """
@@ -13,6 +15,7 @@ import pytest
 from tests.e2e.serve_process import wait_listening
 from tests.e2e.split_processes import logged, sigterm_all_exit_cleanly, streams_match
 from tests.e2e.test_split_serve import (
+    CACHE,
     MODEL,
     PROMPTS,
     _drain,
@@ -37,7 +40,7 @@ def deployment(tmp_path_factory):
         for i in range(2):
             procs.append(_start(["--role", "prefill", "--grpc-port", "0", "--sharding", "tp",
                                  "--coordinator", coordinator, "--num-processes", "2",
-                                 "--process-id", str(i)], 2, files[i]))
+                                 "--process-id", str(i), *CACHE], 2, files[i]))
         worker = wait_listening(procs[0], 1)["gRPC"]
         _drain(procs[0])
         _drain(procs[1])
@@ -59,6 +62,11 @@ def test_prefill_worker_over_two_processes_matches_generate(deployment, want):
     procs, files, worker, ports = deployment
     prompts = PROMPTS_HERE
     streams_match(ports, prompts, HALF, want)
+    # The longest prompt (46 tokens) again: its 2 whole blocks of 16 are a hit on both
+    # processes alike (or their steps would part), and the answer is generate's.
+    hits = _load(worker).prefix_cache_hits
+    streams_match(ports, prompts[-1:], 1, want[-1:])
+    assert _load(worker).prefix_cache_hits - hits == 32
     # Scoring runs on both processes too (one program over the 4 devices).
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['HTTP']}/v1", api_key="unused",
                            max_retries=0, timeout=300)

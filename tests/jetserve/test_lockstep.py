@@ -447,3 +447,51 @@ def test_lock_step_serves_lora_adapters(tmp_path):
     for a, b in zip(got, want, strict=True):
         assert a.finish_reason == "length" and a.token_ids == b.token_ids
     assert got[0].token_ids != got[5].token_ids
+
+
+# ---- the prefix cache -----------------------------------------------------------------------
+
+def test_lock_step_prefix_cache_hits_alike_on_every_process():
+    """--prefix-cache-* in lock step: each driver keeps its own cache, and both take the
+    same hit decisions without a word in the plan (the follower's calls, prefilled
+    pieces included, equal process 0's; its cache ends node for node, count for count,
+    as process 0's). A device tier of 3 blocks sends one prompt's blocks to the host and
+    a later hit brings them back; every answer equals offline generation without a cache."""
+    from engines import EngineConfig
+    from jetserve.model_loading import build_engine
+    from jetserve.offline import generate_many
+    from jetserve.orchestrator.prefix_cache import block_bytes
+
+    cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=32, max_seq_len=96,
+                       kv_layout="paged", page_size=8)
+    engines = [_Recorded(build_engine("random:tiny", devices=jax.devices()[i:i + 1],
+                                      engine_config=cfg).engine) for i in range(2)]
+    block = 16
+    config = OrchestratorConfig(prefix_cache_hbm_bytes=3 * block_bytes(engines[0], block),
+                                prefix_cache_host_bytes=64 * block_bytes(engines[0], block),
+                                prefix_cache_block=block, prefix_cache_key="random:tiny")
+    shared = [(7 * j) % 200 + 3 for j in range(3 * block)]  # 3 blocks
+    other = [(11 * j) % 200 + 5 for j in range(3 * block)]
+    prompts = [shared + [1, 2, 3, 4], shared + [5, 6], other + [7, 8, 9], shared + [10]]
+    send, receive = _queue_broadcast()
+    lead = LockStepOrchestrator(engines[0], engines[0].load_params(), config=config,
+                                primary=True, broadcast=send, idle_wait_s=0.01)
+    follower = LockStepOrchestrator(engines[1], engines[1].load_params(), config=config,
+                                    primary=False, broadcast=receive)
+    t, errors = _following(follower)
+    with lead:  # one after the other: each may hit what the ones before cached
+        got = [lead.submit(Request(prompt_ids=p, max_tokens=8, ignore_eos=True))
+               .result(timeout=300).token_ids for p in prompts]
+        stats = lead.stats()["prefix_cache"][0]
+    t.join(60)
+    assert not t.is_alive() and not errors
+    assert engines[0].calls == engines[1].calls
+    pieces = [len(np.frombuffer(c[1], np.int32)) for c in engines[0].calls if c[0] == "prefill"]
+    assert pieces == [32, 20, 2, 32, 19, 1]  # the hits prefill what follows 48 cached tokens
+    assert stats["hits"] == 2 and stats["host_hits"] == 1 and stats["hit_tokens"] == 96
+    assert stats["evicted_to_host"] >= 3 and stats["restored"] == 3
+    assert follower.cache.nodes() == lead.cache.nodes()
+    assert follower.cache.stats() == lead.cache.stats()
+    want = generate_many(engines[0].engine, engines[0].load_params(), prompts, max_tokens=8,
+                         ignore_eos=True)
+    assert got == [r.token_ids for r in want]

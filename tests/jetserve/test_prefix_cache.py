@@ -14,6 +14,7 @@ from engines import EngineConfig, create_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
 from jetserve.orchestrator.prefix_cache import (
+    LocalShards,
     PageStore,
     PrefixCache,
     block_bytes,
@@ -330,3 +331,20 @@ def test_disaggregated_prefill_caches_blocks_on_its_own_slice():
         s = orch.stats()["prefix_cache"][0]
     assert got == want
     assert s["device_store"] == "arrays" and s["hits"] == 3 and s["hbm_blocks"] == 5
+
+
+def test_local_shards_keep_one_copy_per_part_and_go_back_where_they_were():
+    """The host tier of a block over several processes keeps this process's shards (one
+    numpy copy per distinct index: a replicated axis is not stored twice) and rebuilds
+    the same array with the same sharding."""
+    mesh = jax.make_mesh((2, 4), ("model", "data"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, None,
+                                                                           "model"))
+    block = jax.device_put(np.arange(2 * 2 * 4 * 2 * 3, dtype=np.float32).reshape(2, 2, 4, 2, 3),
+                           sharding)
+    host = LocalShards(block)
+    assert len(host.parts) == 2 and len(host.where) == 8
+    assert sum(x.nbytes for x in host.parts.values()) == block.nbytes
+    back = host.to_device()
+    assert back.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(block))

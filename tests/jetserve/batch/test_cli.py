@@ -179,7 +179,8 @@ def test_two_processes_merged_equal_one(job):
 
 def lock_step_lines() -> list[str]:
     """Greedy rows with their own max_tokens, stop strings and stop token ids, log-probs,
-    and scoring rows."""
+    scoring rows, and two rows far apart sharing a 40-token prefix (2 prefix-cache blocks
+    and a half)."""
     rng = np.random.default_rng(1)
     rows = [{"id": i, "prompt_ids": rng.integers(1, 256, size=int(n)).tolist(),
              "max_tokens": int(m)}
@@ -192,13 +193,17 @@ def lock_step_lines() -> list[str]:
     del rows[2]["prompt_ids"]
     rows += [{"id": "s", "context": "The capital of France is", "continuation": " Paris"},
              {"id": "t", "context_ids": [5, 6, 7], "continuation_ids": [8, 9]}]
+    shared = rng.integers(1, 256, size=40).tolist()
+    rows.insert(6, {"id": "p1", "prompt_ids": shared + [3, 4], "max_tokens": 6})
+    rows.append({"id": "p2", "prompt_ids": shared + [5], "max_tokens": 6})
     return [json.dumps(r) for r in rows]
 
 
 def test_coordinator_lock_step_equals_one_process(tmp_path):
     """Two processes sharing one model sharded over 2 x 4 devices (jax.distributed, gloo on
-    127.0.0.1; the lock-step orchestrator) write what one process on 8 devices writes;
-    process 0 alone reads and writes, and --resume skips the rows already there."""
+    127.0.0.1; the lock-step orchestrator, with the prefix cache on every process) write
+    what one process on 8 devices without a cache writes; process 0 alone reads and
+    writes, and --resume skips the rows already there."""
     from tests.sharding.test_multiprocess import _free_port
 
     inp = tmp_path / "in.jsonl"
@@ -219,7 +224,8 @@ def test_coordinator_lock_step_equals_one_process(tmp_path):
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS=xla_flags(4))
     procs = [batch(*args, "--output", str(out), "--resume", "--coordinator",
-                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), env=env)
+                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                   "--prefix-cache-hbm-mb", "1", env=env)
              for i in range(2)]
     results = [finish(p) for p in procs]
     for i, (rc, err) in enumerate(results):

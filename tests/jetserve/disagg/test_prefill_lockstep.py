@@ -57,6 +57,17 @@ def engines():
     return prefill, prefill.load_params(), decode, decode.load_params()
 
 
+def _generates_as_a_local_prefill(decode, params, ids, done, pulled) -> None:
+    """The worker's first token and the pulled prefix's next tokens are what a prefill of
+    `ids` on the decode engine gives (in chunks of max_prefill_length)."""
+    local = None
+    for start in range(0, len(ids), 32):
+        piece = ids[start:start + 32]
+        local, first = decode.prefill(params, piece, len(piece), existing_prefix=local)
+    assert HostResults(done.first_row[None]).token(0) == first.to_host().token(0)
+    assert _greedy(decode, params, pulled, 5) == _greedy(decode, params, local, 5)
+
+
 def test_lock_step_runner_offers_blocks_that_generate_as_a_local_prefill(engines):
     prefill, params, decode, decode_params = engines
     sender = KVSender(prefill, hold_s=30)
@@ -77,14 +88,7 @@ def test_lock_step_runner_offers_blocks_that_generate_as_a_local_prefill(engines
                 assert sum(np.prod([b - a for a, b in x]) for x in blocks) == np.prod(r["shape"])
             assert {p["source"] for p in done.meta["pieces"]} == {0}
             pulled = receiver.pull(done.address, done.uuid, done.meta, "worker")
-            local = None
-            for start in range(0, len(ids), 32):  # max_prefill_length
-                piece = ids[start:start + 32]
-                local, first = decode.prefill(decode_params, piece, len(piece),
-                                              existing_prefix=local)
-            assert HostResults(done.first_row[None]).token(0) == first.to_host().token(0)
-            assert _greedy(decode, decode_params, pulled, 5) == _greedy(
-                decode, decode_params, local, 5)
+            _generates_as_a_local_prefill(decode, decode_params, ids, done, pulled)
             assert runner.ack(done.uuid) is True and sender.registered() == 0
     finally:
         runner.stop()
@@ -136,3 +140,52 @@ def test_turns_carry_the_first_tokens_mask_and_scoring(engines):
         assert only.uuid == 0 and only.first_row.size == 0 and sender.registered() == 0
     finally:
         runner.stop()
+
+
+def test_lock_step_runners_keep_alike_prefix_caches(engines):
+    """A prefill worker over several processes with the prefix cache, in one process:
+    process 0's runner and a follower (its own engine, cache and transfer server; the
+    broadcast a queue) apply the same turns, so the follower's cache ends node for node,
+    count for count, as process 0's; a prompt through a cached 2-block prefix is a hit
+    whose prefix generates what a local prefill of the whole prompt does."""
+    import types
+
+    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache
+    from tests.jetserve.test_lockstep import _following, _queue_broadcast
+
+    prefill, params, decode, decode_params = engines
+    follower_engine = build_engine("random:tiny", devices=jax.devices()[4:8], sharding="tp",
+                                   engine_config=ENGINE)
+    send, receive = _queue_broadcast()
+
+    def cache(engine):
+        return PrefixCache(store=ArrayStore(engine, 16), hbm_bytes=1 << 20, host_bytes=0)
+
+    lead = LockStepPrefillRunner(prefill, params, KVSender(prefill, hold_s=30), max_queued=4,
+                                 primary=True, broadcast=send, idle_wait_s=0.01,
+                                 cache=cache(prefill), cache_key="m")
+    follower = LockStepPrefillRunner(follower_engine, follower_engine.load_params(),
+                                     KVSender(follower_engine, hold_s=30), max_queued=4,
+                                     primary=False, broadcast=receive,
+                                     cache=cache(follower_engine), cache_key="m")
+    thread, errors = _following(types.SimpleNamespace(run=follower.follow))
+    receiver = KVReceiver(decode)
+    shared = [(5 * j) % 200 + 3 for j in range(32)]
+    lead.start()
+    try:
+        for prompt in (shared + [9, 8, 7], shared + [1, 2]):
+            ids = np.asarray(prompt, np.int32)
+            done = lead.submit(PrefillJob(request_id="r", token_ids=ids,
+                                          sampling=SamplingParams(),
+                                          receiver_devices=2)).result(timeout=300)
+            pulled = receiver.pull(done.address, done.uuid, done.meta, "worker")
+            _generates_as_a_local_prefill(decode, decode_params, ids, done, pulled)
+            lead.ack(done.uuid)
+    finally:
+        lead.stop()
+    thread.join(60)
+    assert not thread.is_alive() and not errors
+    stats = lead.cache.stats()
+    assert stats["hits"] == 1 and stats["hit_tokens"] == 32 and stats["hbm_blocks"] == 2
+    assert follower.cache.nodes() == lead.cache.nodes()
+    assert follower.cache.stats() == stats

@@ -24,10 +24,7 @@ def _args(*argv: str) -> argparse.Namespace:
     (["--role", "prefill", "--prefill-workers", "h:1"], "not --role prefill"),
     (["--role", "decode", "--prefill-workers", "h:1", "--coordinator", "h:1",
       "--num-processes", "2", "--process-id", "0", "--prefix-cache-hbm-mb", "8"],
-     "the prefix cache does not run over several processes"),
-    (["--role", "prefill", "--coordinator", "h:1", "--num-processes", "2",
-      "--process-id", "0", "--prefix-cache-hbm-mb", "8"],
-     "the prefix cache does not run over several processes"),
+     "the prefix cache is the prefill workers'"),
     (["--role", "decode", "--prefill-workers", "h:1", "--prefill-devices", "2"],
      "leave out --prefill-devices"),
     (["--role", "prefill", "--generate-devices", "2"], "--devices N takes the first N"),
@@ -47,6 +44,13 @@ def test_flags_that_do_not_go_with_the_role(argv, message):
 def test_a_prefill_worker_may_span_several_processes():
     roles.check_arguments(_args("--role", "prefill", "--coordinator", "h:1",
                                 "--num-processes", "2", "--process-id", "1"))
+
+
+@pytest.mark.parametrize("process", ["0", "1"])
+def test_a_prefill_worker_over_several_processes_takes_the_prefix_cache(process):
+    roles.check_arguments(_args("--role", "prefill", "--coordinator", "h:1",
+                                "--num-processes", "2", "--process-id", process,
+                                "--prefix-cache-hbm-mb", "8", "--prefix-cache-host-mb", "16"))
 
 
 def test_a_decode_role_may_span_several_processes():

@@ -31,7 +31,7 @@ import numpy as np
 from engines import EngineConfig
 from jetserve.model_loading import build_engine
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
-from jetserve.orchestrator.prefix_cache import block_bytes
+from jetserve.orchestrator.prefix_stores import block_bytes
 
 MB = 2**20
 

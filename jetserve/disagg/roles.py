@@ -164,7 +164,8 @@ def _prefix_cache(args: argparse.Namespace, engine) -> dict:
     """The prefill worker's prefix cache (cache, cache_key), when the flags budget one."""
     from jetserve.commands.common import prefix_cache_budgets
     from jetserve.orchestrator.config import OrchestratorConfig
-    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache, model_cache_key
+    from jetserve.orchestrator.prefix_cache import PrefixCache, model_cache_key
+    from jetserve.orchestrator.prefix_stores import ArrayStore
 
     budgets = prefix_cache_budgets(args)
     if not any(budgets.values()):

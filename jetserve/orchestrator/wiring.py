@@ -15,7 +15,8 @@ from jetserve.orchestrator.config import OrchestratorConfig
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.prefill_worker import PrefillWorker
-from jetserve.orchestrator.prefix_cache import ArrayStore, PageStore, PrefixCache
+from jetserve.orchestrator.prefix_cache import PrefixCache
+from jetserve.orchestrator.prefix_stores import ArrayStore, PageStore
 from jetserve.orchestrator.transfer_worker import TransferWorker
 from jetserve.scheduling.policy import DECODE_FIRST, StepPolicy, resolve
 from jetserve.scheduling.step_budget import StepBudget

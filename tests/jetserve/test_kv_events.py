@@ -14,7 +14,7 @@ import zmq
 from engines import EngineConfig, create_engine
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
 from jetserve.orchestrator import kv_events as ev
-from jetserve.orchestrator.prefix_cache import block_bytes
+from jetserve.orchestrator.prefix_stores import block_bytes
 from jetserve.scheduling.page_planner import with_pages
 from tests.jetserve.test_prefix_cache import _paged, _serve
 from tests.sharding.families import host_params, model_config, place

@@ -460,7 +460,7 @@ def test_lock_step_prefix_cache_hits_alike_on_every_process():
     from engines import EngineConfig
     from jetserve.model_loading import build_engine
     from jetserve.offline import generate_many
-    from jetserve.orchestrator.prefix_cache import block_bytes
+    from jetserve.orchestrator.prefix_stores import block_bytes
 
     cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=32, max_seq_len=96,
                        kv_layout="paged", page_size=8)

@@ -15,7 +15,7 @@ import pytest
 from engines import EngineConfig, create_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, StepDone
-from jetserve.orchestrator.prefix_cache import block_bytes
+from jetserve.orchestrator.prefix_stores import block_bytes
 from jetserve.scheduling.page_planner import with_pages
 from tests.sharding.families import host_params, model_config, place
 

@@ -13,14 +13,8 @@ import pytest
 from engines import EngineConfig, create_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request
-from jetserve.orchestrator.prefix_cache import (
-    LocalShards,
-    PageStore,
-    PrefixCache,
-    block_bytes,
-    cache_key,
-    model_cache_key,
-)
+from jetserve.orchestrator.prefix_cache import PrefixCache, cache_key, model_cache_key
+from jetserve.orchestrator.prefix_stores import LocalShards, PageStore, block_bytes
 from jetserve.scheduling.page_planner import with_pages
 from jetserve.scheduling.page_pool import SlotPages
 from jetserve.server.metrics import ServerMetrics

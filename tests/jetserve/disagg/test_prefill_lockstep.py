@@ -150,7 +150,8 @@ def test_lock_step_runners_keep_alike_prefix_caches(engines):
     whose prefix generates what a local prefill of the whole prompt does."""
     import types
 
-    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache
+    from jetserve.orchestrator.prefix_cache import PrefixCache
+    from jetserve.orchestrator.prefix_stores import ArrayStore
     from tests.jetserve.test_lockstep import _following, _queue_broadcast
 
     prefill, params, decode, decode_params = engines

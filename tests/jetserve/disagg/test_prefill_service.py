@@ -121,7 +121,8 @@ def test_prefill_worker_service(worker):
 
 
 def test_prefix_cache_on_the_prefill_side_gives_the_same_prefix(worker):
-    from jetserve.orchestrator.prefix_cache import ArrayStore, PrefixCache
+    from jetserve.orchestrator.prefix_cache import PrefixCache
+    from jetserve.orchestrator.prefix_stores import ArrayStore
 
     plain = worker[0].runner
     engine = plain.engine

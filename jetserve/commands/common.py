@@ -25,6 +25,10 @@ from jetserve.server.tool_formats import DEFAULT_PARSER, NAMES
 DEFAULT_SLOTS = 8  # --max-concurrent-decodes when not given
 
 
+# The device budget `--enable-prefix-caching` gives the prefix cache where
+# --prefix-cache-hbm-mb is not given.
+PREFIX_CACHE_DEFAULT_MB = 256.0
+
 def add_tool_parser_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=list(NAMES),
                    help="how the model writes tool calls, read from its text with chat "
@@ -85,13 +89,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "compiled for too: 'auto' (1, 2, 4 ..), comma-separated counts, or "
                         "'none'. A step whose slots in use all lie below one runs only "
                         "those rows: fewer requests, a cheaper step")
-    p.add_argument("--max-seq-len", type=int, default=None,
+    p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int,
+                   default=None,
                    help="longest prompt + generated tokens (default: the model's "
                         "max_position_embeddings, capped by what fits in memory)")
     p.add_argument("--sharding", default="replicated", help="preset name or YAML path")
     p.add_argument("--kv-layout", default="contiguous", choices=["contiguous", "paged"],
                    help="paged: KV in fixed-size pages taken as sequences grow")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (paged)")
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16,
+                   help="tokens per KV page (paged)")
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pages in the pool (paged; default: enough for every slot at "
                         "max-seq-len)")
@@ -183,6 +189,11 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
                         "sharing a prefix prefill only the rest (0: none)")
     p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
                    help="prefix cache: host memory tier for KV evicted from the device")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help=f"the prefix cache with --prefix-cache-hbm-mb's budget, "
+                        f"{PREFIX_CACHE_DEFAULT_MB} MB where that is not given; "
+                        f"--no-enable-prefix-caching: none, whatever the budgets")
 
 
 def add_step_policy_arguments(p: argparse.ArgumentParser) -> None:
@@ -219,11 +230,14 @@ def step_policy_fields(args: argparse.Namespace) -> dict:
 def prefix_cache_budgets(args: argparse.Namespace) -> dict:
     """OrchestratorConfig fields from --prefix-cache-hbm-mb / --prefix-cache-host-mb."""
     out = {}
+    enabled = getattr(args, "enable_prefix_caching", None)
     for tier in ("hbm", "host"):
         mb = getattr(args, f"prefix_cache_{tier}_mb")
         if not mb >= 0:
             raise ValueError(f"--prefix-cache-{tier}-mb must be >= 0, got {mb}")
-        out[f"prefix_cache_{tier}_bytes"] = int(mb * 2**20)
+        if enabled and tier == "hbm" and not mb:
+            mb = PREFIX_CACHE_DEFAULT_MB
+        out[f"prefix_cache_{tier}_bytes"] = 0 if enabled is False else int(mb * 2**20)
     return out
 
 

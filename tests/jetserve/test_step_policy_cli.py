@@ -64,3 +64,24 @@ def test_batch_takes_the_knobs(tmp_path):
     assert orch.generate_engines[0].max_concurrent_decodes == 2
     assert (orch.policy.max_num_seqs, orch.policy.decode_first) == (2, True)
     assert orch.policy.max_num_batched_tokens == 2 + orch.policy.prefill_chunk
+
+
+@pytest.mark.parametrize("argv, budgets", [
+    ((), (0, 0)),
+    (("--enable-prefix-caching",), (256 * 2**20, 0)),
+    (("--enable-prefix-caching", "--prefix-cache-hbm-mb", "8"), (8 * 2**20, 0)),
+    (("--prefix-cache-hbm-mb", "8", "--prefix-cache-host-mb", "4",
+      "--no-enable-prefix-caching"), (0, 0)),
+])
+def test_vllm_names_of_the_cache_and_length_knobs(monkeypatch, argv, budgets):
+    """--max-model-len, --block-size and --enable-prefix-caching, vLLM's names, set what
+    --max-seq-len, --page-size and the prefix-cache budgets do."""
+    from jetserve import orchestrator
+
+    seen = {}
+    monkeypatch.setattr(orchestrator, "build", lambda model, **kw: seen.update(kw) or "orch")
+    serve.build_orchestrator(_serve("--max-model-len", "64", "--kv-layout", "paged",
+                                    "--block-size", "8", *argv))
+    ec, config = seen["engine_config"], seen["config"]
+    assert (ec.max_seq_len, ec.page_size) == (64, 8)
+    assert (config.prefix_cache_hbm_bytes, config.prefix_cache_host_bytes) == budgets

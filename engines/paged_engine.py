@@ -315,6 +315,11 @@ class PagedTransformerEngine(TransformerEngine):
         if table.ndim != 2 or table.shape[0] != g.slots or not 1 <= table.shape[1] <= max_w:
             raise ValueError(f"page_table must be i32[{g.slots}, W] with 1 <= W <= {max_w}, "
                              f"got shape {table.shape}")
+        longest = max((len(r.chunk) for r in rows), default=0)
+        if self.ring is not None and longest > self.config.max_prefill_length:
+            raise ValueError(f"a chunk of {longest} tokens: with sliding layers' rings of "
+                             f"pages a mixed step's chunk is at most max_prefill_length "
+                             f"({self.config.max_prefill_length}) tokens")
         if all(r.decode for r in rows):  # no chunk: the generate step's program
             pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
                       buckets=self.mixed_token_buckets)  # the same checks of the rows

@@ -147,3 +147,13 @@ def test_window_kv_bench_figures():
     assert r["kv_store_bytes"] == 2 * page * (1 * 130 + 5 * 10)
     assert r["all_global_bytes"] == 2 * page * 6 * 130
     assert r["kv_ratio"] < 0.25 and abs(r["plan_error"]) < 0.05
+
+
+def test_a_chunk_longer_than_the_ring_allows_is_refused(gemma3):
+    from engines.mixed_batch import MixedRow
+
+    engine = with_pages(_engine(gemma3[0]))
+    engine.start_prompt(0, 12)
+    with pytest.raises(ValueError, match="at most max_prefill_length"):
+        engine.mixed_step(engine.load_params(), engine.init_decode_state(),
+                          [MixedRow(slot=0, chunk=tuple(range(3, 15)), start=0)])

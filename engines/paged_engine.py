@@ -65,7 +65,7 @@ from sharding import axes, traced_under
 POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
 
 
-def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
+def generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
                     ring: WindowRing | None, params, state: PagedDecodeState, table,
                     token_mask=None):
     """One decode step; table i32[B, W] is each slot's first W pages (trash-padded);
@@ -89,7 +89,7 @@ def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     slots in no row (their lengths read as full) are left bit-identical."""
     S = max_seq_len
     lengths = jnp.where(rows, state.lengths, S)
-    new, results = _generate_paged(model, top_n, S, impl, ring, params,
+    new, results = generate_paged(model, top_n, S, impl, ring, params,
                                    dataclasses.replace(state, lengths=lengths), table)
     ran = lengths < S
     keep = lambda new_f, old_f: jnp.where(  # noqa: E731
@@ -100,7 +100,7 @@ def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
                                                             state.sampling.key))), results
 
 
-def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
+def generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
                                 draft_model: Decoder | None, ring: WindowRing | None, params,
                                 state: PagedDecodeState, table, token_mask=None,
                                 draft_params=None):
@@ -218,10 +218,10 @@ class PagedTransformerEngine(TransformerEngine):
         spec = self.config.spec
         draft_model = self._draft.model if self._draft else None
         draft_sh = (self._draft.param_shardings,) if self._draft else ()  # _draft_args()
-        gen = (functools.partial(_generate_paged_speculative, self.model, top_n,
+        gen = (functools.partial(generate_paged_speculative, self.model, top_n,
                                  self.config.max_seq_len, spec.k, draft_model, self.ring)
                if spec.enabled else
-               functools.partial(_generate_paged, self.model, top_n, self.config.max_seq_len,
+               functools.partial(generate_paged, self.model, top_n, self.config.max_seq_len,
                                  self.attention_impl, self.ring))
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
@@ -275,12 +275,18 @@ class PagedTransformerEngine(TransformerEngine):
         gave them). shared: how many of the first pages already hold the prefix's first
         shared * page_size positions (a prefix cache hit); they are linked, never written.
         """
+        return self._insert_jit(prefix, decode_state, np.int32(slot),
+                                self._page_array(prefix, pages, shared))
+
+    def _page_array(self, prefix: Prefix, pages: Sequence[int], shared: int) -> np.ndarray:
+        """insert's pages as its program takes them: i32[ceil(T / ps)], trash-padded, the
+        `shared` first ones past the pool (linked, never written)."""
         trash = self.page_geometry.trash
         T = prefix.k[0].shape[1]
         arr = np.full((-(-T // self.page_geometry.page_size),), trash, np.int32)
         arr[: len(pages)] = pages
         arr[:shared] = trash + 1  # past the pool: the write is dropped
-        return self._insert_jit(prefix, decode_state, np.int32(slot), arr)
+        return arr
 
     def page_blocks(self, decode_state: PagedDecodeState, pages: Sequence[int]) -> jax.Array:
         """The KV of `pages` as prefix-cache blocks: a stack [stack_size(n), L, 2, ps, K, H]

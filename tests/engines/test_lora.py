@@ -17,6 +17,7 @@ from engines.lora_registry import UnknownAdapter
 from jetserve.offline import generate_many
 from sharding import load_preset
 from tests.engines import lora_files
+from tests.engines.mixed_driver import run_mixed
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -146,7 +147,8 @@ def test_paged_kv_serves_adapters_as_the_contiguous_cache(adapter, tmp_path, spe
     """kv_layout "paged" (small pages, through the page planner): two adapters and the
     base model in one batch, prompts whole and in chunks, the contiguous LoRA engine's
     tokens and log-probs; then base rows alone (the plain step), and every adapter row
-    unpinned once the requests end (the planner frees the engine's slots too)."""
+    unpinned once the requests end (the planner frees the engine's slots too); base
+    rows in mixed steps too."""
     other, _ = write_adapter(tmp_path / "b", ["k_proj", "gate_proj"], rank=2, seed=3)
     names = ["a", None, "b", "a"]
     runs = {}
@@ -162,6 +164,10 @@ def test_paged_kv_serves_adapters_as_the_contiguous_cache(adapter, tmp_path, spe
                                       ignore_eos=True)]
         gc.collect()  # prefixes pin their rows until dropped
         assert not eng._slot_rows and not any(eng.adapters._pins)
+    if speculative == "none":  # base rows in ragged mixed steps (--scheduling mixed)
+        mixed = run_mixed(eng, params, _prompts(), max_tokens=10, chunk=16, budget=20,
+                          widest=True)
+        assert mixed.outputs == [r.token_ids for r in runs["contiguous"][1]]
     for got, want in zip(runs["paged"], runs["contiguous"], strict=True):
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         for g, w in zip(got, want, strict=True):

@@ -164,8 +164,9 @@ class LoraServing:
     """What serving adapters adds to a transformer engine of either KV layout (put it
     before the engine class among the bases). The engine's arguments; the pool's size
     and rank are config.max_loras and config.max_lora_rank. A subclass names its
-    layout's steps: `_lora_steps` (the insert function and the generate step), and
-    calls `_insert_row` / `_generate_lora` from its insert / generate.
+    layout's steps, `_lora_steps` (the insert function and the generate step, each with
+    how many inputs of its own it takes after the state), and calls `_insert_row` /
+    `_generate_lora` from its insert / generate.
 
     A prefill whose adapter finds every row pinned waits up to `row_wait_s` for one (the
     generate thread frees rows as requests end); insert never waits (it runs on that
@@ -210,7 +211,7 @@ class LoraServing:
         state_sh, prefix_sh = self.decode_state_shardings(), self.prefix_destination_sharding()
         pool_sh, r = self.pool_shardings, self._replicated()
         laid_out = functools.partial(traced_under, self.sharding, self._mesh)
-        top_n, spec = self.config.top_logprobs, self.config.spec
+        top_n = self.config.top_logprobs
         draft_model = self._draft.model if self._draft else None
         draft_sh = (self._draft.param_shardings,) if self._draft else ()
         self._prefill = PrefillProgram(
@@ -229,14 +230,14 @@ class LoraServing:
             prefix_sharding=prefix_sh, replicated=r, buckets=self.prefill_buckets(),
             max_rows=self.config.prefill_batch, vocab_size=self.model_config.vocab_size,
             extra_shardings=(pool_sh, r, r, *draft_sh))
-        insert, step, n_args = self._lora_steps(draft_model)
+        insert, insert_args, step, step_args = self._lora_steps(draft_model)
         self._insert_jit = jax.jit(
             self._counted("insert", functools.partial(lora_insert, insert)),
-            in_shardings=(prefix_sh, state_sh, r, r) + (r,) * (n_args - 1),
+            in_shardings=(prefix_sh, state_sh, r, r) + (r,) * insert_args,
             out_shardings=state_sh, donate_argnums=(1,))
         gen = self._counted("generate", laid_out(functools.partial(lora_generate, self.model,
                                                                    step)))
-        args_sh = (r,) * n_args + draft_sh  # the layout's inputs (page table, mask), a draft's
+        args_sh = (r,) * step_args + draft_sh  # the layout's inputs (page table, mask), a draft's
         self._generate_jit = jax.jit(gen, in_shardings=(self.param_shardings, pool_sh, state_sh,
                                                         *args_sh),
                                      out_shardings=(state_sh, r), donate_argnums=(2,))
@@ -387,7 +388,7 @@ class LoraTransformerEngine(LoraServing, TransformerEngine):
         step = ((lambda m: functools.partial(generate_speculative, m, top_n, spec.k, draft_model))
                 if spec.enabled else
                 (lambda m: functools.partial(device_functions.generate, m, top_n)))
-        return insert_prefix, step, 1  # generate's one input: the token mask
+        return insert_prefix, 0, step, 1  # generate's one input: the token mask
 
     def insert(self, prefix: LoraPrefix, decode_state, slot: int):
         return self._insert_row(prefix, decode_state, slot)
@@ -409,7 +410,7 @@ class PagedLoraEngine(LoraServing, PagedTransformerEngine):
                 (lambda m: functools.partial(generate_paged, m, top_n, S, self.attention_impl,
                                              self.ring)))
         insert = functools.partial(insert_paged, ring=self.ring)
-        return insert, step, 2  # generate's inputs: the page table, the token mask
+        return insert, 1, step, 2  # insert's pages; generate's page table and token mask
 
     def insert(self, prefix: LoraPrefix, decode_state, slot: int, *,
                pages, shared: int = 0):

@@ -45,14 +45,10 @@ from engines.engine_config import EngineConfig
 from engines.kv_cache import DecodeState, Prefix, insert_prefix
 from engines.lora_loading import read_adapter
 from engines.lora_registry import AdapterRegistry, adapter_id
-from engines.paged_engine import (
-    PagedTransformerEngine,
-    generate_paged,
-    generate_paged_speculative,
-)
+from engines.paged_engine import PagedTransformerEngine
 from engines.paged_kv import PagedDecodeState, insert_paged
 from engines.prefill_program import PrefillProgram, PrefillRows, empty_prefix
-from engines.speculative import generate_speculative
+from engines.speculative import generate_step
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -384,10 +380,8 @@ class LoraTransformerEngine(LoraServing, TransformerEngine):
     """The contiguous engine with LoRA adapters (LoraServing)."""
 
     def _lora_steps(self, draft_model):
-        top_n, spec = self.config.top_logprobs, self.config.spec
-        step = ((lambda m: functools.partial(generate_speculative, m, top_n, spec.k, draft_model))
-                if spec.enabled else
-                (lambda m: functools.partial(device_functions.generate, m, top_n)))
+        step = functools.partial(generate_step, top_n=self.config.top_logprobs,
+                                 spec=self.config.spec, draft_model=draft_model)
         return insert_prefix, 0, step, 1  # generate's one input: the token mask
 
     def insert(self, prefix: LoraPrefix, decode_state, slot: int):
@@ -403,12 +397,7 @@ class PagedLoraEngine(LoraServing, PagedTransformerEngine):
     only (`--scheduling mixed` refuses adapters at submit)."""
 
     def _lora_steps(self, draft_model):
-        top_n, spec, S = self.config.top_logprobs, self.config.spec, self.config.max_seq_len
-        step = ((lambda m: functools.partial(generate_paged_speculative, m, top_n, S, spec.k,
-                                             draft_model, self.ring))
-                if spec.enabled else
-                (lambda m: functools.partial(generate_paged, m, top_n, S, self.attention_impl,
-                                             self.ring)))
+        step = functools.partial(self.generate_step, draft_model=draft_model)
         insert = functools.partial(insert_paged, ring=self.ring)
         return insert, 1, step, 2  # insert's pages; generate's page table and token mask
 

@@ -215,14 +215,9 @@ class PagedTransformerEngine(TransformerEngine):
             in_shardings=(prefix_sh, state_sh, r, r),
             out_shardings=state_sh, donate_argnums=(1,),
         )
-        spec = self.config.spec
         draft_model = self._draft.model if self._draft else None
         draft_sh = (self._draft.param_shardings,) if self._draft else ()  # _draft_args()
-        gen = (functools.partial(generate_paged_speculative, self.model, top_n,
-                                 self.config.max_seq_len, spec.k, draft_model, self.ring)
-               if spec.enabled else
-               functools.partial(generate_paged, self.model, top_n, self.config.max_seq_len,
-                                 self.attention_impl, self.ring))
+        gen = self.generate_step(self.model, draft_model)
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
             in_shardings=(self.param_shardings, state_sh, r, r, *draft_sh),
@@ -248,6 +243,16 @@ class PagedTransformerEngine(TransformerEngine):
             in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+
+    def generate_step(self, model: Decoder, draft_model: Decoder | None):
+        """generate's function over `model` (the verify step with speculative decoding),
+        called as (params, state, table, token_mask, *draft params)."""
+        top_n, spec, S = self.config.top_logprobs, self.config.spec, self.config.max_seq_len
+        if spec.enabled:
+            return functools.partial(generate_paged_speculative, model, top_n, S, spec.k,
+                                     draft_model, self.ring)
+        return functools.partial(generate_paged, model, top_n, S, self.attention_impl,
+                                 self.ring)
 
     # ---- Engine API --------------------------------------------------------------------
 

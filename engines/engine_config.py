@@ -111,7 +111,7 @@ class EngineConfig:
     # drafts per step from a smaller model; the engine is given its config and weights).
     speculative: str = "none"
     # LoRA adapters (engines/lora_engine.py): 0 serves the base model only; N > 0 keeps up
-    # to N adapters of rank <= max_lora_rank on the device at once (contiguous KV only).
+    # to N adapters of rank <= max_lora_rank on the device at once (either KV layout).
     max_loras: int = 0
     max_lora_rank: int = 16
     # The decoder's layers (engines/layer_scan.py): "loop" (unrolled, one copy per layer
@@ -168,9 +168,6 @@ def _check_lora(c: EngineConfig) -> None:
         raise ValueError(f"max_loras must be an integer >= 0, got {c.max_loras!r}")
     if not isinstance(c.max_lora_rank, int) or c.max_lora_rank < 1:
         raise ValueError(f"max_lora_rank must be a positive integer, got {c.max_lora_rank!r}")
-    if c.max_loras and c.kv_layout != "contiguous":  # TODO(#23): adapters with paged KV
-        raise ValueError(f"max_loras={c.max_loras}: LoRA adapters are served with kv_layout "
-                         f"'contiguous' only, for now, not {c.kv_layout!r}")
 
 
 def _check_prefill_batch(c: EngineConfig) -> None:

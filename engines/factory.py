@@ -6,7 +6,7 @@ It sits above the contiguous engine (engines/transformer_engine.py) and the page
 
 from __future__ import annotations
 
-from engines.lora_engine import LoraTransformerEngine
+from engines.lora_engine import LoraTransformerEngine, PagedLoraEngine
 from engines.paged_engine import PagedTransformerEngine
 from engines.transformer_engine import TransformerEngine
 
@@ -15,14 +15,19 @@ ENGINES: dict[str, type[TransformerEngine]] = {
     TransformerEngine.KV_LAYOUT: TransformerEngine,
     PagedTransformerEngine.KV_LAYOUT: PagedTransformerEngine,
 }
+# The same, serving LoRA adapters (config.max_loras > 0).
+LORA_ENGINES: dict[str, type[TransformerEngine]] = {
+    TransformerEngine.KV_LAYOUT: LoraTransformerEngine,
+    PagedTransformerEngine.KV_LAYOUT: PagedLoraEngine,
+}
 
 
 def create_engine(model_config, **kwargs) -> TransformerEngine:
     """The transformer engine for `kwargs["config"].kv_layout` (contiguous without a
-    config); takes TransformerEngine's arguments. `config.max_loras` > 0: the contiguous
+    config); takes TransformerEngine's arguments. `config.max_loras` > 0: that layout's
     engine that also serves LoRA adapters."""
     config = kwargs.get("config")
     layout = config.kv_layout if config is not None else TransformerEngine.KV_LAYOUT
-    if config is not None and config.max_loras:  # EngineConfig refuses it with paged KV
-        return LoraTransformerEngine(model_config, **kwargs)
+    if config is not None and config.max_loras:
+        return LORA_ENGINES[layout](model_config, **kwargs)
     return ENGINES[layout](model_config, **kwargs)

@@ -1,7 +1,13 @@
-"""The contiguous transformer engine serving LoRA adapters beside the base model.
+"""The transformer engines serving LoRA adapters beside the base model, on either KV layout.
 
-Each decode slot carries its adapter's pool row (`LoraDecodeState.adapter`, 0: the base
-model), so requests for different adapters and the base model share one batched step
+`LoraServing` is what adapters add to an engine, whatever its KV layout: the pool, the
+registry and its pinning, prefill through adapters, the per-slot adapter row and the
+choice of generate program. `LoraTransformerEngine` puts it on the contiguous engine,
+`PagedLoraEngine` on the paged one (engines/paged_engine.py); each only names its
+layout's insert and generate steps, which the LoRA wrappers below run unchanged.
+
+Each decode slot carries its adapter's pool row (the decode state's `adapter`, 0: the
+base model), so requests for different adapters and the base model share one batched step
 (engines/lora.py adds each row's own delta). A prefix carries its adapter's id
 (`LoraPrefix.adapter_id`, engines/lora_registry.adapter_id), not a row: the engine that
 inserts it (the prefilling one, or a generate engine of a disaggregated server, whose
@@ -39,8 +45,10 @@ from engines.engine_config import EngineConfig
 from engines.kv_cache import DecodeState, Prefix, insert_prefix
 from engines.lora_loading import read_adapter
 from engines.lora_registry import AdapterRegistry, adapter_id
+from engines.paged_engine import PagedTransformerEngine
+from engines.paged_kv import PagedDecodeState, insert_paged
 from engines.prefill_program import PrefillProgram, PrefillRows, empty_prefix
-from engines.speculative import generate_speculative
+from engines.speculative import generate_step
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -61,8 +69,33 @@ class LoraDecodeState(DecodeState):
     adapter: jax.Array | None = None  # i32[B]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraPagedDecodeState(PagedDecodeState):
+    """A PagedDecodeState and each slot's adapter row."""
+
+    adapter: jax.Array | None = None  # i32[B]
+
+
+# Each layout's decode state -> that state with the slots' adapter rows.
+_WITH_ADAPTER = {DecodeState: LoraDecodeState, PagedDecodeState: LoraPagedDecodeState}
+
+
 def _fields(x, cls) -> dict:
     return {f.name: getattr(x, f.name) for f in dataclasses.fields(cls)}
+
+
+def with_adapter(state, adapter):
+    """`state` (either layout's decode state, with or without rows) on adapter rows
+    `adapter` i32[B]: the same arrays, no device work."""
+    base = next(c for c in type(state).__mro__ if c in _WITH_ADAPTER)
+    return _WITH_ADAPTER[base](**_fields(state, base), adapter=adapter)
+
+
+def without_adapter(state):
+    """The layout's own decode state of `state` (the same arrays, the rows left out)."""
+    base = next(c for c in type(state).__mro__ if c in _WITH_ADAPTER)
+    return base(**_fields(state, base))
 
 
 class _WithLora:
@@ -108,23 +141,28 @@ def lora_empty_prefix(config, draft_config, dtype, capacity: int) -> LoraPrefix:
     return LoraPrefix(**_fields(base, Prefix), adapter_id=jnp.zeros((), jnp.int32))
 
 
-def lora_insert(prefix: LoraPrefix, state: LoraDecodeState, slot, row) -> LoraDecodeState:
-    """insert_prefix, and the slot on pool row `row` (this engine's row of the adapter)."""
-    new = insert_prefix(prefix, state, slot)
-    return LoraDecodeState(**_fields(new, DecodeState), adapter=state.adapter.at[slot].set(row))
+def lora_insert(insert, prefix: LoraPrefix, state, slot, row, *args):
+    """insert(prefix, state, slot, *args) (the layout's insert: `args` are the paged
+    one's pages), and the slot on pool row `row` (this engine's row of the adapter)."""
+    new = insert(prefix, state, slot, *args)
+    return with_adapter(new, state.adapter.at[slot].set(row))
 
 
-def lora_generate(model, step, params, pool, state: LoraDecodeState, token_mask, *draft):
-    """step(model) -> the generate function (plain or speculative) over that model; pool
-    None: the base model alone; token_mask as device_functions.generate's."""
+def lora_generate(model, step, params, pool, state, *args):
+    """step(model) -> the layout's generate function (plain or speculative) over that
+    model, called as step(model)(params, state, *args); pool None: the base model alone."""
     bound = model if pool is None else _WithLora(model, lora.LoraBatch(pool, state.adapter))
-    new, res = step(bound)(params, state, token_mask, *draft)
-    return LoraDecodeState(**_fields(new, DecodeState), adapter=state.adapter), res
+    new, res = step(bound)(params, state, *args)
+    return with_adapter(new, state.adapter), res
 
 
-class LoraTransformerEngine(TransformerEngine):
-    """TransformerEngine's arguments; the pool's size and rank are config.max_loras and
-    config.max_lora_rank.
+class LoraServing:
+    """What serving adapters adds to a transformer engine of either KV layout (put it
+    before the engine class among the bases). The engine's arguments; the pool's size
+    and rank are config.max_loras and config.max_lora_rank. A subclass names its
+    layout's steps, `_lora_steps` (the insert function and the generate step, each with
+    how many inputs of its own it takes after the state), and calls `_insert_row` /
+    `_generate_lora` from its insert / generate.
 
     A prefill whose adapter finds every row pinned waits up to `row_wait_s` for one (the
     generate thread frees rows as requests end); insert never waits (it runs on that
@@ -149,7 +187,7 @@ class LoraTransformerEngine(TransformerEngine):
         base = super().decode_state_shardings()
         if self._plain:
             return base
-        return LoraDecodeState(**_fields(base, DecodeState), adapter=base.lengths)
+        return with_adapter(base, base.lengths)
 
     def prefix_destination_sharding(self):
         base = super().prefix_destination_sharding()
@@ -162,7 +200,6 @@ class LoraTransformerEngine(TransformerEngine):
         self._plain = True
         try:
             super()._build_jits()
-            self.init_base_state = super().init_decode_state
         finally:
             self._plain = False
         self.pool_shardings = lora.pool_shardings(self.model_config, self.lora_config,
@@ -170,7 +207,7 @@ class LoraTransformerEngine(TransformerEngine):
         state_sh, prefix_sh = self.decode_state_shardings(), self.prefix_destination_sharding()
         pool_sh, r = self.pool_shardings, self._replicated()
         laid_out = functools.partial(traced_under, self.sharding, self._mesh)
-        top_n, spec = self.config.top_logprobs, self.config.spec
+        top_n = self.config.top_logprobs
         draft_model = self._draft.model if self._draft else None
         draft_sh = (self._draft.param_shardings,) if self._draft else ()
         self._prefill = PrefillProgram(
@@ -189,19 +226,19 @@ class LoraTransformerEngine(TransformerEngine):
             prefix_sharding=prefix_sh, replicated=r, buckets=self.prefill_buckets(),
             max_rows=self.config.prefill_batch, vocab_size=self.model_config.vocab_size,
             extra_shardings=(pool_sh, r, r, *draft_sh))
-        self._insert_jit = jax.jit(self._counted("insert", lora_insert),
-                                   in_shardings=(prefix_sh, state_sh, r, r),
-                                   out_shardings=state_sh, donate_argnums=(1,))
-        step = ((lambda m: functools.partial(generate_speculative, m, top_n, spec.k, draft_model))
-                if spec.enabled else
-                (lambda m: functools.partial(device_functions.generate, m, top_n)))
+        insert, insert_args, step, step_args = self._lora_steps(draft_model)
+        self._insert_jit = jax.jit(
+            self._counted("insert", functools.partial(lora_insert, insert)),
+            in_shardings=(prefix_sh, state_sh, r, r) + (r,) * insert_args,
+            out_shardings=state_sh, donate_argnums=(1,))
         gen = self._counted("generate", laid_out(functools.partial(lora_generate, self.model,
                                                                    step)))
+        args_sh = (r,) * step_args + draft_sh  # the layout's inputs (page table, mask), a draft's
         self._generate_jit = jax.jit(gen, in_shardings=(self.param_shardings, pool_sh, state_sh,
-                                                        r, *draft_sh),
+                                                        *args_sh),
                                      out_shardings=(state_sh, r), donate_argnums=(2,))
         self._generate_plain_jit = jax.jit(gen, in_shardings=(self.param_shardings, None,
-                                                              state_sh, r, *draft_sh),
+                                                              state_sh, *args_sh),
                                            out_shardings=(state_sh, r), donate_argnums=(2,))
         self._write_jit = jax.jit(lora.write_row, out_shardings=pool_sh, donate_argnums=(0,))
 
@@ -232,16 +269,16 @@ class LoraTransformerEngine(TransformerEngine):
 
     # ---- Engine API --------------------------------------------------------------------
 
-    def init_decode_state(self) -> LoraDecodeState:
+    def init_decode_state(self):
+        """The layout's empty state, every slot on row 0 (the base model)."""
         self._plain = True
         try:
-            base = self.init_base_state()
+            base = super().init_decode_state()
         finally:
             self._plain = False
         B = self.config.max_concurrent_decodes
         sh = self._named((axes.CACHE_BATCH,), (B,), "slot adapters")
-        return LoraDecodeState(**_fields(base, DecodeState),
-                               adapter=jax.device_put(np.zeros((B,), np.int32), sh))
+        return with_adapter(base, jax.device_put(np.zeros((B,), np.int32), sh))
 
     def prefill(self, params, tokens, true_length, *, sampling=None, existing_prefix=None,
                 seed=None, donate: bool = False, token_mask=None, adapter: str | None = None):
@@ -305,7 +342,9 @@ class LoraTransformerEngine(TransformerEngine):
                                    extra=(self._pool, np.int32(0), np.int32(0),
                                           *self._draft_args()))
 
-    def insert(self, prefix: LoraPrefix, decode_state, slot: int):
+    def _insert_row(self, prefix: LoraPrefix, decode_state, slot: int, *args):
+        """Inserts `prefix` into `slot` on its adapter's row of this engine's pool;
+        `args`: the layout insert's own (the paged one's pages)."""
         if not isinstance(prefix, LoraPrefix):
             raise ValueError("a LoRA engine inserts prefixes of a LoRA engine's prefill "
                              f"(got {type(prefix).__name__})")
@@ -318,7 +357,7 @@ class LoraTransformerEngine(TransformerEngine):
             if row:
                 self.adapters.pin(row)
                 self._slot_rows[slot] = row
-            return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(row))
+            return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(row), *args)
 
     def free_slot(self, slot: int) -> None:
         with self.adapters.lock:
@@ -326,11 +365,54 @@ class LoraTransformerEngine(TransformerEngine):
             if row is not None:
                 self.adapters.unpin(row)
 
-    def generate(self, params, decode_state, token_mask=None):
+    def _generate_lora(self, params, decode_state, *args):
+        """One step of the layout's generate (`args`: its page table, its token mask)."""
         params = self._in_layout(params)
         with self.adapters.lock:
             if not self._slot_rows:  # no slot holds an adapter: the base model's step
-                return self._generate_plain_jit(params, None, decode_state, token_mask,
+                return self._generate_plain_jit(params, None, decode_state, *args,
                                                 *self._draft_args())
-            return self._generate_jit(params, self._pool, decode_state, token_mask,
+            return self._generate_jit(params, self._pool, decode_state, *args,
                                       *self._draft_args())
+
+
+class LoraTransformerEngine(LoraServing, TransformerEngine):
+    """The contiguous engine with LoRA adapters (LoraServing)."""
+
+    def _lora_steps(self, draft_model):
+        step = functools.partial(generate_step, top_n=self.config.top_logprobs,
+                                 spec=self.config.spec, draft_model=draft_model)
+        return insert_prefix, 0, step, 1  # generate's one input: the token mask
+
+    def insert(self, prefix: LoraPrefix, decode_state, slot: int):
+        return self._insert_row(prefix, decode_state, slot)
+
+    def generate(self, params, decode_state, token_mask=None):
+        return self._generate_lora(params, decode_state, token_mask)
+
+
+class PagedLoraEngine(LoraServing, PagedTransformerEngine):
+    """The paged engine with LoRA adapters (LoraServing): insert takes the slot's pages,
+    generate the page table, as PagedTransformerEngine's. A mixed step runs base rows
+    only (`--scheduling mixed` refuses adapters at submit)."""
+
+    def _lora_steps(self, draft_model):
+        step = functools.partial(self.generate_step, draft_model=draft_model)
+        insert = functools.partial(insert_paged, ring=self.ring)
+        return insert, 1, step, 2  # insert's pages; generate's page table and token mask
+
+    def insert(self, prefix: LoraPrefix, decode_state, slot: int, *,
+               pages, shared: int = 0):
+        return self._insert_row(prefix, decode_state, slot, self._page_array(prefix, pages,
+                                                                             shared))
+
+    def generate(self, params, decode_state, page_table, token_mask=None):
+        return self._generate_lora(params, decode_state, page_table, token_mask)
+
+    def mixed_step(self, params, decode_state, page_table, rows):
+        with self.adapters.lock:
+            if self._slot_rows:
+                raise ValueError("a mixed step runs slots of the base model only; "
+                                 f"slots {sorted(self._slot_rows)} hold adapters")
+        new, res = super().mixed_step(params, without_adapter(decode_state), page_table, rows)
+        return with_adapter(new, decode_state.adapter), res

@@ -65,7 +65,7 @@ from sharding import axes, traced_under
 POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
 
 
-def _generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
+def generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
                     ring: WindowRing | None, params, state: PagedDecodeState, table,
                     token_mask=None):
     """One decode step; table i32[B, W] is each slot's first W pages (trash-padded);
@@ -89,7 +89,7 @@ def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     slots in no row (their lengths read as full) are left bit-identical."""
     S = max_seq_len
     lengths = jnp.where(rows, state.lengths, S)
-    new, results = _generate_paged(model, top_n, S, impl, ring, params,
+    new, results = generate_paged(model, top_n, S, impl, ring, params,
                                    dataclasses.replace(state, lengths=lengths), table)
     ran = lengths < S
     keep = lambda new_f, old_f: jnp.where(  # noqa: E731
@@ -100,7 +100,7 @@ def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
                                                             state.sampling.key))), results
 
 
-def _generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
+def generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
                                 draft_model: Decoder | None, ring: WindowRing | None, params,
                                 state: PagedDecodeState, table, token_mask=None,
                                 draft_params=None):
@@ -215,14 +215,9 @@ class PagedTransformerEngine(TransformerEngine):
             in_shardings=(prefix_sh, state_sh, r, r),
             out_shardings=state_sh, donate_argnums=(1,),
         )
-        spec = self.config.spec
         draft_model = self._draft.model if self._draft else None
         draft_sh = (self._draft.param_shardings,) if self._draft else ()  # _draft_args()
-        gen = (functools.partial(_generate_paged_speculative, self.model, top_n,
-                                 self.config.max_seq_len, spec.k, draft_model, self.ring)
-               if spec.enabled else
-               functools.partial(_generate_paged, self.model, top_n, self.config.max_seq_len,
-                                 self.attention_impl, self.ring))
+        gen = self.generate_step(self.model, draft_model)
         self._generate_jit = jax.jit(
             self._counted("generate", laid_out(gen)),
             in_shardings=(self.param_shardings, state_sh, r, r, *draft_sh),
@@ -248,6 +243,16 @@ class PagedTransformerEngine(TransformerEngine):
             in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+
+    def generate_step(self, model: Decoder, draft_model: Decoder | None):
+        """generate's function over `model` (the verify step with speculative decoding),
+        called as (params, state, table, token_mask, *draft params)."""
+        top_n, spec, S = self.config.top_logprobs, self.config.spec, self.config.max_seq_len
+        if spec.enabled:
+            return functools.partial(generate_paged_speculative, model, top_n, S, spec.k,
+                                     draft_model, self.ring)
+        return functools.partial(generate_paged, model, top_n, S, self.attention_impl,
+                                 self.ring)
 
     # ---- Engine API --------------------------------------------------------------------
 
@@ -275,12 +280,18 @@ class PagedTransformerEngine(TransformerEngine):
         gave them). shared: how many of the first pages already hold the prefix's first
         shared * page_size positions (a prefix cache hit); they are linked, never written.
         """
+        return self._insert_jit(prefix, decode_state, np.int32(slot),
+                                self._page_array(prefix, pages, shared))
+
+    def _page_array(self, prefix: Prefix, pages: Sequence[int], shared: int) -> np.ndarray:
+        """insert's pages as its program takes them: i32[ceil(T / ps)], trash-padded, the
+        `shared` first ones past the pool (linked, never written)."""
         trash = self.page_geometry.trash
         T = prefix.k[0].shape[1]
         arr = np.full((-(-T // self.page_geometry.page_size),), trash, np.int32)
         arr[: len(pages)] = pages
         arr[:shared] = trash + 1  # past the pool: the write is dropped
-        return self._insert_jit(prefix, decode_state, np.int32(slot), arr)
+        return arr
 
     def page_blocks(self, decode_state: PagedDecodeState, pages: Sequence[int]) -> jax.Array:
         """The KV of `pages` as prefix-cache blocks: a stack [stack_size(n), L, 2, ps, K, H]

@@ -37,10 +37,12 @@ keys and values), so it holds every kept token however many drafts are accepted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from engines import device_functions
 from engines.engine_api import pack_results
 from engines.kv_cache import DecodeKV, DecodeState
 from engines.model import Decoder
@@ -270,3 +272,11 @@ def generate_speculative(model: Decoder, top_n: int, k: int, draft_model: Decode
     )
     res = pack_results(tokens, count, slot["lengths"] + 1, lp, top_ids, top_lp)
     return new_state, res
+
+
+def generate_step(model: Decoder, top_n: int, spec, draft_model: Decoder | None):
+    """The contiguous cache's generate function over `model` for speculative config
+    `spec` (EngineConfig.spec): the verify step, or device_functions.generate."""
+    if spec.enabled:
+        return functools.partial(generate_speculative, model, top_n, spec.k, draft_model)
+    return functools.partial(device_functions.generate, model, top_n)

@@ -37,7 +37,7 @@ from engines.prefill_program import PrefillProgram, PrefillRows
 from engines.prefix_blocks import PrefixBlocks
 from engines.prompt_scoring import score_in_chunks
 from engines.sampling import MAX_LOGIT_BIAS, SamplingParams, SlotSampling
-from engines.speculative import generate_speculative
+from engines.speculative import generate_step
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
 
 # Decode cache layouts (engines.kv_cache): keys [B, K, H, S], values [B, K, S, H], int8
@@ -291,10 +291,7 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
             in_shardings=(prefix_sh, state_sh, r),
             out_shardings=state_sh, donate_argnums=(1,),
         )
-        spec = self.config.spec
-        gen = (functools.partial(generate_speculative, self.model, top_n, spec.k, draft_model)
-               if spec.enabled else
-               functools.partial(device_functions.generate, self.model, top_n))
+        gen = generate_step(self.model, top_n, self.config.spec, draft_model)
         # One program per decode batch size (device_functions.generate `rows`); None, every
         # slot, is the plain step.
         self._generate_jits = {rows: exported_programs.cached_jit(

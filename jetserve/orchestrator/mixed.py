@@ -9,8 +9,8 @@ Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-
 decode-first (every step runs every decoding sequence anyway), speculative
 decoding and the prefix cache at start; a request with structured output or a LoRA
 adapter when it arrives (a mixed step has no token masks, adapters or cached prefixes
-yet; LoRA engines are contiguous anyway); and devices split into prefill and generate
-slices (`build`: the mixed step is one slice's).
+yet: a paged LoRA engine runs its base rows only); and devices split into prefill and
+generate slices (`build`: the mixed step is one slice's).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ generate worker, the lock-step driver, offline generation, warm-up, benches, tes
                                               its chunks run (SlotPages.insert)
   mixed_step(params, state, rows, prefilling=) before_step, engine.mixed_step, then the
                                               slots still in their prompt keep their length
-  free_slot(slot) / init_decode_state()       give the pages back
+  free_slot(slot) / init_decode_state()       give the pages back (free_slot the
+                                              engine's hold on the slot too)
 
 Everything else is the engine's (attribute access passes through). With speculative
 decoding a slot may keep fewer of the positions a step wrote than planned: `generate`
@@ -108,7 +109,10 @@ class PagePlanner:
         return out
 
     def free_slot(self, slot: int) -> None:
+        """The slot's pages back to the pool, and the engine's own hold (a LoRA
+        engine's adapter row)."""
         self.kv_pages.free(slot)
+        self.engine.free_slot(slot)
 
     def generate_widths(self) -> tuple[int, ...]:
         """The page-table widths generate is called with: one compiled program each."""

@@ -5,6 +5,7 @@ base rows unchanged beside adapter rows, prompts prefilled whole and in chunks);
 names."""
 
 import dataclasses
+import gc
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ from engines.lora_registry import UnknownAdapter
 from jetserve.offline import generate_many
 from sharding import load_preset
 from tests.engines import lora_files
+from tests.engines.mixed_driver import run_mixed
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -26,9 +28,11 @@ def write_adapter(path, targets, **kw):
     return lora_files.write_adapter(path, CFG, targets, **kw)
 
 
-def _engine(speculative="none", layers="auto", **kw):
+def _engine(speculative="none", layers="auto", kv_layout="contiguous", page_size=16,
+            kv_dtype="auto", **kw):
     cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64,
-                       speculative=speculative, max_loras=2, max_lora_rank=8, layers=layers)
+                       speculative=speculative, max_loras=2, max_lora_rank=8, layers=layers,
+                       kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
     return create_engine(CFG, config=cfg, seed=5, devices=kw.pop("devices", jax.devices()[:1]),
                          **kw)
 
@@ -137,6 +141,49 @@ def test_scanned_layers_serve_adapters_as_the_loop(adapter):
         runs.append(generate_many(eng, eng.load_params(), _prompts(), max_tokens=10,
                                   ignore_eos=True, adapters=["a", None, "a", None]))
     assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]]
+
+
+DRAFT = ModelConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=8)
+
+
+@pytest.mark.parametrize("speculative, options", [
+    ("none", {}), ("ngram:3", {}), ("draft:random:x:2", dict(draft_config=DRAFT)),
+    ("none", dict(kv_dtype="int8", layers="scan"))])
+def test_paged_kv_serves_adapters_as_the_contiguous_cache(adapter, tmp_path, speculative,
+                                                          options):
+    """kv_layout "paged" (small pages, through the page planner): two adapters and the
+    base model in one batch, prompts whole and in chunks, the contiguous LoRA engine's
+    tokens and log-probs (plain, n-gram and draft-model verify steps; int8 KV under a
+    scan); then base rows alone (the plain step), and every adapter row unpinned once
+    the requests end (the planner frees the engine's slots too); base rows in mixed
+    steps too."""
+    other, _ = write_adapter(tmp_path / "b", ["k_proj", "gate_proj"], rank=2, seed=3)
+    names = ["a", None, "b", "a"]
+    runs = {}
+    for layout in ("contiguous", "paged"):
+        eng = _engine(speculative, kv_layout=layout, page_size=8, **options)
+        assert eng.model_config.scan_layers == (options.get("layers") == "scan")
+        assert (eng.page_geometry is not None) == (layout == "paged")
+        eng.load_adapter("a", adapter[0])
+        eng.load_adapter("b", other)
+        params = eng.load_params()
+        runs[layout] = [generate_many(eng, params, _prompts(), max_tokens=10, ignore_eos=True,
+                                      adapters=names),
+                        generate_many(eng, params, _prompts(), max_tokens=10,
+                                      ignore_eos=True)]
+        gc.collect()  # prefixes pin their rows until dropped
+        assert not eng._slot_rows and not any(eng.adapters._pins)
+    if speculative == "none" and not options:  # base rows in ragged mixed steps
+        mixed = run_mixed(eng, params, _prompts(), max_tokens=10, chunk=16, budget=20,
+                          widest=True)
+        assert mixed.outputs == [r.token_ids for r in runs["contiguous"][1]]
+    for got, want in zip(runs["paged"], runs["contiguous"], strict=True):
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    adapted, base = runs["paged"]
+    assert [r.token_ids for r in adapted] != [r.token_ids for r in base]
 
 
 # ---- rows: least recently used, never one in use ------------------------------------------

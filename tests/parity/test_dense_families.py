@@ -219,8 +219,8 @@ def test_speculative_decoding_keeps_the_tokens(fam):
 
 def test_lora_on_every_projection_matches_the_merged_adapter(fam, tmp_path):
     """A PEFT adapter on all seven projections (Gemma 3: under its q/k norms and sandwich
-    norms) gives the tokens of transformers' model with the adapter merged; Phi-3's fused
-    qkv_proj is refused by name."""
+    norms) gives the tokens of transformers' model with the adapter merged, on the
+    contiguous and the paged KV layouts; Phi-3's fused qkv_proj is refused by name."""
     from tests.parity.lora_adapters import make_adapter, merged_model
 
     name, d, model, want = fam
@@ -250,6 +250,17 @@ def test_lora_on_every_projection_matches_the_merged_adapter(fam, tmp_path):
         ref = hf_greedy(merged, p, STEPS)
         assert got == ref
     assert ref != want[-1]  # the adapter changes the tokens
+    # Paged KV with pages of 4 (the sliding layers in a ring of pages), 16-token chunks:
+    # adapter and base rows in one batch.
+    cfg = _config(max_loras=1, max_lora_rank=8, kv_layout="paged", page_size=4)
+    paged = create_engine(load_hf_config(d), weights=d, config=cfg, devices=jax.devices()[:1])
+    assert paged.ring is not None and any(paged.ring.layers)
+    paged.load_adapter("all", str(tmp_path / "all"))
+    names = ["all", None, "all"]
+    got = generate_many(paged, paged.load_params(), prompts, max_tokens=STEPS,
+                        ignore_eos=True, adapters=names)
+    for i, (name, r) in enumerate(zip(names, got, strict=True)):
+        assert r.token_ids == (hf_greedy(merged, prompts[i], STEPS) if name else want[i]), i
 
 
 def test_mixed_steps_keep_the_tokens(fam):

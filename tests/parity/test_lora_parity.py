@@ -5,7 +5,7 @@ adapter requests in one batch; on one device and under `tp` on 4; disaggregated 
 on one slice, generate on another, whose pool rows differ); after a run-time load and
 after a swap out of the pool (least recently used); and served by `jetserve serve
 --lora-modules`, a prompt four times the prefill bucket for the base model and two
-adapters at once."""
+adapters at once, on the contiguous and the paged KV layouts."""
 
 import concurrent.futures
 
@@ -182,32 +182,37 @@ def _served_greedy(port, prompt, model, stream):
 
 
 @pytest.mark.slow  # two servers
-def test_served_long_prompts_match_peft_and_a_server_without_lora(model_and_refs):
+def test_served_long_prompts_match_peft_on_both_kv_layouts(model_and_refs):
     """`jetserve serve --lora-modules` (the base model and two adapters in one batch,
-    one streamed) answers a 240-token prompt with the tokens of a server without LoRA
-    (base) and of transformers with the adapter merged by peft."""
+    one streamed) answers a 240-token prompt with the tokens of transformers without an
+    adapter (base) and with the adapter merged by peft; `--kv-layout paged` (pages of 8)
+    answers the base model and an adapter as the contiguous server does."""
     base_dir, dirs, _ = model_and_refs
     prompt = np.random.default_rng(7).integers(3, 128, LONG_PROMPT).tolist()
     names = ["qv4", "all8"]
     lora = spawn(["--model", base_dir, *SERVE, "--lora-modules",
                   *(f"{n}={dirs[n]}" for n in names)])
-    plain = spawn(["--model", base_dir, *SERVE])
+    paged = spawn(["--model", base_dir, *SERVE, "--kv-layout", "paged", "--page-size", "8",
+                   "--lora-modules", f"all8={dirs['all8']}"])
     try:
         lora_port = wait_listening(lora, 1)["HTTP"]
-        plain_port = wait_listening(plain, 1)["HTTP"]
+        paged_port = wait_listening(paged, 1)["HTTP"]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             jobs = {name: pool.submit(_served_greedy, lora_port, prompt, name or "base",
                                       name == "qv4")
                     for name in (None, *names)}
             got = {name: job.result() for name, job in jobs.items()}
-        without_lora = _served_greedy(plain_port, prompt, "base", False)
+            jobs = {name: pool.submit(_served_greedy, paged_port, prompt, name or "base",
+                                      name is None)
+                    for name in (None, "all8")}
+            got_paged = {name: job.result() for name, job in jobs.items()}
     finally:
-        for proc in (lora, plain):
+        for proc in (lora, paged):
             proc.kill()
             proc.wait()
-    assert got[None] == without_lora
-    assert without_lora == hf_greedy(base_model(base_dir), prompt, STEPS)
+    assert got[None] == hf_greedy(base_model(base_dir), prompt, STEPS)
     for name in names:
         want = hf_greedy(merged_model(base_dir, dirs[name]), prompt, STEPS)
-        assert want != without_lora, name  # the adapter changes the tokens
+        assert want != got[None], name  # the adapter changes the tokens
         assert got[name] == want, name
+    assert got_paged == {None: got[None], "all8": got["all8"]}

@@ -19,8 +19,9 @@ class _Engine:
 
     def __init__(self, num_pages=8, lookahead=0, kept=1):
         self.page_geometry = types.SimpleNamespace(slots=2, page_size=4, max_seq_len=16,
-                                                   num_pages=num_pages, lookahead=lookahead)
-        self.kept, self.calls = kept, []
+                                                   num_pages=num_pages, lookahead=lookahead,
+                                                   page_bytes=0, ring_bytes=0)
+        self.kept, self.calls, self.freed = kept, [], []
 
     def init_decode_state(self):
         return types.SimpleNamespace(lengths=np.zeros(2, np.int32))
@@ -29,6 +30,9 @@ class _Engine:
         self.calls.append(("insert", slot, list(pages), shared))
         state.lengths[slot] = prefix.length
         return state
+
+    def free_slot(self, slot):  # a LoRA engine's adapter row of the slot
+        self.freed.append(slot)
 
     def generate(self, params, state, page_table):
         self.calls.append(("generate", page_table.tolist()))
@@ -52,6 +56,7 @@ def test_insert_and_steps_pass_the_planned_pages():
     assert eng.calls[-1] == ("generate", [[8, 8, 8, 8], [0, 1, 2, 8]])  # width bucket 4
     planner.free_slot(1)
     assert planner.kv_pages.free_count == 8 and planner.generate_widths() == (1, 2, 4)
+    assert eng.freed == [1]  # the engine frees its own hold on the slot too
 
 
 def test_a_step_without_pages_calls_nothing():

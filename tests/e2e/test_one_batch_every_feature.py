@@ -1,6 +1,7 @@
 """One served batch with every request-level feature at once, on one `jetserve serve`:
 LoRA (two adapters beside the base model), an int8 KV cache, the prefix cache, n-gram
-speculative decoding, chunked prefill of a long prompt and a grammar on some rows.
+speculative decoding, chunked prefill of a long prompt and a grammar on some rows; on the
+contiguous and the paged KV layouts.
 
 The model is a Llama written by transformers (random weights, the bundled model's
 sentencepiece tokenizer beside it, so grammars compile over real token strings), and the
@@ -68,10 +69,12 @@ def model_dir(tmp_path_factory):
     return d, adapters
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
+@pytest.fixture(scope="module", params=["contiguous", "paged"])
+def server(request, model_dir):
+    """The server, on each KV layout (paged: the prefix cache links the KV pages)."""
     d, adapters = model_dir
-    proc = spawn(["--model", d, "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
+    layout = ["--kv-layout", request.param, "--page-size", "8"]
+    proc = spawn([*layout, "--model", d, "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
                   "--max-loras", "2", "--max-lora-rank", "8", "--kv-dtype", "int8",
                   "--prefix-cache-hbm-mb", "4", "--speculative", "ngram:3",
                   "--max-prefill-length", "16", "--prefill-chunk", "8", "--max-seq-len", "128",
@@ -80,7 +83,7 @@ def server(model_dir):
                   "--http-port", "0"])
     try:
         ports = wait_listening(proc, 1)
-        yield f"http://127.0.0.1:{ports['HTTP']}"
+        yield f"http://127.0.0.1:{ports['HTTP']}", request.param
     finally:
         proc.kill()
         proc.wait()
@@ -108,11 +111,15 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_one_batch_gives_every_request_its_tokens_alone(server, model_dir):
+    server, layout = server
     names = list(REQUESTS)
     alone = {n: _ask(server, n) for n in names}  # one at a time; the shared pair in order
     hits_alone = _metric(server, "vllm:prefix_cache_hits_total")
-    # Two blocks of 16 each: "base shared 2" on "base shared 1"'s, "a1 grammar" on "a1 long"'s.
-    assert hits_alone == 64, hits_alone
+    # Whole blocks leaving a token to prefill: "base shared 2" on "base shared 1"'s (the
+    # 32 of SHARED), "a1 grammar" on "a1 long"'s. A block is 16 tokens in arrays, a page
+    # of 8 in the paged pool.
+    block = 8 if layout == "paged" else 16
+    assert hits_alone == 32 + (len(LONG) - 1) // block * block, hits_alone
     with ThreadPoolExecutor(len(names)) as pool:
         batch = dict(zip(names, pool.map(lambda n: _ask(server, n), names), strict=True))
     for n in names:

@@ -66,8 +66,8 @@ POOL_AXES = (axes.CACHE_HEADS, None, None, axes.HEAD_DIM)  # [K, P+1, ps, H]
 
 
 def generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
-                    ring: WindowRing | None, params, state: PagedDecodeState, table,
-                    token_mask=None):
+                   ring: WindowRing | None, params, state: PagedDecodeState, table,
+                   token_mask=None):
     """One decode step; table i32[B, W] is each slot's first W pages (trash-padded);
     token_mask None or i32[B, W'] allowed tokens (engines/token_mask.py). A slot whose row
     allows nothing sits the step out (token_mask.hold_paused); the page planner, which
@@ -90,7 +90,7 @@ def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     S = max_seq_len
     lengths = jnp.where(rows, state.lengths, S)
     new, results = generate_paged(model, top_n, S, impl, ring, params,
-                                   dataclasses.replace(state, lengths=lengths), table)
+                                  dataclasses.replace(state, lengths=lengths), table)
     ran = lengths < S
     keep = lambda new_f, old_f: jnp.where(  # noqa: E731
         ran.reshape((-1,) + (1,) * (old_f.ndim - 1)), new_f, old_f)
@@ -101,9 +101,9 @@ def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
 
 
 def generate_paged_speculative(model: Decoder, top_n: int, max_seq_len: int, k: int,
-                                draft_model: Decoder | None, ring: WindowRing | None, params,
-                                state: PagedDecodeState, table, token_mask=None,
-                                draft_params=None):
+                               draft_model: Decoder | None, ring: WindowRing | None, params,
+                               state: PagedDecodeState, table, token_mask=None,
+                               draft_params=None):
     """The verify step of engines.speculative over pages: table i32[B, W] covers every
     position up to length + k of each live slot (SlotPages.lookahead). The drafts come
     from the sequence's own tokens, or from `draft_model` (whose cache is contiguous);

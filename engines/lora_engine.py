@@ -133,6 +133,21 @@ def lora_prefill_rows(model, top_n, params, tokens, true_lengths, sampling, toke
                  for i, p in enumerate(prefixes)), res
 
 
+def lora_prompt_logprobs(model, top_n, params, tokens, true_length, pool, row):
+    """device_functions.prompt_logprobs through the adapter in pool row `row` (i32[])."""
+    bound = _WithLora(model, lora.LoraBatch(pool, jnp.reshape(row, (1,))))
+    return device_functions.prompt_logprobs(bound, top_n, params, tokens, true_length)
+
+
+def lora_score_chunk(model, top_n, params, tokens, true_length, start, next_token, cache,
+                     pool, row):
+    """device_functions.score_chunk (a chunk of a long prompt's scoring) through the
+    adapter in pool row `row`."""
+    bound = _WithLora(model, lora.LoraBatch(pool, jnp.reshape(row, (1,))))
+    return device_functions.score_chunk(bound, top_n, params, tokens, true_length, start,
+                                        next_token, cache)
+
+
 def lora_empty_prefix(config, draft_config, dtype, capacity: int) -> LoraPrefix:
     """engines.prefill_program.empty_prefix as a LoRA prefill makes prefixes, for a
     chunk loop's first chunk to continue. Its id is the base model's: each chunk's
@@ -241,6 +256,15 @@ class LoraServing:
                                                               state_sh, *args_sh),
                                            out_shardings=(state_sh, r), donate_argnums=(2,))
         self._write_jit = jax.jit(lora.write_row, out_shardings=pool_sh, donate_argnums=(0,))
+        score_sh = device_functions.ScoreCache(k=prefix_sh.k, v=prefix_sh.v, k_pos=r)
+        self._lora_scoring = (  # prompt_logprobs' programs, with the pool and a row after
+            jax.jit(self._counted("prompt_logprobs", laid_out(functools.partial(
+                lora_prompt_logprobs, self.model, top_n))),
+                in_shardings=(self.param_shardings, r, r, pool_sh, r), out_shardings=r),
+            jax.jit(self._counted("prompt_logprobs", laid_out(functools.partial(
+                lora_score_chunk, self.model, top_n))),
+                in_shardings=(self.param_shardings, r, r, r, r, score_sh, pool_sh, r),
+                out_shardings=(r, score_sh), donate_argnums=(5,)))
 
     # ---- adapters ----------------------------------------------------------------------
 
@@ -334,6 +358,28 @@ class LoraServing:
             if row:  # held until the prefix is dropped (inserted, or abandoned)
                 weakref.finalize(prefix, self.adapters.unpin, row)
         return prefixes, first
+
+    def prompt_logprobs(self, params, tokens, true_length=None, *, adapter: str | None = None):
+        """As TransformerEngine.prompt_logprobs, through adapter `adapter` (None: the base
+        model). Its row stays pinned while the prompt is scored; each program call takes
+        the pool as it is then (a load of another adapter donates the old one)."""
+        if adapter is None:
+            return super().prompt_logprobs(params, tokens, true_length)
+        with self.adapters.lock:
+            row = self._row(adapter, self.row_wait_s)
+            self.adapters.pin(row)
+
+        def through(program):
+            def call(*args):
+                with self.adapters.lock:
+                    return program(*args, self._pool, np.int32(row))
+            return call
+
+        try:
+            one_pass, chunk = self._lora_scoring
+            return self._score(params, tokens, true_length, through(one_pass), through(chunk))
+        finally:
+            self.adapters.unpin(row)
 
     def lower_prefill(self, params, tokens, true_length, *, existing_prefix=None,
                       donate: bool = False):

@@ -403,22 +403,27 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         """Scores a prompt: host arrays of length true_length (see PromptLogprobs). One
         pass up to max_prefill_length tokens; a longer prompt (up to max_seq_len) in
         chunks of max_prefill_length, each attending over the KV of the ones before."""
+        return self._score(params, tokens, true_length, self._prompt_logprobs_jit,
+                           self._score_chunk_jit)
+
+    def _score(self, params, tokens, true_length: int | None, one_pass, chunk
+               ) -> PromptLogprobs:
+        """prompt_logprobs with the programs given: one_pass(params, tokens, n) and
+        chunk(params, tokens, n, start, next_token, cache), as the jits above (the LoRA
+        engines hand in theirs, bound to an adapter)."""
         tokens, params = np.asarray(tokens, np.int32).reshape(-1), self._in_layout(params)
         n = tokens.shape[0] if true_length is None else int(true_length)
         if not 1 <= n <= tokens.shape[0]:
             raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
         if n > self.max_prefill_length:
-            return self._score_in_chunks(params, tokens[:n])
+            return score_in_chunks(
+                tokens[:n], chunk=self.max_prefill_length, max_seq_len=self.max_seq_len,
+                bucket_for=self.bucket_for, empty_cache=self._score_cache_jit,
+                score_chunk=functools.partial(chunk, params))
         padded = np.zeros((1, self.bucket_for(n)), np.int32)
         padded[0, :n] = tokens[:n]
-        out = jax.device_get(self._prompt_logprobs_jit(params, padded, np.int32(n)))
+        out = jax.device_get(one_pass(params, padded, np.int32(n)))
         return jax.tree.map(lambda x: x[:n], out)
-
-    def _score_in_chunks(self, params, tokens: np.ndarray) -> PromptLogprobs:
-        return score_in_chunks(
-            tokens, chunk=self.max_prefill_length, max_seq_len=self.max_seq_len,
-            bucket_for=self.bucket_for, empty_cache=self._score_cache_jit,
-            score_chunk=functools.partial(self._score_chunk_jit, params))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))

@@ -132,9 +132,6 @@ class Request:
             if not isinstance(self.lora_adapter, str) or not self.lora_adapter:
                 raise ValueError(f"lora_adapter must be None or a non-empty adapter name, "
                                  f"got {self.lora_adapter!r}")
-            if self.prompt_logprobs:  # TODO(#23): score prompts through an adapter
-                raise ValueError("prompt_logprobs (echo) is not served through a LoRA "
-                                 f"adapter yet (lora_adapter {self.lora_adapter!r})")
 
     def prefill_kwargs(self) -> dict:
         """What engine.prefill takes beyond the prompt: the adapter, when one is named."""

@@ -119,7 +119,7 @@ class PrefillRunner:
         scored = None
         if job.prompt_logprobs is not None:
             scored = prompt_logprobs(self.engine, self.params, job.token_ids,
-                                     job.prompt_logprobs)
+                                     job.prompt_logprobs, job.adapter)
         if job.score_only:
             return scored_only(scored)
         prefix, first = self.prefill(job.token_ids, job.sampling, token_mask=job.token_mask,

@@ -314,10 +314,13 @@ class LockStepOrchestrator(Orchestrator):
                 kw["adapter"] = a.adapter  # the LoRA adapter, by the name all loaded
             if a.prompt_logprobs:
                 if live is None:
-                    self.engine.prompt_logprobs(self.params, tokens)
+                    self.engine.prompt_logprobs(self.params, tokens,
+                                                **({} if a.adapter is None
+                                                   else {"adapter": a.adapter}))
                 else:
                     live.prompt_logprobs = prompt_logprobs(self.engine, self.params, tokens,
-                                                           live.request.logprobs or 0)
+                                                           live.request.logprobs or 0,
+                                                           a.adapter)
             if a.slot is None:  # scoring only
                 if live is not None:
                     live.timing.prefill_end = time.monotonic()

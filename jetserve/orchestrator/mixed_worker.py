@@ -122,7 +122,7 @@ class MixedWorker(GenerateWorker):
         try:
             live.prompt_logprobs = prompt_logprobs(
                 self.engine, self.params, np.asarray(req.prompt_ids, np.int32),
-                req.logprobs or 0)
+                req.logprobs or 0, req.lora_adapter)
         except Exception as e:  # this request only
             self.readback.end(live, "error", e)
             return True

@@ -115,7 +115,7 @@ class PrefillWorker(PrefillLoop):
             live.timing.prefill_start = t0
             if req.prompt_logprobs:
                 live.prompt_logprobs = prompt_logprobs(self.engine, self.params, tokens,
-                                                     req.logprobs or 0)
+                                                     req.logprobs or 0, req.lora_adapter)
             if req.max_tokens == 0:  # scoring only
                 live.timing.prefill_end = time.monotonic()
                 self.readback.end(live, "length")
@@ -265,10 +265,12 @@ class PrefillWorker(PrefillLoop):
         return prefix, first
 
 
-def prompt_logprobs(engine: Engine, params: Any, tokens: np.ndarray, n: int):
-    """(log-prob per prompt token, top-n alternatives per prompt token); the first token
-    has no context: None and []."""
-    out = engine.prompt_logprobs(params, tokens)
+def prompt_logprobs(engine: Engine, params: Any, tokens: np.ndarray, n: int,
+                    adapter: str | None = None):
+    """(log-prob per prompt token, top-n alternatives per prompt token), through LoRA
+    adapter `adapter` when one is named; the first token has no context: None and []."""
+    out = engine.prompt_logprobs(params, tokens, **({} if adapter is None
+                                                    else {"adapter": adapter}))
     lps = np.asarray(out.token_logprobs, np.float32).tolist()
     ids = np.asarray(out.top_ids)[:, :n].tolist()
     tops = np.asarray(out.top_logprobs, np.float32)[:, :n].tolist()

@@ -243,3 +243,29 @@ def test_a_request_waits_for_a_row_to_be_unpinned():
     reg.pin(row)
     threading.Timer(0.2, reg.unpin, (row,)).start()  # the slot holding "a" ends
     assert reg.row_for("b", wait_s=60)[0] == row and reg.resident() == {"b": row}
+
+
+@pytest.mark.parametrize("kv_layout", ["contiguous", "paged"])
+def test_prompt_logprobs_through_an_adapter_equal_merged_weights(adapter, kv_layout):
+    """Scoring a prompt (echo) through an adapter gives the merged weights' log-probs, in
+    one pass and, past max_prefill_length (32), in chunks; the base model's stay the
+    plain engine's."""
+    path, tensors = adapter
+    eng = _engine(kv_layout=kv_layout)
+    eng.load_adapter("a", path)
+    params = eng.load_params()
+    plain = create_engine(CFG, config=dataclasses.replace(eng.config, max_loras=0), seed=5,
+                          devices=jax.devices()[:1])
+    merged = lora_files.merged_params(params, tensors, 8 / 4, CFG, eng.param_shardings)
+    for prompt in (_prompts()[3], _prompts()[0]):  # 14 tokens; 48 tokens in two chunks
+        got = eng.prompt_logprobs(params, prompt, adapter="a")
+        want = plain.prompt_logprobs(merged, prompt)
+        base = eng.prompt_logprobs(params, prompt)
+        np.testing.assert_allclose(got.token_logprobs[1:], want.token_logprobs[1:], atol=1e-5)
+        np.testing.assert_array_equal(got.top_ids[1:], want.top_ids[1:])
+        np.testing.assert_allclose(base.token_logprobs[1:],
+                                   plain.prompt_logprobs(params, prompt).token_logprobs[1:],
+                                   atol=1e-5)
+        assert np.abs(got.token_logprobs[1:] - base.token_logprobs[1:]).max() > 1e-2
+    assert not any(eng.adapters._pins)  # scoring unpinned the row it held
+

@@ -66,8 +66,8 @@ def test_requests_key_the_prefix_cache_by_adapter():
     assert tuned.prefill_kwargs() == {"adapter": "a"} and base.prefill_kwargs() == {}
     with pytest.raises(ValueError, match="lora_adapter"):
         Request(prompt_ids=[1], lora_adapter="")
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        Request(prompt_ids=[1], lora_adapter="a", prompt_logprobs=True, max_tokens=0)
+    scored = Request(prompt_ids=[1], lora_adapter="a", prompt_logprobs=True, max_tokens=0)
+    assert scored.prefill_kwargs() == {"adapter": "a"}  # scored through the adapter
 
 
 def test_serve_loads_lora_modules_into_every_engine(monkeypatch):

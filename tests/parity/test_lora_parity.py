@@ -5,7 +5,8 @@ adapter requests in one batch; on one device and under `tp` on 4; disaggregated 
 on one slice, generate on another, whose pool rows differ); after a run-time load and
 after a swap out of the pool (least recently used); and served by `jetserve serve
 --lora-modules`, a prompt four times the prefill bucket for the base model and two
-adapters at once, on the contiguous and the paged KV layouts."""
+adapters at once, on the contiguous and the paged KV layouts, and that prompt's
+log-probs (echo) through an adapter as peft's merged model scores it."""
 
 import concurrent.futures
 
@@ -181,6 +182,24 @@ def _served_greedy(port, prompt, model, stream):
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
+def _served_scores(port, prompt, model):
+    """The log-prob of each prompt token but the first (echo, no tokens generated)."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True,
+                                    logprobs=1)
+    scored = out.choices[0].logprobs.token_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None
+    return np.asarray(scored[1:], np.float64)
+
+
+def _hf_scores(model, prompt):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].double()
+    picked = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])
+    return picked[:, 0].numpy()
+
+
 @pytest.mark.slow  # two servers
 def test_served_long_prompts_match_peft_on_both_kv_layouts(model_and_refs):
     """`jetserve serve --lora-modules` (the base model and two adapters in one batch,
@@ -206,6 +225,8 @@ def test_served_long_prompts_match_peft_on_both_kv_layouts(model_and_refs):
                                       name is None)
                     for name in (None, "all8")}
             got_paged = {name: job.result() for name, job in jobs.items()}
+            scores = {name: _served_scores(lora_port, prompt, name or "base")
+                      for name in (None, "qv4")}  # echo: scored in chunks of 64
     finally:
         for proc in (lora, paged):
             proc.kill()
@@ -216,3 +237,8 @@ def test_served_long_prompts_match_peft_on_both_kv_layouts(model_and_refs):
         assert want != got[None], name  # the adapter changes the tokens
         assert got[name] == want, name
     assert got_paged == {None: got[None], "all8": got["all8"]}
+    np.testing.assert_allclose(scores[None], _hf_scores(base_model(base_dir), prompt),
+                               atol=2e-4)
+    want = _hf_scores(merged_model(base_dir, dirs["qv4"]), prompt)
+    np.testing.assert_allclose(scores["qv4"], want, atol=2e-4)
+    assert np.abs(scores["qv4"] - scores[None]).max() > 1e-2  # the adapter changes them

@@ -157,3 +157,20 @@ def test_a_chunk_longer_than_the_ring_allows_is_refused(gemma3):
     with pytest.raises(ValueError, match="at most max_prefill_length"):
         engine.mixed_step(engine.load_params(), engine.init_decode_state(),
                           [MixedRow(slot=0, chunk=tuple(range(3, 15)), start=0)])
+
+
+def test_lock_step_over_two_drivers_on_the_ring(gemma3):
+    """Lock step (process 0 and a follower, each on a device of its own, the plan passed
+    as the broadcast would) on ring engines, prompts in chunks of 8: process 0 streams transformers' tokens and the follower's calls, pages and
+    tables are exactly process 0's."""
+    from tests.jetserve.test_lockstep import _in_lock_step, _Recorded
+
+    d, want = gemma3
+    engines = [_Recorded(create_engine(load_hf_config(d), weights=d, config=_config(),
+                                       devices=jax.devices()[i:i + 1])) for i in range(2)]
+    assert engines[0].ring is not None
+    requests = [Request(prompt_ids=p, max_tokens=STEPS, ignore_eos=True) for p in _prompts()]
+    got = _in_lock_step(engines, requests)
+    assert [r.token_ids for r in got] == want
+    assert engines[0].calls == engines[1].calls
+    assert sum(c[0] == "prefill" for c in engines[0].calls) >= 100 // 8

@@ -1,5 +1,6 @@
-"""A synchronous continuous-batching loop on one engine: tests, and `jetserve generate`
-across several processes (which must dispatch identical steps, so no threads).
+"""A synchronous continuous-batching loop on one engine, the bare Engine API without
+threads: the reference the tests and benchmarks hold the orchestrators to
+(`jetserve generate` runs the orchestrator, and the lock-step one over several processes).
 
 Prompts wait in order; whenever a slot is free the next prompt is prefilled (in chunks of
 max_prefill_length when longer) and inserted, so prompts join the batch at different steps;

@@ -3,7 +3,9 @@
 One process: the prompts go through the orchestrator (interleaved on one engine), as a
 server would run them. Several processes (jax.distributed) must dispatch identical
 device steps in the same order, which a threaded scheduler cannot promise, so they run
-the lock-step loop of jetserve.offline; both share the stop logic and the text.
+the lock-step orchestrator (jetserve/orchestrator/lockstep.py: process 0 plans each step
+and broadcasts it; the others follow), as `jetserve serve` and `jetserve batch` over
+several processes do, the prefix cache included.
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ from jetserve.commands.common import (
 )
 from jetserve.compile_cache import CompileCounter
 from jetserve.model_loading import build_engine, model_config
-from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, keyed
-from jetserve.orchestrator.detokenize import completion_text
 from sharding import MODEL_DIMS, ShardingConfig, axes, load_preset
 
 # What an unset flag is when the model's generation_config sets none either: greedy.
@@ -149,15 +149,23 @@ def _build_and_run(args, devices, sampling) -> list[tuple]:
                 raise ValueError("this model has no tokenizer; use --prompt-ids")
             prompts.append(tok.encode(value, add_bos=True))
     params = engine.load_params()
-    run_all = _orchestrated if jax.process_count() == 1 else _lock_step
-    return run_all(engine, params, prompts, args, sampling)
-
-
-def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
     config = keyed(OrchestratorConfig(max_queued_requests=max(256, len(prompts)),
                                       prefill_chunk=args.prefill_chunk,
                                       **prefix_cache_budgets(args)), args.model, engine)
-    with Orchestrator.from_engines(engine, params=params, config=config) as orch:
+    if jax.process_count() == 1:
+        return _orchestrated(Orchestrator.from_engines(engine, params=params, config=config),
+                             engine, prompts, args, sampling)
+    from jetserve.orchestrator.lockstep import LockStepOrchestrator
+
+    orch = LockStepOrchestrator(engine, params, config=config)
+    if not distributed.is_primary():
+        orch.run()  # process 0's steps, until it stops
+        return []
+    return _orchestrated(orch, engine, prompts, args, sampling)
+
+
+def _orchestrated(orch, engine, prompts, args, sampling) -> list[tuple]:
+    with orch:
         handles = [orch.submit(Request(prompt_ids=p, sampling=sampling,
                                        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                                        lora_adapter=args.lora))
@@ -170,17 +178,3 @@ def _orchestrated(engine, params, prompts, args, sampling) -> list[tuple]:
     return [(list(p), c.token_ids, c.text, c.finish_reason,
              (c.timing.drafted, c.timing.accepted) if spec else None)
             for p, c in zip(prompts, done, strict=True)]
-
-
-def _lock_step(engine, params, prompts, args, sampling) -> list[tuple]:
-    if any(prefix_cache_budgets(args).values()):  # jetserve.offline's loop keeps none
-        raise ValueError("--prefix-cache-hbm-mb / --prefix-cache-host-mb: `jetserve generate` "
-                         "over several processes has no prefix cache (`jetserve serve` and "
-                         "`jetserve batch` over several processes do); leave them out")
-    results = generate_many(engine, params, prompts, max_tokens=args.max_tokens,
-                            sampling=sampling, ignore_eos=args.ignore_eos,
-                            adapters=[args.lora] * len(prompts))
-    tok = engine.tokenizer
-    return [(r.prompt_ids, r.token_ids,
-             completion_text(tok, r.prompt_ids, r.token_ids, r.finish_reason == "stop")
-             if tok else "", r.finish_reason, None) for r in results]

@@ -1,8 +1,9 @@
 """Two processes x 4 fake CPU devices (jax.distributed, gloo on 127.0.0.1) = one process x 8.
 
 Each process runs `jetserve generate` on the same arguments; the engine's mesh spans all 8
-devices, so every step is one SPMD program over both processes. Process 0 prints, process
-1 prints nothing, and the tokens equal a single process's on 8 devices.
+devices, so every step is one SPMD program over both processes (the lock-step
+orchestrator: process 0 plans, process 1 follows), the prefix cache on. Process 0 prints,
+process 1 prints nothing, and the tokens equal a single process's on 8 devices.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.xla import xla_flags
 ARGS = ["generate", "--model", "random:tiny", "--sharding", "tp_kv_batch",
         "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10", "--prompt-ids", "200,1,3,3,7",
         "--max-tokens", "8", "--ignore-eos", "--json", "--max-seq-len", "64",
-        "--max-concurrent-decodes", "4"]
+        "--max-concurrent-decodes", "4", "--enable-prefix-caching"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

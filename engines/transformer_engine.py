@@ -399,10 +399,15 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         """See Engine.empty_prefix (with room for a draft model's KV too)."""
         return self._prefill.empty(length)
 
-    def prompt_logprobs(self, params, tokens, true_length: int | None = None) -> PromptLogprobs:
+    def prompt_logprobs(self, params, tokens, true_length: int | None = None, *,
+                        adapter: str | None = None) -> PromptLogprobs:
         """Scores a prompt: host arrays of length true_length (see PromptLogprobs). One
         pass up to max_prefill_length tokens; a longer prompt (up to max_seq_len) in
-        chunks of max_prefill_length, each attending over the KV of the ones before."""
+        chunks of max_prefill_length, each attending over the KV of the ones before.
+        `adapter`: a LoRA adapter's name, for the engines that serve them
+        (engines/lora_engine.py)."""
+        if adapter is not None:
+            raise ValueError(f"adapter {adapter!r}: this engine serves no LoRA adapters")
         return self._score(params, tokens, true_length, self._prompt_logprobs_jit,
                            self._score_chunk_jit)
 

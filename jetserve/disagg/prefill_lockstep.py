@@ -172,7 +172,7 @@ class LockStepPrefillRunner(PrefillRunner):
         self.busy = True
         try:
             tokens = np.asarray(t["tokens"], np.int32)
-            scored = self._score(tokens, t["prompt_logprobs"])
+            scored = self._score(tokens, t["prompt_logprobs"], t["adapter"])
             if t["score_only"]:
                 if job is not None:
                     job.future.set_result(scored_only(scored))
@@ -195,15 +195,16 @@ class LockStepPrefillRunner(PrefillRunner):
         finally:
             self.busy = False
 
-    def _score(self, tokens: np.ndarray, n: int | None) -> tuple[list, list] | None:
-        """The prompt's log-probs when asked (every process runs the program; process 0
-        reads it)."""
+    def _score(self, tokens: np.ndarray, n: int | None, adapter: str | None
+               ) -> tuple[list, list] | None:
+        """The prompt's log-probs when asked, through the job's adapter (every process
+        runs the program; process 0 reads it)."""
         if n is None:
             return None
         if not self.primary:
-            self.engine.prompt_logprobs(self.params, tokens)
+            self.engine.prompt_logprobs(self.params, tokens, adapter=adapter)
             return None
-        return prompt_logprobs(self.engine, self.params, tokens, n)
+        return prompt_logprobs(self.engine, self.params, tokens, n, adapter)
 
     def warm_up(self) -> int:
         """Compiles one prefill per bucket on every process (through the turns)."""

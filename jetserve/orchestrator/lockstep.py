@@ -314,9 +314,7 @@ class LockStepOrchestrator(Orchestrator):
                 kw["adapter"] = a.adapter  # the LoRA adapter, by the name all loaded
             if a.prompt_logprobs:
                 if live is None:
-                    self.engine.prompt_logprobs(self.params, tokens,
-                                                **({} if a.adapter is None
-                                                   else {"adapter": a.adapter}))
+                    self.engine.prompt_logprobs(self.params, tokens, adapter=a.adapter)
                 else:
                     live.prompt_logprobs = prompt_logprobs(self.engine, self.params, tokens,
                                                            live.request.logprobs or 0,

@@ -269,8 +269,7 @@ def prompt_logprobs(engine: Engine, params: Any, tokens: np.ndarray, n: int,
                     adapter: str | None = None):
     """(log-prob per prompt token, top-n alternatives per prompt token), through LoRA
     adapter `adapter` when one is named; the first token has no context: None and []."""
-    out = engine.prompt_logprobs(params, tokens, **({} if adapter is None
-                                                    else {"adapter": adapter}))
+    out = engine.prompt_logprobs(params, tokens, adapter=adapter)
     lps = np.asarray(out.token_logprobs, np.float32).tolist()
     ids = np.asarray(out.top_ids)[:, :n].tolist()
     tops = np.asarray(out.top_logprobs, np.float32)[:, :n].tolist()

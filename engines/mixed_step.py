@@ -2,7 +2,8 @@
 
 Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
 
-    mixed_step(params, decode_state, page_table, rows) -> (decode_state, ResultTokens)
+    mixed_step(params, decode_state, page_table, rows, token_mask=None)
+        -> (decode_state, ResultTokens)
 
   - rows: `engines.mixed_batch.MixedRow`s, at most one per slot: decode rows (one token,
     the slot's last sampled one, read from the state on the device) and prefill rows (a
@@ -24,11 +25,18 @@ Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
     past that token, prompt mask, token counts), so generate and mixed steps continue it
     alike.
   - Compiles once per (token bucket, page-table width): `engine.mixed_token_buckets` x
-    the planner's widths (trace counts under "mixed"). A step of decode rows alone (no
-    chunk) runs the paged generate step's program instead, masked to its rows (one per
-    width, also counted under "mixed"; warm-up's bucket 0).
-  - Not with speculative decoding, a draft model, or token masks (structured output):
-    those are refused by the engine.
+    the planner's widths (trace counts under "mixed"), and once more per shape for the
+    steps given a token_mask. A step of decode rows alone (no chunk) runs the paged
+    generate step's program instead, masked to its rows (one per width, and one more per
+    width with a token_mask, also counted under "mixed"; warm-up's bucket 0).
+  - token_mask: None, or i32[B, W'] (engines/token_mask.py, as generate's): one packed
+    row per slot, the allowed tokens of the token its row samples (a decode row's next
+    token, the first token of a chunk that ends its prompt; a row that samples nothing
+    ignores its mask). A decode row whose mask allows nothing sits the step out, as in
+    generate (token_mask.hold_paused: no token, length or key change); a chunk that ends
+    its prompt must allow some token (the engine refuses an empty row for it). The mask
+    is an argument of the program: a step with one compiles once more per shape.
+  - Not with speculative decoding or a draft model: those are refused by the engine.
 
 Device-side derivations from the per-row inputs (engines/mixed_batch.py): a token's row
 is found from the cumulative query lengths (rows laid out in slot order), its position is
@@ -52,6 +60,7 @@ from engines.model import Decoder
 from engines.paged_kv import PagedDecodeState, PageTables, WindowRing, pool_shape, write_pages
 from engines.ragged_attention import pallas_ragged_attention, ragged_paged_attention
 from engines.sampling import sample, token_logprobs
+from engines.token_mask import hold_paused
 
 
 @dataclasses.dataclass
@@ -144,9 +153,10 @@ class RaggedPagedKV(layer_scan.StackedStore, PageTables):
 
 def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
                ring: WindowRing | None, params, state: PagedDecodeState, table: jax.Array,
-               inp: MixedInputs):
+               inp: MixedInputs, token_mask: jax.Array | None = None):
     """The step of the module doc: (new state, ResultTokens). `ring`: the pages of the
-    layers with a bounded reach (engines/paged_kv.py WindowRing), None: the shared pool's."""
+    layers with a bounded reach (engines/paged_kv.py WindowRing), None: the shared pool's.
+    token_mask: None or i32[B, W'] each row's allowed tokens (the module doc)."""
     S = max_seq_len
     lay = ragged_layout(inp, state, S)
     kv = RaggedPagedKV(state, table, lay, impl, ring)
@@ -166,7 +176,11 @@ def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     prompt_mask = prompt_mask.at[mask_rows, lay.tokens].set(True, mode="drop")
     counts = jnp.where(fresh[:, None], 0, state.counts)
     cpu = model.backend.cpu_kernels
-    tok, next_keys = sample(logits, sampling, prompt_mask, counts, cpu_kernels=cpu)
+    tok, next_keys = sample(logits, sampling, prompt_mask, counts, cpu_kernels=cpu,
+                            token_mask=token_mask)
+    if token_mask is not None:  # a decode row allowing nothing sits out (module doc)
+        tok, emit, next_keys = hold_paused(token_mask, state.tokens, tok, emit,
+                                           sampling.key, next_keys)
     lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu)
     # A chunk that does not end its prompt leaves the slot not live to generate.
     lengths = jnp.where(inp.mode == MODE_DECODE, state.lengths + emit,

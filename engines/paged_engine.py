@@ -17,7 +17,8 @@ ceil(max_seq_len / page_size)): a batch of short sequences reads few pages.
 `mixed_step` runs decode rows and chunks of prompts as one ragged step over the pages
 (engines/mixed_step.py documents the call): one program per token bucket
 (`mixed_token_buckets`) and page-table width, and for decode rows alone generate's
-program masked to the rows (`_decode_rows_paged`), one per width.
+program masked to the rows (`_decode_rows_paged`), one per width; each once more for
+steps given a token mask (structured output).
 
 With speculative decoding (`EngineConfig.speculative`) generate is the verify step of
 engines/speculative.py over the gathered pages (never the TPU kernel, which takes one
@@ -59,6 +60,7 @@ from engines.paged_kv import (
 )
 from engines.prefix_blocks import blocks_of_pages, stack_size
 from engines.speculative import advance_slots, draft_model_drafts, ngram_drafts, verify_step
+from engines.token_mask import mask_words
 from engines.transformer_engine import TransformerEngine
 from sharding import axes, traced_under
 
@@ -83,14 +85,17 @@ def generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
 
 
 def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
-                       ring: WindowRing | None, params, state: PagedDecodeState, table, rows):
+                       ring: WindowRing | None, params, state: PagedDecodeState, table, rows,
+                       token_mask=None):
     """The mixed step of decode rows alone (rows bool[B]: the slots in a decode row): the
-    generate step over those slots, the same program and attention generate takes; the
-    slots in no row (their lengths read as full) are left bit-identical."""
+    generate step over those slots, the same program and attention generate takes, with
+    its token_mask (a row allowing nothing sits out); the slots in no row (their lengths
+    read as full) are left bit-identical."""
     S = max_seq_len
     lengths = jnp.where(rows, state.lengths, S)
     new, results = generate_paged(model, top_n, S, impl, ring, params,
-                                  dataclasses.replace(state, lengths=lengths), table)
+                                  dataclasses.replace(state, lengths=lengths), table,
+                                  token_mask)
     ran = lengths < S
     keep = lambda new_f, old_f: jnp.where(  # noqa: E731
         ran.reshape((-1,) + (1,) * (old_f.ndim - 1)), new_f, old_f)
@@ -232,7 +237,8 @@ class PagedTransformerEngine(TransformerEngine):
         self._mixed_jit = jax.jit(
             self._counted("mixed", laid_out(functools.partial(
                 mixed_step, self.model, top_n, self.config.max_seq_len, ragged, self.ring))),
-            in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
+            in_shardings=(self.param_shardings, state_sh, r, r, r),  # r: token_mask
+            out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
         # A step of decode rows alone: one program per width, counted with the mixed ones.
@@ -240,7 +246,7 @@ class PagedTransformerEngine(TransformerEngine):
             self._counted("mixed", laid_out(functools.partial(
                 _decode_rows_paged, self.model, top_n, self.config.max_seq_len,
                 self.attention_impl, self.ring))),
-            in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
+            in_shardings=(self.param_shardings, state_sh, r, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
 
@@ -314,9 +320,11 @@ class PagedTransformerEngine(TransformerEngine):
                                   token_mask, *self._draft_args())
 
     def mixed_step(self, params, decode_state: PagedDecodeState, page_table: np.ndarray,
-                   rows: Sequence[MixedRow]) -> tuple[PagedDecodeState, ResultTokens]:
+                   rows: Sequence[MixedRow], token_mask: np.ndarray | None = None
+                   ) -> tuple[PagedDecodeState, ResultTokens]:
         """One ragged step of decode rows and prompt chunks (engines/mixed_step.py);
-        page_table i32[B, W] as generate's, covering every position the rows write."""
+        page_table i32[B, W] as generate's, covering every position the rows write;
+        token_mask None or i32[B, W'] each row's allowed tokens (engines/token_mask.py)."""
         if self.config.spec.enabled:
             raise ValueError(f"mixed_step does not run with speculative "
                              f"{self.config.speculative!r}; use prefill / generate")
@@ -331,15 +339,33 @@ class PagedTransformerEngine(TransformerEngine):
             raise ValueError(f"a chunk of {longest} tokens: with sliding layers' rings of "
                              f"pages a mixed step's chunk is at most max_prefill_length "
                              f"({self.config.max_prefill_length}) tokens")
+        if token_mask is not None:
+            token_mask = self._mixed_mask(token_mask, rows)
         if all(r.decode for r in rows):  # no chunk: the generate step's program
             pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
                       buckets=self.mixed_token_buckets)  # the same checks of the rows
             live = np.zeros((g.slots,), bool)
             live[[r.slot for r in rows]] = True
-            return self._decode_rows_jit(self._in_layout(params), decode_state, table, live)
+            return self._decode_rows_jit(self._in_layout(params), decode_state, table, live,
+                                         token_mask)
         inputs = pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
                            buckets=self.mixed_token_buckets)
-        return self._mixed_jit(self._in_layout(params), decode_state, table, inputs)
+        return self._mixed_jit(self._in_layout(params), decode_state, table, inputs,
+                               token_mask)
+
+    def _mixed_mask(self, token_mask: np.ndarray, rows: Sequence[MixedRow]) -> np.ndarray:
+        """mixed_step's token_mask checked: i32[B, W'], and some token allowed to every
+        chunk that ends its prompt (only a decode row can sit a step out)."""
+        mask = np.asarray(token_mask)
+        want = (self.page_geometry.slots, mask_words(self.vocab_size))
+        if mask.shape != want or mask.dtype != np.int32:
+            raise ValueError(f"token_mask must be i32{list(want)} (one packed row per slot), "
+                             f"got {mask.dtype}{list(mask.shape)}")
+        empty = [r.slot for r in rows if r.last and not mask[r.slot].any()]
+        if empty:
+            raise ValueError(f"token_mask allows no token to slot {empty[0]}, whose chunk "
+                             "ends its prompt and must sample its first token")
+        return mask
 
     @property
     def mixed_token_buckets(self) -> tuple[int, ...]:

@@ -7,10 +7,11 @@ mixed generate thread takes admitted requests straight from the admission queue.
 
 Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
 decode-first (every step runs every decoding sequence anyway), speculative
-decoding and the prefix cache at start; a request with structured output or a LoRA
-adapter when it arrives (a mixed step has no token masks, adapters or cached prefixes
-yet: a paged LoRA engine runs its base rows only); and devices split into prefill and
-generate slices (`build`: the mixed step is one slice's).
+decoding and the prefix cache at start; a request with a LoRA adapter when it arrives
+(a mixed step has no adapters or cached prefixes yet: a paged LoRA engine runs its base
+rows only); and devices split into prefill and generate slices (`build`: the mixed step
+is one slice's). Structured output is served: each step takes its sampling rows' token
+masks (mixed_worker.py).
 """
 
 from __future__ import annotations
@@ -72,22 +73,19 @@ class MixedOrchestrator(Orchestrator):
 
     def submit_many(self, requests: Sequence[Request]) -> list[RequestHandle]:
         for r in requests:
-            if isinstance(r, Request) and r.constraint is not None:
-                raise ValueError("structured output (response_format, guided decoding, "
-                                 "tool_choice required / named) is not served with "
-                                 "--scheduling mixed yet; the server runs without it")
             if isinstance(r, Request) and r.lora_adapter is not None:
                 raise ValueError(f"lora_adapter {r.lora_adapter!r}: --scheduling mixed "
                                  "serves the base model only")
         return super().submit_many(requests)
 
-    # ---- warm-up: one throwaway step per (token bucket, page-table width) --------------
+    # ---- warm-up: throwaway steps per (token bucket, page-table width) ------------------
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         return self._generate[0].warm_shapes()
 
     def warm_shape(self, tokens: int, width: int, timeout: float | None = None) -> None:
-        """Compiles the mixed step of `tokens` tokens and `width` pages (started)."""
+        """Compiles the mixed step of `tokens` tokens and `width` pages, with a token mask
+        and without (started)."""
         w = self._generate[0]
         w.call(lambda: w.warm(tokens, width), timeout)
 

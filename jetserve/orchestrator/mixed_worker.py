@@ -16,11 +16,17 @@ straight from the admission queue (no prefill thread, no backlog of prefixes). E
      (readback.py): stop ids, max_tokens, streaming and metrics as in the interleaved
      mode. When the next step's pages are not free, the most recently admitted request is
      preempted and recomputed later from its prompt and tokens (its chunks run again).
+     Structured output: each sampling row (decode rows, the chunks that end a prompt)
+     gets its grammar's mask as the interleaved generate thread makes it (step_masks.py):
+     a constrained decode row whose last token is not read yet sits the step out when an
+     unconstrained request is in the batch, else the step waits for the read-back; a
+     grammar that is complete ends its request "stop" when its last token is read.
 
 What a mixed step cannot run is refused when the request arrives (orchestrator
-mixed.py): structured output (token masks) and LoRA adapters.
+mixed.py): LoRA adapters.
 Warm-up (`warm`, run on this thread through `call`) compiles every (token bucket,
-page-table width) the steps can take.
+page-table width) the steps can take, with a token mask and without (the mask only
+where the model has a tokenizer, which grammars need).
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ import numpy as np
 
 from engines.mixed_batch import MixedRow
 from engines.sampling import SamplingParams
+from engines.token_mask import allow_all
 from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
+from jetserve.orchestrator.step_masks import mask_kwargs, mask_refusal, must_sync, step_mask
 from jetserve.orchestrator.timing import PrefillDone
 from jetserve.scheduling import mixed_plan
 from jetserve.scheduling.scheduler import ended_rows
@@ -150,6 +158,8 @@ class MixedWorker(GenerateWorker):
 
     def _step(self) -> None:
         self._make_room()
+        if must_sync(self.slots.rows()):
+            self.readback.sync()  # constrained slots' next masks need their last tokens
         if not self.slots.in_use:
             return
         owners = dict(self.slots.rows())
@@ -160,9 +170,14 @@ class MixedWorker(GenerateWorker):
                                                         for c in chunks]
         t = time.monotonic()
         try:
+            starting = [c.slot for c in chunks if c.last]
+            mask, paused = step_mask([(s, owners[s]) for s in (*decoding, *starting)],
+                                     self.engine.page_geometry.slots, self.engine.vocab_size,
+                                     pause=True, starting=starting)
             with self.state_lock:  # no prefill thread waits on the steps here
                 self.state, res = self.engine.mixed_step(self.params, self.state, rows,
-                                                         prefilling=tuple(self._prompts))
+                                                         prefilling=tuple(self._prompts),
+                                                         **mask_kwargs(mask))
             res.copy_to_host_async()
         except Exception as e:
             log.exception("mixed step failed on engine %d", self.index)
@@ -171,11 +186,12 @@ class MixedWorker(GenerateWorker):
         self.steps += 1
         sampled = [(s, owners[s]) for s in decoding]
         for s in decoding:
-            owners[s].steps += 1
+            if s not in paused:  # a paused row sat this step out (step_masks.py)
+                owners[s].steps += 1
         for c in chunks:
             self._advance(c, owners[c.slot], t, sampled)
         for slot, live in sampled:
-            if live.last_step_dispatched():
+            if slot not in paused and live.last_step_dispatched():
                 self._release(slot)  # its last token is in flight; the slot is free now
         self.readback.dispatched(res, sorted(sampled, key=lambda r: r[0]), t)
 
@@ -258,7 +274,8 @@ class MixedWorker(GenerateWorker):
                 for W in self.engine.generate_widths()]
 
     def warm(self, tokens: int, width: int) -> None:
-        """Compiles the step of `tokens` tokens and `width` pages (run it through `call`):
+        """Compiles the step of `tokens` tokens and `width` pages, without a token mask
+        and (where grammars can be served) with one (run it through `call`):
         chunks of throwaway tokens in free slots whose table is all trash, so no page is
         written and the slots stay free (a chunk that does not end leaves them not live);
         tokens 0: a step of no rows, which compiles the decode-rows program."""
@@ -272,7 +289,11 @@ class MixedWorker(GenerateWorker):
                 left -= n
         if left:
             raise RuntimeError(f"no free slots for a {tokens}-token warm-up step")
-        with self.state_lock:
-            self.state, res = self.engine.engine.mixed_step(self.params, self.state, table,
-                                                            rows)
-        res.to_host()
+        masks = [None]
+        if self.engine.tokenizer is not None and mask_refusal(self.engine) is None:
+            masks.append(allow_all(g.slots, self.engine.vocab_size))  # structured output's
+        for mask in masks:
+            with self.state_lock:
+                self.state, res = self.engine.engine.mixed_step(self.params, self.state,
+                                                                table, rows, **mask_kwargs(mask))
+            res.to_host()

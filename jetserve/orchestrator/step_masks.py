@@ -17,13 +17,15 @@ has a step queued). Two ways out, chosen per step:
   (`syncs`) and the slots that sat a step out (`sat_out`).
 
 A batch without a constrained request keeps the program compiled without a mask.
+A mixed step (mixed_worker.py) takes the same masks, for its decode rows and for the
+chunks that end a prompt (`starting`: their first token, which no step has in flight).
 
 Plain numpy and llguidance; the engine takes the mask as `token_mask=`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,11 +46,14 @@ def must_sync(rows: Rows) -> bool:
 
 
 def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False,
-              positions: int = 1) -> tuple[np.ndarray | None, set[int]]:
+              positions: int = 1, starting: Collection[int] = ()
+              ) -> tuple[np.ndarray | None, set[int]]:
     """(i32[B, W] with each constrained slot's allowed next tokens and every other row all
     ones, or None when no slot is constrained; the slots that sit this step out). pause:
     a constrained slot with a step not read yet sits out (all-zero row) instead of
-    getting a mask from a grammar that has not seen its last token. `positions` > 1: a
+    getting a mask from a grammar that has not seen its last token. `starting`: slots
+    whose row samples its prompt's first token (a mixed step's last chunk): every token
+    before it was read, so it never sits out. `positions` > 1: a
     speculative verify step's i32[B, positions, W], one mask per position it samples:
     a constrained slot's grammar mask first and nothing after (its drafts are not
     checked against the grammar, so it keeps one token a step), free rows all ones."""
@@ -62,7 +67,8 @@ def step_mask(rows: Rows, batch: int, vocab_size: int, *, pause: bool = False,
         if g is None or live.done or g.stopped:
             continue
         later[slot] = 0
-        if pause and live.generated != live.steps + 1:  # a token of its is in flight
+        if pause and slot not in starting and live.generated != live.steps + 1:
+            # a token of its is in flight
             mask[slot] = 0
             paused.add(slot)
         else:

@@ -12,8 +12,9 @@ generate worker, the lock-step driver, offline generation, warm-up, benches, tes
                                               the table
   start_prompt(slot, tokens)                  mixed steps: a prompt's pages, before
                                               its chunks run (SlotPages.insert)
-  mixed_step(params, state, rows, prefilling=) before_step, engine.mixed_step, then the
-                                              slots still in their prompt keep their length
+  mixed_step(params, state, rows, prefilling=, before_step, engine.mixed_step, then the
+             token_mask=)                     slots still in their prompt (and those a
+                                              mask sat out) keep their length
   free_slot(slot) / init_decode_state()       give the pages back (free_slot the
                                               engine's hold on the slot too)
 
@@ -97,15 +98,21 @@ class PagePlanner:
         self.kv_pages.insert(slot, tokens)
 
     def mixed_step(self, params: Any, decode_state: Any, rows: Any, *,
-                   prefilling: Any = ()) -> tuple[Any, Any]:
+                   prefilling: Any = (), token_mask: Any = None) -> tuple[Any, Any]:
         """engine.mixed_step over the pages this step writes (OutOfPages as generate's);
         `prefilling`: the slots still in their prompt, whose pages were all taken by
-        start_prompt and whose length does not grow with the step."""
+        start_prompt and whose length does not grow with the step. token_mask (None or
+        i32[B, W']) goes on to the engine: a decode row allowing nothing sits the step
+        out there, so its length stays here too."""
         pages = self.kv_pages
         width = pages.before_step(skip=prefilling)
         table = pages.table[:, :width].copy()  # the device may read it later
-        out = self.engine.mixed_step(params, decode_state, table, rows)
-        pages.after_step(held=prefilling)
+        kw = {} if token_mask is None else {"token_mask": token_mask}
+        out = self.engine.mixed_step(params, decode_state, table, rows, **kw)
+        held = set(prefilling)
+        if token_mask is not None:
+            held.update(np.flatnonzero(~np.asarray(token_mask).any(axis=1)).tolist())
+        pages.after_step(held=held)
         return out
 
     def free_slot(self, slot: int) -> None:

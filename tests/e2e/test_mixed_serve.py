@@ -6,6 +6,9 @@ generate`'s (turns, contiguous KV), for prompts shorter and longer than a chunk 
 more requests at once than there are slots; a stream the client drops gives its slot and
 pages back; and no step program is traced after the warm-up (JAX_LOG_COMPILES logs each
 trace of the mixed step, `traced`, whether its compile then comes from the cache or not).
+Structured output (a json_schema response_format, a regex and a choice), sent at once
+beside a plain request: valid output, and the tokens `jetserve batch` (turns) gives the
+same rows; the token masks' programs were compiled by the warm-up too.
 """
 
 import concurrent.futures
@@ -35,6 +38,23 @@ PROMPTS = [[1, 450, 3996], [1, *range(300, 340)], [1, *range(500, 517)],
            [1, *range(700, 760)], [1, 887, 338, 263, 1243], [1, *range(900, 933)]]
 MAX_TOKENS = 12
 COMPILE = re.compile(r"Finished tracing traced for jit")
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["red", "green", "blue"]
+# id -> (a chat or completions request's fields beside the model, its output's check)
+STRUCTURED = {
+    "json": (dict(messages=[{"role": "user", "content": "Describe a person as JSON."}],
+                  response_format={"type": "json_schema", "json_schema": {
+                      "name": "person", "strict": True, "schema": SCHEMA}}),
+             lambda t: set(json.loads(t)) == {"name", "age"}
+             and 0 <= json.loads(t)["age"] <= 120 and len(json.loads(t)["name"]) <= 8),
+    "regex": (dict(prompt="Answer: ", structured_outputs={"regex": REGEX}),
+              lambda t: re.fullmatch(REGEX, t)),
+    "choice": (dict(prompt="Pick a colour: ", guided_choice=CHOICES),
+               lambda t: t in CHOICES),
+}
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +138,50 @@ def test_mixed_serve_streams_generates_tokens_concurrently_and_frees_cancelled_p
     assert _metric(ports, "jetserve_slots_in_use") == 0
     ready = next(i for i, line in enumerate(lines) if READY in line)
     # Buckets 8, 16, 32 (budget 4 + 16) and the decode-rows step (generate's program) by
-    # widths 1, 2, 4 pages; none compiles later.
-    assert len([x for x in lines[:ready] if COMPILE.search(x)]) == 12
+    # widths 1, 2, 4 pages, each with a token mask and without; none compiles later.
+    assert len([x for x in lines[:ready] if COMPILE.search(x)]) == 24
     assert [x for x in lines[ready:] if COMPILE.search(x)] == []
+
+
+def _structured(client, fields):
+    """A greedy structured request's (text, finish reason, token ids) over the SDK."""
+    kw = dict(model="bundled_model", max_tokens=40, temperature=0,
+              extra_body={"return_tokens_as_token_ids": True,
+                          **{k: v for k, v in fields.items() if k in
+                             ("structured_outputs", "guided_choice")}})
+    if "messages" in fields:
+        c = client.chat.completions.create(messages=fields["messages"], logprobs=True,
+                                           response_format=fields["response_format"],
+                                           **kw).choices[0]
+        text, tokens = c.message.content, [t.token for t in c.logprobs.content]
+    else:
+        c = client.completions.create(prompt=fields["prompt"], logprobs=0, **kw).choices[0]
+        text, tokens = c.text, c.logprobs.tokens
+    return text, c.finish_reason, [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+@pytest.mark.slow
+def test_structured_output_beside_a_plain_request_matches_the_turns_path(
+        server, reference, tmp_path):
+    ports, lines = server
+    client = _client(ports)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": k, "max_tokens": 40, "temperature": 0, **f}) + "\n"
+                           for k, (f, _) in STRUCTURED.items()))
+    batch = subprocess.run([sys.executable, "-m", "jetserve", "batch", "--input", str(inp),
+                            "--output", str(out), "--no-progress"], capture_output=True,
+                           text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert batch.returncode == 0, batch.stderr
+    want = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    # All at once, with a plain request (a long prompt: several chunks) in the same steps.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        plain = pool.submit(_complete, client, PROMPTS[3], False)
+        got = dict(zip(STRUCTURED, pool.map(lambda f: _structured(client, f[0]),
+                                            STRUCTURED.values()), strict=True))
+    assert plain.result() == reference[3]
+    for k, (_, check) in STRUCTURED.items():
+        text, finish, tokens = got[k]
+        assert finish == "stop" and check(text), (k, text)
+        assert tokens == want[k], k
+    ready = next(i for i, line in enumerate(lines) if READY in line)
+    assert [x for x in lines[ready:] if COMPILE.search(x)] == []  # masked steps: warm

@@ -9,11 +9,13 @@ position order, as the KV-cache manager would.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from engines.mixed_batch import MixedRow
 from engines.sampling import SamplingParams
+from engines.token_mask import allow_all
 from jetserve.scheduling.page_pool import PagePool, pages_for, width_bucket
 
 
@@ -44,10 +46,14 @@ def _bucket(engine, rows) -> int:
 
 def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: int,
               arrive_every: int = 2, sampling: SamplingParams | None = None,
-              widest: bool = False) -> MixedRun:
+              widest: bool = False, masks: Callable[[int, int], np.ndarray] | None = None,
+              pause_every: int = 0) -> MixedRun:
     """Prompt i arrives at step i * arrive_every; every sequence gets max_tokens tokens.
     `widest`: every step takes the whole page table (one width: fewer programs to
-    compile), else the width the pages held need (as generate's planner)."""
+    compile), else the width the pages held need (as generate's planner). `masks`: each
+    step takes a token mask, masks(i, j) the packed row of prompt i's token j (rows that
+    sample nothing allow all); `pause_every` k > 0: a decode row sits out (an all-zero
+    row) the steps where step + slot is a multiple of k."""
     g = engine.page_geometry
     pool = PagePool(g.num_pages)
     max_pages = pages_for(g.max_seq_len, g.page_size)
@@ -90,12 +96,14 @@ def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: i
             max(len(q.pages) for q in slots.values()), max_pages)
         run.shapes.add((_bucket(engine, rows), width))
         run.mixed_steps += any(r.decode for r in rows) and any(r.chunk for r in rows)
-        state, res = engine.mixed_step(params, state, table[:, :width].copy(), rows)
+        mask, paused = _step_mask(engine, rows, slots, masks, pause_every, run.steps)
+        kw = {} if mask is None else {"token_mask": mask}
+        state, res = engine.mixed_step(params, state, table[:, :width].copy(), rows, **kw)
         host = res.to_host()
         for r in rows:
             q = slots[r.slot]
             q.sent += len(r.chunk)
-            assert host.valid(r.slot) == (r.decode or r.last)
+            assert host.valid(r.slot) == ((r.decode or r.last) and r.slot not in paused)
             if host.valid(r.slot):
                 q.out.append(host.token(r.slot))
             if len(q.out) == max_tokens:
@@ -106,3 +114,19 @@ def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: i
         run.steps += 1
     run.outputs = outputs
     return run
+
+
+def _step_mask(engine, rows, slots, masks, pause_every: int, step: int):
+    """(the step's token mask or None, the slots it sits out)."""
+    if masks is None:
+        return None, set()
+    mask = allow_all(engine.page_geometry.slots, engine.vocab_size)
+    paused = set()
+    for r in rows:
+        q = slots[r.slot]
+        if r.decode and pause_every and (step + r.slot) % pause_every == 0:
+            mask[r.slot] = 0
+            paused.add(r.slot)
+        elif r.decode or r.last:
+            mask[r.slot] = masks(q.index, len(q.out))
+    return mask, paused

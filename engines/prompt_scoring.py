@@ -19,6 +19,25 @@ ScoreChunk = Callable[[np.ndarray, np.int32, np.int32, np.int32, ScoreCache],
                       tuple[PromptLogprobs, ScoreCache]]
 
 
+def score_prompt(tokens, true_length: int | None, *, max_prefill_length: int,
+                 max_seq_len: int, bucket_for: Callable[[int], int],
+                 empty_cache: Callable[[int], ScoreCache], one_pass, chunk) -> PromptLogprobs:
+    """A prompt's rows (host arrays of length true_length): one_pass(tokens [1, bucket],
+    n) up to max_prefill_length tokens, else in chunks of it (chunk as ScoreChunk's)."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    n = tokens.shape[0] if true_length is None else int(true_length)
+    if not 1 <= n <= tokens.shape[0]:
+        raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
+    if n > max_prefill_length:
+        return score_in_chunks(tokens[:n], chunk=max_prefill_length, max_seq_len=max_seq_len,
+                               bucket_for=bucket_for, empty_cache=empty_cache,
+                               score_chunk=chunk)
+    padded = np.zeros((1, bucket_for(n)), np.int32)
+    padded[0, :n] = tokens[:n]
+    out = jax.device_get(one_pass(padded, np.int32(n)))
+    return jax.tree.map(lambda x: x[:n], out)
+
+
 def score_in_chunks(tokens: np.ndarray, *, chunk: int, max_seq_len: int,
                     bucket_for: Callable[[int], int],
                     empty_cache: Callable[[int], ScoreCache],

@@ -35,7 +35,7 @@ from engines.model import Decoder
 from engines.param_layout import InLayout, ParamViews
 from engines.prefill_program import PrefillProgram, PrefillRows
 from engines.prefix_blocks import PrefixBlocks
-from engines.prompt_scoring import score_in_chunks
+from engines.prompt_scoring import score_prompt
 from engines.sampling import MAX_LOGIT_BIAS, SamplingParams, SlotSampling
 from engines.speculative import generate_step
 from sharding import MODEL_DIMS, ShardingConfig, axes, traced_under
@@ -411,24 +411,15 @@ class TransformerEngine(ParamViews, PrefixBlocks, Engine):
         return self._score(params, tokens, true_length, self._prompt_logprobs_jit,
                            self._score_chunk_jit)
 
-    def _score(self, params, tokens, true_length: int | None, one_pass, chunk
-               ) -> PromptLogprobs:
-        """prompt_logprobs with the programs given: one_pass(params, tokens, n) and
-        chunk(params, tokens, n, start, next_token, cache), as the jits above (the LoRA
+    def _score(self, params, tokens, true_length: int | None, one_pass, chunk):
+        """prompt_logprobs with the programs given, called as the jits above (the LoRA
         engines hand in theirs, bound to an adapter)."""
-        tokens, params = np.asarray(tokens, np.int32).reshape(-1), self._in_layout(params)
-        n = tokens.shape[0] if true_length is None else int(true_length)
-        if not 1 <= n <= tokens.shape[0]:
-            raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
-        if n > self.max_prefill_length:
-            return score_in_chunks(
-                tokens[:n], chunk=self.max_prefill_length, max_seq_len=self.max_seq_len,
-                bucket_for=self.bucket_for, empty_cache=self._score_cache_jit,
-                score_chunk=functools.partial(chunk, params))
-        padded = np.zeros((1, self.bucket_for(n)), np.int32)
-        padded[0, :n] = tokens[:n]
-        out = jax.device_get(one_pass(params, padded, np.int32(n)))
-        return jax.tree.map(lambda x: x[:n], out)
+        params = self._in_layout(params)
+        return score_prompt(tokens, true_length, max_prefill_length=self.max_prefill_length,
+                            max_seq_len=self.max_seq_len, bucket_for=self.bucket_for,
+                            empty_cache=self._score_cache_jit,
+                            one_pass=functools.partial(one_pass, params),
+                            chunk=functools.partial(chunk, params))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_jit(prefix, decode_state, np.int32(slot))

@@ -28,7 +28,8 @@ Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
     chunk) runs the paged generate step's program instead, masked to its rows (one per
     width, also counted under "mixed"; warm-up's bucket 0).
   - Not with speculative decoding, a draft model, or token masks (structured output):
-    those are refused by the engine.
+    those are refused by the engine. LoRA adapters: a paged LoRA engine runs this step
+    with each token through its row's adapter (engines/lora_engine.py lora_mixed_step).
 
 Device-side derivations from the per-row inputs (engines/mixed_batch.py): a token's row
 is found from the cumulative query lengths (rows laid out in slot order), its position is

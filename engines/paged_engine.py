@@ -205,7 +205,6 @@ class PagedTransformerEngine(TransformerEngine):
 
     def _build_jits(self):
         super()._build_jits()  # prefill and prompt log-probs as the contiguous engine
-        top_n = self.config.top_logprobs
         state_sh = self.decode_state_shardings()
         prefix_sh = self.prefix_destination_sharding()
         r = self._replicated()
@@ -227,22 +226,30 @@ class PagedTransformerEngine(TransformerEngine):
         self._blocks_of_pages_jit = jax.jit(functools.partial(blocks_of_pages,
                                                               dtype=self.dtype))
         self.traces["mixed"] = 0
-        # The TPU kernel where the decode step takes its own; else the XLA path.
-        ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
         self._mixed_jit = jax.jit(
-            self._counted("mixed", laid_out(functools.partial(
-                mixed_step, self.model, top_n, self.config.max_seq_len, ragged, self.ring))),
+            self._counted("mixed", laid_out(self.mixed_step_fn(self.model))),
             in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
         # A step of decode rows alone: one program per width, counted with the mixed ones.
         self._decode_rows_jit = jax.jit(
-            self._counted("mixed", laid_out(functools.partial(
-                _decode_rows_paged, self.model, top_n, self.config.max_seq_len,
-                self.attention_impl, self.ring))),
+            self._counted("mixed", laid_out(self.decode_rows_fn(self.model))),
             in_shardings=(self.param_shardings, state_sh, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+
+    def mixed_step_fn(self, model: Decoder):
+        """The mixed step's function over `model`, called as (params, state, table,
+        MixedInputs): the TPU kernel where the decode step takes its own, else XLA's."""
+        ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
+        return functools.partial(mixed_step, model, self.config.top_logprobs,
+                                 self.config.max_seq_len, ragged, self.ring)
+
+    def decode_rows_fn(self, model: Decoder):
+        """The step of decode rows alone over `model`, called as (params, state, table,
+        rows bool[B])."""
+        return functools.partial(_decode_rows_paged, model, self.config.top_logprobs,
+                                 self.config.max_seq_len, self.attention_impl, self.ring)
 
     def generate_step(self, model: Decoder, draft_model: Decoder | None):
         """generate's function over `model` (the verify step with speculative decoding),
@@ -314,9 +321,11 @@ class PagedTransformerEngine(TransformerEngine):
                                   token_mask, *self._draft_args())
 
     def mixed_step(self, params, decode_state: PagedDecodeState, page_table: np.ndarray,
-                   rows: Sequence[MixedRow]) -> tuple[PagedDecodeState, ResultTokens]:
+                   rows: Sequence[MixedRow],
+                   **program) -> tuple[PagedDecodeState, ResultTokens]:
         """One ragged step of decode rows and prompt chunks (engines/mixed_step.py);
-        page_table i32[B, W] as generate's, covering every position the rows write."""
+        page_table i32[B, W] as generate's, covering every position the rows write.
+        `program`: a subclass's choice of program (`_run_mixed`; a LoRA engine's)."""
         if self.config.spec.enabled:
             raise ValueError(f"mixed_step does not run with speculative "
                              f"{self.config.speculative!r}; use prefill / generate")
@@ -336,10 +345,17 @@ class PagedTransformerEngine(TransformerEngine):
                       buckets=self.mixed_token_buckets)  # the same checks of the rows
             live = np.zeros((g.slots,), bool)
             live[[r.slot for r in rows]] = True
-            return self._decode_rows_jit(self._in_layout(params), decode_state, table, live)
+            return self._run_mixed(params, decode_state, table, live, rows, **program)
         inputs = pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
                            buckets=self.mixed_token_buckets)
-        return self._mixed_jit(self._in_layout(params), decode_state, table, inputs)
+        return self._run_mixed(params, decode_state, table, inputs, rows, **program)
+
+    def _run_mixed(self, params, decode_state, table, inputs, rows):
+        """The mixed step's program on its inputs: MixedInputs, or bool[B] (the slots of
+        decode rows alone: the generate step's program); `rows` as mixed_step's."""
+        del rows  # a LoRA engine's (engines/lora_engine.py) read their adapters
+        jit = self._decode_rows_jit if isinstance(inputs, np.ndarray) else self._mixed_jit
+        return jit(self._in_layout(params), decode_state, table, inputs)
 
     @property
     def mixed_token_buckets(self) -> tuple[int, ...]:

@@ -7,10 +7,10 @@ mixed generate thread takes admitted requests straight from the admission queue.
 
 Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
 decode-first (every step runs every decoding sequence anyway), speculative
-decoding and the prefix cache at start; a request with structured output or a LoRA
-adapter when it arrives (a mixed step has no token masks, adapters or cached prefixes
-yet: a paged LoRA engine runs its base rows only); and devices split into prefill and
-generate slices (`build`: the mixed step is one slice's).
+decoding and the prefix cache at start; a request with structured output when it
+arrives (a mixed step has no token masks or cached prefixes yet); and devices split into
+prefill and generate slices (`build`: the mixed step is one slice's). LoRA adapters
+(--lora-modules) are served: each row of a step runs through its request's adapter.
 """
 
 from __future__ import annotations
@@ -76,9 +76,6 @@ class MixedOrchestrator(Orchestrator):
                 raise ValueError("structured output (response_format, guided decoding, "
                                  "tool_choice required / named) is not served with "
                                  "--scheduling mixed yet; the server runs without it")
-            if isinstance(r, Request) and r.lora_adapter is not None:
-                raise ValueError(f"lora_adapter {r.lora_adapter!r}: --scheduling mixed "
-                                 "serves the base model only")
         return super().submit_many(requests)
 
     # ---- warm-up: one throwaway step per (token bucket, page-table width) --------------

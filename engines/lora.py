@@ -12,7 +12,9 @@ row-parallel projection's input (o heads, down mlp); the rank axis stays whole, 
 only extra collective is the all-reduce of o/down's [B, T, R] partial products.
 
 `LoraBatch` is the hook the decoder calls (engines/model.py): for each row b of the
-batch it adds scale[i_b] * (x_b A[i_b]^T) B[i_b]^T, with i_b the row's adapter. Two forms
+batch it adds scale[i_b] * (x_b A[i_b]^T) B[i_b]^T, with i_b the row's adapter (or, with
+`tokens`, for each token t of the mixed step's one row of T tokens, its own i_t: the
+tokens are taken as the rows). Two forms
 of the same sum, picked by shape at trace time: with fewer pool rows than batch rows every
 row's product with every adapter, masked to its own (reads the pool once); otherwise the
 rows' own A and B gathered (reads B x R x (in + out) values). Rows without an adapter
@@ -136,12 +138,17 @@ class LoraLayer:
     a: Mapping[str, jax.Array]  # module -> [M+1, R, in]
     b: Mapping[str, jax.Array]  # module -> [M+1, out, R]
     scale: jax.Array  # f32[M+1]
-    index: jax.Array  # i32[B] each row's adapter (0: none)
+    index: jax.Array  # i32[B] each row's adapter (0: none); `tokens`: i32[T] each token's
+    tokens: bool = False  # x is one row [1, T, in] whose tokens each have an adapter
 
     def __call__(self, module: str, x: jax.Array, y: jax.Array) -> jax.Array:
         """y (the projection of x [B, T, in], [B, T, out]) plus each row's LoRA delta."""
         if module not in self.a:
             return y
+        if self.tokens:  # [1, T, in] -> T rows of one token each, and back
+            d = _delta(jnp.swapaxes(x, 0, 1), self.a[module], self.b[module], self.scale,
+                       self.index)
+            return y + jnp.swapaxes(d, 0, 1).astype(y.dtype)
         return y + _delta(x, self.a[module], self.b[module], self.scale,
                           self.index).astype(y.dtype)
 
@@ -163,12 +170,13 @@ class LoraBatch:
     """The pool and each batch row's adapter, as the decoder receives them."""
 
     pool: LoraPool
-    index: jax.Array  # i32[B]
+    index: jax.Array  # i32[B]; `tokens`: i32[T], each token's (LoraLayer)
+    tokens: bool = False
 
     def at_layer(self, layer) -> LoraLayer:
         """Layer `layer`'s hook (an int, or a traced index under a scan)."""
         at = lambda p: p[layer]
         return LoraLayer(a=dict(zip(self.pool.modules, map(at, self.pool.a), strict=True)),
                          b=dict(zip(self.pool.modules, map(at, self.pool.b), strict=True)),
-                         scale=self.pool.scale, index=self.index)
+                         scale=self.pool.scale, index=self.index, tokens=self.tokens)
 

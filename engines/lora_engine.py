@@ -23,7 +23,10 @@ or abandoned), and by each decode slot holding it until `free_slot`.
 Two generate programs: with the pool, and the plain step (no LoRA math at all), which runs
 while no slot holds an adapter, so base traffic on a LoRA server costs what it did. The
 engine knows which slots hold adapters on the host (insert / free_slot), so picking one
-needs no read from the device.
+needs no read from the device. The paged engine's mixed steps (engines/mixed_step.py)
+likewise, per shape: each token through its row's adapter (`lora_mixed_step`: a decode
+row's slot's, a chunk's MixedRow.adapter, held for its slot from `hold_adapter` or its
+first chunk until free_slot, and the slot's from its last chunk on), or plain.
 
 Concurrency: the registry's lock is held while a call that reads or writes the pool is
 dispatched (dispatch is asynchronous, so briefly), so a load never donates the pool
@@ -45,6 +48,7 @@ from engines.engine_config import EngineConfig
 from engines.kv_cache import DecodeState, Prefix, insert_prefix
 from engines.lora_loading import read_adapter
 from engines.lora_registry import AdapterRegistry, adapter_id
+from engines.mixed_batch import MODE_CHUNK, MixedInputs
 from engines.paged_engine import PagedTransformerEngine
 from engines.paged_kv import PagedDecodeState, insert_paged
 from engines.prefill_program import PrefillProgram, PrefillRows, empty_prefix
@@ -161,6 +165,34 @@ def lora_insert(insert, prefix: LoraPrefix, state, slot, row, *args):
     one's pages), and the slot on pool row `row` (this engine's row of the adapter)."""
     new = insert(prefix, state, slot, *args)
     return with_adapter(new, state.adapter.at[slot].set(row))
+
+
+class _TokensLora:
+    """A decoder whose apply adds, in the mixed step's one row of tokens, each token's
+    adapter: the pool row of its slot (`slots` i32[B]) at the token's row of the step's
+    layout (the KV store's, engines/mixed_step.py RaggedPagedKV)."""
+
+    def __init__(self, model, pool: lora.LoraPool, slots: jax.Array):
+        self.model, self.pool, self.slots = model, pool, slots
+        self.cfg, self.backend = model.cfg, model.backend
+
+    def apply(self, variables, tokens, positions, kv, **kw):
+        hook = lora.LoraBatch(self.pool, self.slots[kv.layout.rows], tokens=True)
+        return self.model.apply(variables, tokens, positions, kv, lora=hook, **kw)
+
+
+def lora_mixed_step(model, step, params, pool, state, table, inp: MixedInputs, rows,
+                    token_mask=None):
+    """step(model)(params, state, table, inp, token_mask) (the layout's mixed step) with
+    each token through its row's adapter: a decode row's slot's (state.adapter), a
+    chunk's `rows` i32[B] (the pool row of its prompt's adapter), which the slot keeps
+    once the chunk that ends the prompt has run. pool None: the base model's step (the
+    rows kept alike)."""
+    chunk = inp.mode == MODE_CHUNK
+    bound = model if pool is None else _TokensLora(model, pool,
+                                                   jnp.where(chunk, rows, state.adapter))
+    new, res = step(bound)(params, without_adapter(state), table, inp, token_mask)
+    return with_adapter(new, jnp.where(chunk & inp.sample, rows, state.adapter)), res
 
 
 def lora_generate(model, step, params, pool, state, *args):
@@ -439,8 +471,30 @@ class LoraTransformerEngine(LoraServing, TransformerEngine):
 
 class PagedLoraEngine(LoraServing, PagedTransformerEngine):
     """The paged engine with LoRA adapters (LoraServing): insert takes the slot's pages,
-    generate the page table, as PagedTransformerEngine's. A mixed step runs base rows
-    only (`--scheduling mixed` refuses adapters at submit)."""
+    generate the page table, as PagedTransformerEngine's. A mixed step runs each row
+    through its adapter (a chunk's MixedRow.adapter, a decode row's slot's); a slot
+    starting a prompt holds its adapter's row from `hold_adapter` (or its first chunk)
+    until free_slot. As generate, two programs per shape: with the pool, and the plain
+    one while no slot holds an adapter."""
+
+    def _build_jits(self):
+        super()._build_jits()
+        state_sh, pool_sh, r = self.decode_state_shardings(), self.pool_shardings, \
+            self._replicated()
+        laid_out = functools.partial(traced_under, self.sharding, self._mesh)
+        mixed = self._counted("mixed", laid_out(functools.partial(
+            lora_mixed_step, self.model, self.mixed_step_fn)))
+        rows = self._counted("mixed", laid_out(functools.partial(
+            lora_generate, self.model, self.decode_rows_fn)))
+        # adapters? -> (mixed program, decode-rows program): with the pool, or plain
+        self._mixed_jits = {
+            on: (jax.jit(mixed, in_shardings=(self.param_shardings, pool_sh if on else None,
+                                              state_sh, r, r, r, r),  # last: token_mask
+                         out_shardings=(state_sh, r), donate_argnums=(2,)),
+                 jax.jit(rows, in_shardings=(self.param_shardings, pool_sh if on else None,
+                                             state_sh, r, r, r),
+                         out_shardings=(state_sh, r), donate_argnums=(2,)))
+            for on in (False, True)}
 
     def _lora_steps(self, draft_model):
         step = functools.partial(self.generate_step, draft_model=draft_model)
@@ -455,10 +509,44 @@ class PagedLoraEngine(LoraServing, PagedTransformerEngine):
     def generate(self, params, decode_state, page_table, token_mask=None):
         return self._generate_lora(params, decode_state, page_table, token_mask)
 
-    def mixed_step(self, params, decode_state, page_table, rows):
+    def hold_adapter(self, slot: int, adapter: str | None) -> None:
+        """Mixed steps: `slot` starts a prompt through `adapter` (None: the base model):
+        its row made resident (no wait) and pinned until free_slot. Raises UnknownAdapter,
+        or RuntimeError when every row holds another live request's adapter."""
         with self.adapters.lock:
-            if self._slot_rows:
-                raise ValueError("a mixed step runs slots of the base model only; "
-                                 f"slots {sorted(self._slot_rows)} hold adapters")
-        new, res = super().mixed_step(params, without_adapter(decode_state), page_table, rows)
-        return with_adapter(new, decode_state.adapter), res
+            row = 0 if adapter is None else self._row(adapter)
+            if self._slot_rows.get(slot, 0) != row:
+                self.free_slot(slot)
+                if row:
+                    self.adapters.pin(row)
+                    self._slot_rows[slot] = row
+
+    def mixed_step(self, params, decode_state, page_table, rows, token_mask=None, *,
+                   adapters: bool | None = None):
+        """As PagedTransformerEngine.mixed_step, each chunk through its row's adapter (its
+        slot holds it, `hold_adapter`, if it did not yet). `adapters`: the program with
+        the pool (True) or the plain one (False); None: the plain one while no slot holds
+        an adapter (warm-up compiles both)."""
+        with self.adapters.lock:
+            for r in rows:
+                if not r.decode:
+                    self.hold_adapter(r.slot, r.adapter)
+            return super().mixed_step(params, decode_state, page_table, rows, token_mask,
+                                      adapters=bool(self._slot_rows) if adapters is None
+                                      else adapters)
+
+    def _run_mixed(self, params, decode_state, table, inputs, rows, token_mask, *,
+                   adapters: bool):
+        """The chunks' pool rows (their slots', held above) beside the step's inputs; the
+        adapters' lock is held (mixed_step)."""
+        chunk_rows = np.zeros((self.page_geometry.slots,), np.int32)
+        for r in rows:
+            if not r.decode:
+                chunk_rows[r.slot] = self._slot_rows.get(r.slot, 0)
+        mixed, decode_rows = self._mixed_jits[adapters]
+        pool = self._pool if adapters else None
+        if isinstance(inputs, np.ndarray):  # decode rows alone
+            return decode_rows(self._in_layout(params), pool, decode_state, table, inputs,
+                               token_mask)
+        return mixed(self._in_layout(params), pool, decode_state, table, inputs, chunk_rows,
+                     token_mask)

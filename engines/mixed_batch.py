@@ -10,6 +10,9 @@ state's B slots ("rows"). The scheduler says what each row does this step, as `M
     went before). `sampling` (with `seed`) marks the prompt's first chunk: the slot's
     sampling row, prompt mask and token counts start afresh. `last`: the chunk ends the
     prompt, so the row samples its first token, and from then on the slot decodes.
+    `adapter` (every chunk of the prompt): the LoRA adapter it runs through, by name
+    (None: the base model); a LoRA engine (engines/lora_engine.py) keeps it for the
+    slot's decode rows once the chunk that ends the prompt has run.
   - any other slot is idle: the step leaves its state bit-identical.
 
 `pack_rows` lays the rows out in slot order (the order the TPU kernel's cumulative query
@@ -44,14 +47,16 @@ class MixedRow:
     last: bool = False  # the chunk ends its prompt: sample the first token
     sampling: SamplingParams | None = None  # the prompt's first chunk: the slot starts afresh
     seed: int | None = None  # with `sampling`: its RNG seed (None: sampling.seed or random)
+    adapter: str | None = None  # a chunk's LoRA adapter (None: the base model)
 
     def __post_init__(self):
         object.__setattr__(self, "chunk", tuple(int(t) for t in self.chunk))
         if self.start < 0:
             raise ValueError(f"start must be >= 0, got {self.start}")
-        if not self.chunk and (self.last or self.sampling is not None or self.start):
+        if not self.chunk and (self.last or self.sampling is not None or self.start
+                               or self.adapter is not None):
             raise ValueError(f"slot {self.slot}: a decode row (empty chunk) takes no start, "
-                             "last or sampling")
+                             "last, sampling or adapter (it decodes through its slot's)")
 
     @property
     def decode(self) -> bool:

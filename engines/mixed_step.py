@@ -36,6 +36,8 @@ Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
     generate (token_mask.hold_paused: no token, length or key change); a chunk that ends
     its prompt must allow some token (the engine refuses an empty row for it). The mask
     is an argument of the program: a step with one compiles once more per shape.
+  - LoRA adapters: a paged LoRA engine runs this step with each token through its row's
+    adapter (engines/lora_engine.py lora_mixed_step).
   - Not with speculative decoding or a draft model: those are refused by the engine.
 
 Device-side derivations from the per-row inputs (engines/mixed_batch.py): a token's row

@@ -210,7 +210,6 @@ class PagedTransformerEngine(TransformerEngine):
 
     def _build_jits(self):
         super()._build_jits()  # prefill and prompt log-probs as the contiguous engine
-        top_n = self.config.top_logprobs
         state_sh = self.decode_state_shardings()
         prefix_sh = self.prefix_destination_sharding()
         r = self._replicated()
@@ -232,23 +231,31 @@ class PagedTransformerEngine(TransformerEngine):
         self._blocks_of_pages_jit = jax.jit(functools.partial(blocks_of_pages,
                                                               dtype=self.dtype))
         self.traces["mixed"] = 0
-        # The TPU kernel where the decode step takes its own; else the XLA path.
-        ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
         self._mixed_jit = jax.jit(
-            self._counted("mixed", laid_out(functools.partial(
-                mixed_step, self.model, top_n, self.config.max_seq_len, ragged, self.ring))),
+            self._counted("mixed", laid_out(self.mixed_step_fn(self.model))),
             in_shardings=(self.param_shardings, state_sh, r, r, r),  # r: token_mask
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
         # A step of decode rows alone: one program per width, counted with the mixed ones.
         self._decode_rows_jit = jax.jit(
-            self._counted("mixed", laid_out(functools.partial(
-                _decode_rows_paged, self.model, top_n, self.config.max_seq_len,
-                self.attention_impl, self.ring))),
+            self._counted("mixed", laid_out(self.decode_rows_fn(self.model))),
             in_shardings=(self.param_shardings, state_sh, r, r, r), out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+
+    def mixed_step_fn(self, model: Decoder):
+        """The mixed step's function over `model`, called as (params, state, table,
+        MixedInputs, token_mask): the TPU kernel where the decode step takes its own, else XLA's."""
+        ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
+        return functools.partial(mixed_step, model, self.config.top_logprobs,
+                                 self.config.max_seq_len, ragged, self.ring)
+
+    def decode_rows_fn(self, model: Decoder):
+        """The step of decode rows alone over `model`, called as (params, state, table,
+        rows bool[B], token_mask)."""
+        return functools.partial(_decode_rows_paged, model, self.config.top_logprobs,
+                                 self.config.max_seq_len, self.attention_impl, self.ring)
 
     def generate_step(self, model: Decoder, draft_model: Decoder | None):
         """generate's function over `model` (the verify step with speculative decoding),
@@ -320,11 +327,12 @@ class PagedTransformerEngine(TransformerEngine):
                                   token_mask, *self._draft_args())
 
     def mixed_step(self, params, decode_state: PagedDecodeState, page_table: np.ndarray,
-                   rows: Sequence[MixedRow], token_mask: np.ndarray | None = None
-                   ) -> tuple[PagedDecodeState, ResultTokens]:
+                   rows: Sequence[MixedRow], token_mask: np.ndarray | None = None,
+                   **program) -> tuple[PagedDecodeState, ResultTokens]:
         """One ragged step of decode rows and prompt chunks (engines/mixed_step.py);
         page_table i32[B, W] as generate's, covering every position the rows write;
-        token_mask None or i32[B, W'] each row's allowed tokens (engines/token_mask.py)."""
+        token_mask None or i32[B, W'] each row's allowed tokens (engines/token_mask.py).
+        `program`: a subclass's choice of program (`_run_mixed`; a LoRA engine's)."""
         if self.config.spec.enabled:
             raise ValueError(f"mixed_step does not run with speculative "
                              f"{self.config.speculative!r}; use prefill / generate")
@@ -346,12 +354,19 @@ class PagedTransformerEngine(TransformerEngine):
                       buckets=self.mixed_token_buckets)  # the same checks of the rows
             live = np.zeros((g.slots,), bool)
             live[[r.slot for r in rows]] = True
-            return self._decode_rows_jit(self._in_layout(params), decode_state, table, live,
-                                         token_mask)
+            return self._run_mixed(params, decode_state, table, live, rows, token_mask,
+                                   **program)
         inputs = pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
                            buckets=self.mixed_token_buckets)
-        return self._mixed_jit(self._in_layout(params), decode_state, table, inputs,
-                               token_mask)
+        return self._run_mixed(params, decode_state, table, inputs, rows, token_mask,
+                               **program)
+
+    def _run_mixed(self, params, decode_state, table, inputs, rows, token_mask):
+        """The mixed step's program on its inputs: MixedInputs, or bool[B] (the slots of
+        decode rows alone: the generate step's program); `rows` as mixed_step's."""
+        del rows  # a LoRA engine's (engines/lora_engine.py) read their adapters
+        jit = self._decode_rows_jit if isinstance(inputs, np.ndarray) else self._mixed_jit
+        return jit(self._in_layout(params), decode_state, table, inputs, token_mask)
 
     def _mixed_mask(self, token_mask: np.ndarray, rows: Sequence[MixedRow]) -> np.ndarray:
         """mixed_step's token_mask checked: i32[B, W'], and some token allowed to every

@@ -7,25 +7,21 @@ mixed generate thread takes admitted requests straight from the admission queue.
 
 Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
 decode-first (every step runs every decoding sequence anyway), speculative
-decoding and the prefix cache at start; a request with a LoRA adapter when it arrives
-(a mixed step has no adapters or cached prefixes yet: a paged LoRA engine runs its base
-rows only); and devices split into prefill and generate slices (`build`: the mixed step
-is one slice's). Structured output is served: each step takes its sampling rows' token
-masks (mixed_worker.py).
+decoding and the prefix cache at start; and devices split into prefill and generate
+slices (`build`: the mixed step is one slice's). Structured output is served: each step
+takes its sampling rows' token masks (mixed_worker.py). LoRA adapters (--lora-modules)
+are served: each row of a step runs through its request's adapter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from engines import Engine
 from jetserve.orchestrator.config import MIXED, OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
-from jetserve.orchestrator.handle import RequestHandle
 from jetserve.orchestrator.mixed_worker import MixedWorker
 from jetserve.orchestrator.wiring import check_engines, step_policy
-from jetserve.request import Request
 from jetserve.scheduling.policy import PREFILL_FIRST
 
 
@@ -70,13 +66,6 @@ class MixedOrchestrator(Orchestrator):
     def from_engines(cls, engine: Engine, *, params: Any = None,
                      config: OrchestratorConfig | None = None) -> MixedOrchestrator:
         return cls(engine, engine.load_params() if params is None else params, config)
-
-    def submit_many(self, requests: Sequence[Request]) -> list[RequestHandle]:
-        for r in requests:
-            if isinstance(r, Request) and r.lora_adapter is not None:
-                raise ValueError(f"lora_adapter {r.lora_adapter!r}: --scheduling mixed "
-                                 "serves the base model only")
-        return super().submit_many(requests)
 
     # ---- warm-up: throwaway steps per (token bucket, page-table width) ------------------
 

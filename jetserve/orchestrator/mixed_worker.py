@@ -22,8 +22,9 @@ straight from the admission queue (no prefill thread, no backlog of prefixes). E
      unconstrained request is in the batch, else the step waits for the read-back; a
      grammar that is complete ends its request "stop" when its last token is read.
 
-What a mixed step cannot run is refused when the request arrives (orchestrator
-mixed.py): LoRA adapters.
+LoRA: a request's adapter runs in its chunks and decode rows (engines/lora_engine.py PagedLoraEngine): its row is held for the slot at admission
+(`start_prompt`) until the slot is freed; a request whose adapter finds every row held
+by running requests waits for one to end.
 Warm-up (`warm`, run on this thread through `call`) compiles every (token bucket,
 page-table width) the steps can take, with a token mask and without (the mask only
 where the model has a tokenizer, which grammars need).
@@ -148,10 +149,18 @@ class MixedWorker(GenerateWorker):
             tokens = live.sequence()
             if not self.sched.kv.can_start(len(tokens)):
                 return
+            slot = self.sched.assign(live)
+            try:  # a LoRA adapter's row is held for the slot until free_slot
+                self.engine.start_prompt(slot, len(tokens), adapter=_adapter(live))
+            except Exception as e:  # this request only (an adapter not loaded)
+                self._release(slot)
+                if isinstance(e, RuntimeError) and "--max-loras" in str(e):
+                    return  # every adapter row is held by a running request: it waits
+                self.waiting.remove(live)
+                self.readback.end(live, "error", e)
+                continue
             self.waiting.remove(live)
             share.took(live)
-            slot = self.sched.assign(live)
-            self.engine.start_prompt(slot, len(tokens))
             self._prompts[slot] = (tokens, 0)
 
     # ---- one step ------------------------------------------------------------------------
@@ -205,7 +214,8 @@ class MixedWorker(GenerateWorker):
         tokens, _ = self._prompts[c.slot]
         first = c.start == 0
         return MixedRow(slot=c.slot, chunk=tokens[c.start:c.end], start=c.start,
-                        last=c.last, sampling=live.request.sampling if first else None)
+                        last=c.last, sampling=live.request.sampling if first else None,
+                        adapter=_adapter(live))
 
     def _advance(self, c: mixed_plan.Chunk, live: LiveRequest, t: float,
                  sampled: list[tuple[int, LiveRequest]]) -> None:
@@ -278,7 +288,8 @@ class MixedWorker(GenerateWorker):
         and (where grammars can be served) with one (run it through `call`):
         chunks of throwaway tokens in free slots whose table is all trash, so no page is
         written and the slots stay free (a chunk that does not end leaves them not live);
-        tokens 0: a step of no rows, which compiles the decode-rows program."""
+        tokens 0: a step of no rows, which compiles the decode-rows program. A LoRA
+        engine's steps compile twice: with the adapter pool, and plain."""
         g = self.engine.page_geometry
         table = np.full((g.slots, width), g.trash, np.int32)
         rows, left = [], tokens
@@ -292,8 +303,17 @@ class MixedWorker(GenerateWorker):
         masks = [None]
         if self.engine.tokenizer is not None and mask_refusal(self.engine) is None:
             masks.append(allow_all(g.slots, self.engine.vocab_size))  # structured output's
+        # A LoRA engine's step with the adapter pool too (the plain one runs while no
+        # slot holds an adapter).
+        programs = [{}, {"adapters": True}] if hasattr(self.engine, "hold_adapter") else [{}]
         for mask in masks:
-            with self.state_lock:
-                self.state, res = self.engine.engine.mixed_step(self.params, self.state,
-                                                                table, rows, **mask_kwargs(mask))
-            res.to_host()
+            for program in programs:
+                with self.state_lock:
+                    self.state, res = self.engine.engine.mixed_step(
+                        self.params, self.state, table, rows, **mask_kwargs(mask), **program)
+                res.to_host()
+
+
+def _adapter(live: LiveRequest) -> str | None:
+    """The request's LoRA adapter (None: the base model)."""
+    return getattr(live.request, "lora_adapter", None)

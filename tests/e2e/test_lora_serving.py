@@ -210,3 +210,51 @@ def test_disaggregated_orchestrator_serves_adapters(adapters, expected, merged):
     assert texts == [expected["beta"], expected[None], expected["alpha"]]
     want = merged(long_ids)
     assert long_texts == [want["alpha"], want[None], want["beta"]]
+
+
+def test_mixed_steps_serve_two_adapters_and_the_base_in_one_batch(adapters, merged):
+    """--scheduling mixed (paged KV, 32-token chunks): "alpha", the base model and "beta"
+    at once over the openai SDK, a short prompt and a long one (several chunks) each,
+    stream the merged weights' text; nothing compiles after the warm-up (a LoRA server's
+    mixed steps with the adapter pool and plain); every adapter row is let go after."""
+    import concurrent.futures
+
+    from jetserve import warmup
+    from jetserve.orchestrator.config import MIXED
+
+    engine_config = dataclasses.replace(ENGINE, max_loras=2, kv_layout="paged",
+                                        page_size=64)
+    orch = orchestrator.build(None, devices=jax.devices()[:1], engine_config=engine_config,
+                              config=OrchestratorConfig(scheduling=MIXED, prefill_chunk=32))
+    adapters_of = Adapters.of(orch)
+    for name in ("alpha", "beta"):
+        adapters_of.load(name, adapters[name][0])  # as --lora-modules
+    long_ids = prompt_ids(PROMPT * 3)
+    assert len(long_ids) > 2 * 32
+    jobs = [(ids, name) for ids in (prompt_ids(), long_ids) for name in ("alpha", MODEL, "beta")]
+    orch.start()
+    try:
+        warmup.run(orch, progress=False)
+        engine = orch.generate_engines[0]
+        traced = engine.trace_counts()["mixed"]
+        with BackgroundServers(orch, local_config(model_name=MODEL)) as s:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.http_port}/v1",
+                                   api_key="unused", max_retries=0, timeout=300)
+
+            def complete(job):
+                ids, model = job
+                chunks = client.completions.create(model=model, prompt=ids,
+                                                   max_tokens=TOKENS, temperature=0,
+                                                   stream=True,
+                                                   extra_body={"ignore_eos": True})
+                return "".join(c.choices[0].text for c in chunks if c.choices)
+
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+                texts = list(pool.map(complete, jobs))
+        assert engine.trace_counts()["mixed"] == traced
+        assert not engine._slot_rows and not any(engine.adapters._pins)
+    finally:
+        orch.stop(drain=False, timeout=30)
+    short, long = merged(prompt_ids()), merged(long_ids)
+    assert texts == [short["alpha"], short[None], short["beta"],
+                     long["alpha"], long[None], long["beta"]]

@@ -25,6 +25,7 @@ class _Seq:
     prompt: list[int]
     sent: int = 0
     out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -34,6 +35,7 @@ class MixedRun:
     shapes: set[tuple[int, int]]  # (token bucket, page-table width) of every step
     steps: int
     mixed_steps: int  # steps with both decode rows and a chunk
+    logprobs: list[list[float]] = dataclasses.field(default_factory=list)  # as outputs
 
 
 def _bucket(engine, rows) -> int:
@@ -47,19 +49,23 @@ def _bucket(engine, rows) -> int:
 def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: int,
               arrive_every: int = 2, sampling: SamplingParams | None = None,
               widest: bool = False, masks: Callable[[int, int], np.ndarray] | None = None,
-              pause_every: int = 0) -> MixedRun:
+              pause_every: int = 0, adapters=None) -> MixedRun:
     """Prompt i arrives at step i * arrive_every; every sequence gets max_tokens tokens.
     `widest`: every step takes the whole page table (one width: fewer programs to
     compile), else the width the pages held need (as generate's planner). `masks`: each
     step takes a token mask, masks(i, j) the packed row of prompt i's token j (rows that
     sample nothing allow all); `pause_every` k > 0: a decode row sits out (an all-zero
-    row) the steps where step + slot is a multiple of k."""
+    row) the steps where step + slot is a multiple of k. `adapters`: prompt i's LoRA
+    adapter (None: the base model), on each of its chunks; a slot's is let go
+    (engine.free_slot) when its sequence ends."""
+    adapters = adapters or [None] * len(prompts)
     g = engine.page_geometry
     pool = PagePool(g.num_pages)
     max_pages = pages_for(g.max_seq_len, g.page_size)
     table = np.full((g.slots, max_pages), g.num_pages, np.int32)  # num_pages: trash
     slots: dict[int, _Seq] = {}
     outputs: list[list[int] | None] = [None] * len(prompts)
+    logprobs: list[list[float] | None] = [None] * len(prompts)
     waiting = list(range(len(prompts)))
     state = engine.init_decode_state()
     run = MixedRun(outputs=[], shapes=set(), steps=0, mixed_steps=0)
@@ -80,7 +86,7 @@ def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: i
                 rows.append(MixedRow(slot=s, chunk=q.prompt[q.sent:q.sent + n], start=q.sent,
                                      last=q.sent + n == len(q.prompt),
                                      sampling=(sampling or SamplingParams()) if q.sent == 0
-                                     else None, seed=q.index))
+                                     else None, seed=q.index, adapter=adapters[q.index]))
                 reach[s] = q.sent + n - 1
                 left -= n
         if not rows:
@@ -106,13 +112,16 @@ def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: i
             assert host.valid(r.slot) == ((r.decode or r.last) and r.slot not in paused)
             if host.valid(r.slot):
                 q.out.append(host.token(r.slot))
+                q.logprobs.append(host.logprob(r.slot))
             if len(q.out) == max_tokens:
-                outputs[q.index] = q.out
+                outputs[q.index], logprobs[q.index] = q.out, q.logprobs
+                if adapters[q.index] is not None:
+                    engine.free_slot(r.slot)
                 pool.decref(q.pages)
                 table[r.slot] = g.num_pages
                 del slots[r.slot]
         run.steps += 1
-    run.outputs = outputs
+    run.outputs, run.logprobs = outputs, logprobs
     return run
 
 

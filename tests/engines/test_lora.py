@@ -14,6 +14,7 @@ import pytest
 from engines import EngineConfig, ModelConfig, create_engine
 from engines.lora import LoraConfig, pool_shardings
 from engines.lora_registry import UnknownAdapter
+from engines.mixed_batch import MixedRow
 from jetserve.offline import generate_many
 from sharding import load_preset
 from tests.engines import lora_files
@@ -184,6 +185,48 @@ def test_paged_kv_serves_adapters_as_the_contiguous_cache(adapter, tmp_path, spe
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
     adapted, base = runs["paged"]
     assert [r.token_ids for r in adapted] != [r.token_ids for r in base]
+
+
+def test_mixed_steps_run_each_row_through_its_adapter(adapter, tmp_path):
+    """Mixed steps (engines/mixed_step.py) on the paged LoRA engine: two adapters and the
+    base model in one batch, prompts in several chunks beside decode rows, give the
+    tokens and log-probs of the engine's own prefill + insert + generate; a second run
+    compiles nothing new; base rows alone run the plain program; each row is let go with
+    its slot."""
+    other, _ = write_adapter(tmp_path / "b", ["k_proj", "gate_proj"], rank=2, seed=3)
+    eng = _engine(kv_layout="paged", page_size=8)
+    eng.load_adapter("a", adapter[0])
+    eng.load_adapter("b", other)
+    params = eng.load_params()
+    names = ["a", None, "b", "a"]
+    want = generate_many(eng, params, _prompts(), max_tokens=10, ignore_eos=True,
+                         adapters=names)
+    base = generate_many(eng, params, _prompts(), max_tokens=10, ignore_eos=True)
+    run = run_mixed(eng, params, _prompts(), max_tokens=10, chunk=16, budget=20,
+                    widest=True, adapters=names)
+    assert run.mixed_steps >= 3
+    assert run.outputs == [r.token_ids for r in want]
+    for got, w in zip(run.logprobs, want, strict=True):
+        np.testing.assert_allclose(got, w.logprobs, atol=1e-5)
+    assert [r.token_ids for r in want] != [r.token_ids for r in base]
+    assert not eng._slot_rows and not any(eng.adapters._pins)
+    traced = eng.trace_counts()["mixed"]
+    assert traced <= 2 * len(run.shapes)  # at most the pool's and the plain program each
+    again = run_mixed(eng, params, _prompts(), max_tokens=10, chunk=16, budget=20,
+                      widest=True, adapters=names)
+    assert again.outputs == run.outputs and eng.trace_counts()["mixed"] == traced
+    # Base rows alone: the plain programs (no slot holds an adapter), the base tokens.
+    with_pool = eng._mixed_jits[True]
+    eng._mixed_jits[True] = None  # reaching for the pool's programs would fail the step
+    try:
+        only_base = run_mixed(eng, params, _prompts(), max_tokens=10, chunk=16, budget=20,
+                              widest=True)
+    finally:
+        eng._mixed_jits[True] = with_pool
+    assert only_base.outputs == [r.token_ids for r in base]
+    with pytest.raises(ValueError, match="decode row .* takes no start, last, sampling or "
+                                         "adapter"):
+        MixedRow(slot=0, adapter="a")
 
 
 # ---- rows: least recently used, never one in use ------------------------------------------

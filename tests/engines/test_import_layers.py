@@ -38,7 +38,7 @@ ENGINE_LAYERS = (
     # pure device steps over them; parameter loading (random, HF, Orbax, quantize-on-load)
     # and layouts (per layer or stacked)
     ("device_functions", "speculative", "param_loading", "param_layout", "prompt_scoring",
-     "prefill_program", "mixed_step", "exported_programs"),
+     "prefill_program", "mixed_step", "exported_programs", "lora_steps"),
     # the engines: shardings and jit wiring
     ("transformer_engine", "paged_engine", "lora_engine"),
     # the choice between them, and the package's public names

@@ -229,6 +229,49 @@ def test_mixed_steps_run_each_row_through_its_adapter(adapter, tmp_path):
         MixedRow(slot=0, adapter="a")
 
 
+def test_mixed_steps_compose_adapters_and_token_masks(adapter):
+    """One mixed run with adapter and base rows and a token mask on every sampled token
+    (a random quarter of the vocabulary each) gives each prompt the tokens its own
+    prefill + insert + masked generate steps give through its adapter."""
+    from engines.token_mask import allow_all
+    from jetserve.scheduling.page_planner import PagePlanner
+    from tests.engines.test_token_mask import _mask_of
+
+    eng = _engine(kv_layout="paged", page_size=8)
+    eng.load_adapter("a", adapter[0])
+    params = eng.load_params()
+    V, steps = eng.vocab_size, 8
+    prompts = [p[:14] for p in _prompts()[:2]] + _prompts()[2:]  # 14, 14, 6, 14 tokens
+    names = ["a", None, "a", None]
+
+    def allowed(i, j):
+        return set(np.random.default_rng(1000 * i + j).choice(V, V // 4, replace=False)
+                   .tolist())
+
+    masks = lambda i, j: _mask_of([allowed(i, j)], V)[0]  # noqa: E731
+    planner, want = PagePlanner(eng), []
+    state = planner.init_decode_state()
+    for i, p in enumerate(prompts):
+        prefix, first = eng.prefill(params, p, len(p), seed=i, adapter=names[i],
+                                    token_mask=masks(i, 0)[None])
+        state = planner.insert(prefix, state, 0)
+        toks = [first.to_host().token(0)]
+        for j in range(1, steps):
+            mask = allow_all(4, V)
+            mask[0] = masks(i, j)
+            state, res = planner.generate(params, state, token_mask=mask)
+            toks.append(res.to_host().token(0))
+        planner.free_slot(0)
+        want.append(toks)
+    run = dict(max_tokens=steps, chunk=4, budget=8, widest=True, adapters=names)
+    got = run_mixed(eng, params, prompts, masks=masks, **run)
+    assert got.mixed_steps >= 3
+    assert got.outputs == want
+    assert all(t in allowed(i, j) for i, toks in enumerate(want) for j, t in enumerate(toks))
+    assert run_mixed(eng, params, prompts, **run).outputs != want  # the masks decide here
+    assert not eng._slot_rows and not any(eng.adapters._pins)
+
+
 # ---- rows: least recently used, never one in use ------------------------------------------
 
 

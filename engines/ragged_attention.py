@@ -9,15 +9,20 @@ row's pages are in position order, key j of a row's page table is position j, an
 causal mask needs positions only (as engines/attention.py): no per-row lengths.
 
 Implementations:
-  - "xla" (`ragged_paged_attention`): runs everywhere. Queries go in tiles of `block_q`
-    tokens; for each tile a loop over blocks of the key pages (about `block_k` keys)
-    keeps an online softmax (as engines/blockwise_attention.py). A tile whose tokens are
-    all of one row (most tiles of a chunk) gathers that row's pages of a block once; a
-    tile of several rows (decode tokens, the edges of chunks) gathers, for every token,
-    its own row's pages, which costs tokens x keys of memory traffic, so tiles are
-    small. A tile loops only up to the block that holds its furthest position (and,
-    with a sliding window, from the first block its nearest position can see), so a
-    chunk at the start of a prompt reads little.
+  - "xla" (`ragged_paged_attention`): runs everywhere. Tokens go in tiles by their row's
+    kind, and for each tile a loop over blocks of the key pages (about `block_k` keys)
+    keeps an online softmax (as engines/blockwise_attention.py):
+      row tiles: a row of two or more contiguous tokens (a chunk of a prompt) in tiles of
+        `block_q` of its tokens; a tile gathers its row's pages of a key block once for
+        all its queries;
+      token tiles: every other live token (decode rows' one token; a row whose tokens
+        are not contiguous) `block_d` at a time, each token gathering its own row's
+        pages (tokens x keys of memory traffic, which a decode token needs anyway).
+    The plan is made on the device from the rows and positions (each row's count, first
+    and last token): the loops run as many tiles as there are, over arrays shaped by T
+    alone, so the shapes are fixed per (T, W). A tile loops only up to the block that
+    holds its furthest position (and, with a sliding window, from the first block its
+    nearest position can see), so a chunk at the start of a prompt reads little.
   - "pallas_tpu" (`pallas_ragged_attention`): jax's Pallas TPU ragged paged attention
     kernel (jax.experimental.pallas.ops.tpu.ragged_paged_attention), which reads pages in
     place. It takes keys and values interleaved in one pool [P + 1, ps, 2K, H]; ours are
@@ -113,82 +118,111 @@ def _online_softmax(q, pos, blocks, lo, hi, keys: int, shared: bool, sliding_win
     return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window, softcap,
-          layer, sinks, chunk):
-    """One tile: q [bq, K, G, H] at positions pos i32[bq] of rows i32[bq]; table
-    i32[R, nk * c] -> [bq, K, G, H] in q's dtype. A tile whose live tokens are all of
-    one row (most of a chunk's) gathers that row's pages once; a tile of several rows
-    (decode tokens, a chunk's edge) gathers each token's own."""
+def _row_tile(q, pos, pages, k_pool, v_pool, c: int, nk: int, sliding_window, softcap,
+              layer, sinks, chunk):
+    """A tile of one row: q [bq, K, G, H] at positions pos i32[bq] (-1: not this
+    row's), the row's pages i32[nk * c] -> f32 [bq, K, G, H]. Each key block's pages are
+    gathered once for the whole tile."""
     bq, K, G, H = q.shape
-    ps = k_pool.shape[-2]
-    keys = c * ps
-    live = pos >= 0
-    first = rows[jnp.argmax(live)]
+    keys = c * k_pool.shape[-2]
     lo, hi = _key_block_range(pos, keys, nk, reach(sliding_window, chunk))
 
-    def one_row(q):
-        pages = table[first]  # (nk * c,)
+    def blocks(j):
+        blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c)
+        return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, keys, H)
+                     for p in (k_pool, v_pool))
 
-        def blocks(j):
-            blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c)
-            return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, keys, H)
-                         for p in (k_pool, v_pool))
+    return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window, softcap,
+                           sinks, chunk)
 
-        return _online_softmax(q, pos, blocks, lo, hi, keys, True, sliding_window, softcap,
-                               sinks, chunk)
 
-    def per_token(q):
-        pages = jnp.take(table, rows, axis=0)  # (bq, nk * c)
+def _token_tile(q, pos, rows, table, k_pool, v_pool, c: int, nk: int, sliding_window,
+                softcap, layer, sinks, chunk):
+    """A tile of tokens of any rows (rows i32[bq]): each token gathers its own row's
+    pages of a key block -> f32 [bq, K, G, H]."""
+    bq, K, G, H = q.shape
+    keys = c * k_pool.shape[-2]
+    lo, hi = _key_block_range(pos, keys, nk, reach(sliding_window, chunk))
+    pages = jnp.take(table, rows, axis=0)  # (bq, nk * c)
 
-        def blocks(j):
-            blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c, axis=1)  # (bq, c)
-            return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, bq, keys, H)
-                         for p in (k_pool, v_pool))
+    def blocks(j):
+        blk = jax.lax.dynamic_slice_in_dim(pages, j * c, c, axis=1)  # (bq, c)
+        return tuple(_take_pages(p, blk, layer, q.dtype).reshape(K, bq, keys, H)
+                     for p in (k_pool, v_pool))
 
-        return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window, softcap,
-                               sinks, chunk)
-
-    single = jnp.all(~live | (rows == first))
-    return jax.lax.cond(single, one_row, per_token, q).astype(q.dtype)
+    return _online_softmax(q, pos, blocks, lo, hi, keys, False, sliding_window, softcap,
+                           sinks, chunk)
 
 
 def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            table: jax.Array, rows: jax.Array, positions: jax.Array,
-                           sliding_window: int | None, *, block_q: int = 16,
-                           block_k: int = 256, layer: jax.Array | None = None,
+                           sliding_window: int | None, *, block_q: int = 64,
+                           block_d: int = 8, block_k: int = 256,
+                           layer: jax.Array | None = None,
                            softcap: float | None = None,
                            sinks: jax.Array | None = None,
                            chunk: int | None = None) -> jax.Array:
     """q [T, N, H]; pools [K, P + 1, ps, H]; table i32[R, W] each row's pages in position
     order; rows i32[T] each token's row; positions i32[T] (-1: padding) -> [T, N, H];
     `layer`: the pools are stacks [L, ...], read at that layer; sinks: None or f32[N];
-    chunk: None or the local attention's chunk.
+    chunk: None or the local attention's chunk. block_q: queries of a row tile (a
+    chunk's); block_d: tokens of a token tile (decode tokens); block_k: keys per block.
 
     Every key a token may see (positions 0..its own of its row) must already be in the
     pools: a step writes its tokens' keys before attending."""
     T, N, H = q.shape
     K, P1, ps, _ = k_pool.shape[-4:]
     G = N // K
-    W = table.shape[1]
+    R, W = table.shape
     c = max(1, min(W, block_k // ps))  # pages per key block
     nk = -(-W // c)
     # Columns past W point at the trash page; their positions are past every query's.
     table = jnp.pad(table, [(0, 0), (0, nk * c - W)], constant_values=P1 - 1)
-    bq = min(block_q, T)
-    nq = -(-T // bq)
-    Tp = nq * bq
-    qb = _pad_rows(q, Tp, 0).reshape(nq, bq, K, G, H)
-    pos = _pad_rows(positions, Tp, -1).reshape(nq, bq)
-    rws = _pad_rows(rows, Tp, 0).reshape(nq, bq)
     sink = None if sinks is None else sink_logits(sinks, K)  # (K, G)
+    bq, bd = min(block_q, T), min(block_d, T)
+    t = jnp.arange(T)
+    live = positions >= 0
+    rows = jnp.clip(rows, 0, R - 1)
+    # Each row's live tokens: how many, the first and the last (padding belongs to none).
+    count = jax.ops.segment_sum(live.astype(jnp.int32), rows, R)
+    first = jax.ops.segment_min(jnp.where(live, t, T), rows, R)
+    last = jax.ops.segment_max(jnp.where(live, t, -1), rows, R)
+    # Row tiles: a row of two or more contiguous tokens (a chunk) in tiles of bq.
+    whole = (count >= 2) & (last - first + 1 == count)
+    row_tiles = jnp.where(whole, -(-count // bq), 0)
+    tiles_end = jnp.cumsum(row_tiles)
+    # Token tiles: every other live token (decode rows), bd at a time.
+    by_token = live & ~whole[rows]
+    slot = jnp.where(by_token, jnp.cumsum(by_token) - 1, T)
+    Tt = -(-T // bd) * bd
+    token_of = jnp.full((Tt,), T, jnp.int32).at[slot].set(t.astype(jnp.int32), mode="drop")
+    # One spare row (index T) past the tokens: token tiles' padding reads and writes it.
+    qx = _pad_rows(q, T + bq, 0).reshape(T + bq, K, G, H)
+    posx = _pad_rows(positions, T + bq, -1)
+    rowsx = _pad_rows(rows, T + bq, 0)
+    out = jnp.zeros((T + bq, K, G, H), q.dtype)
 
-    def one(args):
-        qt, pt, rt = args
-        return _tile(qt, pt, rt, table, k_pool, v_pool, c, nk, sliding_window, softcap, layer,
-                     sink, chunk)
+    def token_tile(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(token_of, i * bd, bd)
+        o = _token_tile(qx[idx], posx[idx], rowsx[idx], table, k_pool, v_pool, c, nk,
+                        sliding_window, softcap, layer, sink, chunk)
+        return out.at[idx].set(o.astype(out.dtype))
 
-    out = jax.lax.map(one, (qb, pos, rws))  # (nq, bq, K, G, H)
-    return out.reshape(Tp, N, H)[:T]
+    def row_tile(i, out):
+        r = jnp.minimum(jnp.searchsorted(tiles_end, i, side="right"), R - 1)
+        k = i - (tiles_end[r] - row_tiles[r])  # the row's k-th tile
+        at = first[r] + k * bq
+        mine = jnp.arange(bq) < count[r] - k * bq
+        pos = jnp.where(mine, jax.lax.dynamic_slice_in_dim(posx, at, bq), -1)
+        o = _row_tile(jax.lax.dynamic_slice_in_dim(qx, at, bq), pos, table[r], k_pool,
+                      v_pool, c, nk, sliding_window, softcap, layer, sink, chunk)
+        old = jax.lax.dynamic_slice_in_dim(out, at, bq)
+        new = jnp.where(mine[:, None, None, None], o.astype(out.dtype), old)
+        return jax.lax.dynamic_update_slice_in_dim(out, new, at, 0)
+
+    out = jax.lax.fori_loop(0, -(-jnp.sum(by_token) // bd), token_tile, out)
+    out = jax.lax.fori_loop(0, tiles_end[-1], row_tile, out)
+    return out[:T].reshape(T, N, H)
 
 
 def combined_pages(k_pool: jax.Array, v_pool: jax.Array) -> jax.Array:

@@ -204,6 +204,31 @@ def test_ragged_attention_with_chunks_matches_plain_attention(window):
     assert not np.asarray(got)[~live].any()
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_ragged_attention_tiles_by_row_kind(window):
+    """Decode tokens beside a 23-token chunk that spans several row tiles (block_q 8, its
+    last tile part full), a second chunk whose tokens are not contiguous (gathered token
+    by token), and more decode tokens than a token tile (block_d 2): every live token
+    equals plain attention over its row's keys; padding comes out zero."""
+    rng = np.random.default_rng(3)
+    K, N, H, ps, W, P = 2, 4, 8, 4, 8, 40
+    pools = [jnp.asarray(rng.standard_normal((K, P + 1, ps, H)), jnp.float32)
+             for _ in range(2)]
+    table = jnp.asarray(rng.permutation(P)[:5 * W].reshape(5, W), jnp.int32)
+    rows = np.array([0, 1] + [2] * 23 + [3, 4, 3, 3] + [0] * 3, np.int32)
+    pos = np.array([30, 7] + list(range(6, 29)) + [12, 20, 13, 14] + [-1] * 3, np.int32)
+    q = jnp.asarray(rng.standard_normal((32, N, H)), jnp.float32)
+    got = ragged_paged_attention(q, *pools, table, jnp.asarray(rows), jnp.asarray(pos),
+                                 window, block_q=8, block_d=2, block_k=8)
+    k_all, v_all = (gather_pages(p, table, p.dtype) for p in pools)
+    S = k_all.shape[1]
+    live = pos >= 0
+    want = attention(q[:, None], k_all[rows], v_all[rows], jnp.asarray(pos)[:, None],
+                     jnp.broadcast_to(jnp.arange(S), (32, S)), window)[:, 0]
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
+    assert not np.asarray(got)[~live].any()
+
+
 def test_ragged_attention_matches_the_kernel_reference():
     """The contract of jax's ragged paged attention kernel (its own plain-jnp reference,
     over our pools re-laid-out as the kernel reads them) equals the XLA path."""

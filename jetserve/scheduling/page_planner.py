@@ -10,7 +10,7 @@ generate worker, the lock-step driver, offline generation, warm-up, benches, tes
                                               (SlotPages.before_step; OutOfPages before
                                               anything runs), then engine.generate with
                                               the table
-  start_prompt(slot, tokens)                  mixed steps: a prompt's pages, before
+  start_prompt(slot, tokens, shared_pages=)   mixed steps: a prompt's pages, before
                                               its chunks run (SlotPages.insert)
   mixed_step(params, state, rows, prefilling=) before_step, engine.mixed_step, then the
                                               slots still in their prompt keep their length
@@ -91,10 +91,13 @@ class PagePlanner:
                          np.flatnonzero(~mask.any(axis=1)).tolist())
         return out
 
-    def start_prompt(self, slot: int, tokens: int) -> None:
+    def start_prompt(self, slot: int, tokens: int, *,
+                     shared_pages: tuple[int, ...] | list[int] = ()) -> None:
         """Mixed steps: `slot` takes the pages of a whole `tokens`-token prompt now; its
-        chunks write them over the next steps (no insert)."""
-        self.kv_pages.insert(slot, tokens)
+        chunks write them over the next steps (no insert). shared_pages: held pages that
+        already hold the prompt's first len(shared_pages) * page_size positions (a prefix
+        cache hit): the slot links them and its chunks start after them."""
+        self.kv_pages.insert(slot, tokens, shared=shared_pages)
 
     def mixed_step(self, params: Any, decode_state: Any, rows: Any, *,
                    prefilling: Any = ()) -> tuple[Any, Any]:

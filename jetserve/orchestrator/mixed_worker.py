@@ -8,23 +8,24 @@ straight from the admission queue (no prefill thread, no backlog of prefixes). E
   2. admit waiting requests (preempted ones first, then the admission queue's fair order)
      into free slots, fewest slots per client first, while the pages of the whole prompt
      and the next step fit (`KVCacheManager.can_start`); the prompt's pages are taken at
-     once (`PagePlanner.start_prompt`);
-     with a prefix cache (`cache`, over this engine's pages: prefix_cache.PageStore) the
-     prompt is looked up first: the slot links the pages of its cached whole blocks on
-     the device (shared, one reference more each) and its chunks start after them, so
-     a hit only starts the prompt later (a whole prompt cached still runs its last
-     token, which samples the first). Blocks on the cache's host tier are recomputed
-     and move back up into the slot's pages when the prompt is adopted. A request with
-     a repetition penalty runs its whole prompt (the penalty's prompt mask is built
-     from the chunks);
+     once (`PagePlanner.start_prompt`). With a prefix cache (`cache`, in this engine's
+     pages: prefix_stores.PageStore) the prompt is looked up first: the slot links the
+     pages of its cached whole blocks on the device (shared, one reference more each)
+     and its chunks start after them, so a hit only starts the prompt later (a whole
+     prompt cached still runs its last token, which samples the first). Blocks on the
+     cache's host tier are recomputed and move back up into the slot's pages when the
+     prompt is adopted. A request with a repetition penalty runs its whole prompt (the
+     penalty's prompt mask is built from the chunks);
   3. one `engine.mixed_step` (engines/mixed_step.py): a token for every decoding slot,
      plus chunks of the admitted prompts up to the token budget
      (jetserve/scheduling/mixed_plan.py). The chunk that ends a prompt samples its first
      token, and then the cache adopts the prompt's whole pages (as the interleaved
-     generate thread's insert does) and releases the hit. Results are read one step late through the shared read-back path
-     (readback.py): stop ids, max_tokens, streaming and metrics as in the interleaved
-     mode. When the next step's pages are not free, the most recently admitted request is
-     preempted and recomputed later from its prompt and tokens (its chunks run again).
+     generate thread's insert does) and releases the hit. Results are read one step
+     late through the shared read-back path (readback.py): stop ids, max_tokens,
+     streaming and metrics as in the interleaved mode. When the next step's pages are
+     not free, the most recently admitted request is preempted (releasing its hit and
+     its links) and recomputed later from its prompt and tokens (its chunks run again,
+     after what the cache holds of them by then).
 
 What a mixed step cannot run is refused when the request arrives (orchestrator
 mixed.py): structured output (token masks) and LoRA adapters; a prefix cache over an

@@ -223,6 +223,9 @@ def test_prefix_cache_hits_start_prompts_later_through_preemption_and_the_host_t
     eng = _engine(max_prefill_length=48)
     reference = [r.token_ids for r in generate_many(eng, place(eng, weights), shared,
                                                     max_tokens=MAX_TOKENS, ignore_eos=True)]
+    penalty = SamplingParams(repetition_penalty=1.5)
+    penalized = generate_many(eng, place(eng, weights), [base], max_tokens=MAX_TOKENS,
+                              sampling=penalty, ignore_eos=True)[0].token_ids
     eng = _paged(num_pages=18)
     block = block_bytes(eng, 4)
     orch = _orch(weights, eng, prefix_cache_hbm_bytes=6 * block,
@@ -238,9 +241,11 @@ def test_prefix_cache_hits_start_prompts_later_through_preemption_and_the_host_t
     eng.engine.mixed_step = counting
     alone = []  # prompt tokens run by each request sent alone
     with orch:
-        for p, want in ((base, reference[0]), (shared[1], reference[1]), (base, reference[0])):
+        for p, sampling, want in ((base, None, reference[0]), (shared[1], None, reference[1]),
+                                  (base, None, reference[0]), (base, penalty, penalized)):
             ran.clear()
-            got = orch.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True))
+            got = orch.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                      **({"sampling": sampling} if sampling else {})))
             assert got.result(timeout=300).token_ids == want
             alone.append(sum(ran))
             if len(alone) == 1:
@@ -256,13 +261,14 @@ def test_prefix_cache_hits_start_prompts_later_through_preemption_and_the_host_t
     assert checker.errors == []
     # The first prompt ran whole and stored its 5 whole blocks; the next, 3 tokens
     # longer, linked all 5 and ran its last 3 tokens; the first again linked 4 and ran
-    # its last 4 (a prompt cached whole still runs its last token, which samples).
+    # its last 4 (a prompt cached whole still runs its last token, which samples); with a
+    # repetition penalty (whose prompt mask the chunks build) it ran whole.
     assert (after_one["lookups"], after_one["hits"], after_one["inserted"]) == (1, 0, 5)
-    assert alone == [20, 3, 4]
+    assert alone == [20, 3, 4, 20]
     # One lookup counted per admission (a preempted request is admitted again), however
     # often a waiting prompt was looked up.
     preempted = stats["generate"][0]["preemptions"]
-    assert cache["lookups"] == 3 + len(prompts) + preempted
+    assert cache["lookups"] == 3 + len(prompts) + preempted  # the penalized one: none
     assert cache["hits"] >= len(prompts) // 2
     assert cache["hit_tokens"] >= 12 * cache["hits"] and cache["device_store"] == "pages"
     assert cache["evicted_to_host"] >= 1  # 6 device blocks: the host tier was used

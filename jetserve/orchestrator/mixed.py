@@ -5,12 +5,18 @@ Admission, the registry of requests in flight, the detokenize thread, listeners,
 and stop are the threaded orchestrator's (driver.py); only the threads differ: one
 mixed generate thread takes admitted requests straight from the admission queue.
 
+The prefix cache (--prefix-cache-hbm-mb / --prefix-cache-host-mb, --enable-prefix-caching)
+lives in the engine's own KV pages (prefix_stores.PageStore) and belongs to the mixed
+thread: a hit links its pages into the prompt's slot and the prompt's chunks start after
+them (mixed_worker.py); its stats are the interleaved cache's.
+
 Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
 decode-first (every step runs every decoding sequence anyway), speculative
-decoding and the prefix cache at start; and devices split into prefill and generate
-slices (`build`: the mixed step is one slice's). Structured output is served: each step
-takes its sampling rows' token masks (mixed_worker.py). LoRA adapters (--lora-modules)
-are served: each row of a step runs through its request's adapter.
+decoding at start, and the prefix cache on an engine whose sliding layers keep rings of
+pages (a ring keeps no page behind its window to link); and devices split into prefill
+and generate slices (`build`: the mixed step is one slice's). Structured output is
+served: each step takes its sampling rows' token masks (mixed_worker.py). LoRA adapters
+(--lora-modules) are served: each row of a step runs through its request's adapter.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from engines import Engine
 from jetserve.orchestrator.config import MIXED, OrchestratorConfig
 from jetserve.orchestrator.driver import Orchestrator
 from jetserve.orchestrator.mixed_worker import MixedWorker
-from jetserve.orchestrator.wiring import check_engines, step_policy
+from jetserve.orchestrator.wiring import build_prefix_cache, check_engines, step_policy
 from jetserve.scheduling.policy import PREFILL_FIRST
 
 
@@ -36,9 +42,12 @@ def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
     if config.step_policy != PREFILL_FIRST:
         raise ValueError(f"--step-policy {config.step_policy}: --scheduling mixed runs every "
                          "decoding sequence in each step whatever the policy; leave it out")
-    if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
-        raise ValueError("--scheduling mixed has no prefix cache yet: leave out "
-                         "--prefix-cache-hbm-mb / --prefix-cache-host-mb")
+    if (config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes) and \
+            engine.page_geometry.ring_pages:
+        raise ValueError("--scheduling mixed keeps its prefix cache in the KV pages, and "
+                         "this model's sliding-window layers keep rings of pages (no page "
+                         "behind the window to link): leave out --prefix-cache-hbm-mb / "
+                         "--prefix-cache-host-mb / --enable-prefix-caching")
     if engine.config.prefill_batch > 1:
         raise ValueError(f"--prefill-batch {engine.config.prefill_batch}: --scheduling mixed "
                          f"already runs the waiting prompts' chunks together in each step; "
@@ -60,12 +69,17 @@ class MixedOrchestrator(Orchestrator):
         self._generate = [MixedWorker(
             0, planned, params, self._outbox, self._listeners, self._stopping,
             backlog_size=1, poll_s=config.poll_interval_s, policy=policy,
-            admission=self._admission, budget=budget, chunk=policy.prefill_chunk)]
+            admission=self._admission, budget=budget, chunk=policy.prefill_chunk,
+            cache_key=config.prefix_cache_key)]
+        build_prefix_cache(planned, config, self._generate[0])  # sets its `cache`
 
     @classmethod
     def from_engines(cls, engine: Engine, *, params: Any = None,
                      config: OrchestratorConfig | None = None) -> MixedOrchestrator:
         return cls(engine, engine.load_params() if params is None else params, config)
+
+    def _cache_workers(self) -> list[MixedWorker]:
+        return self._generate  # the mixed thread owns the prefix cache
 
     # ---- warm-up: throwaway steps per (token bucket, page-table width) ------------------
 

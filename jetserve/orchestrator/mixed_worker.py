@@ -8,23 +8,35 @@ straight from the admission queue (no prefill thread, no backlog of prefixes). E
   2. admit waiting requests (preempted ones first, then the admission queue's fair order)
      into free slots, fewest slots per client first, while the pages of the whole prompt
      and the next step fit (`KVCacheManager.can_start`); the prompt's pages are taken at
-     once (`PagePlanner.start_prompt`);
+     once (`PagePlanner.start_prompt`). With a prefix cache (`cache`, in this engine's
+     pages: prefix_stores.PageStore) the prompt is looked up first: the slot links the
+     pages of its cached whole blocks on the device (shared, one reference more each)
+     and its chunks start after them, so a hit only starts the prompt later (a whole
+     prompt cached still runs its last token, which samples the first). Blocks on the
+     cache's host tier are recomputed and move back up into the slot's pages when the
+     prompt is adopted. A request with a repetition penalty runs its whole prompt (the
+     penalty's prompt mask is built from the chunks);
   3. one `engine.mixed_step` (engines/mixed_step.py): a token for every decoding slot,
      plus chunks of the admitted prompts up to the token budget
      (jetserve/scheduling/mixed_plan.py). The chunk that ends a prompt samples its first
-     token. Results are read one step late through the shared read-back path
-     (readback.py): stop ids, max_tokens, streaming and metrics as in the interleaved
-     mode. When the next step's pages are not free, the most recently admitted request is
-     preempted and recomputed later from its prompt and tokens (its chunks run again).
+     token, and then the cache adopts the prompt's whole pages (as the interleaved
+     generate thread's insert does) and releases the hit. Results are read one step
+     late through the shared read-back path (readback.py): stop ids, max_tokens,
+     streaming and metrics as in the interleaved mode. When the next step's pages are
+     not free, the most recently admitted request is preempted (releasing its hit and
+     its links) and recomputed later from its prompt and tokens (its chunks run again,
+     after what the cache holds of them by then).
      Structured output: each sampling row (decode rows, the chunks that end a prompt)
      gets its grammar's mask as the interleaved generate thread makes it (step_masks.py):
      a constrained decode row whose last token is not read yet sits the step out when an
      unconstrained request is in the batch, else the step waits for the read-back; a
      grammar that is complete ends its request "stop" when its last token is read.
 
-LoRA: a request's adapter runs in its chunks and decode rows (engines/lora_engine.py PagedLoraEngine): its row is held for the slot at admission
-(`start_prompt`) until the slot is freed; a request whose adapter finds every row held
-by running requests waits for one to end.
+LoRA: a request's adapter runs in its chunks and decode rows (engines/lora_engine.py
+PagedLoraEngine): its row is held for the slot at admission (`start_prompt`) until the
+slot is freed; a request whose adapter finds every row held by running requests waits
+for one to end. A prefix cache over an engine whose sliding layers keep rings of pages
+is refused at start (orchestrator mixed.py).
 Warm-up (`warm`, run on this thread through `call`) compiles every (token bucket,
 page-table width) the steps can take, with a token mask and without (the mask only
 where the model has a tokenizer, which grammars need).
@@ -49,6 +61,7 @@ from jetserve.orchestrator.fair_queue import FairQueue
 from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
+from jetserve.orchestrator.prefix_cache import Hit
 from jetserve.orchestrator.step_masks import mask_kwargs, mask_refusal, must_sync, step_mask
 from jetserve.orchestrator.timing import PrefillDone
 from jetserve.scheduling import mixed_plan
@@ -61,14 +74,17 @@ class MixedWorker(GenerateWorker):
     """See the module doc. `budget`: tokens per step; `chunk`: prompt tokens per row."""
 
     def __init__(self, *args: Any, admission: FairQueue, budget: int, chunk: int,
-                 **kw: Any):
+                 cache_key: str = "", **kw: Any):
         super().__init__(*args, **kw)
+        self.cache_key = cache_key  # the prefix cache's model key (config.prefix_cache_key)
         self.admission = admission
         self.budget, self.chunk = budget, chunk
         self.waiting: collections.deque[LiveRequest] = collections.deque()
         self.resume = self.waiting.appendleft  # preempted: recomputed first
         # slot -> (its request's tokens to run, how many ran): slots still in their prompt
         self._prompts: dict[int, tuple[list[int], int]] = {}
+        # slot -> its prefix-cache hit (pinned), from admission to its prompt's last chunk
+        self._hits: dict[int, Hit] = {}
         self._calls: queue.Queue = queue.Queue()  # (fn, future) to run on this thread
 
     def load(self) -> int:
@@ -147,12 +163,19 @@ class MixedWorker(GenerateWorker):
         while self.slots.has_free and self.waiting:
             live = share.pick(self.waiting)
             tokens = live.sequence()
-            if not self.sched.kv.can_start(len(tokens)):
+            hit = self._lookup(live, tokens)
+            shared = hit.pages if hit is not None else []
+            if not self.sched.kv.can_start(len(tokens), len(shared)):
+                if hit is not None:
+                    hit.release()
                 return
             slot = self.sched.assign(live)
             try:  # a LoRA adapter's row is held for the slot until free_slot
-                self.engine.start_prompt(slot, len(tokens), adapter=_adapter(live))
+                self.engine.start_prompt(slot, len(tokens), adapter=_adapter(live),
+                                         shared_pages=shared)
             except Exception as e:  # this request only (an adapter not loaded)
+                if hit is not None:
+                    hit.release()
                 self._release(slot)
                 if isinstance(e, RuntimeError) and "--max-loras" in str(e):
                     return  # every adapter row is held by a running request: it waits
@@ -161,7 +184,24 @@ class MixedWorker(GenerateWorker):
                 continue
             self.waiting.remove(live)
             share.took(live)
-            self._prompts[slot] = (tokens, 0)
+            if hit is not None:
+                self.cache.counted(hit)
+                self._hits[slot] = hit
+            self._prompts[slot] = (tokens, self._first(slot))
+
+    def _lookup(self, live: LiveRequest, tokens: list[int]) -> Hit | None:
+        """The prompt's cached whole blocks (pinned; counted once admitted), or None
+        without a cache or with a repetition penalty (whose prompt mask the chunks
+        build)."""
+        req = live.request
+        if self.cache is None or req.sampling.repetition_penalty != 1.0:
+            return None
+        return self.cache.lookup(req.cache_key(self.cache_key), tokens, count=False)
+
+    def _first(self, slot: int) -> int:
+        """Where the slot's prompt chunks start: after its hit's linked pages."""
+        hit = self._hits.get(slot)
+        return len(hit.pages) * self.sched.kv.page_size if hit is not None else 0
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -212,7 +252,7 @@ class MixedWorker(GenerateWorker):
 
     def _chunk_row(self, c: mixed_plan.Chunk, live: LiveRequest) -> MixedRow:
         tokens, _ = self._prompts[c.slot]
-        first = c.start == 0
+        first = c.start == self._first(c.slot)
         return MixedRow(slot=c.slot, chunk=tokens[c.start:c.end], start=c.start,
                         last=c.last, sampling=live.request.sampling if first else None,
                         adapter=_adapter(live))
@@ -222,12 +262,14 @@ class MixedWorker(GenerateWorker):
         """A chunk was dispatched: the prompt moves on; its last samples the first token
         (timed as the interleaved prefill's end, and reported as a PrefillDone)."""
         tokens, _ = self._prompts[c.slot]
-        if c.start == 0 and live.timing.prefill_start is None:
+        if c.start == self._first(c.slot) and live.timing.prefill_start is None:
             live.timing.prefill_start = t
         if not c.last:
             self._prompts[c.slot] = (tokens, c.end)
             return
         del self._prompts[c.slot]
+        if (hit := self._hits.pop(c.slot, None)) is not None:
+            self.cache.adopt(hit, self.pages.pages_of(c.slot))  # releases the hit
         sampled.append((c.slot, live))
         if live.preemptions == 0:
             live.timing.prefill_end = time.monotonic()
@@ -238,8 +280,14 @@ class MixedWorker(GenerateWorker):
     # ---- helpers -------------------------------------------------------------------------
 
     def _release(self, slot: int) -> None:
-        self._prompts.pop(slot, None)
+        self._drop_prompt(slot)
         super()._release(slot)
+
+    def _drop_prompt(self, slot: int) -> None:
+        """Forgets the slot's prompt progress and releases its hit (nothing cached)."""
+        self._prompts.pop(slot, None)
+        if (hit := self._hits.pop(slot, None)) is not None:
+            hit.release()
 
     def _make_room(self) -> None:
         """As the generate thread's, forgetting a preempted slot's prompt progress."""
@@ -248,7 +296,7 @@ class MixedWorker(GenerateWorker):
         self.readback.read()
         while (slot := self.sched.next_victim()) is not None:
             live = self.sched.preempt(slot)
-            self._prompts.pop(slot, None)
+            self._drop_prompt(slot)
             self.engine.free_slot(slot)
             if not live.done:
                 live.preempted()

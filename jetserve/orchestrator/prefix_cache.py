@@ -144,7 +144,8 @@ class PrefixCache:
 
     # ---- the prefill thread's calls ------------------------------------------------------
 
-    def lookup(self, key: str, tokens: Sequence[int], wait_s: float = 0.0) -> Hit:
+    def lookup(self, key: str, tokens: Sequence[int], wait_s: float = 0.0, *,
+               count: bool = True) -> Hit:
         """The longest cached whole-block prefix of `tokens` short of the last token
         (possibly none: hit.tokens == 0), pinned until hit.release().
 
@@ -152,6 +153,8 @@ class PrefixCache:
         pages adopted, when they would make this hit longer (requests through one system
         prompt arriving together: the second should not recompute what the first's insert
         is about to cache).
+        count: counts the lookup in the stats now; else `counted(hit)` does once the hit
+        is used (a mixed step's admission may look a waiting prompt up again and again).
         """
         blocks = self._blocks(tokens, len(tokens) - 1)
         end = time.monotonic() + wait_s
@@ -164,23 +167,23 @@ class PrefixCache:
                 if left <= 0:
                     break
                 self._adopted.wait(left)
-            self._counts["lookups"] += 1
-            self._counts["lookup_tokens"] += len(tokens)
             for n in path:
                 n.pins += 1
             self._touch(path)
-            if path:
-                self._counts["hits"] += 1
-                self._counts["hit_tokens"] += len(path) * self.block
-                up = [n for n in path if n.tier == "host"]
-                if up:
-                    self._counts["host_hits"] += 1
-                if up and self.store.moves_up_on_lookup:
-                    for n in up:
-                        self._move(n, "hbm", kv=self.store.to_device(n.kv))
-                    self._counts["restored"] += len(up)
-                    self._evict()
+            if count:
+                self._count(len(tokens), path)
+            up = [n for n in path if n.tier == "host"]
+            if up and self.store.moves_up_on_lookup:
+                for n in up:
+                    self._move(n, "hbm", kv=self.store.to_device(n.kv))
+                self._counts["restored"] += len(up)
+                self._evict()
             return Hit(self, key, tokens, path)
+
+    def counted(self, hit: Hit) -> None:
+        """Counts a lookup made with count=False in the stats (once per hit)."""
+        with self._lock:
+            self._count(len(hit.sequence), hit._nodes)
 
     def existing_prefix(self, hit: Hit, tokens: Sequence[int]) -> Any:
         """The hit's blocks as a Prefix of tokens[:hit.tokens] (hit.tokens > 0)."""
@@ -304,6 +307,16 @@ class PrefixCache:
         n = max(limit, 0) // self.block
         t = [int(x) for x in tokens[: n * self.block]]
         return [tuple(t[i * self.block:(i + 1) * self.block]) for i in range(n)]
+
+    def _count(self, tokens: int, path: list[_Node]) -> None:
+        """A lookup of `tokens` tokens that found `path` (before any moved up)."""
+        self._counts["lookups"] += 1
+        self._counts["lookup_tokens"] += tokens
+        if path:
+            self._counts["hits"] += 1
+            self._counts["hit_tokens"] += len(path) * self.block
+            if any(n.tier == "host" for n in path):
+                self._counts["host_hits"] += 1
 
     def _touch(self, path: list[_Node]) -> None:
         # Deeper nodes count as older: a leaf goes before its parent.

@@ -10,9 +10,10 @@ generate worker, the lock-step driver, offline generation, warm-up, benches, tes
                                               (SlotPages.before_step; OutOfPages before
                                               anything runs), then engine.generate with
                                               the table
-  start_prompt(slot, tokens, adapter=)        mixed steps: a prompt's pages, before
-                                              its chunks run (SlotPages.insert), and
-                                              its LoRA adapter's row held for the slot
+  start_prompt(slot, tokens, adapter=,       mixed steps: a prompt's pages, before
+               shared_pages=)                 its chunks run (SlotPages.insert), a prefix
+                                              cache hit's pages linked, and its LoRA
+                                              adapter's row held for the slot
   mixed_step(params, state, rows, prefilling=, before_step, engine.mixed_step, then the
              token_mask=)                     slots still in their prompt (and those a
                                               mask sat out) keep their length
@@ -93,18 +94,21 @@ class PagePlanner:
                          np.flatnonzero(~mask.any(axis=1)).tolist())
         return out
 
-    def start_prompt(self, slot: int, tokens: int, adapter: str | None = None) -> None:
+    def start_prompt(self, slot: int, tokens: int, adapter: str | None = None, *,
+                     shared_pages: tuple[int, ...] | list[int] = ()) -> None:
         """Mixed steps: `slot` takes the pages of a whole `tokens`-token prompt now; its
         chunks write them over the next steps (no insert). `adapter`: the prompt's LoRA
         adapter, whose row the engine holds for the slot first (engine.hold_adapter,
-        until free_slot; its errors leave the pages untaken)."""
+        until free_slot; its errors leave the pages untaken). shared_pages: held pages
+        that already hold the prompt's first len(shared_pages) * page_size positions (a
+        prefix cache hit): the slot links them and its chunks start after them."""
         if adapter is not None:
             hold = getattr(self.engine, "hold_adapter", None)
             if hold is None:
                 raise ValueError(f"lora_adapter {adapter!r}: this engine serves no LoRA "
                                  "adapters (start it with --lora-modules)")
             hold(slot, adapter)
-        self.kv_pages.insert(slot, tokens)
+        self.kv_pages.insert(slot, tokens, shared=shared_pages)
 
     def mixed_step(self, params: Any, decode_state: Any, rows: Any, *,
                    prefilling: Any = (), token_mask: Any = None) -> tuple[Any, Any]:

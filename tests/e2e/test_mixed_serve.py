@@ -9,6 +9,8 @@ trace of the mixed step, `traced`, whether its compile then comes from the cache
 Structured output (a json_schema response_format, a regex and a choice), sent at once
 beside a plain request: valid output, and the tokens `jetserve batch` (turns) gives the
 same rows; the token masks' programs were compiled by the warm-up too.
+With the prefix cache on (its blocks in the KV pages), prompts sharing a 70-token prefix
+stream the same greedy tokens, and /metrics counts the cached tokens they skipped.
 """
 
 import concurrent.futures
@@ -32,10 +34,14 @@ from tests.xla import xla_flags
 
 SERVE = ["--scheduling", "mixed", "--kv-layout", "paged", "--max-seq-len", "128",
          "--max-prefill-length", "32", "--prefill-chunk", "16", "--max-concurrent-decodes",
-         "4", "--page-size", "32"]
+         "4", "--page-size", "32", "--enable-prefix-caching"]
 PAGES = 16  # the default pool: 4 slots x 128 / 32
 PROMPTS = [[1, 450, 3996], [1, *range(300, 340)], [1, *range(500, 517)],
            [1, *range(700, 760)], [1, 887, 338, 263, 1243], [1, *range(900, 933)]]
+# A 71-token prefix (two whole pages of 32) in three prompts: ended differently, and the
+# first again (cached whole but for its last token).
+PREFIX = [1, *range(1000, 1070)]
+SHARED = [[*PREFIX, 5, 6], [*PREFIX, 40, 41, 42, 43, 44], [*PREFIX, 5, 6]]
 MAX_TOKENS = 12
 COMPILE = re.compile(r"Finished tracing traced for jit")
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -78,7 +84,7 @@ def reference():
     """`jetserve generate` (prefill / insert / generate turns, contiguous KV) greedy ids."""
     cmd = [sys.executable, "-m", "jetserve", "generate", "--max-tokens", str(MAX_TOKENS),
            "--ignore-eos", "--json"]
-    for p in PROMPTS:
+    for p in PROMPTS + SHARED:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -102,9 +108,15 @@ def _complete(client, prompt, stream):
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
-def _metric(ports, name) -> float:
+def _metric(ports, name, labels='engine="0"') -> float:
     text = httpx.get(f"http://127.0.0.1:{ports['HTTP']}/metrics").text
-    return float(re.search(rf'{name}{{engine="0"}} ([0-9.]+)', text).group(1))
+    return float(re.search(rf'{name}{{{labels}}} ([0-9.]+)', text).group(1))
+
+
+def _pages_back(ports) -> float:
+    """Free pages and those only the prefix cache holds (its device tier is the pool)."""
+    return (_metric(ports, "jetserve_kv_pages_free")
+            + _metric(ports, "jetserve_prefix_cache_blocks", 'engine="0",tier="hbm"'))
 
 
 @pytest.mark.slow
@@ -117,7 +129,7 @@ def test_mixed_serve_streams_generates_tokens_concurrently_and_frees_cancelled_p
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda a: _complete(client, *a),
                             [(p, i % 2 == 0) for i, p in enumerate(PROMPTS)]))
-    assert got == reference
+    assert got == reference[:len(PROMPTS)]
     with grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}") as channel:
         msgs = list(pb_grpc.OrchestratorStub(channel).Decode(pb.DecodeRequest(
             max_tokens=MAX_TOKENS, has_bos=True, ignore_eos=True,
@@ -131,10 +143,10 @@ def test_mixed_serve_streams_generates_tokens_concurrently_and_frees_cancelled_p
         pass
     stream.close()
     deadline = time.monotonic() + 60
-    while (_metric(ports, "jetserve_kv_pages_free") != PAGES
+    while (_pages_back(ports) != PAGES
            or _metric(ports, "jetserve_slots_in_use")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _metric(ports, "jetserve_kv_pages_free") == PAGES
+    assert _pages_back(ports) == PAGES
     assert _metric(ports, "jetserve_slots_in_use") == 0
     ready = next(i for i, line in enumerate(lines) if READY in line)
     # Buckets 8, 16, 32 (budget 4 + 16) and the decode-rows step (generate's program) by
@@ -185,3 +197,22 @@ def test_structured_output_beside_a_plain_request_matches_the_turns_path(
         assert tokens == want[k], k
     ready = next(i for i, line in enumerate(lines) if READY in line)
     assert [x for x in lines[ready:] if COMPILE.search(x)] == []  # masked steps: warm
+
+
+@pytest.mark.slow
+def test_mixed_serve_prefix_cache_hits_give_the_uncached_tokens(server, reference):
+    ports, lines = server
+    client = _client(ports)
+    hits = lambda: _metric(ports, "vllm:prefix_cache_hits_total",  # noqa: E731
+                           'model_name="bundled_model"')
+    before = hits()
+    got = []
+    for i, p in enumerate(SHARED):  # one at a time: each finds what the last cached
+        got.append(_complete(client, p, stream=i == 1))
+    assert got == reference[len(PROMPTS):]
+    # The first stored the prefix's two whole pages; the two others linked them: 2 x 64
+    # cached tokens they did not run.
+    assert hits() - before == 2 * 64
+    assert _metric(ports, "jetserve_prefix_cache_hit_rate") > 0
+    ready = next(i for i, line in enumerate(lines) if READY in line)
+    assert [x for x in lines[ready:] if COMPILE.search(x)] == []

@@ -33,8 +33,6 @@ def test_scheduling_reaches_the_config_and_turns_is_the_default(monkeypatch):
      r"--scheduling mixed does not run speculative decoding \(--speculative ngram:2\)"),
     (("--kv-layout", "paged", "--step-policy", "decode-first"),
      r"--step-policy decode-first: --scheduling mixed runs every decoding sequence"),
-    (("--kv-layout", "paged", "--prefix-cache-hbm-mb", "4"),
-     r"--scheduling mixed has no prefix cache yet"),
     (("--kv-layout", "paged", "--role", "decode", "--prefill-workers", "127.0.0.1:1"),
      r"--scheduling mixed serves from one process with --role both, not --role decode"),
 ])

@@ -16,6 +16,7 @@ from engines import EngineConfig, SamplingParams, create_engine
 from jetserve.offline import generate_many
 from jetserve.orchestrator import Orchestrator, OrchestratorConfig, Request, StepDone
 from jetserve.orchestrator.mixed import MixedOrchestrator
+from jetserve.orchestrator.prefix_stores import block_bytes
 from jetserve.scheduling.page_planner import with_pages
 from jetserve.structured import Constraint
 from jetserve.warmup import plan
@@ -63,7 +64,8 @@ def _orch(weights, eng, **config) -> MixedOrchestrator:
 
 class StepChecker:
     """After every step, on the thread that owns the pages: the pool's counts match the
-    slots' pages, and the slots holding pages are the slots holding requests."""
+    slots' pages and the prefix cache's (if any), and the slots holding pages are the
+    slots holding requests."""
 
     def __init__(self, orch):
         self.worker = orch._generate[0]
@@ -73,7 +75,8 @@ class StepChecker:
     def __call__(self, event) -> None:
         if isinstance(event, StepDone):
             try:
-                self.pages.check()
+                cache = self.worker.cache
+                self.pages.check(cache.page_owners() if cache is not None else None)
                 occupied = [s for s, _ in self.worker.slots.rows()]
                 assert self.pages.live_slots() == occupied, (self.pages.live_slots(), occupied)
             except AssertionError as e:
@@ -169,8 +172,12 @@ def test_stop_ids_seeded_sampling_and_prompt_logprobs_as_in_turns(weights, promp
 def test_what_mixed_steps_cannot_run_is_refused_by_name(weights):
     with pytest.raises(ValueError, match="--kv-layout paged"):
         MixedOrchestrator.from_engines(_engine(), params=weights)
-    with pytest.raises(ValueError, match="prefix cache"):
-        _orch(weights, _paged(), prefix_cache_hbm_bytes=1 << 20)
+    ring = with_pages(create_engine(  # sliding layers in rings of pages
+        model_config("mistral"), devices=jax.devices()[:1], config=EngineConfig(
+            **{**SHAPES, "max_seq_len": 128}, kv_layout="paged", page_size=4, num_pages=64)))
+    assert ring.page_geometry.ring_pages
+    with pytest.raises(ValueError, match="prefix cache.*rings of pages"):
+        MixedOrchestrator(ring, {}, OrchestratorConfig(**MIXED, prefix_cache_hbm_bytes=1 << 20))
     with pytest.raises(ValueError, match="scheduling"):
         OrchestratorConfig(scheduling="fused")
     orch = _orch(weights, _paged())
@@ -201,3 +208,71 @@ def test_a_failed_step_ends_its_requests_with_the_error_and_serving_goes_on(
     assert failed.finish_reason == "error" and "device lost" in failed.error
     assert after.token_ids == reference[1]
     assert stats["kv_pages_free"] == 32
+
+
+def test_prefix_cache_hits_start_prompts_later_through_preemption_and_the_host_tier(weights):
+    """Prompts sharing a 20-token prefix (whole, cut, repeated, extended) on a pool of 18
+    pages of 4 with a small device tier (6 blocks) and a host tier: hits link cached pages
+    and run only the rest of the prompt, requests are preempted and come back, blocks move
+    to the host and back up. Tokens equal the one-pass reference, the pool's counts match
+    the slots' and the cache's pages after every step, and all pages are free at the end."""
+    rng = random.Random(9)
+    base = [rng.randrange(3, 128) for _ in range(20)]
+    shared = [base, base + [7, 9, 11], base[:13], base + [rng.randrange(3, 128) for _ in range(9)],
+              base, base[:16] + [5], base + [3]]
+    prompts = [p for _ in range(2) for p in shared]
+    eng = _engine(max_prefill_length=48)
+    reference = [r.token_ids for r in generate_many(eng, place(eng, weights), shared,
+                                                    max_tokens=MAX_TOKENS, ignore_eos=True)]
+    penalty = SamplingParams(repetition_penalty=1.5)
+    penalized = generate_many(eng, place(eng, weights), [base], max_tokens=MAX_TOKENS,
+                              sampling=penalty, ignore_eos=True)[0].token_ids
+    eng = _paged(num_pages=18)
+    block = block_bytes(eng, 4)
+    orch = _orch(weights, eng, prefix_cache_hbm_bytes=6 * block,
+                 prefix_cache_host_bytes=16 * block, prefix_cache_key="mixed")
+    checker = StepChecker(orch)
+    orch.add_listener(checker)
+    real, ran = eng.engine.mixed_step, []
+
+    def counting(params, state, table, rows):
+        ran.extend(len(r.chunk) for r in rows)
+        return real(params, state, table, rows)
+
+    eng.engine.mixed_step = counting
+    alone = []  # prompt tokens run by each request sent alone
+    with orch:
+        for p, sampling, want in ((base, None, reference[0]), (shared[1], None, reference[1]),
+                                  (base, None, reference[0]), (base, penalty, penalized)):
+            ran.clear()
+            got = orch.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                      **({"sampling": sampling} if sampling else {})))
+            assert got.result(timeout=300).token_ids == want
+            alone.append(sum(ran))
+            if len(alone) == 1:
+                after_one = orch.stats()["prefix_cache"][0]
+        handles = [orch.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True))
+                   for p in prompts]
+        out = [h.result(timeout=300).token_ids for h in handles]
+        stats = orch.stats()
+        cache = stats["prefix_cache"][0]
+        held = eng.kv_pages.pool.num_pages - eng.kv_pages.free_count
+        assert held == cache["hbm_blocks"]  # no slot holds a page; the cache holds its own
+    assert out == reference * 2
+    assert checker.errors == []
+    # The first prompt ran whole and stored its 5 whole blocks; the next, 3 tokens
+    # longer, linked all 5 and ran its last 3 tokens; the first again linked 4 and ran
+    # its last 4 (a prompt cached whole still runs its last token, which samples); with a
+    # repetition penalty (whose prompt mask the chunks build) it ran whole.
+    assert (after_one["lookups"], after_one["hits"], after_one["inserted"]) == (1, 0, 5)
+    assert alone == [20, 3, 4, 20]
+    # One lookup counted per admission (a preempted request is admitted again), however
+    # often a waiting prompt was looked up.
+    preempted = stats["generate"][0]["preemptions"]
+    assert cache["lookups"] == 3 + len(prompts) + preempted  # the penalized one: none
+    assert cache["hits"] >= len(prompts) // 2
+    assert cache["hit_tokens"] >= 12 * cache["hits"] and cache["device_store"] == "pages"
+    assert cache["evicted_to_host"] >= 1  # 6 device blocks: the host tier was used
+    assert preempted >= 1  # recompute with shared pages ran
+    eng.kv_pages.check()
+    assert eng.kv_pages.free_count == 18  # the cache's pages came back at stop

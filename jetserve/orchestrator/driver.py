@@ -240,13 +240,8 @@ class Orchestrator:
     def _clear_prefix_caches(self) -> None:
         """Gives the pages a prefix cache holds back to their engine's pool (the engine
         may serve another orchestrator)."""
-        for w in self._cache_workers():
-            if w.cache is not None:
-                w.cache.clear()
-
-    def _cache_workers(self) -> list:
-        """The workers that own the prefix caches (each with `index` and `cache`)."""
-        return getattr(self, "_prefill", [])
+        for _, cache in self.prefix_caches():
+            cache.clear()
 
     def __enter__(self) -> Orchestrator:
         self.start()
@@ -391,7 +386,7 @@ class Orchestrator:
 
     def prefix_caches(self) -> list[tuple[int, Any]]:
         """(prefill engine index, its PrefixCache) of every prefill engine that has one."""
-        return [(w.index, w.cache) for w in self._cache_workers() if w.cache is not None]
+        return [(w.index, w.cache) for w in getattr(self, "_prefill", ()) if w.cache is not None]
 
     def stats(self) -> dict:
         with self._live_cond:
@@ -413,8 +408,7 @@ class Orchestrator:
                           "slots_in_use": g.slots.in_use, "backlog": len(g.backlog),
                           **generate_stats(g)} for g in self._generate],
             "resume_queue": self._resume.qsize(),
-            "prefix_cache": [{"engine": w.index, **w.cache.stats()}
-                             for w in self._cache_workers() if w.cache is not None],
+            "prefix_cache": [{"engine": i, **c.stats()} for i, c in self.prefix_caches()],
             "counters": counters,
             "lora": lora,
         }

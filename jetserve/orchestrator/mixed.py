@@ -78,8 +78,9 @@ class MixedOrchestrator(Orchestrator):
                      config: OrchestratorConfig | None = None) -> MixedOrchestrator:
         return cls(engine, engine.load_params() if params is None else params, config)
 
-    def _cache_workers(self) -> list[MixedWorker]:
-        return self._generate  # the mixed thread owns the prefix cache
+    def prefix_caches(self) -> list[tuple[int, Any]]:
+        """The mixed thread's prefix cache (it owns it: no prefill thread here)."""
+        return [(w.index, w.cache) for w in self._generate if w.cache is not None]
 
     # ---- warm-up: throwaway steps per (token bucket, page-table width) ------------------
 

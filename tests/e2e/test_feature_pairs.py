@@ -75,6 +75,9 @@ FEATURES: dict[str, Feature] = {
     "scanned layers": Feature(("scan",), args=("--layers", "scan")),
     "several prompts per step": Feature(("prefill_batch", "--prefill-batch"),
                                         args=("--prefill-batch", "2")),
+    "mixed steps": Feature(("--scheduling", "mixed"),
+                           args=("--scheduling", "mixed", "--kv-layout", "paged",
+                                 "--page-size", "8", "--num-pages", "96")),
 }
 
 

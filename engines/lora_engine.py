@@ -377,7 +377,7 @@ class PagedLoraEngine(LoraServing, PagedTransformerEngine):
     def hold_adapter(self, slot: int, adapter: str | None) -> None:
         """Mixed steps: `slot` starts a prompt through `adapter` (None: the base model):
         its row made resident (no wait) and pinned until free_slot. Raises UnknownAdapter,
-        or RuntimeError when every row holds another live request's adapter."""
+        or RowsBusy (a RuntimeError) when every row holds another live request's adapter."""
         with self.adapters.lock:
             row = 0 if adapter is None else self._row(adapter)
             if self._slot_rows.get(slot, 0) != row:

@@ -28,6 +28,10 @@ class UnknownAdapter(KeyError):
     """A request named an adapter that is not loaded (HTTP 404 / gRPC NOT_FOUND)."""
 
 
+class RowsBusy(RuntimeError):
+    """Every pool row holds an adapter that live requests pin: retry once one ends."""
+
+
 def adapter_id(name: str) -> int:
     """A name's id: positive (0 is the base model), the same in every process."""
     return (zlib.crc32(name.encode()) & 0x7FFFFFFF) or 1
@@ -91,7 +95,7 @@ class AdapterRegistry:
 
     def row_for(self, name: str, wait_s: float = 0.0) -> tuple[int, AdapterWeights | None]:
         """(pool row of `name`, weights to write there first or None when resident).
-        Raises UnknownAdapter, or RuntimeError when every row stays pinned for `wait_s`."""
+        Raises UnknownAdapter, or RowsBusy when every row stays pinned for `wait_s`."""
         with self.lock:
             if name not in self._host:
                 raise UnknownAdapter(name)
@@ -119,7 +123,7 @@ class AdapterRegistry:
                     return row
             left = deadline - time.monotonic()
             if left <= 0 or name not in self._host:
-                raise RuntimeError(f"all {self.max_loras} LoRA rows (--max-loras) hold "
+                raise RowsBusy(f"all {self.max_loras} LoRA rows (--max-loras) hold "
                                    f"adapters of live requests; retry when one finishes")
             self._unpinned.wait(left)
 

@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.lora_registry import RowsBusy
 from engines.mixed_batch import MixedRow
 from engines.sampling import SamplingParams
 from engines.token_mask import allow_all
@@ -177,7 +178,7 @@ class MixedWorker(GenerateWorker):
                 if hit is not None:
                     hit.release()
                 self._release(slot)
-                if isinstance(e, RuntimeError) and "--max-loras" in str(e):
+                if isinstance(e, RowsBusy):
                     return  # every adapter row is held by a running request: it waits
                 self.waiting.remove(live)
                 self.readback.end(live, "error", e)

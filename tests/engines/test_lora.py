@@ -30,9 +30,10 @@ def write_adapter(path, targets, **kw):
 
 
 def _engine(speculative="none", layers="auto", kv_layout="contiguous", page_size=16,
-            kv_dtype="auto", **kw):
+            kv_dtype="auto", max_loras=2, **kw):
     cfg = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_seq_len=64,
-                       speculative=speculative, max_loras=2, max_lora_rank=8, layers=layers,
+                       speculative=speculative, max_loras=max_loras, max_lora_rank=8,
+                       layers=layers,
                        kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
     return create_engine(CFG, config=cfg, seed=5, devices=kw.pop("devices", jax.devices()[:1]),
                          **kw)
@@ -270,6 +271,33 @@ def test_mixed_steps_compose_adapters_and_token_masks(adapter):
     assert all(t in allowed(i, j) for i, toks in enumerate(want) for j, t in enumerate(toks))
     assert run_mixed(eng, params, prompts, **run).outputs != want  # the masks decide here
     assert not eng._slot_rows and not any(eng.adapters._pins)
+
+
+def test_mixed_scheduling_waits_for_a_row_when_every_row_is_held(adapter, tmp_path):
+    """--scheduling mixed with one pool row and requests for two adapters and the base
+    model at once: a request whose adapter finds the row held by a running request waits
+    in line (nothing fails) and every request gets the tokens it gets alone."""
+    from jetserve.orchestrator import OrchestratorConfig, Request
+    from jetserve.orchestrator.mixed import MixedOrchestrator
+    from jetserve.scheduling.page_planner import with_pages
+
+    other, _ = write_adapter(tmp_path / "b", ["k_proj", "gate_proj"], rank=2, seed=3)
+    eng = with_pages(_engine(kv_layout="paged", page_size=8, max_loras=1))
+    eng.load_adapter("a", adapter[0])
+    eng.load_adapter("b", other)
+    params = eng.load_params()
+    prompts, names = _prompts(), ["a", "b", None, "b"]
+    jobs = list(zip(prompts, names, strict=True))
+    want = [generate_many(eng, params, [p], max_tokens=8, ignore_eos=True,
+                          adapters=[n])[0].token_ids for p, n in jobs]
+    config = OrchestratorConfig(scheduling="mixed", prefill_chunk=16)
+    with MixedOrchestrator.from_engines(eng, params=params, config=config) as orch:
+        handles = [orch.submit(Request(prompt_ids=p, max_tokens=8, ignore_eos=True,
+                                       lora_adapter=n)) for p, n in jobs]
+        got = [h.result(timeout=300) for h in handles]
+    assert [c.finish_reason for c in got] == ["length"] * 4, [c.error for c in got]
+    assert [c.token_ids for c in got] == want
+    assert not eng.engine._slot_rows and not any(eng.engine.adapters._pins)
 
 
 # ---- rows: least recently used, never one in use ------------------------------------------

@@ -154,6 +154,9 @@ class LockStepOrchestrator(Orchestrator):
     def prefix_caches(self) -> list[tuple[int, Any]]:
         return [] if self.cache is None else [(0, self.cache)]
 
+    def _clear_prefix_caches(self) -> None:
+        """Kept at stop: process 0's cache stays as every follower's (they never clear)."""
+
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> None:

@@ -70,7 +70,7 @@ class MixedInputs:
 
     tokens: np.ndarray  # i32[T] prefill rows' tokens in slot order (decode entries unused)
     mode: np.ndarray  # i32[B] MODE_IDLE / MODE_DECODE / MODE_CHUNK
-    q_len: np.ndarray  # i32[B] the row's tokens this step (0, 1, or its chunk's length)
+    q_len: np.ndarray  # i32[B] the row's tokens this step (0, a decode row's, its chunk's)
     start: np.ndarray  # i32[B] a chunk's first position
     sample: np.ndarray  # bool[B] a chunk that ends its prompt (decode rows always sample)
     fresh: np.ndarray  # bool[B] a prompt's first chunk: sampling / mask / counts start over
@@ -100,9 +100,11 @@ def _sampling_rows(B: int, rows: Sequence[MixedRow]) -> SlotSampling:
 
 
 def pack_rows(rows: Sequence[MixedRow], *, slots: int, max_seq_len: int,
-              buckets: Sequence[int]) -> MixedInputs:
+              buckets: Sequence[int], decode_tokens: int = 1) -> MixedInputs:
     """The rows of one step as MixedInputs, tokens padded to the smallest bucket that
-    holds them. Raises ValueError naming the field for a row the step cannot run."""
+    holds them; `decode_tokens`: the tokens a decode row runs (k + 1 for a verify row of
+    k drafts, which the device fills in). Raises ValueError naming the field for a row
+    the step cannot run."""
     by_slot: dict[int, MixedRow] = {}
     for r in rows:
         if not 0 <= r.slot < slots:
@@ -113,7 +115,7 @@ def pack_rows(rows: Sequence[MixedRow], *, slots: int, max_seq_len: int,
             raise ValueError(f"slot {r.slot}: chunk ends at position "
                              f"{r.start + len(r.chunk)}, past max_seq_len {max_seq_len}")
         by_slot[r.slot] = r
-    total = sum(max(len(r.chunk), 1) for r in by_slot.values())
+    total = sum(len(r.chunk) or decode_tokens for r in by_slot.values())
     fits = [b for b in buckets if b >= total]
     if not fits:
         raise ValueError(f"a mixed step of {total} tokens exceeds the largest token bucket "
@@ -127,7 +129,7 @@ def pack_rows(rows: Sequence[MixedRow], *, slots: int, max_seq_len: int,
     at = 0
     for s in sorted(by_slot):
         r = by_slot[s]
-        n = max(len(r.chunk), 1)
+        n = len(r.chunk) or decode_tokens
         mode[s] = MODE_DECODE if r.decode else MODE_CHUNK
         q_len[s], start[s] = n, r.start
         sample[s] = r.decode or r.last

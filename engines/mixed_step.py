@@ -38,7 +38,18 @@ Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
     is an argument of the program: a step with one compiles once more per shape.
   - LoRA adapters: a paged LoRA engine runs this step with each token through its row's
     adapter (engines/lora_engine.py lora_mixed_step).
-  - Not with speculative decoding or a draft model: those are refused by the engine.
+  - N-gram speculative decoding (`speculative="ngram:K"`): each decode row is a verify
+    row of K + 1 tokens, [last token, d1..dK] at positions length .. length + K, the
+    drafts looked up on the device in the slot's history (engines/speculative.py
+    ngram_drafts). It keeps what `verify_step` accepts plus one token, exactly as the
+    paged verify step (greedy: the plain greedy tokens; sampled: rejection sampling);
+    its ResultTokens row holds up to K + 1 tokens, a chunk's one token in column 0. The
+    page table covers length + K of every decode row; keys and values written at
+    rejected positions lie past the row's length and are written again. token_mask is
+    then i32[B, K + 1, W'], one row per position (a chunk's first token takes position
+    0's). The history gains each chunk's tokens (positions a prefix-cache hit linked are
+    not written: drafts come from the rest), so drafts see the prompt. A draft model
+    ("draft:PATH:K") is refused by the engine: its contiguous cache is not run by chunks.
 
 Device-side derivations from the per-row inputs (engines/mixed_batch.py): a token's row
 is found from the cumulative query lengths (rows laid out in slot order), its position is
@@ -62,6 +73,7 @@ from engines.model import Decoder
 from engines.paged_kv import PagedDecodeState, PageTables, WindowRing, pool_shape, write_pages
 from engines.ragged_attention import pallas_ragged_attention, ragged_paged_attention
 from engines.sampling import sample, token_logprobs
+from engines.speculative import advance_slots, ngram_drafts, verify_step
 from engines.token_mask import hold_paused
 
 
@@ -73,26 +85,37 @@ class RaggedLayout:
     positions: jax.Array  # i32[T]
     tokens: jax.Array  # i32[T]
     q_len: jax.Array  # i32[B] tokens each row runs
-    last: jax.Array  # i32[B] index of each row's last token (its logits sample)
+    last: jax.Array  # i32[B, R] the tokens whose logits sample (module doc: R = k + 1)
     decode_live: jax.Array  # bool[B] decode rows with room (lengths < S)
 
 
-def ragged_layout(inp: MixedInputs, state: PagedDecodeState, max_seq_len: int) -> RaggedLayout:
+def ragged_layout(inp: MixedInputs, state: PagedDecodeState, max_seq_len: int,
+                  drafts: jax.Array | None = None) -> RaggedLayout:
+    """drafts None, or i32[B, k] (speculative decoding): each decode row is a verify row of
+    k + 1 tokens [last token, d1..dk] at positions length .. length + k, whose k + 1
+    logits all sample (a prompt chunk's last token stands in each of its R columns)."""
     T = inp.tokens.shape[0]
     B = inp.mode.shape[0]
+    R = 1 if drafts is None else drafts.shape[1] + 1
     decode = inp.mode == MODE_DECODE
     decode_live = decode & (state.lengths < max_seq_len)
-    q_len = jnp.where(decode, 1, jnp.where(inp.mode == MODE_CHUNK, inp.q_len, 0))
+    q_len = jnp.where(decode, R, jnp.where(inp.mode == MODE_CHUNK, inp.q_len, 0))
     cu = jnp.cumsum(q_len)  # (B,) end of each row's tokens
     begin = cu - q_len
     t = jnp.arange(T)
     rows = jnp.minimum(jnp.searchsorted(cu, t, side="right"), B - 1).astype(jnp.int32)
     base = jnp.where(decode, state.lengths, inp.start)
-    pos = base[rows] + t - begin[rows]
-    runs = (t < cu[-1]) & (~decode[rows] | decode_live[rows])
-    tokens = jnp.where(decode[rows], state.tokens[rows], inp.tokens)
+    off = t - begin[rows]
+    pos = base[rows] + off
+    runs = (t < cu[-1]) & (~decode[rows] | decode_live[rows]) & (pos < max_seq_len)
+    fed = state.tokens[rows]
+    if drafts is not None:  # a verify row's drafts after its last token
+        fed = jnp.where(off > 0, drafts[rows, jnp.clip(off - 1, 0, R - 2)], fed)
+    tokens = jnp.where(decode[rows], fed, inp.tokens)
+    end = jnp.maximum(cu - 1, 0)[:, None]
+    last = jnp.where(decode[:, None], jnp.minimum(begin[:, None] + jnp.arange(R), end), end)
     return RaggedLayout(rows=rows, positions=jnp.where(runs, pos, -1).astype(jnp.int32),
-                        tokens=tokens, q_len=q_len, last=jnp.maximum(cu - 1, 0),
+                        tokens=tokens, q_len=q_len, last=last.astype(jnp.int32),
                         decode_live=decode_live)
 
 
@@ -154,18 +177,21 @@ class RaggedPagedKV(layer_scan.StackedStore, PageTables):
 
 
 def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
-               ring: WindowRing | None, params, state: PagedDecodeState, table: jax.Array,
-               inp: MixedInputs, token_mask: jax.Array | None = None):
+               ring: WindowRing | None, k: int, params, state: PagedDecodeState,
+               table: jax.Array, inp: MixedInputs, token_mask: jax.Array | None = None):
     """The step of the module doc: (new state, ResultTokens). `ring`: the pages of the
     layers with a bounded reach (engines/paged_kv.py WindowRing), None: the shared pool's.
-    token_mask: None or i32[B, W'] each row's allowed tokens (the module doc)."""
+    k: drafts a verify row checks (n-gram speculative decoding), 0: none. token_mask:
+    None or i32[B, W'] each row's allowed tokens, with k: i32[B, k + 1, W'] (module doc)."""
     S = max_seq_len
-    lay = ragged_layout(inp, state, S)
+    drafts = ngram_drafts(state.history, state.lengths, k) if k else None
+    lay = ragged_layout(inp, state, S, drafts)
     kv = RaggedPagedKV(state, table, lay, impl, ring)
     positions = jnp.maximum(lay.positions, 0)[None]
+    B, R = lay.last.shape
     logits = model.apply({"params": params}, lay.tokens[None], positions, kv,
-                         last=lay.last[None])[0]  # (B, V)
-    B, V = logits.shape
+                         last=lay.last.reshape(1, B * R))[0].reshape(B, R, -1)  # (B, R, V)
+    first = logits[:, 0]  # a decode row's next token, a chunk's first
     chunk = inp.mode == MODE_CHUNK
     fresh = chunk & inp.fresh
     emit = jnp.where(inp.mode == MODE_DECODE, lay.decode_live, chunk & inp.sample)
@@ -178,12 +204,18 @@ def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     prompt_mask = prompt_mask.at[mask_rows, lay.tokens].set(True, mode="drop")
     counts = jnp.where(fresh[:, None], 0, state.counts)
     cpu = model.backend.cpu_kernels
-    tok, next_keys = sample(logits, sampling, prompt_mask, counts, cpu_kernels=cpu,
-                            token_mask=token_mask)
+    row_mask = token_mask if token_mask is None or not k else token_mask[:, 0]
+    tok, next_keys = sample(first, sampling, prompt_mask, counts, cpu_kernels=cpu,
+                            token_mask=row_mask)
+    if k:
+        return _verify_rows(lay, inp, state, drafts, logits, top_n, S, kv, tok, next_keys,
+                            dataclasses.replace(state, sampling=sampling,
+                                                prompt_mask=prompt_mask, counts=counts),
+                            token_mask)
     if token_mask is not None:  # a decode row allowing nothing sits out (module doc)
         tok, emit, next_keys = hold_paused(token_mask, state.tokens, tok, emit,
                                            sampling.key, next_keys)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, top_n, cpu_kernels=cpu)
+    lp, top_ids, top_lp = token_logprobs(first, tok, top_n, cpu_kernels=cpu)
     # A chunk that does not end its prompt leaves the slot not live to generate.
     lengths = jnp.where(inp.mode == MODE_DECODE, state.lengths + emit,
                         jnp.where(chunk, jnp.where(inp.sample, inp.start + lay.q_len, S),
@@ -197,3 +229,44 @@ def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
         counts=counts.at[jnp.arange(B), tok].add(emit.astype(counts.dtype)),
         history=state.history, draft_k=state.draft_k, draft_v=state.draft_v)
     return new_state, pack_results(tok, emit, lengths + 1, lp, top_ids, top_lp)
+
+
+def _verify_rows(lay: RaggedLayout, inp: MixedInputs, state: PagedDecodeState,
+                 drafts: jax.Array, logits: jax.Array, top_n: int, S: int,
+                 kv: RaggedPagedKV, tok: jax.Array, next_keys: jax.Array,
+                 view: PagedDecodeState, token_mask: jax.Array | None):
+    """The step's end with speculative decoding: decode rows keep what
+    engines/speculative.py `verify_step` accepts of their drafts (as the paged verify
+    step does), chunks that end their prompt their sampled first token `tok` (drawn with
+    `next_keys`). `view`: the state with the fresh rows' sampling, prompt mask and counts.
+    The history (the drafts' source) gains each chunk's tokens and first token, and each
+    verify row's kept tokens."""
+    B, R = lay.last.shape
+    chunk = inp.mode == MODE_CHUNK
+    starts = chunk & inp.sample  # chunks that end their prompt: their first token
+    verify = lay.decode_live
+    v_tok, v_count, v_keys, v_lp, v_top, v_top_lp = verify_step(
+        logits, view, drafts, top_n, None, token_mask)
+    slot, v_count = advance_slots(view, v_tok, jnp.where(verify, v_count, 0), S)
+    lp, top_ids, top_lp = token_logprobs(logits[:, 0], tok, top_n)
+    pad = lambda a: jnp.concatenate(  # noqa: E731 -- a chunk's one token in column 0
+        [a[:, None], jnp.zeros((B, R - 1) + a.shape[1:], a.dtype)], axis=1)
+    col = lambda f, c: jnp.where(  # noqa: E731 -- a verify row's columns, else a chunk's
+        verify.reshape((B,) + (1,) * (f.ndim - 1)), f, c)
+    tokens = col(v_tok, pad(tok))
+    count = jnp.where(verify, v_count, starts.astype(jnp.int32))
+    lengths = jnp.where(chunk, jnp.where(inp.sample, inp.start + lay.q_len, S), slot["lengths"])
+    # The chunks' tokens at their positions, and a first token at the prompt's length.
+    hist_rows = jnp.where(chunk[lay.rows] & (lay.positions >= 0), lay.rows, B)
+    history = slot["history"].at[hist_rows, lay.positions].set(lay.tokens, mode="drop")
+    history = history.at[jnp.where(starts, jnp.arange(B), B), lengths].set(tok, mode="drop")
+    keys = jnp.where(verify[:, None], v_keys,
+                     jnp.where(starts[:, None], next_keys, view.sampling.key))
+    new_state = PagedDecodeState(
+        k=tuple(kv.k), v=tuple(kv.v), lengths=lengths.astype(jnp.int32),
+        tokens=jnp.where(starts, tok, slot["tokens"]),
+        sampling=dataclasses.replace(view.sampling, key=keys), prompt_mask=view.prompt_mask,
+        counts=slot["counts"].at[jnp.arange(B), tok].add(starts.astype(view.counts.dtype)),
+        history=history, draft_k=state.draft_k, draft_v=state.draft_v)
+    return new_state, pack_results(tokens, count, lengths + 1, col(v_lp, pad(lp)),
+                                   col(v_top, pad(top_ids)), col(v_top_lp, pad(top_lp)))

@@ -84,18 +84,17 @@ def generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     return PagedDecodeState(k=tuple(kv.k), v=tuple(kv.v), **slot), results
 
 
-def _decode_rows_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
-                       ring: WindowRing | None, params, state: PagedDecodeState, table, rows,
-                       token_mask=None):
+def _decode_rows_paged(generate, max_seq_len: int, params, state: PagedDecodeState, table,
+                       rows, token_mask=None):
     """The mixed step of decode rows alone (rows bool[B]: the slots in a decode row): the
-    generate step over those slots, the same program and attention generate takes, with
-    its token_mask (a row allowing nothing sits out); the slots in no row (their lengths
-    read as full) are left bit-identical."""
+    generate step `generate` (params, state, table, token_mask) over those slots, the
+    same program and attention generate takes (the verify step with speculative
+    decoding), with its token_mask (a row allowing nothing sits out); the slots in no row
+    (their lengths read as full) are left bit-identical."""
     S = max_seq_len
     lengths = jnp.where(rows, state.lengths, S)
-    new, results = generate_paged(model, top_n, S, impl, ring, params,
-                                  dataclasses.replace(state, lengths=lengths), table,
-                                  token_mask)
+    new, results = generate(params, dataclasses.replace(state, lengths=lengths), table,
+                            token_mask)
     ran = lengths < S
     keep = lambda new_f, old_f: jnp.where(  # noqa: E731
         ran.reshape((-1,) + (1,) * (old_f.ndim - 1)), new_f, old_f)
@@ -249,13 +248,20 @@ class PagedTransformerEngine(TransformerEngine):
         MixedInputs, token_mask): the TPU kernel where the decode step takes its own, else XLA's."""
         ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
         return functools.partial(mixed_step, model, self.config.top_logprobs,
-                                 self.config.max_seq_len, ragged, self.ring)
+                                 self.config.max_seq_len, ragged, self.ring,
+                                 self._mixed_drafts())
 
     def decode_rows_fn(self, model: Decoder):
         """The step of decode rows alone over `model`, called as (params, state, table,
         rows bool[B], token_mask)."""
-        return functools.partial(_decode_rows_paged, model, self.config.top_logprobs,
-                                 self.config.max_seq_len, self.attention_impl, self.ring)
+        return functools.partial(_decode_rows_paged, self.generate_step(model, None),
+                                 self.config.max_seq_len)
+
+    def _mixed_drafts(self) -> int:
+        """Drafts a mixed step's verify rows check: K with n-gram speculative decoding,
+        else 0. A draft model's cache is not written by mixed steps (mixed_step refuses)."""
+        spec = self.config.spec
+        return spec.k if spec.kind == "ngram" else 0
 
     def generate_step(self, model: Decoder, draft_model: Decoder | None):
         """generate's function over `model` (the verify step with speculative decoding),
@@ -333,9 +339,10 @@ class PagedTransformerEngine(TransformerEngine):
         page_table i32[B, W] as generate's, covering every position the rows write;
         token_mask None or i32[B, W'] each row's allowed tokens (engines/token_mask.py).
         `program`: a subclass's choice of program (`_run_mixed`; a LoRA engine's)."""
-        if self.config.spec.enabled:
+        if self.config.spec.kind == "draft":
             raise ValueError(f"mixed_step does not run with speculative "
-                             f"{self.config.speculative!r}; use prefill / generate")
+                             f"{self.config.speculative!r} (a draft model's cache is not "
+                             f"written by mixed steps); use prefill / generate")
         table = np.asarray(page_table, np.int32)
         g = self.page_geometry
         max_w = -(-g.max_seq_len // g.page_size)
@@ -350,14 +357,15 @@ class PagedTransformerEngine(TransformerEngine):
         if token_mask is not None:
             token_mask = self._mixed_mask(token_mask, rows)
         if all(r.decode for r in rows):  # no chunk: the generate step's program
-            pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
-                      buckets=self.mixed_token_buckets)  # the same checks of the rows
+            pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,  # the rows' checks
+                      buckets=self.mixed_token_buckets, decode_tokens=self._mixed_drafts() + 1)
             live = np.zeros((g.slots,), bool)
             live[[r.slot for r in rows]] = True
             return self._run_mixed(params, decode_state, table, live, rows, token_mask,
                                    **program)
         inputs = pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,
-                           buckets=self.mixed_token_buckets)
+                           buckets=self.mixed_token_buckets,
+                           decode_tokens=self._mixed_drafts() + 1)
         return self._run_mixed(params, decode_state, table, inputs, rows, token_mask,
                                **program)
 
@@ -372,11 +380,14 @@ class PagedTransformerEngine(TransformerEngine):
         """mixed_step's token_mask checked: i32[B, W'], and some token allowed to every
         chunk that ends its prompt (only a decode row can sit a step out)."""
         mask = np.asarray(token_mask)
-        want = (self.page_geometry.slots, mask_words(self.vocab_size))
+        k = self._mixed_drafts()
+        want = (self.page_geometry.slots, *((k + 1,) if k else ()), mask_words(self.vocab_size))
         if mask.shape != want or mask.dtype != np.int32:
-            raise ValueError(f"token_mask must be i32{list(want)} (one packed row per slot), "
+            raise ValueError(f"token_mask must be i32{list(want)} (one packed row per slot"
+                             f"{', one per verify position' if k else ''}), "
                              f"got {mask.dtype}{list(mask.shape)}")
-        empty = [r.slot for r in rows if r.last and not mask[r.slot].any()]
+        empty = [r.slot for r in rows if r.last and not (mask[r.slot, 0] if k else
+                                                         mask[r.slot]).any()]
         if empty:
             raise ValueError(f"token_mask allows no token to slot {empty[0]}, whose chunk "
                              "ends its prompt and must sample its first token")
@@ -385,8 +396,9 @@ class PagedTransformerEngine(TransformerEngine):
     @property
     def mixed_token_buckets(self) -> tuple[int, ...]:
         """The token counts a mixed step is padded to: up to a full prefill chunk beside
-        a decode token for every slot."""
-        return token_buckets(self.config.max_prefill_length + self.config.max_concurrent_decodes)
+        a decode row for every slot (k + 1 tokens each with n-gram speculative decoding)."""
+        return token_buckets(self.config.max_prefill_length + self.config.max_concurrent_decodes
+                             * (self._mixed_drafts() + 1))
 
     @property
     def page_geometry(self) -> PageGeometry:

@@ -2,6 +2,7 @@
 
     python scripts/mixed_step_bench.py [--model random:llama-156m] [--decode-rows 8]
         [--chunk 128] [--chunk-start 128] [--context 192] [--rounds 5] [--reps 3]
+        [--speculative ngram:K]
 
 One paged engine with decode-rows + 1 slots: every decode row holds a `--context`-token
 prompt; the last slot holds the first `--chunk-start` tokens of a prompt. Each round
@@ -15,6 +16,10 @@ alike), `--reps` blocked calls of:
   prefill   engine.prefill of the same chunk, continuing a prefix of `--chunk-start`
             tokens sized for the prompt (the interleaved path's prefill of one chunk;
             the copying program, since the prefix is reused; insert not counted).
+
+With `--speculative ngram:K` every decode row is a verify row of K + 1 tokens in both
+the mixed step and generate (engines/speculative.py); `decode` is then generate's own
+verify program over the rows (a step of decode rows alone runs it).
 
 Prints the median of each and the ratios mixed / (generate + prefill) (below 1: the
 fused step beats running both), mixed / generate (what a decode row's step costs with a
@@ -56,12 +61,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--speculative", default="none", help="none or ngram:K")
     args = ap.parse_args()
     B, ps = args.decode_rows + 1, args.page_size
     S = 1024
     eng = build_engine(args.model, engine_config=EngineConfig(
         max_concurrent_decodes=B, max_seq_len=S, max_prefill_length=args.chunk,
-        kv_layout="paged", page_size=ps))
+        kv_layout="paged", page_size=ps, speculative=args.speculative))
     eng = getattr(eng, "engine", eng)  # the engine itself: this script plans its own pages
     params = eng.load_params()
     M = S // ps
@@ -88,7 +94,8 @@ def main() -> None:
         prefix = eng.prefill(params, head, len(head), existing_prefix=eng.empty_prefix(end),
                              donate=True)[0]
     # Every position a decode row or the sampled last slot reaches over all calls.
-    reach = max(end, args.context) + 3 * (args.rounds + 1) * args.reps + 8
+    row = eng.config.spec.k + 1  # positions a decode row may advance a step
+    reach = max(end, args.context) + 3 * (args.rounds + 1) * args.reps * row + 8
     W = 1
     while W * ps < reach:
         W *= 2
@@ -123,6 +130,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {args.model}, {args.decode_rows} decode rows at ~{args.context} tokens, "
           f"chunk {args.chunk} tokens at {args.chunk_start}; page table width {W}, "
+          f"speculative {args.speculative}, "
           f"devices {jax.devices()[0].platform}; medians of {args.rounds * args.reps}")
     for k, v in med.items():
         print(f"  {k:9s} {v:9.2f} ms  (best {min(times[k]):.2f})")

@@ -11,12 +11,14 @@ thread: a hit links its pages into the prompt's slot and the prompt's chunks sta
 them (mixed_worker.py); its stats are the interleaved cache's.
 
 Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
-decode-first (every step runs every decoding sequence anyway), speculative
-decoding at start, and the prefix cache on an engine whose sliding layers keep rings of
+decode-first (every step runs every decoding sequence anyway), a draft model's
+speculative decoding (its cache is not written by mixed steps), and the prefix cache on an engine whose sliding layers keep rings of
 pages (a ring keeps no page behind its window to link); and devices split into prefill
 and generate slices (`build`: the mixed step is one slice's). Structured output is
 served: each step takes its sampling rows' token masks (mixed_worker.py). LoRA adapters
 (--lora-modules) are served: each row of a step runs through its request's adapter.
+N-gram speculative decoding (--speculative ngram:K) is served: each decode row is a verify
+row of K + 1 tokens (engines/mixed_step.py).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
     if getattr(engine, "page_geometry", None) is None:
         raise ValueError("--scheduling mixed runs its steps on the paged KV cache: add "
                          "--kv-layout paged (got the contiguous layout)")
-    if engine.config.spec.enabled:
-        raise ValueError(f"--scheduling mixed does not run speculative decoding "
-                         f"(--speculative {engine.config.speculative}); leave one of them out")
+    if engine.config.spec.kind == "draft":
+        raise ValueError(f"--scheduling mixed runs n-gram speculative decoding, not a draft "
+                         f"model's (--speculative {engine.config.speculative}: its cache is "
+                         f"not written by mixed steps); use ngram:K or leave one out")
     if config.step_policy != PREFILL_FIRST:
         raise ValueError(f"--step-policy {config.step_policy}: --scheduling mixed runs every "
                          "decoding sequence in each step whatever the policy; leave it out")
@@ -64,8 +67,15 @@ class MixedOrchestrator(Orchestrator):
         config = self._init_intake([engine], [engine], config)
         planned = self.generate_engines[0]
         self.policy = policy = step_policy(config, [planned], [planned])
-        budget = min(policy.max_num_batched_tokens or policy.max_num_seqs + policy.prefill_chunk,
+        row = engine.config.spec.k + 1  # a decode row's tokens (a verify row's k + 1)
+        budget = min(policy.max_num_batched_tokens
+                     or policy.max_num_seqs * row + policy.prefill_chunk,
                      planned.mixed_token_buckets[-1])
+        if budget <= policy.max_num_seqs * row:
+            raise ValueError(f"max_num_batched_tokens={budget} (--max-num-batched-tokens) "
+                             f"leaves no prefill token beside max_num_seqs="
+                             f"{policy.max_num_seqs} verify rows of {row} tokens: give at "
+                             f"least {policy.max_num_seqs * row + 1}")
         self._generate = [MixedWorker(
             0, planned, params, self._outbox, self._listeners, self._stopping,
             backlog_size=1, poll_s=config.poll_interval_s, policy=policy,

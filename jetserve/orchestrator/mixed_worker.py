@@ -16,8 +16,10 @@ straight from the admission queue (no prefill thread, no backlog of prefixes). E
      cache's host tier are recomputed and move back up into the slot's pages when the
      prompt is adopted. A request with a repetition penalty runs its whole prompt (the
      penalty's prompt mask is built from the chunks);
-  3. one `engine.mixed_step` (engines/mixed_step.py): a token for every decoding slot,
-     plus chunks of the admitted prompts up to the token budget
+  3. one `engine.mixed_step` (engines/mixed_step.py): a token for every decoding slot
+     (with n-gram speculative decoding a verify row of K + 1: its last token and K
+     drafts, of which the device keeps what it accepts), plus chunks of the admitted
+     prompts up to the token budget
      (jetserve/scheduling/mixed_plan.py). The chunk that ends a prompt samples its first
      token, and then the cache adopts the prompt's whole pages (as the interleaved
      generate thread's insert does) and releases the hit. Results are read one step
@@ -63,7 +65,13 @@ from jetserve.orchestrator.generate_worker import GenerateWorker
 from jetserve.orchestrator.live import LiveRequest
 from jetserve.orchestrator.prefill_worker import prompt_logprobs
 from jetserve.orchestrator.prefix_cache import Hit
-from jetserve.orchestrator.step_masks import mask_kwargs, mask_refusal, must_sync, step_mask
+from jetserve.orchestrator.step_masks import (
+    mask_kwargs,
+    mask_positions,
+    mask_refusal,
+    must_sync,
+    step_mask,
+)
 from jetserve.orchestrator.timing import PrefillDone
 from jetserve.scheduling import mixed_plan
 from jetserve.scheduling.scheduler import ended_rows
@@ -87,6 +95,8 @@ class MixedWorker(GenerateWorker):
         # slot -> its prefix-cache hit (pinned), from admission to its prompt's last chunk
         self._hits: dict[int, Hit] = {}
         self._calls: queue.Queue = queue.Queue()  # (fn, future) to run on this thread
+        # A decode row's tokens: k + 1 with n-gram speculative decoding (a verify row)
+        self.row_tokens = mask_positions(self.engine)
 
     def load(self) -> int:
         return self.slots.in_use + len(self.waiting)
@@ -214,8 +224,8 @@ class MixedWorker(GenerateWorker):
             return
         owners = dict(self.slots.rows())
         decoding = [s for s in owners if s not in self._prompts]
-        chunks = mixed_plan.fill(len(decoding), self._prefilling(), budget=self.budget,
-                                 chunk=self.chunk)
+        chunks = mixed_plan.fill(len(decoding) * self.row_tokens, self._prefilling(),
+                                 budget=self.budget, chunk=self.chunk)
         rows = [MixedRow(slot=s) for s in decoding] + [self._chunk_row(c, owners[c.slot])
                                                         for c in chunks]
         t = time.monotonic()
@@ -223,7 +233,8 @@ class MixedWorker(GenerateWorker):
             starting = [c.slot for c in chunks if c.last]
             mask, paused = step_mask([(s, owners[s]) for s in (*decoding, *starting)],
                                      self.engine.page_geometry.slots, self.engine.vocab_size,
-                                     pause=True, starting=starting)
+                                     pause=True, starting=starting,
+                                     positions=self.row_tokens)
             with self.state_lock:  # no prefill thread waits on the steps here
                 self.state, res = self.engine.mixed_step(self.params, self.state, rows,
                                                          prefilling=tuple(self._prompts),
@@ -351,7 +362,9 @@ class MixedWorker(GenerateWorker):
             raise RuntimeError(f"no free slots for a {tokens}-token warm-up step")
         masks = [None]
         if self.engine.tokenizer is not None and mask_refusal(self.engine) is None:
-            masks.append(allow_all(g.slots, self.engine.vocab_size))  # structured output's
+            mask = allow_all(g.slots, self.engine.vocab_size)  # structured output's
+            masks.append(mask if self.row_tokens == 1 else  # a verify row's: one a position
+                         np.repeat(mask[:, None], self.row_tokens, axis=1))
         # A LoRA engine's step with the adapter pool too (the plain one runs while no
         # slot holds an adapter).
         programs = [{}, {"adapters": True}] if hasattr(self.engine, "hold_adapter") else [{}]

@@ -16,7 +16,9 @@ generate worker, the lock-step driver, offline generation, warm-up, benches, tes
                                               adapter's row held for the slot
   mixed_step(params, state, rows, prefilling=, before_step, engine.mixed_step, then the
              token_mask=)                     slots still in their prompt (and those a
-                                              mask sat out) keep their length
+                                              mask sat out) keep their length; with
+                                              speculative decoding, the lengths read
+                                              back first, as generate's
   free_slot(slot) / init_decode_state()       give the pages back (free_slot the
                                               engine's hold on the slot too)
 
@@ -86,12 +88,7 @@ class PagePlanner:
         width = pages.before_step()
         table = pages.table[:, :width].copy()  # the device may read it later
         out = self.engine.generate(params, decode_state, table, **kw)
-        mask = kw.get("token_mask")
-        if mask is not None:  # the first position's masks (a verify step has one a position)
-            mask = np.asarray(mask)
-            mask = mask[:, 0] if mask.ndim == 3 else mask
-        pages.after_step(held=() if mask is None else
-                         np.flatnonzero(~mask.any(axis=1)).tolist())
+        pages.after_step(held=_sat_out(kw.get("token_mask")))
         return out
 
     def start_prompt(self, slot: int, tokens: int, adapter: str | None = None, *,
@@ -118,14 +115,13 @@ class PagePlanner:
         i32[B, W']) goes on to the engine: a decode row allowing nothing sits the step
         out there, so its length stays here too."""
         pages = self.kv_pages
+        if pages.lookahead:  # as generate's; a slot in its prompt is not live there yet
+            pages.sync(np.asarray(decode_state.lengths), skip=prefilling)
         width = pages.before_step(skip=prefilling)
         table = pages.table[:, :width].copy()  # the device may read it later
         kw = {} if token_mask is None else {"token_mask": token_mask}
         out = self.engine.mixed_step(params, decode_state, table, rows, **kw)
-        held = set(prefilling)
-        if token_mask is not None:
-            held.update(np.flatnonzero(~np.asarray(token_mask).any(axis=1)).tolist())
-        pages.after_step(held=held)
+        pages.after_step(held={*prefilling, *_sat_out(token_mask)})
         return out
 
     def free_slot(self, slot: int) -> None:
@@ -137,6 +133,16 @@ class PagePlanner:
     def generate_widths(self) -> tuple[int, ...]:
         """The page-table widths generate is called with: one compiled program each."""
         return width_buckets(self.kv_pages.max_pages)
+
+
+def _sat_out(token_mask: Any) -> list[int]:
+    """The slots a step's token mask sits out: rows allowing nothing at the first position
+    (a verify step's mask has one a position)."""
+    if token_mask is None:
+        return []
+    mask = np.asarray(token_mask)
+    mask = mask[:, 0] if mask.ndim == 3 else mask
+    return np.flatnonzero(~mask.any(axis=1)).tolist()
 
 
 def with_pages(engine: Any) -> Any:

@@ -229,11 +229,14 @@ class SlotPages:
             if s not in held:
                 self._len[s] = min(n + self.lookahead + 1, self.max_seq_len)
 
-    def sync(self, lengths) -> None:
+    def sync(self, lengths, skip: Collection[int] = ()) -> None:
         """Speculative steps: each live slot's length as the device has it (lengths[slot],
         at most the host's upper bound); pages past it, written only at rejected
-        positions, go back to the pool."""
+        positions, go back to the pool. `skip`: slots whose device length is not theirs
+        yet (a mixed step's prompts, whose chunks have not all run)."""
         for s, n in self._len.items():
+            if s in skip:
+                continue
             true = min(int(lengths[s]), n)
             keep = pages_for(true, self.page_size)
             extra = self._pages[s][keep:]

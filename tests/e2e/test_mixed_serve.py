@@ -11,6 +11,8 @@ beside a plain request: valid output, and the tokens `jetserve batch` (turns) gi
 same rows; the token masks' programs were compiled by the warm-up too.
 With the prefix cache on (its blocks in the KV pages), prompts sharing a 70-token prefix
 stream the same greedy tokens, and /metrics counts the cached tokens they skipped.
+Everything again with n-gram speculative decoding (`--speculative ngram:3`: verify rows
+beside the chunks), whose greedy tokens are the same.
 """
 
 import concurrent.futures
@@ -63,11 +65,14 @@ STRUCTURED = {
 }
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=["plain", "ngram"])
+def server(request):
+    """The server, and again with n-gram speculative decoding (each decode row a verify
+    row of 4 tokens, beside the chunks)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1",
                XLA_FLAGS=xla_flags(1))
-    cmd = [sys.executable, "-m", "jetserve", "serve", *SERVE, "--host", "127.0.0.1",
+    spec = ["--speculative", "ngram:3"] if request.param == "ngram" else []
+    cmd = [sys.executable, "-m", "jetserve", "serve", *SERVE, *spec, "--host", "127.0.0.1",
            "--grpc-port", "0", "--http-port", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -149,8 +154,9 @@ def test_mixed_serve_streams_generates_tokens_concurrently_and_frees_cancelled_p
     assert _pages_back(ports) == PAGES
     assert _metric(ports, "jetserve_slots_in_use") == 0
     ready = next(i for i, line in enumerate(lines) if READY in line)
-    # Buckets 8, 16, 32 (budget 4 + 16) and the decode-rows step (generate's program) by
-    # widths 1, 2, 4 pages, each with a token mask and without; none compiles later.
+    # Buckets 8, 16, 32 (budget 4 + 16, or 4 x 4 + 16 with verify rows) and the
+    # decode-rows step (generate's program) by widths 1, 2, 4 pages, each with a token
+    # mask and without; none compiles later.
     assert len([x for x in lines[:ready] if COMPILE.search(x)]) == 24
     assert [x for x in lines[ready:] if COMPILE.search(x)] == []
 

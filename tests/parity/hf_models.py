@@ -232,6 +232,21 @@ def hf_greedy(model, prompt, steps: int, logit_bias: dict[int, float] | None = N
     return out[0, len(prompt):].tolist()
 
 
+def assert_near_greedy(model, prompt, tokens, tol: float, name: str = "") -> None:
+    """Each of `tokens`, fed after `prompt` (teacher forcing, one transformers pass), is
+    within `tol` of the top logit there: greedy up to near-ties, which a quantized KV
+    cache may turn either way."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(tokens)])).logits[0].float()
+    for i, t in enumerate(tokens):
+        row = logits[len(prompt) - 1 + i]
+        gap = float(row.max() - row[t])
+        assert gap <= tol, (f"{name}: token {i} ({t}) is {gap:.4f} below the top logit "
+                            f"(token {int(row.argmax())})")
+
+
 # The MoE-shaped family files' shared setting (test_moe_families, test_gpt_oss,
 # test_llama4, test_deepseek_v3): three prompts, the longest in three 16-token chunks.
 PROMPT_LENGTHS = (40, 7, 23)

@@ -1,0 +1,202 @@
+"""Verify rows in the mixed step (n-gram speculative decoding, engines/mixed_step.py): with
+`speculative="ngram:K"` each decode row of a mixed step is [last token, K drafts] and
+keeps what the target accepts, beside prompt chunks in the same step.
+
+- greedy: every prompt's tokens are the plain paged engine's prefill / insert / generate
+  tokens (no speculation at all), and some verify row keeps more than one token;
+- sampled: the tokens the speculative engine's own prefill / insert / verify steps give
+  with the same seeds;
+- token masks (one per verify position): a constrained row keeps only its mask's token,
+  as the speculative generate step does;
+- a step of decode rows alone runs the verify step's program (one more program); the page
+  planner's lengths follow the device's;
+- a token mask of one row per slot (not one per position) is refused by name.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from engines import EngineConfig, create_engine
+from engines.mixed_batch import MixedRow
+from engines.sampling import SamplingParams
+from engines.token_mask import allow_all
+from jetserve.scheduling.page_planner import PagePlanner
+from tests.engines.test_mixed_step import MAX_TOKENS, PROMPTS, SHAPES, _engine, _reference
+from tests.engines.test_token_mask import _mask_of
+from tests.sharding.families import host_params, model_config, place
+
+K = 3
+HOT = SamplingParams(temperature=1.0)
+
+
+@dataclasses.dataclass
+class _Seq:
+    index: int
+    prompt: list[int]
+    sent: int = 0
+    out: list[int] = dataclasses.field(default_factory=list)
+
+
+def _spec_engine(family: str):
+    eng = create_engine(model_config(family), devices=jax.devices()[:1],
+                        config=EngineConfig(**SHAPES, speculative=f"ngram:{K}"))
+    return eng, place(eng, host_params(eng))
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: sliding window 16
+def engines(request):
+    plain = _engine(request.param)
+    return plain, _spec_engine(request.param)
+
+
+def _run(eng, params, *, chunk: int, budget: int, sampling=None, masks=None):
+    """Prompt i arrives at step 2i into a free slot; decode rows first, then chunks up to
+    `budget` tokens (a verify row counts K + 1), the planner keeping the pages. masks(i,
+    j): the packed row of prompt i's token j (its first position; nothing after).
+    Returns (each prompt's tokens, the most tokens a verify row kept, pages checked)."""
+    planner = PagePlanner(eng)
+    g = eng.page_geometry
+    state = planner.init_decode_state()
+    slots: dict[int, _Seq] = {}
+    outputs: list[list[int] | None] = [None] * len(PROMPTS)
+    waiting, step, most = list(range(len(PROMPTS))), 0, 0
+    while waiting or slots:
+        for s in range(g.slots):
+            if s not in slots and waiting and waiting[0] * 2 <= step:
+                i = waiting.pop(0)
+                planner.start_prompt(s, len(PROMPTS[i]))
+                slots[s] = _Seq(i, list(PROMPTS[i]))
+        rows, left = [], budget
+        for s, q in sorted(slots.items()):
+            if q.sent == len(q.prompt):
+                rows.append(MixedRow(slot=s))
+                left -= K + 1
+        for s, q in sorted(slots.items()):
+            n = min(chunk, len(q.prompt) - q.sent, left)
+            if q.sent < len(q.prompt) and n > 0:
+                rows.append(MixedRow(slot=s, chunk=q.prompt[q.sent:q.sent + n], start=q.sent,
+                                     last=q.sent + n == len(q.prompt),
+                                     sampling=(sampling or SamplingParams()) if q.sent == 0
+                                     else None, seed=q.index))
+                left -= n
+        prefilling = tuple(s for s, q in slots.items() if q.sent < len(q.prompt))
+        kw = {}
+        if masks is not None:
+            mask = np.zeros((g.slots, K + 1, allow_all(1, eng.vocab_size).shape[1]), np.int32)
+            mask[:] = -1
+            for r in rows:
+                if r.decode or r.last:
+                    q = slots[r.slot]
+                    mask[r.slot, 0] = masks(q.index, len(q.out))
+                    mask[r.slot, 1:] = 0
+            kw["token_mask"] = mask
+        state, res = planner.mixed_step(params, state, rows, prefilling=prefilling, **kw)
+        host = res.to_host()
+        for r in rows:
+            q = slots[r.slot]
+            q.sent += len(r.chunk)
+            toks = host.tokens(r.slot)
+            assert len(toks) == (1 if r.last else 0) or r.decode
+            if r.decode:
+                assert 1 <= len(toks) <= K + 1
+                most = max(most, len(toks))
+            q.out += toks
+            if len(q.out) >= MAX_TOKENS:
+                outputs[q.index] = q.out[:MAX_TOKENS]
+                planner.free_slot(r.slot)
+                del slots[r.slot]
+        planner.kv_pages.check()
+        step += 1
+    return outputs, most
+
+
+def _spec_reference(eng, params, sampling, masks=None):
+    """Each prompt alone through the speculative engine's prefill (seed = its index),
+    insert and verify steps."""
+    planner = PagePlanner(eng)
+    state = planner.init_decode_state()
+    out = []
+    for i, p in enumerate(PROMPTS):
+        first_mask = {} if masks is None else {"token_mask": masks(i, 0)[None]}
+        prefix, first = eng.prefill(params, p, len(p), sampling=sampling, seed=i, **first_mask)
+        state = planner.insert(prefix, state, 0)
+        toks = [first.to_host().token(0)]
+        while len(toks) < MAX_TOKENS:
+            kw = {}
+            if masks is not None:
+                mask = np.full((SHAPES["max_concurrent_decodes"], K + 1,
+                                allow_all(1, eng.vocab_size).shape[1]), -1, np.int32)
+                mask[0, 0], mask[0, 1:] = masks(i, len(toks)), 0
+                kw["token_mask"] = mask
+            state, res = planner.generate(params, state, **kw)
+            toks += res.to_host().tokens(0)
+        planner.free_slot(0)
+        out.append(toks[:MAX_TOKENS])
+    return out
+
+
+def test_greedy_verify_rows_give_the_plain_engines_tokens(engines):
+    (plain, plain_params), (eng, params) = engines
+    want = _reference(plain, plain_params)
+    for chunk, budget in ((5, 9), (16, 28)):
+        got, most = _run(eng, params, chunk=chunk, budget=budget)
+        assert got == want
+        assert most > 1  # drafts were accepted: the rows verified, not only sampled
+
+
+def test_sampled_verify_rows_give_the_verify_steps_tokens(engines):
+    _, (eng, params) = engines
+    want = _spec_reference(eng, params, HOT)
+    got, _ = _run(eng, params, chunk=5, budget=9, sampling=HOT)
+    assert got == want
+    greedy, _ = _run(eng, params, chunk=5, budget=9)
+    assert got != greedy  # sampling did sample
+
+
+def _allowed(V: int, i: int, j: int) -> set[int]:
+    rng = np.random.default_rng(1000 * i + j)
+    return set(rng.choice(V, V // 4, replace=False).tolist())
+
+
+def test_masked_verify_rows_keep_their_masks_token(engines):
+    _, (eng, params) = engines
+    V = eng.vocab_size
+    cache = {}
+
+    def masks(i, j):
+        if (i, j) not in cache:
+            cache[i, j] = _mask_of([_allowed(V, i, j)], V)[0]
+        return cache[i, j]
+
+    want = _spec_reference(eng, params, HOT, masks)
+    got, most = _run(eng, params, chunk=5, budget=9, sampling=HOT, masks=masks)
+    assert got == want
+    assert most == 1  # a constrained row keeps one token a step
+    assert all(t in _allowed(V, i, j) for i, toks in enumerate(got) for j, t in enumerate(toks))
+
+
+def test_decode_rows_alone_and_a_bad_mask():
+    eng, params = _spec_engine("llama")
+    planner = PagePlanner(eng)
+    state = planner.init_decode_state()
+    planner.start_prompt(0, 16)
+    state, _ = planner.mixed_step(params, state, [MixedRow(slot=0, chunk=[9, 4] * 8,
+                                                           last=True,
+                                                           sampling=SamplingParams())],
+                                  prefilling=(0,))
+    before = eng.trace_counts()["mixed"]
+    kept = 1
+    for _ in range(3):  # decode rows alone: the verify step's program, masked to the rows
+        state, res = planner.mixed_step(params, state, [MixedRow(slot=0)])
+        kept += res.to_host().count(0)
+        planner.kv_pages.sync(np.asarray(state.lengths))
+        assert planner.kv_pages.length(0) == 16 + kept - 1  # rejected positions given back
+        planner.kv_pages.check()
+    assert kept >= 4  # at least one token a step
+    assert eng.trace_counts()["mixed"] == before + 1
+    with pytest.raises(ValueError, match=r"token_mask must be i32\[3, 4, "):
+        planner.mixed_step(params, state, [MixedRow(slot=0)],
+                           token_mask=allow_all(3, eng.vocab_size))

@@ -12,12 +12,15 @@ Implementations:
   - "xla" (`ragged_paged_attention`): runs everywhere. Tokens go in tiles by their row's
     kind, and for each tile a loop over blocks of the key pages (about `block_k` keys)
     keeps an online softmax (as engines/blockwise_attention.py):
-      row tiles: a row of two or more contiguous tokens (a chunk of a prompt) in tiles of
-        `block_q` of its tokens; a tile gathers its row's pages of a key block once for
-        all its queries;
-      token tiles: every other live token (decode rows' one token; a row whose tokens
-        are not contiguous) `block_d` at a time, each token gathering its own row's
-        pages (tokens x keys of memory traffic, which a decode token needs anyway).
+      row tiles: a row of more than `block_d` contiguous tokens (a chunk of a prompt) in
+        tiles of `block_q` of its tokens; a tile gathers its row's pages of a key block
+        once for all its queries;
+      token tiles: every other live token (decode rows' one token, a verify row's k + 1,
+        a short chunk's; a row whose tokens are not contiguous) `block_d` at a time, each
+        token gathering its own row's pages (tokens x keys of memory traffic, which a
+        decode token needs anyway). A short row in a row tile of `block_q` queries would
+        compute mostly padding: a verify step of 8 rows of 4 tokens took 1.59x generate
+        + prefill that way, 1.23x token by token (docs/BENCHMARKS.md).
     The plan is made on the device from the rows and positions (each row's count, first
     and last token): the loops run as many tiles as there are, over arrays shaped by T
     alone, so the shapes are fixed per (T, W). A tile loops only up to the block that
@@ -187,8 +190,9 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     count = jax.ops.segment_sum(live.astype(jnp.int32), rows, R)
     first = jax.ops.segment_min(jnp.where(live, t, T), rows, R)
     last = jax.ops.segment_max(jnp.where(live, t, -1), rows, R)
-    # Row tiles: a row of two or more contiguous tokens (a chunk) in tiles of bq.
-    whole = (count >= 2) & (last - first + 1 == count)
+    # Row tiles: a row of more contiguous tokens than a token tile holds (a chunk) in
+    # tiles of bq; shorter rows (a verify row's k + 1) cost less token by token.
+    whole = (count > bd) & (last - first + 1 == count)
     row_tiles = jnp.where(whole, -(-count // bq), 0)
     tiles_end = jnp.cumsum(row_tiles)
     # Token tiles: every other live token (decode rows), bd at a time.

@@ -38,6 +38,16 @@ class MixedRun:
     logprobs: list[list[float]] = dataclasses.field(default_factory=list)  # as outputs
 
 
+def chunk_row(slot: int, q: _Seq, n: int, sampling: SamplingParams | None,
+              adapter: str | None = None) -> MixedRow:
+    """The row of q's next n prompt tokens (its first chunk starts its sampling, seeded
+    by its index)."""
+    return MixedRow(slot=slot, chunk=q.prompt[q.sent:q.sent + n], start=q.sent,
+                    last=q.sent + n == len(q.prompt),
+                    sampling=(sampling or SamplingParams()) if q.sent == 0 else None,
+                    seed=q.index, adapter=adapter)
+
+
 def _bucket(engine, rows) -> int:
     """The step's token bucket; 0 for decode rows alone (the generate step's program)."""
     if all(r.decode for r in rows):
@@ -83,10 +93,7 @@ def run_mixed(engine, params, prompts, *, max_tokens: int, chunk: int, budget: i
         for s, q in sorted(slots.items()):
             n = min(chunk, len(q.prompt) - q.sent, left)
             if q.sent < len(q.prompt) and n > 0:
-                rows.append(MixedRow(slot=s, chunk=q.prompt[q.sent:q.sent + n], start=q.sent,
-                                     last=q.sent + n == len(q.prompt),
-                                     sampling=(sampling or SamplingParams()) if q.sent == 0
-                                     else None, seed=q.index, adapter=adapters[q.index]))
+                rows.append(chunk_row(s, q, n, sampling, adapters[q.index]))
                 reach[s] = q.sent + n - 1
                 left -= n
         if not rows:

@@ -13,8 +13,6 @@ keeps what the target accepts, beside prompt chunks in the same step.
 - a token mask of one row per slot (not one per position) is refused by name.
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -24,20 +22,13 @@ from engines.mixed_batch import MixedRow
 from engines.sampling import SamplingParams
 from engines.token_mask import allow_all
 from jetserve.scheduling.page_planner import PagePlanner
+from tests.engines.mixed_driver import _Seq, chunk_row
 from tests.engines.test_mixed_step import MAX_TOKENS, PROMPTS, SHAPES, _engine, _reference
 from tests.engines.test_token_mask import _mask_of
 from tests.sharding.families import host_params, model_config, place
 
 K = 3
 HOT = SamplingParams(temperature=1.0)
-
-
-@dataclasses.dataclass
-class _Seq:
-    index: int
-    prompt: list[int]
-    sent: int = 0
-    out: list[int] = dataclasses.field(default_factory=list)
 
 
 def _spec_engine(family: str):
@@ -77,10 +68,7 @@ def _run(eng, params, *, chunk: int, budget: int, sampling=None, masks=None):
         for s, q in sorted(slots.items()):
             n = min(chunk, len(q.prompt) - q.sent, left)
             if q.sent < len(q.prompt) and n > 0:
-                rows.append(MixedRow(slot=s, chunk=q.prompt[q.sent:q.sent + n], start=q.sent,
-                                     last=q.sent + n == len(q.prompt),
-                                     sampling=(sampling or SamplingParams()) if q.sent == 0
-                                     else None, seed=q.index))
+                rows.append(chunk_row(s, q, n, sampling))
                 left -= n
         prefilling = tuple(s for s, q in slots.items() if q.sent < len(q.prompt))
         kw = {}

@@ -210,9 +210,9 @@ def build_orchestrator(args: argparse.Namespace, devices=None):
                                 max_queued_per_client=_per_client(args),
                                 prefill_chunk=args.prefill_chunk, **prefix_cache_budgets(args),
                                 **step_policy_fields(args), scheduling=args.scheduling)
-    if args.scheduling == MIXED and (args.role != "both" or jax.process_count() > 1):
-        raise ValueError(f"--scheduling mixed serves from one process with --role both, not "
-                         f"--role {args.role} over {jax.process_count()} process(es)")
+    if args.scheduling == MIXED and args.role != "both":
+        raise ValueError(f"--scheduling mixed serves with --role both (prompts and decoding "
+                         f"in one step), not --role {args.role}")
     if args.role == "decode":
         return roles.build_decode(args, devices if devices is not None else jax.devices(),
                                   config)
@@ -255,6 +255,11 @@ def _lock_step_orchestrator(args: argparse.Namespace, devices, config):
     engine = build_engine(args.model, devices=devices,
                           sharding=args.generate_sharding or args.sharding,
                           engine_config=engine_config(args, devices))
+    if config.scheduling == MIXED:
+        from jetserve.orchestrator.mixed_lockstep import MixedLockStepOrchestrator
+
+        return MixedLockStepOrchestrator(engine, engine.load_params(),
+                                         keyed(config, args.model, engine))
     return LockStepOrchestrator(engine, engine.load_params(),
                                 config=keyed(config, args.model, engine))
 

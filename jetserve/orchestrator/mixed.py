@@ -18,7 +18,8 @@ and generate slices (`build`: the mixed step is one slice's). Structured output 
 served: each step takes its sampling rows' token masks (mixed_worker.py). LoRA adapters
 (--lora-modules) are served: each row of a step runs through its request's adapter.
 N-gram speculative decoding (--speculative ngram:K) is served: each decode row is a verify
-row of K + 1 tokens (engines/mixed_step.py).
+row of K + 1 tokens (engines/mixed_step.py). Over several processes the mixed thread's
+engine calls go to every process as plans (mixed_lockstep.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
 class MixedOrchestrator(Orchestrator):
     """Serves Requests on one paged engine with mixed steps (see the module doc)."""
 
+    worker = MixedWorker  # the mixed thread (mixed_lockstep.py's over several processes)
+
     def __init__(self, engine: Engine, params: Any, config: OrchestratorConfig | None = None):
         config = config or OrchestratorConfig(scheduling=MIXED)
         check_engines([engine], [engine], [params], [params])
@@ -76,7 +79,7 @@ class MixedOrchestrator(Orchestrator):
                              f"leaves no prefill token beside max_num_seqs="
                              f"{policy.max_num_seqs} verify rows of {row} tokens: give at "
                              f"least {policy.max_num_seqs * row + 1}")
-        self._generate = [MixedWorker(
+        self._generate = [self.worker(
             0, planned, params, self._outbox, self._listeners, self._stopping,
             backlog_size=1, poll_s=config.poll_interval_s, policy=policy,
             admission=self._admission, budget=budget, chunk=policy.prefill_chunk,

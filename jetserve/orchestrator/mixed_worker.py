@@ -351,7 +351,6 @@ class MixedWorker(GenerateWorker):
         tokens 0: a step of no rows, which compiles the decode-rows program. A LoRA
         engine's steps compile twice: with the adapter pool, and plain."""
         g = self.engine.page_geometry
-        table = np.full((g.slots, width), g.trash, np.int32)
         rows, left = [], tokens
         for slot in range(g.slots):
             if left and self.slots.owner(slot) is None:
@@ -371,8 +370,8 @@ class MixedWorker(GenerateWorker):
         for mask in masks:
             for program in programs:
                 with self.state_lock:
-                    self.state, res = self.engine.engine.mixed_step(
-                        self.params, self.state, table, rows, **mask_kwargs(mask), **program)
+                    self.state, res = self.engine.warm_step(
+                        self.params, self.state, width, rows, **mask_kwargs(mask), **program)
                 res.to_host()
 
 

@@ -18,16 +18,28 @@ Wire form (uint32, so float bits and 32-bit seeds pass through a broadcast uncha
     another, then each admission's logit_bias as (token id, bias f32 bits) pairs, padded
     to a power of two (its size is in the header, so every process knows the shape; few
     sizes, so few compiled broadcasts).
+
+Mixed steps (`--scheduling mixed`, orchestrator/mixed_lockstep.py) send a `MixedPlan`
+instead: the engine calls process 0 made since the last one, as `MixedPlanCodec` words.
+  header: [kind, payload length]
+  payload: [host ops, then each as (op, slot, tokens)] (free_slot / start_prompt /
+    init_decode_state, in the order process 0 made them), [rows, then each as a row
+    record: slot, start, chunk length, flags (last, fresh), seed, top_k, logit_bias
+    pairs, six f32 bits of sampling, then the chunk's ids and the bias pairs],
+    [slots still in their prompt, then each], token mask positions (0: no mask), page
+    table width (a warm-up step's); a prompt to score instead of rows for kind SCORE.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
 from engines import SamplingParams
 from engines.lora_registry import adapter_id
+from engines.mixed_batch import MixedRow
 from jetserve.scheduling.plan import Admission, StepPlan
 
 RUN, STOP = 0, 1
@@ -39,7 +51,8 @@ _PROMPT_LOGPROBS, _CONSTRAINED = 1, 2  # flags bits
 _HEAD = 4  # kind, admissions, payload length, step mask
 _MIN_PAYLOAD = 16
 
-__all__ = ["Admission", "Broadcast", "PlanCodec", "StepPlan", "exchange"]
+__all__ = ["Admission", "Broadcast", "MixedPlan", "MixedPlanCodec", "PlanCodec", "StepPlan",
+           "exchange"]
 
 Broadcast = Callable[[np.ndarray], np.ndarray]  # process 0's array, on every process
 
@@ -136,6 +149,110 @@ def exchange(plan: StepPlan | None, codec: PlanCodec, broadcast: Broadcast) -> S
         payload = np.asarray(broadcast(payload if payload is not None
                                        else np.zeros(n, np.uint32)), np.uint32)
     return codec.decode(header, payload)
+
+
+# A MixedPlan's kinds: a planned mixed step, a warm-up step over a page table of trash
+# (MixedWorker.warm), a prompt scored (prompt log-probs), host ops alone, stop.
+STEP, WARM, SCORE, IDLE = "step", "warm", "score", "idle"
+_KINDS = (STEP, WARM, SCORE, IDLE, "stop")
+# Host ops, replayed on the page planner in process 0's order.
+FREE, START, INIT = 0, 1, 2
+_LAST, _FRESH = 1, 2  # a row's flags
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPlan:
+    """Process 0's engine calls since its last plan (mixed steps over several processes):
+    host `ops` ((FREE, slot, 0) / (START, slot, tokens) / (INIT, 0, 0)) to replay, then
+    the one device call of `kind`: a step of `rows` (`prefilling`: the slots still in
+    their prompt; `mask_positions`: a token mask of that many positions per slot follows
+    as its own array, 0 none), a warm-up step of `rows` over `width` pages of trash, or
+    the scoring of `prompt`."""
+
+    kind: str = IDLE
+    ops: tuple[tuple[int, int, int], ...] = ()
+    rows: tuple[MixedRow, ...] = ()
+    prefilling: tuple[int, ...] = ()
+    mask_positions: int = 0
+    width: int = 0
+    prompt: tuple[int, ...] = ()
+
+    @property
+    def stop(self) -> bool:
+        return self.kind == "stop"
+
+
+class MixedPlanCodec:
+    """MixedPlan <-> uint32 words (module doc); a fixed header of two words."""
+
+    header_size = 2
+
+    def encode(self, plan: MixedPlan) -> tuple[np.ndarray, np.ndarray | None]:
+        if plan.stop:
+            return np.asarray([_KINDS.index("stop"), 0], np.uint32), None
+        words: list[int] = [len(plan.ops)]
+        for op in plan.ops:
+            words += op
+        words.append(len(plan.rows))
+        for r in plan.rows:
+            sp = r.sampling or SamplingParams()
+            if r.sampling is not None and r.seed is None:
+                raise ValueError(f"slot {r.slot}: a fresh row's seed is drawn before the plan "
+                                 "is sent (every process samples alike)")
+            if r.adapter is not None:
+                raise ValueError(f"slot {r.slot}: LoRA adapters are not served by mixed steps "
+                                 "over several processes")
+            flags = (_LAST if r.last else 0) | (_FRESH if r.sampling is not None else 0)
+            words += [r.slot, r.start, len(r.chunk), flags, r.seed or 0, sp.top_k,
+                      len(sp.logit_bias)]
+            words += np.asarray([getattr(sp, f) for f in _FLOATS], np.float32).view(
+                np.uint32).tolist()
+            words += r.chunk
+            words += _bias_words(sp.logit_bias).tolist()
+        words += [len(plan.prefilling), *plan.prefilling, plan.mask_positions, plan.width,
+                  len(plan.prompt), *plan.prompt]
+        header = np.asarray([_KINDS.index(plan.kind), _bucket(len(words))], np.uint32)
+        payload = np.zeros(header[1], np.uint32)
+        payload[:len(words)] = words
+        return header, payload
+
+    def payload_size(self, header: np.ndarray) -> int:
+        return int(header[1])
+
+    def decode(self, header: np.ndarray, payload: np.ndarray | None) -> MixedPlan:
+        kind = _KINDS[int(header[0])]
+        if kind == "stop":
+            return MixedPlan(kind="stop")
+        w = np.asarray(payload, np.uint32)
+        at = 0
+
+        def take(n: int) -> list[int]:
+            nonlocal at
+            at += n
+            return w[at - n: at].tolist()
+
+        ops = tuple(tuple(take(3)) for _ in range(take(1)[0]))
+        rows = []
+        for _ in range(take(1)[0]):
+            slot, start, n, flags, seed, top_k, pairs = take(7)
+            floats = w[at: at + len(_FLOATS)].view(np.float32).tolist()
+            at += len(_FLOATS)
+            chunk = take(n)
+            bias = w[at: at + 2 * pairs].reshape(pairs, 2)
+            at += 2 * pairs
+            sampling = None
+            if flags & _FRESH:
+                sampling = SamplingParams(
+                    top_k=top_k, **dict(zip(_FLOATS, floats, strict=True)),
+                    logit_bias=tuple(zip(bias[:, 0].tolist(),
+                                         bias[:, 1].view(np.float32).tolist(), strict=True)))
+            rows.append(MixedRow(slot=slot, chunk=chunk, start=start, last=bool(flags & _LAST),
+                                 sampling=sampling, seed=seed if sampling else None))
+        prefilling = tuple(take(take(1)[0]))
+        positions, width = take(2)
+        prompt = tuple(take(take(1)[0]))
+        return MixedPlan(kind=kind, ops=ops, rows=tuple(rows), prefilling=prefilling,
+                         mask_positions=positions, width=width, prompt=prompt)
 
 
 def _bias_words(bias: tuple[tuple[int, float], ...]) -> np.ndarray:

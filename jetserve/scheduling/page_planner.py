@@ -19,6 +19,8 @@ generate worker, the lock-step driver, offline generation, warm-up, benches, tes
                                               mask sat out) keep their length; with
                                               speculative decoding, the lengths read
                                               back first, as generate's
+  warm_step(params, state, width, rows)      a mixed step over a table of trash pages
+                                              (warm-up compiles each width)
   free_slot(slot) / init_decode_state()       give the pages back (free_slot the
                                               engine's hold on the slot too)
 
@@ -123,6 +125,16 @@ class PagePlanner:
         out = self.engine.mixed_step(params, decode_state, table, rows, **kw)
         pages.after_step(held={*prefilling, *_sat_out(token_mask)})
         return out
+
+    def warm_step(self, params: Any, decode_state: Any, width: int, rows: Any, *,
+                  token_mask: Any = None, **program: Any) -> tuple[Any, Any]:
+        """engine.mixed_step of `rows` over a page table `width` pages wide that is all
+        trash (warm-up: nothing is written, no page is taken); `program` goes on to the
+        engine (a LoRA engine's `adapters`)."""
+        g = self.engine.page_geometry
+        table = np.full((g.slots, width), g.trash, np.int32)
+        kw = {} if token_mask is None else {"token_mask": token_mask}
+        return self.engine.mixed_step(params, decode_state, table, rows, **kw, **program)
 
     def free_slot(self, slot: int) -> None:
         """The slot's pages back to the pool, and the engine's own hold (a LoRA

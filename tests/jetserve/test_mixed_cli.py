@@ -39,7 +39,8 @@ def test_scheduling_reaches_the_config_and_turns_is_the_default(monkeypatch):
     (("--kv-layout", "paged", "--step-policy", "decode-first"),
      r"--step-policy decode-first: --scheduling mixed runs every decoding sequence"),
     (("--kv-layout", "paged", "--role", "decode", "--prefill-workers", "127.0.0.1:1"),
-     r"--scheduling mixed serves from one process with --role both, not --role decode"),
+     r"--scheduling mixed serves with --role both \(prompts and decoding in one step\), "
+     r"not --role decode"),
 ])
 def test_what_mixed_cannot_run_is_a_startup_error(argv, message):
     with pytest.raises(ValueError, match=message):

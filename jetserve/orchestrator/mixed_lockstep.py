@@ -1,0 +1,292 @@
+"""Mixed steps over several processes (jax.distributed): the mixed loop, its engine calls
+made in lock step.
+
+Every device call is one SPMD program over the devices of every process, so each process
+must make the same calls in the same order with the same inputs. Process 0 alone has the
+requests: it runs the mixed generate thread (mixed_worker.py) unchanged, over a
+`LockStepPlanner` in place of its page planner. The others run `Follower.run` in their
+main thread and never see a request.
+
+  process 0  the mixed thread plans as in one process. Its host-side calls on the page
+             planner (free_slot, start_prompt: pages only) run at once and are noted;
+             before each device call (a mixed step, a warm-up step, a prompt scored, a
+             fresh decode state) the noted calls and the device call's inputs go out as
+             one `MixedPlan` (step_plan.py: its wire form), and process 0 runs the call
+             with the plan's rows as every process decodes them (sampling floats as f32,
+             each fresh row's seed drawn here)
+  all        exchange ── broadcast_from_primary of the encoded plan, then of the token
+             mask when the step takes one (structured output: grammars live on process 0)
+  others     replay the host calls on their own page planner (so every page table is
+             alike), then make the device call
+
+Results are read on process 0 alone (the read-back path of one process). When process 0
+has nothing to send for `idle_wait_s` it sends the calls it noted (or none): the others
+never wait long in a broadcast. `stop` sends a stop plan; every follower leaves its loop.
+A device call that fails fails on every process alike (same program, same inputs):
+process 0 ends the requests it held and makes a fresh decode state, which it sends as
+any other call.
+
+Not served here, each refused by name at start: LoRA adapters (holding an adapter's row
+loads it on the device, a call the mixed thread makes while it plans) and the prefix cache
+(its lookups and adoptions are host calls the plan does not carry yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+
+from engines import Engine
+from engines.mixed_batch import MixedRow
+from engines.token_mask import mask_words
+from jetserve import distributed
+from jetserve.orchestrator.config import MIXED, OrchestratorConfig
+from jetserve.orchestrator.mixed import MixedOrchestrator
+from jetserve.orchestrator.mixed_worker import MixedWorker
+from jetserve.orchestrator.step_masks import mask_kwargs
+from jetserve.orchestrator.step_plan import (
+    FREE,
+    IDLE,
+    INIT,
+    SCORE,
+    START,
+    STEP,
+    WARM,
+    Broadcast,
+    MixedPlan,
+    MixedPlanCodec,
+    exchange,
+)
+
+log = logging.getLogger(__name__)
+
+
+def run_plan(planner: Any, params: Any, state: Any, plan: MixedPlan,
+             mask: np.ndarray | None) -> tuple[Any, Any]:
+    """The plan's device call on `planner` (a PagePlanner): (new state, its result)."""
+    if plan.kind == STEP:
+        return planner.mixed_step(params, state, list(plan.rows), prefilling=plan.prefilling,
+                                  **mask_kwargs(mask))
+    if plan.kind == WARM:
+        return planner.warm_step(params, state, plan.width, list(plan.rows), **mask_kwargs(mask))
+    if plan.kind == SCORE:
+        return state, planner.prompt_logprobs(params, np.asarray(plan.prompt, np.int32))
+    return state, None
+
+
+def _seeded(rows) -> tuple[MixedRow, ...]:
+    """The rows with each fresh row's seed drawn (as pack_rows would, here once for all)."""
+    out = []
+    for r in rows:
+        if r.sampling is not None and r.seed is None:
+            seed = r.sampling.seed if r.sampling.seed is not None else secrets.randbits(31)
+            r = MixedRow(slot=r.slot, chunk=r.chunk, start=r.start, last=r.last,
+                         sampling=r.sampling, seed=seed, adapter=r.adapter)
+        out.append(r)
+    return tuple(out)
+
+
+class LockStepPlanner:
+    """Process 0's page planner for the mixed thread: host calls noted, device calls sent
+    first (module doc). Everything else is the planner's."""
+
+    def __init__(self, planner: Any, broadcast: Broadcast, idle_wait_s: float):
+        self.planner = planner
+        self._broadcast = broadcast
+        self._codec = MixedPlanCodec()
+        self._ops: list[tuple[int, int, int]] = []
+        self.idle_wait_s = idle_wait_s
+        self._sent = time.monotonic()
+        self.plans = 0  # sent
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "planner":
+            raise AttributeError(name)
+        return getattr(self.planner, name)
+
+    # ---- host calls: run now, sent with the next plan -----------------------------------
+
+    def free_slot(self, slot: int) -> None:
+        self.planner.free_slot(slot)
+        self._ops.append((FREE, slot, 0))
+
+    def start_prompt(self, slot: int, tokens: int, adapter: str | None = None, *,
+                     shared_pages=()) -> None:
+        if adapter is not None or len(shared_pages):
+            raise ValueError("mixed steps over several processes serve neither LoRA "
+                             "adapters nor prefix-cache hits")
+        self.planner.start_prompt(slot, tokens)
+        self._ops.append((START, slot, tokens))
+
+    # ---- device calls: the plan first ---------------------------------------------------
+
+    def mixed_step(self, params: Any, state: Any, rows, *, prefilling=(), token_mask=None):
+        return self._call(MixedPlan(kind=STEP, rows=_seeded(rows), prefilling=tuple(prefilling),
+                                    mask_positions=_positions(token_mask)),
+                          params, state, token_mask)
+
+    def warm_step(self, params: Any, state: Any, width: int, rows, token_mask=None):
+        return self._call(MixedPlan(kind=WARM, rows=_seeded(rows), width=width,
+                                    mask_positions=_positions(token_mask)),
+                          params, state, token_mask)
+
+    def prompt_logprobs(self, params: Any, tokens, true_length=None, *, adapter=None):
+        if adapter is not None:
+            raise ValueError("mixed steps over several processes serve no LoRA adapters")
+        prompt = tuple(int(t) for t in np.asarray(tokens).reshape(-1))
+        return self._call(MixedPlan(kind=SCORE, prompt=prompt), params, None, None)[1]
+
+    def init_decode_state(self) -> Any:
+        self._ops.append((INIT, 0, 0))
+        self._send(MixedPlan(kind=IDLE))
+        return self.planner.init_decode_state()
+
+    def heartbeat(self) -> None:
+        """Sends the noted host calls when nothing went out for idle_wait_s (the followers
+        wait in the broadcast meanwhile)."""
+        if time.monotonic() - self._sent >= self.idle_wait_s:
+            self._send(MixedPlan(kind=IDLE))
+
+    def stop(self) -> None:
+        """The followers leave their loops (after the host calls still noted)."""
+        if self._ops:
+            self._send(MixedPlan(kind=IDLE))
+        exchange(MixedPlan(kind="stop"), self._codec, self._broadcast)
+
+    def _send(self, plan: MixedPlan) -> MixedPlan:
+        plan = MixedPlan(kind=plan.kind, ops=tuple(self._ops), rows=plan.rows,
+                         prefilling=plan.prefilling, mask_positions=plan.mask_positions,
+                         width=plan.width, prompt=plan.prompt)
+        self._ops = []
+        out = exchange(plan, self._codec, self._broadcast)
+        self._sent = time.monotonic()
+        self.plans += 1
+        return out
+
+    def _call(self, plan: MixedPlan, params: Any, state: Any, token_mask) -> tuple[Any, Any]:
+        plan = self._send(plan)
+        if token_mask is not None:
+            token_mask = np.asarray(self._broadcast(np.asarray(token_mask, np.int32)), np.int32)
+        # The plan's rows as every process decoded them (f32 sampling, seeds drawn).
+        return run_plan(self.planner, params, state, plan, token_mask)
+
+
+def _positions(token_mask) -> int:
+    """A token mask's positions per slot as the plan says it (0: no mask)."""
+    if token_mask is None:
+        return 0
+    mask = np.asarray(token_mask)
+    return 1 if mask.ndim == 2 else mask.shape[1]
+
+
+class Follower:
+    """A process other than 0: replays process 0's plans on its own page planner."""
+
+    def __init__(self, planner: Any, params: Any, state: Any, broadcast: Broadcast):
+        self.planner, self.params, self.state = planner, params, state
+        self._broadcast = broadcast
+        self._codec = MixedPlanCodec()
+        self.plans = self.failures = 0
+
+    def run(self) -> None:
+        """Until process 0 stops."""
+        while True:
+            plan = exchange(None, self._codec, self._broadcast)
+            if plan.stop:
+                return
+            self.plans += 1
+            self.apply(plan)
+
+    def apply(self, plan: MixedPlan) -> None:
+        for op, slot, tokens in plan.ops:
+            if op == FREE:
+                self.planner.free_slot(slot)
+            elif op == START:
+                self.planner.start_prompt(slot, tokens)
+            else:
+                self.state = self.planner.init_decode_state()
+        mask = None
+        if plan.mask_positions:
+            g = self.planner.page_geometry
+            lead = (g.slots,) if plan.mask_positions == 1 else (g.slots, plan.mask_positions)
+            mask = np.asarray(self._broadcast(np.zeros(
+                (*lead, mask_words(self.planner.vocab_size)), np.int32)), np.int32)
+        try:
+            self.state, _ = run_plan(self.planner, self.params, self.state, plan, mask)
+        except Exception:  # noqa: BLE001 -- process 0's call failed alike; it recovers
+            self.failures += 1
+            log.exception("a %s call of process 0's plan failed here too", plan.kind)
+
+
+class LockStepMixedWorker(MixedWorker):
+    """Process 0's mixed thread over a LockStepPlanner: sends the calls it noted when idle,
+    and a stop plan when it ends."""
+
+    def _turn(self) -> None:
+        super()._turn()
+        self.engine.heartbeat()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.engine.stop()
+
+
+def refuse(engine: Engine, config: OrchestratorConfig) -> None:
+    """What mixed steps over several processes do not serve yet, by name."""
+    if hasattr(engine, "hold_adapter"):
+        raise ValueError("--scheduling mixed over several processes serves no LoRA adapters "
+                         "yet (holding an adapter's row is a device call made while the "
+                         "step is planned): leave out --lora-modules, or use one process")
+    if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
+        raise ValueError("--scheduling mixed over several processes keeps no prefix cache "
+                         "yet (its lookups are not in the plan every process applies): "
+                         "leave out --prefix-cache-hbm-mb / --prefix-cache-host-mb / "
+                         "--enable-prefix-caching, or use one process")
+
+
+class MixedLockStepOrchestrator(MixedOrchestrator):
+    """`--scheduling mixed` over several processes (module doc). On process 0 it serves as
+    MixedOrchestrator does; on the others `run` follows process 0's plans until it stops.
+
+    primary: whether this is process 0 (default: jax.process_index() == 0); broadcast:
+    process 0's array on every process (default: distributed.broadcast_from_primary);
+    idle_wait_s: the longest process 0 goes without sending a plan.
+    """
+
+    worker = LockStepMixedWorker
+
+    def __init__(self, engine: Engine, params: Any, config: OrchestratorConfig | None = None,
+                 *, primary: bool | None = None, broadcast: Broadcast | None = None,
+                 idle_wait_s: float = 0.25):
+        config = config or OrchestratorConfig(scheduling=MIXED)
+        refuse(engine, config)
+        super().__init__(engine, params, config)
+        self.primary = distributed.is_primary() if primary is None else primary
+        broadcast = broadcast or distributed.broadcast_from_primary
+        w = self._generate[0]
+        self.follower = None if self.primary else Follower(w.engine, params, w.state, broadcast)
+        if self.primary:
+            w.engine = LockStepPlanner(w.engine, broadcast, idle_wait_s)
+
+    def submit_many(self, requests):
+        if not self.primary:
+            raise RuntimeError("requests go to process 0; this process follows its plans")
+        return super().submit_many(requests)
+
+    def run(self) -> None:
+        """A follower's loop, in its main thread, until process 0 stops."""
+        if self.primary:
+            raise RuntimeError("process 0 serves with start(); run() is the followers' loop")
+        self.follower.run()
+
+    def stats(self) -> dict:
+        s = super().stats()
+        if self.primary:
+            s["generate"][0]["plans"] = self._generate[0].engine.plans
+        return s

@@ -1,0 +1,184 @@
+"""Mixed steps over several processes (orchestrator/mixed_lockstep.py), inside one process.
+
+Two MixedLockStepOrchestrators stand in for process 0 and process 1, each over its own
+paged engine with the same weights; their broadcast is a queue between threads, so the
+follower gets exactly the arrays process 0 sends. Process 0's streams must carry the
+one-pass greedy tokens (and a seeded sampled request the tokens of one process), and the
+follower, replaying process 0's plans, must end with the same page tables and the same
+decode-state lengths.
+"""
+
+import random
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from engines import EngineConfig, SamplingParams, create_engine
+from engines.mixed_batch import MixedRow
+from jetserve.offline import generate_many
+from jetserve.orchestrator import OrchestratorConfig, Request
+from jetserve.orchestrator.mixed import MixedOrchestrator
+from jetserve.orchestrator.mixed_lockstep import MixedLockStepOrchestrator
+from jetserve.orchestrator.step_plan import (
+    FREE,
+    INIT,
+    START,
+    MixedPlan,
+    MixedPlanCodec,
+    exchange,
+)
+from jetserve.scheduling.page_planner import with_pages
+from tests.jetserve.test_lockstep import _following, _queue_broadcast
+from tests.sharding.families import host_params, model_config, place
+
+MAX_TOKENS = 10
+SHAPES = dict(max_concurrent_decodes=4, max_prefill_length=16, max_seq_len=32)
+MIXED = dict(scheduling="mixed", prefill_chunk=8, poll_interval_s=0.005)
+
+
+def _engine(**config):
+    return with_pages(create_engine(model_config("llama"), devices=jax.devices()[:1],
+                                    config=EngineConfig(**{**SHAPES, **config})))
+
+
+def _paged(speculative="none", num_pages=14):
+    return _engine(kv_layout="paged", page_size=4, num_pages=num_pages,
+                   speculative=speculative)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return host_params(_engine())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)  # 1 to 30 tokens: most longer than a chunk of 8
+    return [[rng.randrange(3, 128) for _ in range(rng.randint(1, 30))] for _ in range(8)]
+
+
+@pytest.fixture(scope="module")
+def reference(weights, prompts):
+    eng = _engine(max_prefill_length=32)
+    out = generate_many(eng, place(eng, weights), prompts, max_tokens=MAX_TOKENS,
+                        ignore_eos=True)
+    return [r.token_ids for r in out]
+
+
+def _pair(weights, speculative="none", **config):
+    """(process 0, the follower, the follower's thread, its errors), started."""
+    send, receive = _queue_broadcast()
+    config = OrchestratorConfig(**{**MIXED, **config})
+    orchs = []
+    for primary, broadcast in ((True, send), (False, receive)):
+        eng = _paged(speculative)
+        orchs.append(MixedLockStepOrchestrator(eng, place(eng, weights), config,
+                                               primary=primary, broadcast=broadcast,
+                                               idle_wait_s=0.01))
+    lead, follower = orchs
+    thread, errors = _following(follower)
+    lead.start()
+    return lead, follower, thread, errors
+
+
+def _stop(lead, thread):
+    lead.stop(drain=True, timeout=60)
+    thread.join(60)
+    assert not thread.is_alive(), "the follower did not leave its loop on the stop plan"
+
+
+@pytest.mark.parametrize("speculative", ["none", "ngram:3"], ids=["plain", "ngram3"])
+def test_lock_step_mixed_steps_give_one_pass_tokens_and_alike_pages(
+        weights, prompts, reference, speculative):
+    """Warm-up steps, prompts in chunks beside decode rows (n-gram verify rows), a pool of 14
+    pages of 4 that preempts, a cancelled request: process 0 streams the one-pass greedy
+    tokens, and the follower ends with process 0's page tables and lengths."""
+    lead, follower, thread, errors = _pair(weights, speculative)
+    try:
+        shapes = lead.warmup_shapes()
+        for shape in (shapes[0], shapes[-1]):  # warm-up steps go out as plans of their own
+            lead.warm_shape(*shape, timeout=300)
+        handles = [lead.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True))
+                   for p in prompts]
+        gone = lead.submit(Request(prompt_ids=prompts[0], max_tokens=32 - len(prompts[0]),
+                                   ignore_eos=True))
+        while not gone.timing.token_times:
+            time.sleep(0.002)
+        gone.cancel()
+        out = [h.result(timeout=300) for h in handles]
+        assert gone.result(timeout=60).finish_reason == "cancelled"
+        stats = lead.stats()["generate"][0]
+    finally:
+        _stop(lead, thread)
+    assert errors == []
+    assert [c.token_ids for c in out] == reference
+    assert stats["preemptions"] >= 1  # recompute ran in lock step too
+    w0, w1 = lead._generate[0], follower._generate[0]
+    assert follower.follower.plans == w0.engine.plans
+    assert follower.follower.failures == 0
+    pages0, pages1 = w0.engine.kv_pages, w1.engine.kv_pages
+    assert np.array_equal(pages0.table, pages1.table)
+    assert pages0.free_count == pages1.free_count == 14
+    np.testing.assert_array_equal(np.asarray(w0.state.lengths),
+                                  np.asarray(follower.follower.state.lengths))
+
+
+def test_seeded_sampling_logit_bias_and_prompt_logprobs_as_in_one_process(weights, prompts):
+    """Sampling parameters cross the wire as f32 and each fresh row's seed is drawn on
+    process 0: a seeded sampled request with a logit bias streams what one process
+    streams; prompt scoring (a call of its own) runs on every process."""
+    sampled = Request(prompt_ids=prompts[3], max_tokens=8, ignore_eos=True,
+                      sampling=SamplingParams(temperature=0.9, top_k=20, seed=4,
+                                              logit_bias=((5, 3.0), (9, -2.5))))
+    unseeded = Request(prompt_ids=prompts[2], max_tokens=6, ignore_eos=True,
+                       sampling=SamplingParams(temperature=1.0))
+    scored = Request(prompt_ids=prompts[1], max_tokens=3, prompt_logprobs=True, logprobs=2,
+                     ignore_eos=True)
+    eng = _paged()
+    with MixedOrchestrator.from_engines(eng, params=place(eng, weights),
+                                        config=OrchestratorConfig(**MIXED)) as one:
+        alone = [one.submit(r).result(timeout=300) for r in (sampled, scored)]
+    lead, follower, thread, errors = _pair(weights)
+    try:
+        got = [lead.submit(r).result(timeout=300) for r in (sampled, scored, unseeded)]
+    finally:
+        _stop(lead, thread)
+    assert errors == [] and follower.follower.failures == 0
+    assert got[0].token_ids == alone[0].token_ids
+    assert got[1].token_ids == alone[1].token_ids
+    assert got[1].prompt_logprobs[1:] == pytest.approx(alone[1].prompt_logprobs[1:], abs=1e-5)
+    assert len(got[2].token_ids) == 6
+
+
+def test_mixed_plan_round_trip_and_draws_seeds_before_it_is_sent():
+    codec = MixedPlanCodec()
+    plan = MixedPlan(kind="step", ops=((FREE, 3, 0), (START, 2, 17), (INIT, 0, 0)),
+                     rows=(MixedRow(slot=1),
+                           MixedRow(slot=2, chunk=(5, 6, 300000), start=8, last=True,
+                                    sampling=SamplingParams(temperature=0.5, top_p=0.25,
+                                                            logit_bias=((3, 1.5),)),
+                                    seed=2**31 - 1)),
+                     prefilling=(0, 2), mask_positions=4)
+    header, payload = codec.encode(plan)
+    assert header.shape == (2,) and payload.shape[0] == 64  # a power of two
+    assert codec.decode(header, payload) == plan
+    assert exchange(MixedPlan(kind="stop"), codec, lambda x: x).stop
+    with pytest.raises(ValueError, match="seed is drawn before the plan is sent"):
+        codec.encode(MixedPlan(kind="step", rows=(
+            MixedRow(slot=0, chunk=(1,), sampling=SamplingParams()),)))
+
+
+def test_what_lock_step_mixed_steps_cannot_serve_yet_is_refused_by_name(weights):
+    eng = _paged()
+    with pytest.raises(ValueError, match="keeps no prefix cache yet.*--prefix-cache-hbm-mb"):
+        MixedLockStepOrchestrator(eng, place(eng, weights),
+                                  OrchestratorConfig(**MIXED, prefix_cache_hbm_bytes=1 << 20),
+                                  primary=True, broadcast=lambda x: x)
+    lora = create_engine(model_config("llama"), devices=jax.devices()[:1],
+                         config=EngineConfig(**SHAPES, kv_layout="paged", page_size=4,
+                                             num_pages=14, max_loras=2))
+    with pytest.raises(ValueError, match="serves no LoRA adapters yet.*--lora-modules"):
+        MixedLockStepOrchestrator(lora, None, OrchestratorConfig(**MIXED), primary=True,
+                                  broadcast=lambda x: x)

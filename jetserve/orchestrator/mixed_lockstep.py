@@ -10,10 +10,11 @@ main thread and never see a request.
   process 0  the mixed thread plans as in one process. Its host-side calls on the page
              planner (free_slot, start_prompt: pages only) run at once and are noted;
              before each device call (a mixed step, a warm-up step, a prompt scored, a
-             fresh decode state) the noted calls and the device call's inputs go out as
-             one `MixedPlan` (step_plan.py: its wire form), and process 0 runs the call
-             with the plan's rows as every process decodes them (sampling floats as f32,
-             each fresh row's seed drawn here)
+             fresh decode state, a prompt started through a LoRA adapter, whose row may
+             be loaded) the noted calls and the device call's inputs go out as one
+             `MixedPlan` (step_plan.py: its wire form), and process 0 runs the call with
+             the plan's inputs as every process decodes them (sampling floats as f32, each
+             fresh row's seed drawn here)
   all        exchange ── broadcast_from_primary of the encoded plan, then of the token
              mask when the step takes one (structured output: grammars live on process 0)
   others     replay the host calls on their own page planner (so every page table is
@@ -22,17 +23,19 @@ main thread and never see a request.
 Results are read on process 0 alone (the read-back path of one process). When process 0
 has nothing to send for `idle_wait_s` it sends the calls it noted (or none): the others
 never wait long in a broadcast. `stop` sends a stop plan; every follower leaves its loop.
-A device call that fails fails on every process alike (same program, same inputs):
-process 0 ends the requests it held and makes a fresh decode state, which it sends as
-any other call.
+A call that fails fails on every process alike (same call, same state): process 0 acts
+on the error as in one process (a prompt whose adapter finds every row held waits; a
+failed step ends the requests it held and makes a fresh decode state, sent as any other
+call), the others log it and go on.
 
-Not served here, each refused by name at start: LoRA adapters (holding an adapter's row
-loads it on the device, a call the mixed thread makes while it plans) and the prefix cache
-(its lookups and adoptions are host calls the plan does not carry yet).
+LoRA adapters (--lora-modules, loaded alike by every process at start) are named in the
+plan by id. Not served here yet, refused by name at start: the prefix cache (its lookups
+and adoptions are host calls the plan does not carry yet).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -41,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from engines import Engine
+from engines.lora_registry import RowsBusy, adapter_id
 from engines.mixed_batch import MixedRow
 from engines.token_mask import mask_words
 from jetserve import distributed
@@ -50,6 +54,7 @@ from jetserve.orchestrator.mixed_worker import MixedWorker
 from jetserve.orchestrator.step_masks import mask_kwargs
 from jetserve.orchestrator.step_plan import (
     FREE,
+    HOLD,
     IDLE,
     INIT,
     SCORE,
@@ -72,9 +77,13 @@ def run_plan(planner: Any, params: Any, state: Any, plan: MixedPlan,
         return planner.mixed_step(params, state, list(plan.rows), prefilling=plan.prefilling,
                                   **mask_kwargs(mask))
     if plan.kind == WARM:
-        return planner.warm_step(params, state, plan.width, list(plan.rows), **mask_kwargs(mask))
+        return planner.warm_step(params, state, plan.width, list(plan.rows), **mask_kwargs(mask),
+                                 **({"adapters": True} if plan.lora else {}))
     if plan.kind == SCORE:
-        return state, planner.prompt_logprobs(params, np.asarray(plan.prompt, np.int32))
+        return state, planner.prompt_logprobs(params, np.asarray(plan.prompt, np.int32),
+                                              adapter=plan.adapter)
+    if plan.kind == HOLD:
+        planner.start_prompt(plan.slot, plan.tokens, adapter=plan.adapter)
     return state, None
 
 
@@ -97,7 +106,7 @@ class LockStepPlanner:
     def __init__(self, planner: Any, broadcast: Broadcast, idle_wait_s: float):
         self.planner = planner
         self._broadcast = broadcast
-        self._codec = MixedPlanCodec()
+        self._codec = codec(planner)
         self._ops: list[tuple[int, int, int]] = []
         self.idle_wait_s = idle_wait_s
         self._sent = time.monotonic()
@@ -116,11 +125,17 @@ class LockStepPlanner:
 
     def start_prompt(self, slot: int, tokens: int, adapter: str | None = None, *,
                      shared_pages=()) -> None:
-        if adapter is not None or len(shared_pages):
-            raise ValueError("mixed steps over several processes serve neither LoRA "
-                             "adapters nor prefix-cache hits")
-        self.planner.start_prompt(slot, tokens)
-        self._ops.append((START, slot, tokens))
+        """The prompt's pages now (noted); through a LoRA adapter, a call of its own
+        (its row held, maybe loaded, on every process)."""
+        if len(shared_pages):
+            raise ValueError("mixed steps over several processes take no prefix-cache hits")
+        if adapter is None or not hasattr(self.planner, "hold_adapter"):
+            self.planner.start_prompt(slot, tokens, adapter)  # (no LoRA engine: refused)
+            self._ops.append((START, slot, tokens))
+            return
+        self.planner.adapters.name_of(adapter_id(adapter))  # UnknownAdapter, before sending
+        self._call(MixedPlan(kind=HOLD, slot=slot, tokens=tokens, adapter=adapter), None,
+                   None, None)
 
     # ---- device calls: the plan first ---------------------------------------------------
 
@@ -129,16 +144,16 @@ class LockStepPlanner:
                                     mask_positions=_positions(token_mask)),
                           params, state, token_mask)
 
-    def warm_step(self, params: Any, state: Any, width: int, rows, token_mask=None):
-        return self._call(MixedPlan(kind=WARM, rows=_seeded(rows), width=width,
+    def warm_step(self, params: Any, state: Any, width: int, rows, token_mask=None, *,
+                  adapters: bool = False):
+        return self._call(MixedPlan(kind=WARM, rows=_seeded(rows), width=width, lora=adapters,
                                     mask_positions=_positions(token_mask)),
                           params, state, token_mask)
 
     def prompt_logprobs(self, params: Any, tokens, true_length=None, *, adapter=None):
-        if adapter is not None:
-            raise ValueError("mixed steps over several processes serve no LoRA adapters")
         prompt = tuple(int(t) for t in np.asarray(tokens).reshape(-1))
-        return self._call(MixedPlan(kind=SCORE, prompt=prompt), params, None, None)[1]
+        return self._call(MixedPlan(kind=SCORE, prompt=prompt, adapter=adapter), params, None,
+                          None)[1]
 
     def init_decode_state(self) -> Any:
         self._ops.append((INIT, 0, 0))
@@ -158,9 +173,7 @@ class LockStepPlanner:
         exchange(MixedPlan(kind="stop"), self._codec, self._broadcast)
 
     def _send(self, plan: MixedPlan) -> MixedPlan:
-        plan = MixedPlan(kind=plan.kind, ops=tuple(self._ops), rows=plan.rows,
-                         prefilling=plan.prefilling, mask_positions=plan.mask_positions,
-                         width=plan.width, prompt=plan.prompt)
+        plan = dataclasses.replace(plan, ops=tuple(self._ops))
         self._ops = []
         out = exchange(plan, self._codec, self._broadcast)
         self._sent = time.monotonic()
@@ -173,6 +186,12 @@ class LockStepPlanner:
             token_mask = np.asarray(self._broadcast(np.asarray(token_mask, np.int32)), np.int32)
         # The plan's rows as every process decoded them (f32 sampling, seeds drawn).
         return run_plan(self.planner, params, state, plan, token_mask)
+
+
+def codec(planner: Any) -> MixedPlanCodec:
+    """The plans' codec for this engine (adapter ids back to the names it loaded)."""
+    adapters = getattr(planner, "adapters", None)
+    return MixedPlanCodec(adapters.name_of if adapters is not None else None)
 
 
 def _positions(token_mask) -> int:
@@ -189,7 +208,7 @@ class Follower:
     def __init__(self, planner: Any, params: Any, state: Any, broadcast: Broadcast):
         self.planner, self.params, self.state = planner, params, state
         self._broadcast = broadcast
-        self._codec = MixedPlanCodec()
+        self._codec = codec(planner)
         self.plans = self.failures = 0
 
     def run(self) -> None:
@@ -217,9 +236,10 @@ class Follower:
                 (*lead, mask_words(self.planner.vocab_size)), np.int32)), np.int32)
         try:
             self.state, _ = run_plan(self.planner, self.params, self.state, plan, mask)
-        except Exception:  # noqa: BLE001 -- process 0's call failed alike; it recovers
+        except Exception as e:  # noqa: BLE001 -- process 0's call failed alike; it acts on it
             self.failures += 1
-            log.exception("a %s call of process 0's plan failed here too", plan.kind)
+            if not isinstance(e, RowsBusy):  # a prompt that waits for an adapter row
+                log.exception("a %s call of process 0's plan failed here too", plan.kind)
 
 
 class LockStepMixedWorker(MixedWorker):
@@ -237,12 +257,8 @@ class LockStepMixedWorker(MixedWorker):
             self.engine.stop()
 
 
-def refuse(engine: Engine, config: OrchestratorConfig) -> None:
+def refuse(config: OrchestratorConfig) -> None:
     """What mixed steps over several processes do not serve yet, by name."""
-    if hasattr(engine, "hold_adapter"):
-        raise ValueError("--scheduling mixed over several processes serves no LoRA adapters "
-                         "yet (holding an adapter's row is a device call made while the "
-                         "step is planned): leave out --lora-modules, or use one process")
     if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
         raise ValueError("--scheduling mixed over several processes keeps no prefix cache "
                          "yet (its lookups are not in the plan every process applies): "
@@ -265,7 +281,7 @@ class MixedLockStepOrchestrator(MixedOrchestrator):
                  *, primary: bool | None = None, broadcast: Broadcast | None = None,
                  idle_wait_s: float = 0.25):
         config = config or OrchestratorConfig(scheduling=MIXED)
-        refuse(engine, config)
+        refuse(config)
         super().__init__(engine, params, config)
         self.primary = distributed.is_primary() if primary is None else primary
         broadcast = broadcast or distributed.broadcast_from_primary

@@ -25,9 +25,11 @@ instead: the engine calls process 0 made since the last one, as `MixedPlanCodec`
   payload: [host ops, then each as (op, slot, tokens)] (free_slot / start_prompt /
     init_decode_state, in the order process 0 made them), [rows, then each as a row
     record: slot, start, chunk length, flags (last, fresh), seed, top_k, logit_bias
-    pairs, six f32 bits of sampling, then the chunk's ids and the bias pairs],
-    [slots still in their prompt, then each], token mask positions (0: no mask), page
-    table width (a warm-up step's); a prompt to score instead of rows for kind SCORE.
+    pairs, LoRA adapter id, six f32 bits of sampling, then the chunk's ids and the bias
+    pairs], [slots still in their prompt, then each], token mask positions (0: no mask),
+    page table width and LoRA program flag (a warm-up step's), slot, tokens and adapter id
+    (a prompt started through an adapter, kind HOLD; the adapter of a prompt scored),
+    [the prompt scored (kind SCORE)].
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class PlanCodec:
                 _CONSTRAINED if a.constrained else 0)
             r[:_INTS] = [0 if a.slot is None else a.slot + 1, len(a.prompt_ids), flags,
                          a.seed, sp.top_k, len(sp.logit_bias),
-                         0 if a.adapter is None else adapter_id(a.adapter)]
+                         _ident(a.adapter)]
             r[_INTS:] = np.asarray([getattr(sp, f) for f in _FLOATS], np.float32).view(np.uint32)
         if not total:
             return h, None
@@ -97,12 +99,7 @@ class PlanCodec:
         return h, payload
 
     def _adapter(self, ident: int) -> str | None:
-        if not ident:
-            return None
-        if self._adapter_name is None:
-            raise ValueError(f"the plan names LoRA adapter id {ident}, and this engine "
-                             "serves no adapters")
-        return self._adapter_name(ident)
+        return _adapter_name(ident, self._adapter_name)
 
     def payload_size(self, header: np.ndarray) -> int:
         return int(header[2])
@@ -153,8 +150,8 @@ def exchange(plan: StepPlan | None, codec: PlanCodec, broadcast: Broadcast) -> S
 
 # A MixedPlan's kinds: a planned mixed step, a warm-up step over a page table of trash
 # (MixedWorker.warm), a prompt scored (prompt log-probs), host ops alone, stop.
-STEP, WARM, SCORE, IDLE = "step", "warm", "score", "idle"
-_KINDS = (STEP, WARM, SCORE, IDLE, "stop")
+STEP, WARM, SCORE, HOLD, IDLE = "step", "warm", "score", "hold", "idle"
+_KINDS = (STEP, WARM, SCORE, HOLD, IDLE, "stop")
 # Host ops, replayed on the page planner in process 0's order.
 FREE, START, INIT = 0, 1, 2
 _LAST, _FRESH = 1, 2  # a row's flags
@@ -166,8 +163,10 @@ class MixedPlan:
     host `ops` ((FREE, slot, 0) / (START, slot, tokens) / (INIT, 0, 0)) to replay, then
     the one device call of `kind`: a step of `rows` (`prefilling`: the slots still in
     their prompt; `mask_positions`: a token mask of that many positions per slot follows
-    as its own array, 0 none), a warm-up step of `rows` over `width` pages of trash, or
-    the scoring of `prompt`."""
+    as its own array, 0 none), a warm-up step of `rows` over `width` pages of trash (with
+    the LoRA pool when `lora`), the scoring of `prompt` (through `adapter`), or `slot`
+    starting a `tokens`-token prompt through LoRA `adapter` (holding its row may load it
+    on the device)."""
 
     kind: str = IDLE
     ops: tuple[tuple[int, int, int], ...] = ()
@@ -175,6 +174,10 @@ class MixedPlan:
     prefilling: tuple[int, ...] = ()
     mask_positions: int = 0
     width: int = 0
+    lora: bool = False
+    slot: int = 0
+    tokens: int = 0
+    adapter: str | None = None
     prompt: tuple[int, ...] = ()
 
     @property
@@ -183,9 +186,17 @@ class MixedPlan:
 
 
 class MixedPlanCodec:
-    """MixedPlan <-> uint32 words (module doc); a fixed header of two words."""
+    """MixedPlan <-> uint32 words (module doc); a fixed header of two words.
+    `adapter_name` turns an adapter id back into the name it was loaded under (every
+    process loads the same adapters: --lora-modules)."""
 
     header_size = 2
+
+    def __init__(self, adapter_name: Callable[[int], str] | None = None):
+        self._adapter_name = adapter_name
+
+    def _adapter(self, ident: int) -> str | None:
+        return _adapter_name(ident, self._adapter_name)
 
     def encode(self, plan: MixedPlan) -> tuple[np.ndarray, np.ndarray | None]:
         if plan.stop:
@@ -199,17 +210,15 @@ class MixedPlanCodec:
             if r.sampling is not None and r.seed is None:
                 raise ValueError(f"slot {r.slot}: a fresh row's seed is drawn before the plan "
                                  "is sent (every process samples alike)")
-            if r.adapter is not None:
-                raise ValueError(f"slot {r.slot}: LoRA adapters are not served by mixed steps "
-                                 "over several processes")
             flags = (_LAST if r.last else 0) | (_FRESH if r.sampling is not None else 0)
             words += [r.slot, r.start, len(r.chunk), flags, r.seed or 0, sp.top_k,
-                      len(sp.logit_bias)]
+                      len(sp.logit_bias), _ident(r.adapter)]
             words += np.asarray([getattr(sp, f) for f in _FLOATS], np.float32).view(
                 np.uint32).tolist()
             words += r.chunk
             words += _bias_words(sp.logit_bias).tolist()
         words += [len(plan.prefilling), *plan.prefilling, plan.mask_positions, plan.width,
+                  int(plan.lora), plan.slot, plan.tokens, _ident(plan.adapter),
                   len(plan.prompt), *plan.prompt]
         header = np.asarray([_KINDS.index(plan.kind), _bucket(len(words))], np.uint32)
         payload = np.zeros(header[1], np.uint32)
@@ -234,7 +243,7 @@ class MixedPlanCodec:
         ops = tuple(tuple(take(3)) for _ in range(take(1)[0]))
         rows = []
         for _ in range(take(1)[0]):
-            slot, start, n, flags, seed, top_k, pairs = take(7)
+            slot, start, n, flags, seed, top_k, pairs, ident = take(8)
             floats = w[at: at + len(_FLOATS)].view(np.float32).tolist()
             at += len(_FLOATS)
             chunk = take(n)
@@ -247,12 +256,28 @@ class MixedPlanCodec:
                     logit_bias=tuple(zip(bias[:, 0].tolist(),
                                          bias[:, 1].view(np.float32).tolist(), strict=True)))
             rows.append(MixedRow(slot=slot, chunk=chunk, start=start, last=bool(flags & _LAST),
-                                 sampling=sampling, seed=seed if sampling else None))
+                                 sampling=sampling, seed=seed if sampling else None,
+                                 adapter=self._adapter(ident)))
         prefilling = tuple(take(take(1)[0]))
-        positions, width = take(2)
+        positions, width, lora, slot, tokens, ident = take(6)
         prompt = tuple(take(take(1)[0]))
         return MixedPlan(kind=kind, ops=ops, rows=tuple(rows), prefilling=prefilling,
-                         mask_positions=positions, width=width, prompt=prompt)
+                         mask_positions=positions, width=width, lora=bool(lora), slot=slot,
+                         tokens=tokens, adapter=self._adapter(ident), prompt=prompt)
+
+
+def _ident(adapter: str | None) -> int:
+    return 0 if adapter is None else adapter_id(adapter)
+
+
+def _adapter_name(ident: int, name_of: Callable[[int], str] | None) -> str | None:
+    """The adapter of id `ident` (0: None, the base model)."""
+    if not ident:
+        return None
+    if name_of is None:
+        raise ValueError(f"the plan names LoRA adapter id {ident}, and this engine "
+                         "serves no adapters")
+    return name_of(ident)
 
 
 def _bias_words(bias: tuple[tuple[int, float], ...]) -> np.ndarray:

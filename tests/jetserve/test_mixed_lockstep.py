@@ -176,9 +176,55 @@ def test_what_lock_step_mixed_steps_cannot_serve_yet_is_refused_by_name(weights)
         MixedLockStepOrchestrator(eng, place(eng, weights),
                                   OrchestratorConfig(**MIXED, prefix_cache_hbm_bytes=1 << 20),
                                   primary=True, broadcast=lambda x: x)
-    lora = create_engine(model_config("llama"), devices=jax.devices()[:1],
-                         config=EngineConfig(**SHAPES, kv_layout="paged", page_size=4,
-                                             num_pages=14, max_loras=2))
-    with pytest.raises(ValueError, match="serves no LoRA adapters yet.*--lora-modules"):
-        MixedLockStepOrchestrator(lora, None, OrchestratorConfig(**MIXED), primary=True,
-                                  broadcast=lambda x: x)
+
+
+def test_lora_adapters_in_lock_step_wait_for_a_row_and_give_each_request_its_tokens(
+        tmp_path):
+    """One LoRA pool row, requests for two adapters and the base model at once: holding a
+    row is a call of its own on every process; a prompt whose adapter finds the row held
+    waits (on every process alike), and each request streams what it gets alone, a
+    prompt scored through an adapter too."""
+    from tests.engines.test_lora import _engine as lora_engine
+    from tests.engines.test_lora import _prompts as lora_prompts
+    from tests.engines.test_lora import write_adapter
+
+    a, _ = write_adapter(tmp_path / "a", ["q_proj", "v_proj", "up_proj"], seed=1)
+    b, _ = write_adapter(tmp_path / "b", ["k_proj", "gate_proj"], rank=2, seed=3)
+
+    def engine():
+        eng = with_pages(lora_engine(kv_layout="paged", page_size=8, max_loras=1))
+        eng.load_adapter("a", a)
+        eng.load_adapter("b", b)
+        return eng
+
+    eng = engine()  # each request alone
+    params = eng.load_params()
+    jobs = list(zip(lora_prompts(), ["a", "b", None, "b"], strict=True))
+    want = [generate_many(eng, params, [p], max_tokens=8, ignore_eos=True,
+                          adapters=[n])[0].token_ids for p, n in jobs]
+    scored_alone = eng.prompt_logprobs(params, np.asarray(jobs[0][0], np.int32), adapter="a")
+    send, receive = _queue_broadcast()
+    lead, follower = (MixedLockStepOrchestrator(
+        eng, params, OrchestratorConfig(scheduling="mixed", prefill_chunk=16),
+        primary=primary, broadcast=broadcast, idle_wait_s=0.01)
+        for eng, primary, broadcast in ((engine(), True, send), (engine(), False, receive)))
+    thread, errors = _following(follower)
+    lead.start()
+    try:
+        handles = [lead.submit(Request(prompt_ids=p, max_tokens=8, ignore_eos=True,
+                                       lora_adapter=n)) for p, n in jobs]
+        scored = lead.submit(Request(prompt_ids=jobs[0][0], max_tokens=0, prompt_logprobs=True,
+                                     lora_adapter="a"))
+        got = [h.result(timeout=300) for h in handles]
+        scored = scored.result(timeout=300)
+    finally:
+        _stop(lead, thread)
+    assert errors == []
+    assert follower.follower.failures >= 1  # a prompt waited for the row, here too
+    assert [c.finish_reason for c in got] == ["length"] * 4, [c.error for c in got]
+    assert [c.token_ids for c in got] == want
+    assert scored.prompt_logprobs[1:] == pytest.approx(
+        np.asarray(scored_alone.token_logprobs)[1:].tolist(), abs=1e-5)
+    for orch in (lead, follower):  # every row given back on every process
+        engine = orch._generate[0].engine.engine
+        assert not engine._slot_rows and not any(engine.adapters._pins)

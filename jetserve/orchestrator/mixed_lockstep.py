@@ -29,8 +29,12 @@ failed step ends the requests it held and makes a fresh decode state, sent as an
 call), the others log it and go on.
 
 LoRA adapters (--lora-modules, loaded alike by every process at start) are named in the
-plan by id. Not served here yet, refused by name at start: the prefix cache (its lookups
-and adoptions are host calls the plan does not carry yet).
+plan by id. The prefix cache (--prefix-cache-hbm-mb, in the KV pages: prefix_stores.
+PageStore) is every process's own: process 0's lookups, releases, adoptions and
+evictions are host calls noted as the page planner's are (`JournaledCache`), so every
+cache holds the same blocks in the same pages. Its host tier (--prefix-cache-host-mb)
+is refused by name at start: moving a block down reads it off the device while process 0
+plans, a call the others would not make.
 """
 
 from __future__ import annotations
@@ -53,10 +57,15 @@ from jetserve.orchestrator.mixed import MixedOrchestrator
 from jetserve.orchestrator.mixed_worker import MixedWorker
 from jetserve.orchestrator.step_masks import mask_kwargs
 from jetserve.orchestrator.step_plan import (
+    ADOPT,
+    CLEAR,
     FREE,
     HOLD,
     IDLE,
     INIT,
+    LOOKUP,
+    MAKE_ROOM,
+    RELEASE,
     SCORE,
     START,
     STEP,
@@ -65,6 +74,8 @@ from jetserve.orchestrator.step_plan import (
     MixedPlan,
     MixedPlanCodec,
     exchange,
+    key_of,
+    key_words,
 )
 
 log = logging.getLogger(__name__)
@@ -83,7 +94,8 @@ def run_plan(planner: Any, params: Any, state: Any, plan: MixedPlan,
         return state, planner.prompt_logprobs(params, np.asarray(plan.prompt, np.int32),
                                               adapter=plan.adapter)
     if plan.kind == HOLD:
-        planner.start_prompt(plan.slot, plan.tokens, adapter=plan.adapter)
+        planner.start_prompt(plan.slot, plan.tokens, adapter=plan.adapter,
+                             shared_pages=plan.shared)
     return state, None
 
 
@@ -121,21 +133,25 @@ class LockStepPlanner:
 
     def free_slot(self, slot: int) -> None:
         self.planner.free_slot(slot)
-        self._ops.append((FREE, slot, 0))
+        self.note(FREE, slot)
+
+    def note(self, *op: int) -> None:
+        """A host call made on process 0, sent with the next plan."""
+        self._ops.append(op)
 
     def start_prompt(self, slot: int, tokens: int, adapter: str | None = None, *,
                      shared_pages=()) -> None:
         """The prompt's pages now (noted); through a LoRA adapter, a call of its own
         (its row held, maybe loaded, on every process)."""
-        if len(shared_pages):
-            raise ValueError("mixed steps over several processes take no prefix-cache hits")
+        shared = tuple(int(p) for p in shared_pages)
         if adapter is None or not hasattr(self.planner, "hold_adapter"):
-            self.planner.start_prompt(slot, tokens, adapter)  # (no LoRA engine: refused)
-            self._ops.append((START, slot, tokens))
+            # (an adapter without a LoRA engine: refused before anything is taken)
+            self.planner.start_prompt(slot, tokens, adapter, shared_pages=shared)
+            self.note(START, slot, tokens, *shared)
             return
         self.planner.adapters.name_of(adapter_id(adapter))  # UnknownAdapter, before sending
-        self._call(MixedPlan(kind=HOLD, slot=slot, tokens=tokens, adapter=adapter), None,
-                   None, None)
+        self._call(MixedPlan(kind=HOLD, slot=slot, tokens=tokens, adapter=adapter,
+                             shared=shared), None, None, None)
 
     # ---- device calls: the plan first ---------------------------------------------------
 
@@ -156,7 +172,7 @@ class LockStepPlanner:
                           None)[1]
 
     def init_decode_state(self) -> Any:
-        self._ops.append((INIT, 0, 0))
+        self.note(INIT)
         self._send(MixedPlan(kind=IDLE))
         return self.planner.init_decode_state()
 
@@ -202,11 +218,65 @@ def _positions(token_mask) -> int:
     return 1 if mask.ndim == 2 else mask.shape[1]
 
 
+class JournaledCache:
+    """Process 0's prefix cache: each call that changes it is noted on the planner (its
+    hits numbered in lookup order, `_Hit`), so the others replay it. Everything else is
+    the cache's."""
+
+    def __init__(self, cache: Any, planner: LockStepPlanner):
+        self.__dict__.update(cache=cache, planner=planner, _lookups=0)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "cache":
+            raise AttributeError(name)
+        return getattr(self.cache, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # `events` (KV events) included
+        setattr(self.cache, name, value)
+
+    def lookup(self, key: str, tokens, wait_s: float = 0.0, *, count: bool = True) -> _Hit:
+        hit = self.cache.lookup(key, tokens, count=count)  # no wait: one thread here
+        self.planner.note(LOOKUP, *key_words(key), *(int(t) for t in tokens))
+        self.__dict__["_lookups"] += 1
+        return _Hit(hit, self._lookups - 1, self.planner)
+
+    def adopt(self, hit: _Hit, pages) -> None:
+        self.cache.adopt(hit.hit, pages)
+        self.planner.note(ADOPT, hit.number, *(int(p) for p in pages))
+
+    def counted(self, hit: _Hit) -> None:  # the stats only: process 0's
+        self.cache.counted(hit.hit)
+
+    def make_room(self, pages: int) -> int:
+        self.planner.note(MAKE_ROOM, pages)
+        return self.cache.make_room(pages)
+
+    def clear(self) -> None:
+        self.planner.note(CLEAR)
+        self.cache.clear()
+
+
+class _Hit:
+    """A hit of process 0's cache with its number; `release` is noted."""
+
+    def __init__(self, hit: Any, number: int, planner: LockStepPlanner):
+        self.hit, self.number, self._planner = hit, number, planner
+        self.tokens, self.pages, self.blocks = hit.tokens, hit.pages, hit.blocks
+
+    def release(self) -> None:
+        if not self.hit._released:
+            self._planner.note(RELEASE, self.number)
+        self.hit.release()
+
+
 class Follower:
     """A process other than 0: replays process 0's plans on its own page planner."""
 
-    def __init__(self, planner: Any, params: Any, state: Any, broadcast: Broadcast):
-        self.planner, self.params, self.state = planner, params, state
+    def __init__(self, planner: Any, params: Any, state: Any, broadcast: Broadcast,
+                 cache: Any = None):
+        self.planner, self.params, self.state, self.cache = planner, params, state, cache
+        self._hits: dict[int, Any] = {}  # process 0's hit number -> this cache's hit
+        self._lookups = 0
         self._broadcast = broadcast
         self._codec = codec(planner)
         self.plans = self.failures = 0
@@ -221,13 +291,8 @@ class Follower:
             self.apply(plan)
 
     def apply(self, plan: MixedPlan) -> None:
-        for op, slot, tokens in plan.ops:
-            if op == FREE:
-                self.planner.free_slot(slot)
-            elif op == START:
-                self.planner.start_prompt(slot, tokens)
-            else:
-                self.state = self.planner.init_decode_state()
+        for op, *args in plan.ops:
+            self._replay(op, args)
         mask = None
         if plan.mask_positions:
             g = self.planner.page_geometry
@@ -240,6 +305,30 @@ class Follower:
             self.failures += 1
             if not isinstance(e, RowsBusy):  # a prompt that waits for an adapter row
                 log.exception("a %s call of process 0's plan failed here too", plan.kind)
+
+
+    def _replay(self, op: int, args: list[int]) -> None:
+        """One of process 0's host calls, on this process's planner and cache."""
+        if op == FREE:
+            self.planner.free_slot(args[0])
+        elif op == START:
+            self.planner.start_prompt(args[0], args[1], shared_pages=args[2:])
+        elif op == INIT:
+            self.state = self.planner.init_decode_state()
+        elif op == LOOKUP:
+            key, used = key_of(args)
+            self._hits[self._lookups] = self.cache.lookup(key, args[used:], count=False)
+            self._lookups += 1
+        elif op == RELEASE:
+            self._hits.pop(args[0]).release()
+        elif op == ADOPT:
+            self.cache.adopt(self._hits.pop(args[0]), args[1:])
+        elif op == MAKE_ROOM:
+            self.cache.make_room(args[0])
+        elif op == CLEAR:
+            self.cache.clear()
+        else:
+            raise ValueError(f"a plan with host op {op}, which this process does not know")
 
 
 class LockStepMixedWorker(MixedWorker):
@@ -258,12 +347,12 @@ class LockStepMixedWorker(MixedWorker):
 
 
 def refuse(config: OrchestratorConfig) -> None:
-    """What mixed steps over several processes do not serve yet, by name."""
-    if config.prefix_cache_hbm_bytes or config.prefix_cache_host_bytes:
-        raise ValueError("--scheduling mixed over several processes keeps no prefix cache "
-                         "yet (its lookups are not in the plan every process applies): "
-                         "leave out --prefix-cache-hbm-mb / --prefix-cache-host-mb / "
-                         "--enable-prefix-caching, or use one process")
+    """What mixed steps over several processes do not serve, by name."""
+    if config.prefix_cache_host_bytes:
+        raise ValueError("--scheduling mixed over several processes keeps its prefix cache "
+                         "in the KV pages alone (moving a block to the host tier reads it "
+                         "off the device while process 0 plans): leave out "
+                         "--prefix-cache-host-mb, or use one process")
 
 
 class MixedLockStepOrchestrator(MixedOrchestrator):
@@ -286,9 +375,12 @@ class MixedLockStepOrchestrator(MixedOrchestrator):
         self.primary = distributed.is_primary() if primary is None else primary
         broadcast = broadcast or distributed.broadcast_from_primary
         w = self._generate[0]
-        self.follower = None if self.primary else Follower(w.engine, params, w.state, broadcast)
+        self.follower = None if self.primary else Follower(w.engine, params, w.state, broadcast,
+                                                           w.cache)
         if self.primary:
             w.engine = LockStepPlanner(w.engine, broadcast, idle_wait_s)
+            if w.cache is not None:
+                w.cache = JournaledCache(w.cache, w.engine)
 
     def submit_many(self, requests):
         if not self.primary:
@@ -300,6 +392,9 @@ class MixedLockStepOrchestrator(MixedOrchestrator):
         if self.primary:
             raise RuntimeError("process 0 serves with start(); run() is the followers' loop")
         self.follower.run()
+
+    def _clear_prefix_caches(self) -> None:
+        """Kept at stop: process 0's cache stays as every follower's (they never clear)."""
 
     def stats(self) -> dict:
         s = super().stats()

@@ -22,14 +22,15 @@ Wire form (uint32, so float bits and 32-bit seeds pass through a broadcast uncha
 Mixed steps (`--scheduling mixed`, orchestrator/mixed_lockstep.py) send a `MixedPlan`
 instead: the engine calls process 0 made since the last one, as `MixedPlanCodec` words.
   header: [kind, payload length]
-  payload: [host ops, then each as (op, slot, tokens)] (free_slot / start_prompt /
-    init_decode_state, in the order process 0 made them), [rows, then each as a row
+  payload: [host ops, then each as (length, op, its integers)] (the page planner's
+    free_slot / start_prompt / init_decode_state and the prefix cache's lookup / release
+    / adopt / make_room / clear, in the order process 0 made them), [rows, then each as a row
     record: slot, start, chunk length, flags (last, fresh), seed, top_k, logit_bias
     pairs, LoRA adapter id, six f32 bits of sampling, then the chunk's ids and the bias
     pairs], [slots still in their prompt, then each], token mask positions (0: no mask),
     page table width and LoRA program flag (a warm-up step's), slot, tokens and adapter id
     (a prompt started through an adapter, kind HOLD; the adapter of a prompt scored),
-    [the prompt scored (kind SCORE)].
+    [the prompt scored (kind SCORE)], [the pages a HOLD's prefix-cache hit links].
 """
 
 from __future__ import annotations
@@ -152,15 +153,18 @@ def exchange(plan: StepPlan | None, codec: PlanCodec, broadcast: Broadcast) -> S
 # (MixedWorker.warm), a prompt scored (prompt log-probs), host ops alone, stop.
 STEP, WARM, SCORE, HOLD, IDLE = "step", "warm", "score", "hold", "idle"
 _KINDS = (STEP, WARM, SCORE, HOLD, IDLE, "stop")
-# Host ops, replayed on the page planner in process 0's order.
-FREE, START, INIT = 0, 1, 2
+# Host ops, replayed on the page planner and the prefix cache in process 0's order:
+# (FREE, slot), (START, slot, tokens, *pages a prefix-cache hit links), (INIT,), (LOOKUP, key bytes, *key words, *tokens),
+# (RELEASE, hit), (ADOPT, hit, *pages), (MAKE_ROOM, pages), (CLEAR,); a hit is numbered
+# by its lookup's place among all of process 0's lookups.
+FREE, START, INIT, LOOKUP, RELEASE, ADOPT, MAKE_ROOM, CLEAR = range(8)
 _LAST, _FRESH = 1, 2  # a row's flags
 
 
 @dataclasses.dataclass(frozen=True)
 class MixedPlan:
     """Process 0's engine calls since its last plan (mixed steps over several processes):
-    host `ops` ((FREE, slot, 0) / (START, slot, tokens) / (INIT, 0, 0)) to replay, then
+    host `ops` (tuples of integers, the module doc's) to replay, then
     the one device call of `kind`: a step of `rows` (`prefilling`: the slots still in
     their prompt; `mask_positions`: a token mask of that many positions per slot follows
     as its own array, 0 none), a warm-up step of `rows` over `width` pages of trash (with
@@ -169,7 +173,7 @@ class MixedPlan:
     on the device)."""
 
     kind: str = IDLE
-    ops: tuple[tuple[int, int, int], ...] = ()
+    ops: tuple[tuple[int, ...], ...] = ()
     rows: tuple[MixedRow, ...] = ()
     prefilling: tuple[int, ...] = ()
     mask_positions: int = 0
@@ -179,6 +183,7 @@ class MixedPlan:
     tokens: int = 0
     adapter: str | None = None
     prompt: tuple[int, ...] = ()
+    shared: tuple[int, ...] = ()  # the prompt's pages a prefix-cache hit links (HOLD)
 
     @property
     def stop(self) -> bool:
@@ -203,7 +208,7 @@ class MixedPlanCodec:
             return np.asarray([_KINDS.index("stop"), 0], np.uint32), None
         words: list[int] = [len(plan.ops)]
         for op in plan.ops:
-            words += op
+            words += [len(op), *op]
         words.append(len(plan.rows))
         for r in plan.rows:
             sp = r.sampling or SamplingParams()
@@ -219,7 +224,7 @@ class MixedPlanCodec:
             words += _bias_words(sp.logit_bias).tolist()
         words += [len(plan.prefilling), *plan.prefilling, plan.mask_positions, plan.width,
                   int(plan.lora), plan.slot, plan.tokens, _ident(plan.adapter),
-                  len(plan.prompt), *plan.prompt]
+                  len(plan.prompt), *plan.prompt, len(plan.shared), *plan.shared]
         header = np.asarray([_KINDS.index(plan.kind), _bucket(len(words))], np.uint32)
         payload = np.zeros(header[1], np.uint32)
         payload[:len(words)] = words
@@ -240,7 +245,7 @@ class MixedPlanCodec:
             at += n
             return w[at - n: at].tolist()
 
-        ops = tuple(tuple(take(3)) for _ in range(take(1)[0]))
+        ops = tuple(tuple(take(take(1)[0])) for _ in range(take(1)[0]))
         rows = []
         for _ in range(take(1)[0]):
             slot, start, n, flags, seed, top_k, pairs, ident = take(8)
@@ -261,9 +266,25 @@ class MixedPlanCodec:
         prefilling = tuple(take(take(1)[0]))
         positions, width, lora, slot, tokens, ident = take(6)
         prompt = tuple(take(take(1)[0]))
-        return MixedPlan(kind=kind, ops=ops, rows=tuple(rows), prefilling=prefilling,
+        shared = tuple(take(take(1)[0]))
+        return MixedPlan(shared=shared, kind=kind, ops=ops, rows=tuple(rows), prefilling=prefilling,
                          mask_positions=positions, width=width, lora=bool(lora), slot=slot,
                          tokens=tokens, adapter=self._adapter(ident), prompt=prompt)
+
+
+def key_words(key: str) -> list[int]:
+    """A prefix-cache key as [its UTF-8 length, then its bytes in uint32 words]."""
+    raw = key.encode()
+    padded = raw + b"\0" * (-len(raw) % 4)
+    return [len(raw), *np.frombuffer(padded, np.uint32).tolist()]
+
+
+def key_of(words) -> tuple[str, int]:
+    """(the key at the start of `words`, how many words it took)."""
+    n = int(words[0])
+    size = 1 + -(-n // 4)
+    raw = np.asarray(words[1:size], np.uint32).tobytes()[:n]
+    return raw.decode(), size
 
 
 def _ident(adapter: str | None) -> int:

@@ -170,11 +170,44 @@ def test_mixed_plan_round_trip_and_draws_seeds_before_it_is_sent():
             MixedRow(slot=0, chunk=(1,), sampling=SamplingParams()),)))
 
 
-def test_what_lock_step_mixed_steps_cannot_serve_yet_is_refused_by_name(weights):
+def test_prefix_cache_hits_and_evictions_alike_on_every_process(weights, prompts):
+    """Each process keeps its own prefix cache in its KV pages; process 0's lookups,
+    adoptions, releases and evictions go out with the plans, so a prompt that continues
+    a finished one hits on every process, and after evictions (a pool of 14 pages) every
+    cache holds the same blocks in the same pages."""
+    shared = prompts[6][:16]
+    later = [shared + [9, 8, 7], shared + [5], prompts[3], shared[:12] + [4, 4, 4, 4, 4]]
+    eng = _engine(max_prefill_length=32)
+    want = [r.token_ids for r in generate_many(eng, place(eng, weights), [prompts[6], *later],
+                                               max_tokens=MAX_TOKENS, ignore_eos=True)]
+    lead, follower, thread, errors = _pair(weights, prefix_cache_hbm_bytes=1 << 20)
+    try:
+        first = lead.submit(Request(prompt_ids=prompts[6], max_tokens=MAX_TOKENS,
+                                    ignore_eos=True)).result(timeout=300)
+        got = [lead.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True))
+               for p in later]
+        got = [first, *(h.result(timeout=300) for h in got)]
+        stats = lead.stats()["prefix_cache"][0]
+    finally:
+        _stop(lead, thread)
+    assert errors == [] and follower.follower.failures == 0
+    assert [c.token_ids for c in got] == want
+    assert stats["hits"] >= 2, stats
+    assert stats["dropped"] >= 1, stats  # evicted for pages, on every process alike
+    w0, w1 = lead._generate[0], follower._generate[0]
+    assert w1.cache.blocks() == w0.cache.blocks() and w1.cache.nodes() == w0.cache.nodes()
+    assert w1.cache.page_owners().keys() != () and sorted(
+        map(tuple, w1.cache.page_owners().values())) == sorted(
+        map(tuple, w0.cache.page_owners().values()))
+    assert np.array_equal(w0.engine.kv_pages.table, w1.engine.kv_pages.table)
+
+
+def test_what_lock_step_mixed_steps_cannot_serve_is_refused_by_name(weights):
     eng = _paged()
-    with pytest.raises(ValueError, match="keeps no prefix cache yet.*--prefix-cache-hbm-mb"):
+    with pytest.raises(ValueError, match="in the KV pages alone.*--prefix-cache-host-mb"):
         MixedLockStepOrchestrator(eng, place(eng, weights),
-                                  OrchestratorConfig(**MIXED, prefix_cache_hbm_bytes=1 << 20),
+                                  OrchestratorConfig(**MIXED, prefix_cache_hbm_bytes=1 << 20,
+                                                     prefix_cache_host_bytes=1 << 20),
                                   primary=True, broadcast=lambda x: x)
 
 

@@ -119,7 +119,7 @@ class LockStepPlanner:
         self.planner = planner
         self._broadcast = broadcast
         self._codec = codec(planner)
-        self._ops: list[tuple[int, int, int]] = []
+        self._ops: list[tuple[int, ...]] = []
         self.idle_wait_s = idle_wait_s
         self._sent = time.monotonic()
         self.plans = 0  # sent

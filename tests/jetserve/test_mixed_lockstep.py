@@ -96,12 +96,13 @@ def test_lock_step_mixed_steps_give_one_pass_tokens_and_alike_pages(
     pages of 4 that preempts, a cancelled request: process 0 streams the one-pass greedy
     tokens, and the follower ends with process 0's page tables and lengths."""
     lead, follower, thread, errors = _pair(weights, speculative)
+    n = len(prompts) if speculative == "none" else 5  # verify programs compile slowly
     try:
         shapes = lead.warmup_shapes()
         for shape in (shapes[0], shapes[-1]):  # warm-up steps go out as plans of their own
             lead.warm_shape(*shape, timeout=300)
         handles = [lead.submit(Request(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True))
-                   for p in prompts]
+                   for p in prompts[:n]]
         gone = lead.submit(Request(prompt_ids=prompts[0], max_tokens=32 - len(prompts[0]),
                                    ignore_eos=True))
         while not gone.timing.token_times:
@@ -113,7 +114,7 @@ def test_lock_step_mixed_steps_give_one_pass_tokens_and_alike_pages(
     finally:
         _stop(lead, thread)
     assert errors == []
-    assert [c.token_ids for c in out] == reference
+    assert [c.token_ids for c in out] == reference[:n]
     assert stats["preemptions"] >= 1  # recompute ran in lock step too
     w0, w1 = lead._generate[0], follower._generate[0]
     assert follower.follower.plans == w0.engine.plans

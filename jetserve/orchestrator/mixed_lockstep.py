@@ -105,8 +105,7 @@ def _seeded(rows) -> tuple[MixedRow, ...]:
     for r in rows:
         if r.sampling is not None and r.seed is None:
             seed = r.sampling.seed if r.sampling.seed is not None else secrets.randbits(31)
-            r = MixedRow(slot=r.slot, chunk=r.chunk, start=r.start, last=r.last,
-                         sampling=r.sampling, seed=seed, adapter=r.adapter)
+            r = dataclasses.replace(r, seed=seed)
         out.append(r)
     return tuple(out)
 

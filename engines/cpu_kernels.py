@@ -27,7 +27,7 @@ layer where it lies, so the scan's body copies no layer out of the stack.
 The engine decides whether its model uses them (`max_rows`): only on a one-device CPU mesh
 (a sharded operand would make XLA's partitioner gather it around the custom call), with
 plain float32 weights; the matmul for at most `MAX_ROWS` rows (decode, speculative
-verification, short prefill chunks; XLA's dot is as fast past that), the attention for
+verification, prefill chunks and mixed steps; XLA's dot is no faster past that), the attention for
 decode steps over a float32 contiguous cache (engines.kv_cache.DecodeKV), the argmax and
 log-probs for decode steps (engines.sampling).
 
@@ -72,8 +72,13 @@ ENV_SWITCH = "JETSERVE_CPU_KERNELS"
 # XLA time / kernel time: 0.96 at 1 row (both stream the weights; XLA keeps that case,
 # engines.model), 1.8-2.2 at 2-16, 1.46-1.56 at 32, 1.3-1.4 at 40-64, 1.2 at 96, 1.13 at
 # 128, 1.03-1.04 at 192-256 with AVX2; with AVX-512 (XLA's dot uses it too) 0.98 at 1
-# row, 1.2-1.8 at 2-32, 1.3 at 48-64, 1.17 at 96, 1.08 at 128, ~1 at 192-256.
-MAX_ROWS = 128
+# row, 1.2-1.8 at 2-32, 1.3 at 48-64, 1.17 at 96, 1.08 at 128, ~1 at 192-256. Past that,
+# with AVX2: 1.05 at 256, 1.04 at 512, 0.94-0.99 at 520-1024 (within this machine's noise).
+# The bound is that high for a scanned model's layers (the CPU default): XLA's dot reads a
+# copy of the layer sliced out of the stack, ~7 ms a layer of the 156M Llama, where the
+# kernel reads it in place; a mixed step's 136 tokens (a 128-token chunk beside 8 decode
+# rows) on XLA took 1.23x generate + prefill, 0.88x on the kernel (docs/BENCHMARKS.md).
+MAX_ROWS = 1024
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(_CSRC, name)
                 for name in ("matmul_nt.cc", "decode_attention.cc", "logits.cc"))

@@ -67,7 +67,7 @@ def test_packed_blocks_and_column_tiles_match_numpy(kernel):
     # MAX_ROWS; column counts past whole 6- or 12-column tiles that take the tail tiles
     # (11 = 8 + 2 + 1, 23 = 12 + 11, 29 = 24 + 4 + 1; with 6-column tiles 4 + 1 each).
     rng = np.random.default_rng(2)
-    for m in (16, 24, 25, 31, 32, 47, 48, 57, 64, 72, 100, 128):
+    for m in (16, 24, 25, 31, 32, 47, 48, 57, 64, 72, 100, 128, 136, 520, 1024):
         for n in (11, 23, 29):
             _check(rng.standard_normal((m, 67), dtype=np.float32),
                    rng.standard_normal((n, 67), dtype=np.float32))

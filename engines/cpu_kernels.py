@@ -6,6 +6,9 @@
 - `decode_attention`: one new token per slot over the contiguous KV cache
   (csrc/decode_attention.cc), reading each slot's live entries once, where XLA copies a
   window of the cache out and runs two batched dots over it.
+- `paged_decode_attention`: the same over the paged KV store's pools and a page table
+  (csrc/decode_attention.cc), reading each slot's live pages once, where XLA's gather path
+  copies every slot's whole table width out of the pool.
 - `argmax` and `token_logprobs`: the greedy token and the log-probs of a decode step's
   logits (csrc/logits.cc), in vectors over each row, where XLA runs a generic
   (value, index) reduction, a log-softmax and a top-k.
@@ -27,9 +30,10 @@ layer where it lies, so the scan's body copies no layer out of the stack.
 The engine decides whether its model uses them (`max_rows`): only on a one-device CPU mesh
 (a sharded operand would make XLA's partitioner gather it around the custom call), with
 plain float32 weights; the matmul for at most `MAX_ROWS` rows (decode, speculative
-verification, prefill chunks and mixed steps; XLA's dot is no faster past that), the attention for
-decode steps over a float32 contiguous cache (engines.kv_cache.DecodeKV), the argmax and
-log-probs for decode steps (engines.sampling).
+verification, prefill chunks and mixed steps; XLA's dot is no faster past that), the
+attention for decode steps over a float32 cache, contiguous (engines.kv_cache.DecodeKV) or
+paged (engines/paged_kv.py, `paged_attention` "cpu"), the argmax and log-probs for decode
+steps (engines.sampling).
 
 Concurrency: the first call builds and registers under a lock, once per process; the
 library is written under a temporary name and renamed into place, so processes building
@@ -63,6 +67,7 @@ log = logging.getLogger(__name__)
 
 TARGET = "jetserve_matmul_nt"
 ATTENTION_TARGET = "jetserve_decode_attention"
+PAGED_ATTENTION_TARGET = "jetserve_paged_decode_attention"
 ARGMAX_TARGET = "jetserve_argmax"
 LOG_PROBS_TARGET = "jetserve_log_probs"
 ENV_SWITCH = "JETSERVE_CPU_KERNELS"
@@ -174,6 +179,8 @@ def _load() -> bool:
                 lib = ctypes.cdll.LoadLibrary(path)
                 for target, symbol in ((TARGET, lib.JetserveMatmulNT),
                                        (ATTENTION_TARGET, lib.JetserveDecodeAttention),
+                                       (PAGED_ATTENTION_TARGET,
+                                        lib.JetservePagedDecodeAttention),
                                        (ARGMAX_TARGET, lib.JetserveArgmax),
                                        (LOG_PROBS_TARGET, lib.JetserveLogProbs)):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
@@ -297,6 +304,37 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
                            vmap_method="sequential")(
         q.reshape(B, N, H), k, v, layer, pos.astype(jnp.int32),
         window=np.int64(sliding_window or 0))
+    return out.reshape(B, 1, N, H)
+
+
+
+def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           table: jax.Array, pos: jax.Array, sliding_window: int | None,
+                           layer: jax.Array | int | None = None) -> jax.Array:
+    """One decode step's attention over the paged store's float32 pools -> [B, 1, N, H].
+
+    q [B, 1, N, H]; pools [K, P + 1, ps, H] (engines/paged_kv.py), keys and values of one
+    shape (a key-only cache passes its keys twice); table i32[B, W] each slot's pages in
+    position order (position j at page table[b, j // ps], row j % ps); pos i32[B] each
+    slot's position (it sees positions up to it, within the sliding window), -1 for a
+    slot that is not live (zeros out). With `layer`, the pools are stacks [L, ...] read at
+    that layer in place. Callers check `available()` first.
+    """
+    B, T, N, H = q.shape
+    if T != 1 or not q.dtype == k_pool.dtype == v_pool.dtype == jnp.float32:
+        raise ValueError(f"paged_decode_attention takes one float32 token per slot, got q "
+                         f"{q.shape} {q.dtype}, keys {k_pool.dtype}, values {v_pool.dtype}")
+    k_pool, _ = _stacked("paged_decode_attention", "keys", k_pool, 4, layer)
+    v_pool, layer = _stacked("paged_decode_attention", "values", v_pool, 4, layer)
+    if (k_pool.shape != v_pool.shape or k_pool.shape[-1] != H or table.shape[0] != B
+            or table.ndim != 2 or pos.shape != (B,) or N % k_pool.shape[1]):
+        raise ValueError(f"paged_decode_attention: q {q.shape}, keys {k_pool.shape}, values "
+                         f"{v_pool.shape}, table {table.shape} and pos {pos.shape} do not "
+                         f"agree")
+    out = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct((B, N, H), jnp.float32),
+                           vmap_method="sequential")(
+        q.reshape(B, N, H), k_pool, v_pool, table.astype(jnp.int32), layer,
+        pos.astype(jnp.int32), window=np.int64(sliding_window or 0))
     return out.reshape(B, 1, N, H)
 
 

@@ -99,7 +99,7 @@ class EngineConfig:
     kv_layout: str = "contiguous"
     page_size: int = 16
     num_pages: int | None = None
-    paged_attention: str = "auto"  # auto | xla | pallas_tpu (engines/paged_kv.py)
+    paged_attention: str = "auto"  # auto | xla | pallas_tpu | cpu (engines/paged_kv.py)
     # Matmul weights quantized at load time (engines/quantization.py): none | int8 | int4
     # (int4 in groups of quant_group_size along the input axis).
     quantize: str = "none"
@@ -145,10 +145,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.speculative != "none" and self.paged_attention == "pallas_tpu":
-            raise ValueError("speculative decoding verifies several tokens per slot, which "
-                             "the pallas_tpu paged kernel does not; use paged_attention "
-                             "auto or xla")
+        if self.speculative != "none" and self.paged_attention in ("pallas_tpu", "cpu"):
+            raise ValueError(f"speculative decoding verifies several tokens per slot, which "
+                             f"the {self.paged_attention} paged kernel does not; use "
+                             f"paged_attention auto or xla")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         parse_speculative(self.speculative)
@@ -209,8 +209,8 @@ def _check_kv_layout(c: EngineConfig) -> None:
             raise ValueError(f"num_pages must be an integer >= {need} (one sequence of "
                              f"max_seq_len={c.max_seq_len} in pages of {c.page_size}), "
                              f"got {c.num_pages!r}")
-    if c.paged_attention not in ("auto", "xla", "pallas_tpu"):
-        raise ValueError(f"paged_attention must be auto, xla or pallas_tpu, "
+    if c.paged_attention not in ("auto", "xla", "pallas_tpu", "cpu"):
+        raise ValueError(f"paged_attention must be auto, xla, pallas_tpu or cpu, "
                          f"got {c.paged_attention!r}")
 
 

@@ -162,12 +162,6 @@ class PagedTransformerEngine(TransformerEngine):
         self._geometry = dataclasses.replace(
             geometry, ring_pages=self.ring.pages if self.ring else 0,
             ring_layers=sum(self.ring.layers) if self.ring else 0)
-        devices = list(kwargs.get("devices") or jax.devices())
-        # The TPU kernel attends one query per slot: verify steps take the gather path.
-        self.attention_impl = "xla" if spec.enabled else resolve_attention(
-            config.paged_attention, devices[0].platform, model_config.sliding_window,
-            len(devices), model_config.attn_logit_softcap, config.kv_dtype,
-            model_config.attn_sinks, model_config.attention_chunk_size)
         super().__init__(model_config, **kwargs)
         self._geometry = dataclasses.replace(self._geometry, **self._kv_bytes())
 
@@ -208,6 +202,13 @@ class PagedTransformerEngine(TransformerEngine):
             history=base.history, draft_k=base.draft_k, draft_v=base.draft_v), c.scan_layers)
 
     def _build_jits(self):
+        # The decode step's attention path, once the backend is known (the CPU kernels).
+        # The kernels attend one query per slot: verify steps take the gather path.
+        c, devices = self.model_config, self._mesh.devices.flat
+        self.attention_impl = "xla" if self.config.spec.enabled else resolve_attention(
+            self.config.paged_attention, devices[0].platform, c.sliding_window,
+            self._mesh.devices.size, c.attn_logit_softcap, self.config.kv_dtype,
+            c.attn_sinks, c.attention_chunk_size, cpu_kernels=self.backend.cpu_kernels)
         super()._build_jits()  # prefill and prompt log-probs as the contiguous engine
         state_sh = self.decode_state_shardings()
         prefix_sh = self.prefix_destination_sharding()

@@ -40,6 +40,10 @@ Attention in the decode step:
   - "pallas_tpu": jax.experimental.pallas.ops.tpu.paged_attention reads the pages in
     place; picked automatically on a one-device TPU slice when the model has no sliding
     window.
+  - "cpu": engines/cpu_kernels.py `paged_decode_attention` reads each slot's live pages
+    in place (a scanned model's stacked pools at the layer); picked automatically where
+    the engine runs the CPU kernels (one CPU device, float32) over a float32 pool, with
+    sliding windows, but no soft cap, attention sinks nor chunked attention.
 """
 
 from __future__ import annotations
@@ -51,14 +55,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from engines import layer_scan
+from engines import cpu_kernels, layer_scan
 from engines.attention import attention, key_only
 from engines.config import ring_pages
 from engines.kv_cache import Prefix, insert_slot_fields, put_layers
 from engines.kv_quant import pack_entries, unpack_entries
 from engines.sampling import SlotSampling
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu")
+ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "cpu")
 
 
 @jax.tree_util.register_dataclass
@@ -83,22 +87,33 @@ class PagedDecodeState:
 def resolve_attention(impl: str, platform: str, sliding_window: int | None,
                       num_devices: int, softcap: float | None = None,
                       kv_dtype: str = "auto", sinks: bool = False,
-                      chunk: int | None = None) -> str:
+                      chunk: int | None = None, cpu_kernels: bool = False) -> str:
     """The attention path a paged engine uses ("auto": the kernel where it runs).
 
-    The kernel is called on whole arrays, so it runs on a one-device slice only (a sharded
-    pool would need it wrapped per shard); elsewhere the gather path serves. It reads
-    pools of the model dtype: an int8 pool takes the gather path. It has no attention
-    sinks (`sinks`: the model has them, gpt-oss) nor chunked attention (`chunk`, Llama 4),
-    nor has the mixed step's ragged kernel.
+    The kernels are called on whole arrays, so they run on a one-device slice only (a
+    sharded pool would need them wrapped per shard); elsewhere the gather path serves.
+    They read pools of the model dtype: an int8 pool takes the gather path. They have no
+    attention sinks (`sinks`: the model has them, gpt-oss), chunked attention (`chunk`,
+    Llama 4) nor soft cap, nor has the mixed step's ragged kernel; the TPU kernel no
+    sliding window either. `cpu_kernels`: the engine runs the CPU kernels
+    (engines/backend.py: one CPU device, float32 model).
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"paged_attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    kernel_fits = (platform == "tpu" and sliding_window is None and softcap is None
-                   and num_devices == 1 and kv_dtype != "int8" and not sinks
-                   and chunk is None)
+    plain = (softcap is None and num_devices == 1 and kv_dtype != "int8" and not sinks
+             and chunk is None)
+    kernel_fits = platform == "tpu" and sliding_window is None and plain
+    cpu_fits = platform == "cpu" and cpu_kernels and plain
     if impl == "auto":
-        return "pallas_tpu" if kernel_fits else "xla"
+        return "pallas_tpu" if kernel_fits else "cpu" if cpu_fits else "xla"
+    if impl == "cpu" and not cpu_fits:
+        raise ValueError(
+            f"paged_attention='cpu' needs an engine on one CPU device running the CPU "
+            f"kernels (float32, JETSERVE_CPU_KERNELS not 0) and a model without an "
+            f"attention soft cap, attention sinks or chunked attention, over a pool that "
+            f"is not int8 (got platform {platform!r}, {num_devices} devices, CPU kernels "
+            f"{'on' if cpu_kernels else 'off'}, softcap={softcap}, sinks={sinks}, "
+            f"attention_chunk_size={chunk}, kv_dtype={kv_dtype!r}); use 'xla' or 'auto'")
     if impl == "pallas_tpu" and not kernel_fits:
         raise ValueError(
             f"paged_attention='pallas_tpu' needs a TPU slice of one device and a model "
@@ -225,7 +240,7 @@ class PagedDecodeKV(layer_scan.StackedStore, PageTables):
         self.state = state  # table i32[B, W]
         # i32[B]: where this step's token goes; i32[B, T]: T consecutive positions per
         # slot (speculative verification, with the "xla" attention path only).
-        self.pos = pos
+        self.pos, self.live = pos, live
         self.impl = impl
         ps = pool_shape(state.k)[2]
         self.page_size = ps
@@ -243,9 +258,14 @@ class PagedDecodeKV(layer_scan.StackedStore, PageTables):
         self.write_off = pos % ps
         self.k: list[jax.Array] = []
         self.v: list[jax.Array] = []
-        # The model attends through `attend` when a store offers one; the gathers that
-        # `update` returns are then unused and XLA drops them.
-        self.attend = self._kernel_attend if impl == "pallas_tpu" else None
+
+    @property
+    def attend(self):
+        """The model attends through this when a store offers one (None: it attends over
+        what `update` returns, else those gathers are unused and XLA drops them). A
+        property, so a scanned layer's copy of the store (layer_scan) attends over its
+        own pools."""
+        return {"pallas_tpu": self._kernel_attend, "cpu": self._cpu_attend}.get(self.impl)
 
     def update(self, layer, k, v):
         table, page = self.pages_of(layer)
@@ -283,6 +303,20 @@ class PagedDecodeKV(layer_scan.StackedStore, PageTables):
         v_pool = self.layer_of(self.v, layer)
         return pallas_decode_attention(q, k_pool, k_pool if key_only(v_pool) else v_pool,
                                        self.table, self.pos + 1)
+
+
+    def _cpu_attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None,
+                    chunk=None):
+        """The CPU kernel's attention of q [B, 1, N, H] over the layer's pages, read in
+        place (a scanned model's stacked pools at the layer); no soft cap, sinks nor
+        chunked attention (resolve_attention)."""
+        del positions, softcap, sinks, chunk
+        table = self.pages_of(layer)[0]
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        live_pos = jnp.where(self.live, self.pos, -1)
+        return cpu_kernels.paged_decode_attention(
+            q, k_pool, k_pool if key_only(v_pool) else v_pool, table, live_pos,
+            sliding_window, layer=self.at)
 
 
 def xla_decode_attention(q, k_pool, v_pool, table, lengths):

@@ -2,7 +2,7 @@
 
     python scripts/mixed_step_bench.py [--model random:llama-156m] [--decode-rows 8]
         [--chunk 128] [--chunk-start 128] [--context 192] [--rounds 5] [--reps 3]
-        [--speculative ngram:K]
+        [--speculative ngram:K] [--paged-attention auto|xla|cpu]
 
 One paged engine with decode-rows + 1 slots: every decode row holds a `--context`-token
 prompt; the last slot holds the first `--chunk-start` tokens of a prompt. Each round
@@ -62,12 +62,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--speculative", default="none", help="none or ngram:K")
+    ap.add_argument("--paged-attention", default="auto",
+                    help="the decode step's attention: auto, xla (gather) or cpu (kernel)")
     args = ap.parse_args()
     B, ps = args.decode_rows + 1, args.page_size
     S = 1024
     eng = build_engine(args.model, engine_config=EngineConfig(
         max_concurrent_decodes=B, max_seq_len=S, max_prefill_length=args.chunk,
-        kv_layout="paged", page_size=ps, speculative=args.speculative))
+        kv_layout="paged", page_size=ps, speculative=args.speculative,
+        paged_attention=args.paged_attention))
     eng = getattr(eng, "engine", eng)  # the engine itself: this script plans its own pages
     params = eng.load_params()
     M = S // ps
@@ -130,7 +133,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {args.model}, {args.decode_rows} decode rows at ~{args.context} tokens, "
           f"chunk {args.chunk} tokens at {args.chunk_start}; page table width {W}, "
-          f"speculative {args.speculative}, "
+          f"speculative {args.speculative}, paged attention {eng.attention_impl}, "
           f"devices {jax.devices()[0].platform}; medians of {args.rounds * args.reps}")
     for k, v in med.items():
         print(f"  {k:9s} {v:9.2f} ms  (best {min(times[k]):.2f})")

@@ -19,6 +19,15 @@
 // position p (clamped to S - 1) sees entries max(0, p - window + 1) .. p (window 0: no
 // sliding window); a slot at p < 0 is not live: its output is zeros and nothing of it is
 // read. The N query heads share kv heads in groups of N / K, as in the model.
+//
+// "jetserve_paged_decode_attention" is the same attention over the paged KV store
+// (engines/paged_kv.py): pools [L, K, P + 1, ps, H] of keys and values alike, table i32[B, W]
+// each slot's pages in position order (entry j of slot b at page table[b, j / ps], row
+// j % ps). Each (slot, kv head) copies its live entries out of their pages into a
+// contiguous block (keys transposed) and runs the contiguous path above on it: the pages
+// are read once, in position order, where XLA's gather path copies every slot's whole
+// table width out of the pool per layer. Page indices outside [0, P + 1) read the last page
+// (the trash page), never out of bounds; a position past the table's width clamps to it.
 
 #include <immintrin.h>
 
@@ -265,7 +274,85 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                                ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
+                                ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                                int64_t window) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto td = table.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || td.size() != 2 ||
+      layer.element_count() != 1 || pos.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(
+        "jetserve_paged_decode_attention expects q [B, N, H], k and v [L, K, P + 1, ps, H], "
+        "table i32[B, W], layer i32[], pos [B]");
+  const int64_t B = qd[0], N = qd[1], H = qd[2], L = kd[0], K = kd[1], P1 = kd[2];
+  const int64_t ps = kd[3], W = td[1];
+  for (int d = 0; d < 5; ++d)
+    if (vd[d] != kd[d])
+      return ffi::Error::InvalidArgument("jetserve_paged_decode_attention: keys and values "
+                                         "pools differ in shape");
+  if (kd[4] != H || td[0] != B || pos.dimensions()[0] != B || K == 0 || N % K != 0 ||
+      P1 < 1 || ps < 1 || W < 1)
+    return ffi::Error::InvalidArgument("jetserve_paged_decode_attention: shapes do not agree");
+  const int64_t i = layer.typed_data()[0];
+  if (i < 0 || i >= L)
+    return ffi::Error::InvalidArgument("jetserve_paged_decode_attention: layer " +
+                                       std::to_string(i) + " is outside [0, " +
+                                       std::to_string(L) + ")");
+  const int64_t G = N / K, S = W * ps;
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data() + i * K * P1 * ps * H;
+  const float* vp = v.typed_data() + i * K * P1 * ps * H;
+  const int32_t* tp = table.typed_data();
+  const int32_t* pp = pos.typed_data();
+  float* op = out->typed_data();
+  // One task per (slot, kv head), as the contiguous kernel's.
+  jetserve::parallel_for(pool, B * K, [=](int64_t t) {
+    thread_local std::vector<float> scores, keys, values;
+    const int64_t b = t / K, kh = t % K;
+    const int64_t p = std::min<int64_t>(pp[b], S - 1);
+    const int64_t j0 = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    const int64_t n = p < 0 ? 0 : p + 1 - j0;
+    float* o = op + t * G * H;
+    if (n <= 0) {
+      std::fill(o, o + G * H, 0.f);
+      return;
+    }
+    scores.resize(G * n);
+    keys.resize(H * n);
+    values.resize(n * H);
+    const int64_t head = kh * P1 * ps * H;  // the kv head's pages in the layer's pool
+    for (int64_t j = j0; j <= p;) {  // page by page: rows j .. end of the page or p
+      int64_t page = tp[b * W + j / ps];
+      if (page < 0 || page >= P1) page = P1 - 1;
+      const int64_t r0 = j % ps, rows = std::min<int64_t>(ps - r0, p + 1 - j);
+      const float* ks = kp + head + (page * ps + r0) * H;
+      const float* vs = vp + head + (page * ps + r0) * H;
+      const int64_t at = j - j0;
+      std::copy(vs, vs + rows * H, values.data() + at * H);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < H; ++h) keys[h * n + at + r] = ks[r * H + h];
+      j += rows;
+    }
+    attend_group(qp + t * G * H, keys.data(), values.data(), o, G, H, n, 0, n, scores.data());
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JetservePagedDecodeAttention, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JetserveDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()

@@ -454,3 +454,49 @@ def test_fresh_processes_build_once_and_a_failed_build_falls_back(kernel, tmp_pa
     assert (on, again) == ("False", "False") and float(e) < 1e-4  # XLA's dot, same result
     assert err.count("CPU kernels are unavailable") == 1 and "/bin/false" in err
     assert os.listdir(tmp_path / "none") == []  # no half-written library left behind
+
+
+def test_paged_decode_attention_matches_the_gather_path(kernel):
+    # Pools stacked [L, ...] read at a layer and one layer alone; pages out of order, a
+    # page index past the pool (reads the trash page), a slot not live (zeros), a position
+    # past the table (clamped to its last), and a sliding window.
+    from engines.attention import attention
+    from engines.paged_kv import gather_pages
+
+    rng = np.random.default_rng(5)
+    L, K, P1, ps, H, N, B, W = 3, 2, 30, 4, 16, 6, 5, 5
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((L, K, P1, ps, H)), jnp.float32)
+                      for _ in range(2))
+    pages = rng.permutation(P1 - 1)[:B * W].reshape(B, W)
+    pages[4, 1] = P1 + 7  # out of the pool: the trash page (P1 - 1) is read
+    table = jnp.asarray(pages, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
+    pos = jnp.asarray([0, 7, 19, -1, 6], jnp.int32)
+    trash = jnp.asarray(np.where(pages >= P1, P1 - 1, pages), jnp.int32)
+    for window in (None, 3):
+        for layer in (0, 2):
+            got = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, window,
+                                                     layer=layer)
+            one = cpu_kernels.paged_decode_attention(q, k_pool[layer], v_pool[layer], table,
+                                                     pos, window)
+            k_all, v_all = (gather_pages(p[layer], trash, jnp.float32) for p in (k_pool, v_pool))
+            j = jnp.arange(W * ps)[None]
+            want = attention(q, k_all, v_all, pos[:, None], jnp.where(j <= pos[:, None], j, -1),
+                             window)
+            live = np.asarray(pos) >= 0
+            np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
+            assert not np.asarray(got)[~live].any()
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(one))
+    past = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table,
+                                              jnp.full((B,), 10 * W * ps, jnp.int32), None,
+                                              layer=1)
+    last = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table,
+                                              jnp.full((B,), W * ps - 1, jnp.int32), None,
+                                              layer=1)
+    np.testing.assert_array_equal(np.asarray(past), np.asarray(last))
+    with pytest.raises(ValueError, match="one float32 token per slot"):
+        cpu_kernels.paged_decode_attention(jnp.zeros((B, 2, N, H)), k_pool, v_pool, table,
+                                           pos, None, layer=0)
+    with pytest.raises(ValueError, match="do not agree"):
+        cpu_kernels.paged_decode_attention(q, k_pool, v_pool[:, :, :, :, :8], table, pos,
+                                           None, layer=0)

@@ -206,13 +206,40 @@ def test_config_errors_name_the_field():
         EngineConfig(kv_layout="paged", page_size=0)
     with pytest.raises(ValueError, match="pallas_tpu"):
         resolve_attention("pallas_tpu", "cpu", None, 1)
-    assert resolve_attention("auto", "cpu", None, 1) == "xla"
+    assert resolve_attention("auto", "cpu", None, 1) == "xla"  # the CPU kernels off
+    assert resolve_attention("auto", "cpu", 16, 1, cpu_kernels=True) == "cpu"
+    for no in (dict(kv_dtype="int8"), dict(softcap=50.0), dict(sinks=True), dict(chunk=8)):
+        assert resolve_attention("auto", "cpu", None, 1, cpu_kernels=True, **no) == "xla"
+        with pytest.raises(ValueError, match="paged_attention='cpu'"):
+            resolve_attention("cpu", "cpu", None, 1, cpu_kernels=True, **no)
+    assert resolve_attention("auto", "cpu", None, 2, cpu_kernels=True) == "xla"
+    with pytest.raises(ValueError, match="CPU kernels off"):
+        resolve_attention("cpu", "cpu", None, 1)
+    with pytest.raises(ValueError, match="cpu paged kernel"):
+        EngineConfig(kv_layout="paged", paged_attention="cpu", speculative="ngram:2")
     assert resolve_attention("auto", "tpu", None, 1) == "pallas_tpu"
     assert resolve_attention("auto", "tpu", 16, 1) == "xla"
     # Gemma 2's attention-logit soft cap: the gather path, the kernel refused by name
     assert resolve_attention("auto", "tpu", None, 1, softcap=50.0) == "xla"
     with pytest.raises(ValueError, match="soft cap"):
         resolve_attention("pallas_tpu", "tpu", None, 1, softcap=50.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: a sliding window
+def test_cpu_kernel_and_gather_path_give_identical_greedy_tokens(family):
+    cfg, dev = model_config(family), jax.devices()[:1]
+    engines = [PagePlanner(create_engine(cfg, devices=dev, config=EngineConfig(
+        **SHAPES, kv_layout="paged", page_size=4, paged_attention=impl)))
+        for impl in ("cpu", "xla")]
+    if not engines[0].engine.backend.cpu_kernels:
+        pytest.skip("the CPU kernels are unavailable here")
+    assert [e.engine.attention_impl for e in engines] == ["cpu", "xla"]
+    host = host_params(engines[0])
+    kernel, gather = (generate_many(e, place(e, host), PROMPTS, max_tokens=22,
+                                    ignore_eos=True) for e in engines)
+    for a, b in zip(kernel, gather, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 @pytest.mark.device

@@ -35,6 +35,7 @@ from engines.sampling import SamplingParams, SlotSampling
 
 MODE_IDLE, MODE_DECODE, MODE_CHUNK = 0, 1, 2
 MIN_TOKENS = 8  # the smallest token bucket
+CHUNK_BUCKETS_FROM = 64  # chunks this long or longer get a bucket with the decode rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,12 +78,19 @@ class MixedInputs:
     sampling: SlotSampling  # [B] the fresh rows' parameters (others unused)
 
 
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
+def token_buckets(max_tokens: int, decode_tokens: int = 0) -> tuple[int, ...]:
     """The padded token counts a mixed step compiles for: powers of two from MIN_TOKENS
     below max_tokens, then max_tokens rounded up to a multiple of 8. The top bucket is
     the common full step (a whole chunk beside every decode row: 128 + 8), which the next
-    power of two would pad to almost twice its work."""
-    return window_sizes(-(-max_tokens // 8) * 8, MIN_TOKENS)
+    power of two would pad to almost twice its work. For the same reason each power of
+    two p from CHUNK_BUCKETS_FROM up that is below max_tokens comes with p + decode_tokens
+    (rounded up to 8; decode_tokens: every slot's decode row): a prompt of p tokens beside
+    the running rows (128 + 8 in a 520-token budget) pads to 136, not to 256."""
+    top = -(-max_tokens // 8) * 8
+    powers = window_sizes(top, MIN_TOKENS)
+    extra = {-(-(p + decode_tokens) // 8) * 8 for p in powers[:-1]
+             if p >= CHUNK_BUCKETS_FROM and decode_tokens}
+    return tuple(sorted({*powers, *(b for b in extra if b < top)}))
 
 
 def _sampling_rows(B: int, rows: Sequence[MixedRow]) -> SlotSampling:

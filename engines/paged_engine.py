@@ -398,8 +398,8 @@ class PagedTransformerEngine(TransformerEngine):
     def mixed_token_buckets(self) -> tuple[int, ...]:
         """The token counts a mixed step is padded to: up to a full prefill chunk beside
         a decode row for every slot (k + 1 tokens each with n-gram speculative decoding)."""
-        return token_buckets(self.config.max_prefill_length + self.config.max_concurrent_decodes
-                             * (self._mixed_drafts() + 1))
+        decode = self.config.max_concurrent_decodes * (self._mixed_drafts() + 1)
+        return token_buckets(self.config.max_prefill_length + decode, decode)
 
     @property
     def page_geometry(self) -> PageGeometry:

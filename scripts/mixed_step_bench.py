@@ -2,7 +2,7 @@
 
     python scripts/mixed_step_bench.py [--model random:llama-156m] [--decode-rows 8]
         [--chunk 128] [--chunk-start 128] [--context 192] [--rounds 5] [--reps 3]
-        [--speculative ngram:K] [--paged-attention auto|xla|cpu]
+        [--speculative ngram:K] [--paged-attention auto|xla|cpu] [--max-prefill-length N]
 
 One paged engine with decode-rows + 1 slots: every decode row holds a `--context`-token
 prompt; the last slot holds the first `--chunk-start` tokens of a prompt. Each round
@@ -62,13 +62,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--speculative", default="none", help="none or ngram:K")
+    ap.add_argument("--max-prefill-length", type=int, default=None,
+                    help="the engine's prompt chunk, which sizes the token buckets "
+                         "(default: --chunk)")
     ap.add_argument("--paged-attention", default="auto",
                     help="the decode step's attention: auto, xla (gather) or cpu (kernel)")
     args = ap.parse_args()
     B, ps = args.decode_rows + 1, args.page_size
     S = 1024
     eng = build_engine(args.model, engine_config=EngineConfig(
-        max_concurrent_decodes=B, max_seq_len=S, max_prefill_length=args.chunk,
+        max_concurrent_decodes=B, max_seq_len=S,
+        max_prefill_length=args.max_prefill_length or args.chunk,
         kv_layout="paged", page_size=ps, speculative=args.speculative,
         paged_attention=args.paged_attention))
     eng = getattr(eng, "engine", eng)  # the engine itself: this script plans its own pages
@@ -107,6 +111,7 @@ def main() -> None:
                                          last=True, sampling=None if head else
                                          SamplingParams())]
     holder = {"state": state}
+    rows_tokens = [0] * (args.decode_rows * row + args.chunk)  # the mixed step's tokens
 
     def mixed(rows):
         def run():
@@ -134,6 +139,7 @@ def main() -> None:
     print(f"model {args.model}, {args.decode_rows} decode rows at ~{args.context} tokens, "
           f"chunk {args.chunk} tokens at {args.chunk_start}; page table width {W}, "
           f"speculative {args.speculative}, paged attention {eng.attention_impl}, "
+          f"token bucket {min(b for b in eng.mixed_token_buckets if b >= len(rows_tokens))}, "
           f"devices {jax.devices()[0].platform}; medians of {args.rounds * args.reps}")
     for k, v in med.items():
         print(f"  {k:9s} {v:9.2f} ms  (best {min(times[k]):.2f})")

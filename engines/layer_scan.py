@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import flax.linen as nn
 import jax
@@ -40,6 +41,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding import axes
 
 CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")
+# nn.scan makes a new dataclass each call, and flax's dataclass processing reads the base
+# class's fields while another thread's may be changing them: two threads tracing scanned
+# models at once (lock-step drivers in one process, disaggregated prefill and generate
+# threads warming up) failed with "dictionary changed size during iteration".
+_SCAN_CLASS_LOCK = threading.Lock()
 
 
 def run(body, cfg, dtype, backend, x, positions, inv_freq, kv, initializing: bool,
@@ -55,9 +61,10 @@ def run(body, cfg, dtype, backend, x, positions, inv_freq, kv, initializing: boo
     scan's own slicing made XLA copy every layer's weights out on the CPU. Flax checks
     that a broadcast parameter does not depend on the loop only while `initializing`
     (the extra trace creates them); applying skips it."""
-    scanned = nn.scan(body, variable_broadcast="params", split_rngs={"params": False},
-                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-                      length=cfg.num_layers, check_constancy_invariants=initializing)
+    with _SCAN_CLASS_LOCK:  # flax builds a class here, which two threads must not do at once
+        scanned = nn.scan(body, variable_broadcast="params", split_rngs={"params": False},
+                          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                          length=cfg.num_layers, check_constancy_invariants=initializing)
     carry, xs = kv.scan_init()
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, carry), ys = scanned(cfg, dtype, 0, backend, name="layers")(

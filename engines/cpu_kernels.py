@@ -307,7 +307,6 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
     return out.reshape(B, 1, N, H)
 
 
-
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            table: jax.Array, pos: jax.Array, sliding_window: int | None,
                            layer: jax.Array | int | None = None) -> jax.Array:

@@ -304,7 +304,6 @@ class PagedDecodeKV(layer_scan.StackedStore, PageTables):
         return pallas_decode_attention(q, k_pool, k_pool if key_only(v_pool) else v_pool,
                                        self.table, self.pos + 1)
 
-
     def _cpu_attend(self, layer, q, positions, sliding_window, softcap=None, sinks=None,
                     chunk=None):
         """The CPU kernel's attention of q [B, 1, N, H] over the layer's pages, read in

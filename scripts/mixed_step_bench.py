@@ -111,7 +111,7 @@ def main() -> None:
                                          last=True, sampling=None if head else
                                          SamplingParams())]
     holder = {"state": state}
-    rows_tokens = [0] * (args.decode_rows * row + args.chunk)  # the mixed step's tokens
+    step_tokens = args.decode_rows * row + args.chunk  # the mixed step's tokens
 
     def mixed(rows):
         def run():
@@ -139,7 +139,7 @@ def main() -> None:
     print(f"model {args.model}, {args.decode_rows} decode rows at ~{args.context} tokens, "
           f"chunk {args.chunk} tokens at {args.chunk_start}; page table width {W}, "
           f"speculative {args.speculative}, paged attention {eng.attention_impl}, "
-          f"token bucket {min(b for b in eng.mixed_token_buckets if b >= len(rows_tokens))}, "
+          f"token bucket {min(b for b in eng.mixed_token_buckets if b >= step_tokens)}, "
           f"devices {jax.devices()[0].platform}; medians of {args.rounds * args.reps}")
     for k, v in med.items():
         print(f"  {k:9s} {v:9.2f} ms  (best {min(times[k]):.2f})")

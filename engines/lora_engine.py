@@ -352,12 +352,13 @@ class PagedLoraEngine(LoraServing, PagedTransformerEngine):
         rows = self._counted("mixed", laid_out(functools.partial(
             lora_generate, self.model, self.decode_rows_fn)))
         # adapters? -> (mixed program, decode-rows program): with the pool, or plain
+        draft_sh = (self._draft.param_shardings,) if self._draft else ()  # _draft_args()
         self._mixed_jits = {
             on: (jax.jit(mixed, in_shardings=(self.param_shardings, pool_sh if on else None,
-                                              state_sh, r, r, r, r),  # last: token_mask
+                                              state_sh, r, r, r, r, *draft_sh),  # r: token_mask
                          out_shardings=(state_sh, r), donate_argnums=(2,)),
                  jax.jit(rows, in_shardings=(self.param_shardings, pool_sh if on else None,
-                                             state_sh, r, r, r),
+                                             state_sh, r, r, r, *draft_sh),
                          out_shardings=(state_sh, r), donate_argnums=(2,)))
             for on in (False, True)}
 
@@ -412,6 +413,6 @@ class PagedLoraEngine(LoraServing, PagedTransformerEngine):
         pool = self._pool if adapters else None
         if isinstance(inputs, np.ndarray):  # decode rows alone
             return decode_rows(self._in_layout(params), pool, decode_state, table, inputs,
-                               token_mask)
+                               token_mask, *self._draft_args())
         return mixed(self._in_layout(params), pool, decode_state, table, inputs, chunk_rows,
-                     token_mask)
+                     token_mask, *self._draft_args())

@@ -147,16 +147,17 @@ class _TokensLora:
 
 
 def lora_mixed_step(model, step, params, pool, state, table, inp: MixedInputs, rows,
-                    token_mask=None):
+                    token_mask=None, *draft):
     """step(model)(params, state, table, inp, token_mask) (the layout's mixed step) with
     each token through its row's adapter: a decode row's slot's (state.adapter), a
     chunk's `rows` i32[B] (the pool row of its prompt's adapter), which the slot keeps
     once the chunk that ends the prompt has run. pool None: the base model's step (the
-    rows kept alike)."""
+    rows kept alike). draft: a draft model's parameters, if any (the draft runs without
+    adapters)."""
     chunk = inp.mode == MODE_CHUNK
     bound = model if pool is None else _TokensLora(model, pool,
                                                    jnp.where(chunk, rows, state.adapter))
-    new, res = step(bound)(params, without_adapter(state), table, inp, token_mask)
+    new, res = step(bound)(params, without_adapter(state), table, inp, token_mask, *draft)
     return with_adapter(new, jnp.where(chunk & inp.sample, rows, state.adapter)), res
 
 

@@ -48,8 +48,16 @@ Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
     rejected positions lie past the row's length and are written again. token_mask is
     then i32[B, K + 1, W'], one row per position (a chunk's first token takes position
     0's). The history gains each chunk's tokens (positions a prefix-cache hit linked are
-    not written: drafts come from the rest), so drafts see the prompt. A draft model
-    ("draft:PATH:K") is refused by the engine: its contiguous cache is not run by chunks.
+    not written: drafts come from the rest), so drafts see the prompt.
+  - A draft model (`speculative="draft:PATH:K"`): the verify rows' drafts come from the
+    draft model's K + 1 single-token steps over its own contiguous cache (as the paged
+    verify step's, engines/speculative.py draft_model_drafts, run for the decode rows
+    only), drawn from q, which rejection sampling reads. Each chunk's tokens then run
+    through the draft model too, written into its cache at the chunk's positions (one
+    pass per chunk row, over a row of the step's token bucket), so the draft has seen
+    the whole prompt when the slot starts decoding. Positions a prefix-cache hit linked
+    are not in the draft's cache (the target's pages are shared, the draft's cache is
+    not): its drafts there are worse, the kept tokens the same.
 
 Device-side derivations from the per-row inputs (engines/mixed_batch.py): a token's row
 is found from the cumulative query lengths (rows laid out in slot order), its position is
@@ -68,12 +76,13 @@ import jax.numpy as jnp
 from engines import layer_scan
 from engines.attention import key_only
 from engines.engine_api import pack_results
+from engines.kv_cache import DecodeKV, DecodeState
 from engines.mixed_batch import MODE_CHUNK, MODE_DECODE, MixedInputs
 from engines.model import Decoder
 from engines.paged_kv import PagedDecodeState, PageTables, WindowRing, pool_shape, write_pages
 from engines.ragged_attention import pallas_ragged_attention, ragged_paged_attention
 from engines.sampling import sample, token_logprobs
-from engines.speculative import advance_slots, ngram_drafts, verify_step
+from engines.speculative import advance_slots, draft_model_drafts, ngram_drafts, verify_step
 from engines.token_mask import hold_paused
 
 
@@ -117,6 +126,47 @@ def ragged_layout(inp: MixedInputs, state: PagedDecodeState, max_seq_len: int,
     return RaggedLayout(rows=rows, positions=jnp.where(runs, pos, -1).astype(jnp.int32),
                         tokens=tokens, q_len=q_len, last=last.astype(jnp.int32),
                         decode_live=decode_live)
+
+
+def draft_chunks(draft_model: Decoder, draft_params, state: PagedDecodeState,
+                 lay: RaggedLayout, inp: MixedInputs, max_seq_len: int) -> dict:
+    """The draft model over each chunk row's tokens (a speculative draft model's, module
+    doc), their keys and values written into its contiguous cache at their positions:
+    one pass per chunk row, over T tokens (the row's, then padding past the cache, which
+    is dropped), the row's slot of the cache sliced out and written back. Returns the
+    new draft_k and draft_v."""
+    S = max_seq_len
+    T = lay.tokens.shape[0]
+    t = jnp.arange(T)
+    begin = jnp.cumsum(lay.q_len) - lay.q_len
+    chunk = inp.mode == MODE_CHUNK
+    order = jnp.argsort(~chunk, stable=True)  # the chunk rows first
+
+    def slot(cache, b):  # the slot axis leads a layer's cache, follows a stack's layer
+        return jax.lax.dynamic_slice_in_dim(cache, b, 1, cache.ndim - 4)
+
+    def put(cache, new, b):
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, b, cache.ndim - 4)
+
+    def one(i, cache):
+        dk, dv = cache
+        b = order[i]
+        at = jnp.minimum(begin[b] + t, T - 1)
+        pos = jnp.where(t < lay.q_len[b], lay.positions[at], -1)
+        pos = jnp.where(pos >= 0, pos, S)[None]  # (1, T): past the cache, not written
+        view = DecodeState(k=tuple(slot(c, b) for c in dk), v=tuple(slot(c, b) for c in dv),
+                           k_scale=(), v_scale=(), lengths=inp.start[b][None],
+                           tokens=lay.tokens[at[:1]], sampling=state.sampling,
+                           prompt_mask=state.prompt_mask, counts=state.counts,
+                           history=state.history)
+        kv = DecodeKV(view, pos)
+        draft_model.apply({"params": draft_params}, lay.tokens[at][None], pos, kv,
+                          last=jnp.zeros((1,), jnp.int32))
+        return (tuple(put(c, n, b) for c, n in zip(dk, kv.k, strict=True)),
+                tuple(put(c, n, b) for c, n in zip(dv, kv.v, strict=True)))
+
+    dk, dv = jax.lax.fori_loop(0, jnp.sum(chunk), one, (state.draft_k, state.draft_v))
+    return dict(draft_k=dk, draft_v=dv)
 
 
 class RaggedPagedKV(layer_scan.StackedStore, PageTables):
@@ -177,14 +227,30 @@ class RaggedPagedKV(layer_scan.StackedStore, PageTables):
 
 
 def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
-               ring: WindowRing | None, k: int, params, state: PagedDecodeState,
-               table: jax.Array, inp: MixedInputs, token_mask: jax.Array | None = None):
+               ring: WindowRing | None, k: int, draft_model: Decoder | None, params,
+               state: PagedDecodeState, table: jax.Array, inp: MixedInputs,
+               token_mask: jax.Array | None = None, draft_params=None):
     """The step of the module doc: (new state, ResultTokens). `ring`: the pages of the
     layers with a bounded reach (engines/paged_kv.py WindowRing), None: the shared pool's.
-    k: drafts a verify row checks (n-gram speculative decoding), 0: none. token_mask:
-    None or i32[B, W'] each row's allowed tokens, with k: i32[B, k + 1, W'] (module doc)."""
+    k: drafts a verify row checks (speculative decoding), 0: none; they come from
+    `draft_model` (with its `draft_params`) where given, else from the n-gram history.
+    token_mask: None or i32[B, W'] each row's allowed tokens, with k: i32[B, k + 1, W']
+    (module doc)."""
     S = max_seq_len
-    drafts = ngram_drafts(state.history, state.lengths, k) if k else None
+    q = None
+    if draft_model is not None:
+        # Drafted for the decode rows alone: the others' positions read as past the cache.
+        rows = (inp.mode == MODE_DECODE) & (state.lengths < S)
+        drafts, q, rest, dk, dv = draft_model_drafts(draft_model, k, draft_params,
+                                                     dataclasses.replace(state, lengths=jnp.where(
+                                                         rows, state.lengths, S)))
+        # A verify row draws with what drafting left of its key; other rows keep theirs.
+        keys = jnp.where(rows[:, None], rest.sampling.key, state.sampling.key)
+        state = dataclasses.replace(state, sampling=dataclasses.replace(state.sampling,
+                                                                        key=keys),
+                                    draft_k=tuple(dk), draft_v=tuple(dv))
+    else:
+        drafts = ngram_drafts(state.history, state.lengths, k) if k else None
     lay = ragged_layout(inp, state, S, drafts)
     kv = RaggedPagedKV(state, table, lay, impl, ring)
     positions = jnp.maximum(lay.positions, 0)[None]
@@ -207,8 +273,11 @@ def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     row_mask = token_mask if token_mask is None or not k else token_mask[:, 0]
     tok, next_keys = sample(first, sampling, prompt_mask, counts, cpu_kernels=cpu,
                             token_mask=row_mask)
+    if draft_model is not None:  # the chunks through the draft model, into its cache
+        state = dataclasses.replace(state, **draft_chunks(draft_model, draft_params, state,
+                                                          lay, inp, S))
     if k:
-        return _verify_rows(lay, inp, state, drafts, logits, top_n, S, kv, tok, next_keys,
+        return _verify_rows(lay, inp, state, drafts, q, logits, top_n, S, kv, tok, next_keys,
                             dataclasses.replace(state, sampling=sampling,
                                                 prompt_mask=prompt_mask, counts=counts),
                             token_mask)
@@ -232,13 +301,14 @@ def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
 
 
 def _verify_rows(lay: RaggedLayout, inp: MixedInputs, state: PagedDecodeState,
-                 drafts: jax.Array, logits: jax.Array, top_n: int, S: int,
+                 drafts: jax.Array, q: jax.Array | None, logits: jax.Array, top_n: int, S: int,
                  kv: RaggedPagedKV, tok: jax.Array, next_keys: jax.Array,
                  view: PagedDecodeState, token_mask: jax.Array | None):
     """The step's end with speculative decoding: decode rows keep what
     engines/speculative.py `verify_step` accepts of their drafts (as the paged verify
     step does), chunks that end their prompt their sampled first token `tok` (drawn with
-    `next_keys`). `view`: the state with the fresh rows' sampling, prompt mask and counts.
+    `next_keys`); q: a draft model's distributions of the drafts, None for n-gram ones.
+    `view`: the state with the fresh rows' sampling, prompt mask and counts.
     The history (the drafts' source) gains each chunk's tokens and first token, and each
     verify row's kept tokens."""
     B, R = lay.last.shape
@@ -246,7 +316,7 @@ def _verify_rows(lay: RaggedLayout, inp: MixedInputs, state: PagedDecodeState,
     starts = chunk & inp.sample  # chunks that end their prompt: their first token
     verify = lay.decode_live
     v_tok, v_count, v_keys, v_lp, v_top, v_top_lp = verify_step(
-        logits, view, drafts, top_n, None, token_mask)
+        logits, view, drafts, top_n, q, token_mask)
     slot, v_count = advance_slots(view, v_tok, jnp.where(verify, v_count, 0), S)
     lp, top_ids, top_lp = token_logprobs(logits[:, 0], tok, top_n)
     pad = lambda a: jnp.concatenate(  # noqa: E731 -- a chunk's one token in column 0

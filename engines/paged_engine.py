@@ -85,16 +85,17 @@ def generate_paged(model: Decoder, top_n: int, max_seq_len: int, impl: str,
 
 
 def _decode_rows_paged(generate, max_seq_len: int, params, state: PagedDecodeState, table,
-                       rows, token_mask=None):
+                       rows, token_mask=None, *draft):
     """The mixed step of decode rows alone (rows bool[B]: the slots in a decode row): the
     generate step `generate` (params, state, table, token_mask) over those slots, the
     same program and attention generate takes (the verify step with speculative
-    decoding), with its token_mask (a row allowing nothing sits out); the slots in no row
-    (their lengths read as full) are left bit-identical."""
+    decoding), with its token_mask (a row allowing nothing sits out) and a draft model's
+    parameters if any; the slots in no row (their lengths read as full) are left
+    bit-identical."""
     S = max_seq_len
     lengths = jnp.where(rows, state.lengths, S)
     new, results = generate(params, dataclasses.replace(state, lengths=lengths), table,
-                            token_mask)
+                            token_mask, *draft)
     ran = lengths < S
     keep = lambda new_f, old_f: jnp.where(  # noqa: E731
         ran.reshape((-1,) + (1,) * (old_f.ndim - 1)), new_f, old_f)
@@ -233,36 +234,37 @@ class PagedTransformerEngine(TransformerEngine):
         self.traces["mixed"] = 0
         self._mixed_jit = jax.jit(
             self._counted("mixed", laid_out(self.mixed_step_fn(self.model))),
-            in_shardings=(self.param_shardings, state_sh, r, r, r),  # r: token_mask
+            in_shardings=(self.param_shardings, state_sh, r, r, r, *draft_sh),  # r: token_mask
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
         # A step of decode rows alone: one program per width, counted with the mixed ones.
         self._decode_rows_jit = jax.jit(
             self._counted("mixed", laid_out(self.decode_rows_fn(self.model))),
-            in_shardings=(self.param_shardings, state_sh, r, r, r), out_shardings=(state_sh, r),
+            in_shardings=(self.param_shardings, state_sh, r, r, r, *draft_sh),
+            out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
 
     def mixed_step_fn(self, model: Decoder):
         """The mixed step's function over `model`, called as (params, state, table,
-        MixedInputs, token_mask): the TPU kernel where the decode step takes its own, else XLA's."""
+        MixedInputs, token_mask, *draft params): the TPU kernel where the decode step
+        takes its own, else XLA's."""
         ragged = "pallas_tpu" if self.attention_impl == "pallas_tpu" else "xla"
         return functools.partial(mixed_step, model, self.config.top_logprobs,
                                  self.config.max_seq_len, ragged, self.ring,
-                                 self._mixed_drafts())
+                                 self._mixed_drafts(), self._draft.model if self._draft else None)
 
     def decode_rows_fn(self, model: Decoder):
         """The step of decode rows alone over `model`, called as (params, state, table,
-        rows bool[B], token_mask)."""
-        return functools.partial(_decode_rows_paged, self.generate_step(model, None),
-                                 self.config.max_seq_len)
+        rows bool[B], token_mask, *draft params)."""
+        return functools.partial(_decode_rows_paged, self.generate_step(
+            model, self._draft.model if self._draft else None), self.config.max_seq_len)
 
     def _mixed_drafts(self) -> int:
-        """Drafts a mixed step's verify rows check: K with n-gram speculative decoding,
-        else 0. A draft model's cache is not written by mixed steps (mixed_step refuses)."""
+        """Drafts a mixed step's verify rows check: K with speculative decoding, else 0."""
         spec = self.config.spec
-        return spec.k if spec.kind == "ngram" else 0
+        return spec.k if spec.enabled else 0
 
     def generate_step(self, model: Decoder, draft_model: Decoder | None):
         """generate's function over `model` (the verify step with speculative decoding),
@@ -340,10 +342,6 @@ class PagedTransformerEngine(TransformerEngine):
         page_table i32[B, W] as generate's, covering every position the rows write;
         token_mask None or i32[B, W'] each row's allowed tokens (engines/token_mask.py).
         `program`: a subclass's choice of program (`_run_mixed`; a LoRA engine's)."""
-        if self.config.spec.kind == "draft":
-            raise ValueError(f"mixed_step does not run with speculative "
-                             f"{self.config.speculative!r} (a draft model's cache is not "
-                             f"written by mixed steps); use prefill / generate")
         table = np.asarray(page_table, np.int32)
         g = self.page_geometry
         max_w = -(-g.max_seq_len // g.page_size)
@@ -375,7 +373,8 @@ class PagedTransformerEngine(TransformerEngine):
         decode rows alone: the generate step's program); `rows` as mixed_step's."""
         del rows  # a LoRA engine's (engines/lora_engine.py) read their adapters
         jit = self._decode_rows_jit if isinstance(inputs, np.ndarray) else self._mixed_jit
-        return jit(self._in_layout(params), decode_state, table, inputs, token_mask)
+        return jit(self._in_layout(params), decode_state, table, inputs, token_mask,
+                   *self._draft_args())
 
     def _mixed_mask(self, token_mask: np.ndarray, rows: Sequence[MixedRow]) -> np.ndarray:
         """mixed_step's token_mask checked: i32[B, W'], and some token allowed to every

@@ -11,15 +11,15 @@ thread: a hit links its pages into the prompt's slot and the prompt's chunks sta
 them (mixed_worker.py); its stats are the interleaved cache's.
 
 Refused, each by name: a contiguous KV cache (mixed steps run on pages), --step-policy
-decode-first (every step runs every decoding sequence anyway), a draft model's
-speculative decoding (its cache is not written by mixed steps), and the prefix cache on an engine whose sliding layers keep rings of
-pages (a ring keeps no page behind its window to link); and devices split into prefill
-and generate slices (`build`: the mixed step is one slice's). Structured output is
-served: each step takes its sampling rows' token masks (mixed_worker.py). LoRA adapters
-(--lora-modules) are served: each row of a step runs through its request's adapter.
-N-gram speculative decoding (--speculative ngram:K) is served: each decode row is a verify
-row of K + 1 tokens (engines/mixed_step.py). Over several processes the mixed thread's
-engine calls go to every process as plans (mixed_lockstep.py).
+decode-first (every step runs every decoding sequence anyway), and the prefix cache on an
+engine whose sliding layers keep rings of pages (a ring keeps no page behind its window to
+link); and devices split into prefill and generate slices (`build`: the mixed step is one
+slice's). Structured output is served: each step takes its sampling rows' token masks
+(mixed_worker.py). LoRA adapters (--lora-modules) are served: each row of a step runs
+through its request's adapter. Speculative decoding (--speculative ngram:K or
+draft:PATH:K) is served: each decode row is a verify row of K + 1 tokens, and a draft
+model also runs over every prompt chunk (engines/mixed_step.py). Over several processes
+the mixed thread's engine calls go to every process as plans (mixed_lockstep.py).
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ def refuse_engine(engine: Engine, config: OrchestratorConfig) -> None:
     if getattr(engine, "page_geometry", None) is None:
         raise ValueError("--scheduling mixed runs its steps on the paged KV cache: add "
                          "--kv-layout paged (got the contiguous layout)")
-    if engine.config.spec.kind == "draft":
-        raise ValueError(f"--scheduling mixed runs n-gram speculative decoding, not a draft "
-                         f"model's (--speculative {engine.config.speculative}: its cache is "
-                         f"not written by mixed steps); use ngram:K or leave one out")
     if config.step_policy != PREFILL_FIRST:
         raise ValueError(f"--step-policy {config.step_policy}: --scheduling mixed runs every "
                          "decoding sequence in each step whatever the policy; leave it out")

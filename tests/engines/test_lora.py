@@ -273,16 +273,21 @@ def test_mixed_steps_compose_adapters_and_token_masks(adapter):
     assert not eng._slot_rows and not any(eng.adapters._pins)
 
 
-def test_mixed_scheduling_waits_for_a_row_when_every_row_is_held(adapter, tmp_path):
+@pytest.mark.parametrize("speculative, options", [
+    ("none", {}), ("draft:random:x:2", dict(draft_config=DRAFT))])
+def test_mixed_scheduling_waits_for_a_row_when_every_row_is_held(adapter, tmp_path,
+                                                                 speculative, options):
     """--scheduling mixed with one pool row and requests for two adapters and the base
     model at once: a request whose adapter finds the row held by a running request waits
-    in line (nothing fails) and every request gets the tokens it gets alone."""
+    in line (nothing fails) and every request gets the tokens it gets alone (with a draft
+    model too: its verify rows and chunk passes beside the adapters' rows)."""
     from jetserve.orchestrator import OrchestratorConfig, Request
     from jetserve.orchestrator.mixed import MixedOrchestrator
     from jetserve.scheduling.page_planner import with_pages
 
     other, _ = write_adapter(tmp_path / "b", ["k_proj", "gate_proj"], rank=2, seed=3)
-    eng = with_pages(_engine(kv_layout="paged", page_size=8, max_loras=1))
+    eng = with_pages(_engine(speculative, kv_layout="paged", page_size=8, max_loras=1,
+                             **options))
     eng.load_adapter("a", adapter[0])
     eng.load_adapter("b", other)
     params = eng.load_params()

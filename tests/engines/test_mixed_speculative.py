@@ -47,13 +47,14 @@ def _run(eng, params, *, chunk: int, budget: int, sampling=None, masks=None):
     """Prompt i arrives at step 2i into a free slot; decode rows first, then chunks up to
     `budget` tokens (a verify row counts K + 1), the planner keeping the pages. masks(i,
     j): the packed row of prompt i's token j (its first position; nothing after).
-    Returns (each prompt's tokens, the most tokens a verify row kept, pages checked)."""
+    Returns (each prompt's tokens, how many tokens each verify row kept), the pages
+    checked after every step."""
     planner = PagePlanner(eng)
     g = eng.page_geometry
     state = planner.init_decode_state()
     slots: dict[int, _Seq] = {}
     outputs: list[list[int] | None] = [None] * len(PROMPTS)
-    waiting, step, most = list(range(len(PROMPTS))), 0, 0
+    waiting, step, kept = list(range(len(PROMPTS))), 0, []
     while waiting or slots:
         for s in range(g.slots):
             if s not in slots and waiting and waiting[0] * 2 <= step:
@@ -90,7 +91,7 @@ def _run(eng, params, *, chunk: int, budget: int, sampling=None, masks=None):
             assert len(toks) == (1 if r.last else 0) or r.decode
             if r.decode:
                 assert 1 <= len(toks) <= K + 1
-                most = max(most, len(toks))
+                kept.append(len(toks))
             q.out += toks
             if len(q.out) >= MAX_TOKENS:
                 outputs[q.index] = q.out[:MAX_TOKENS]
@@ -98,7 +99,7 @@ def _run(eng, params, *, chunk: int, budget: int, sampling=None, masks=None):
                 del slots[r.slot]
         planner.kv_pages.check()
         step += 1
-    return outputs, most
+    return outputs, kept
 
 
 def _spec_reference(eng, params, sampling, masks=None):
@@ -130,9 +131,9 @@ def test_greedy_verify_rows_give_the_plain_engines_tokens(engines):
     (plain, plain_params), (eng, params) = engines
     want = _reference(plain, plain_params)
     for chunk, budget in ((5, 9), (16, 28)):
-        got, most = _run(eng, params, chunk=chunk, budget=budget)
+        got, kept = _run(eng, params, chunk=chunk, budget=budget)
         assert got == want
-        assert most > 1  # drafts were accepted: the rows verified, not only sampled
+        assert max(kept) > 1  # drafts were accepted: the rows verified, not only sampled
 
 
 def test_sampled_verify_rows_give_the_verify_steps_tokens(engines):
@@ -160,9 +161,9 @@ def test_masked_verify_rows_keep_their_masks_token(engines):
         return cache[i, j]
 
     want = _spec_reference(eng, params, HOT, masks)
-    got, most = _run(eng, params, chunk=5, budget=9, sampling=HOT, masks=masks)
+    got, kept = _run(eng, params, chunk=5, budget=9, sampling=HOT, masks=masks)
     assert got == want
-    assert most == 1  # a constrained row keeps one token a step
+    assert max(kept) == 1  # a constrained row keeps one token a step
     assert all(t in _allowed(V, i, j) for i, toks in enumerate(got) for j, t in enumerate(toks))
 
 
@@ -188,3 +189,48 @@ def test_decode_rows_alone_and_a_bad_mask():
     with pytest.raises(ValueError, match=r"token_mask must be i32\[3, 4, "):
         planner.mixed_step(params, state, [MixedRow(slot=0)],
                            token_mask=allow_all(3, eng.vocab_size))
+
+
+# ---- a draft model ("draft:PATH:K") --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafted():
+    """(plain engine, engine drafting with the target itself, engine drafting with a noisy
+    copy of the target), each with its params: the weights host_params draws, the noisy
+    draft's with noise added (its drafts kept sometimes, rejected mid-way other times)."""
+    cfg = model_config("llama")
+
+    def make(speculative="none", noise=0.0):
+        eng = create_engine(cfg, devices=jax.devices()[:1], draft_config=cfg if noise
+                            or speculative != "none" else None,
+                            config=EngineConfig(**SHAPES, speculative=speculative))
+        if eng._draft is not None:  # the draft's params, as load_params would keep them
+            rng = np.random.default_rng(7)
+            eng._draft_params = place(eng._draft, jax.tree.map(
+                lambda w: w + noise * w.std() * rng.standard_normal(w.shape).astype(w.dtype),
+                host_params(eng._draft)))
+        return eng, place(eng, host_params(eng))
+
+    return make(), make(f"draft:itself:{K}"), make(f"draft:noisy:{K}", noise=0.5)
+
+
+def test_a_draft_models_verify_rows_give_the_plain_tokens(drafted):
+    (plain, plain_params), itself, noisy = drafted
+    want = _reference(plain, plain_params)
+    got, kept = _run(*noisy, chunk=5, budget=9)
+    assert got == want
+    assert 1 in kept and max(kept) > 1  # drafts rejected and kept
+    # The target drafting for itself: the chunks ran through the draft, so its cache
+    # holds the prompts and nearly every verify row keeps all K drafts and one more.
+    got, kept = _run(*itself, chunk=5, budget=9)
+    assert got == want
+    assert sum(n == K + 1 for n in kept) >= 0.9 * len(kept), kept
+
+
+def test_sampled_draft_verify_rows_give_the_verify_steps_tokens(drafted):
+    _, _, (eng, params) = drafted
+    want = _spec_reference(eng, params, HOT)
+    got, kept = _run(eng, params, chunk=5, budget=9, sampling=HOT)
+    assert got == want
+    assert 1 in kept and max(kept) > 1  # drafts rejected and kept

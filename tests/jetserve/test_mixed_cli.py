@@ -29,9 +29,6 @@ def test_scheduling_reaches_the_config_and_turns_is_the_default(monkeypatch):
     ((), r"--scheduling mixed runs its steps on the paged KV cache: add --kv-layout paged"),
     (("--kv-layout", "paged", "--prefill-devices", "1", "--generate-devices", "1"),
      r"--scheduling mixed .* one slice: leave out --prefill-devices"),
-    (("--kv-layout", "paged", "--speculative", "draft:random:tiny:2"),
-     r"--scheduling mixed runs n-gram speculative decoding, not a draft model's "
-     r"\(--speculative draft:random:tiny:2"),
     (("--kv-layout", "paged", "--speculative", "ngram:3", "--max-num-seqs", "4",
       "--max-num-batched-tokens", "10"),
      r"max_num_batched_tokens=10 \(--max-num-batched-tokens\) leaves no prefill token "

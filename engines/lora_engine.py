@@ -59,6 +59,7 @@ from engines.lora_steps import (
     lora_prompt_logprobs,
     lora_score_chunk,
     with_adapter,
+    without_adapter,
 )
 from engines.paged_engine import PagedTransformerEngine
 from engines.paged_kv import insert_paged
@@ -400,6 +401,11 @@ class PagedLoraEngine(LoraServing, PagedTransformerEngine):
             return super().mixed_step(params, decode_state, page_table, rows, token_mask,
                                       adapters=bool(self._slot_rows) if adapters is None
                                       else adapters)
+
+    def _fill_context(self, decode_state, row):
+        """As the paged engine's, on the state without its adapter rows (kept as they are)."""
+        return with_adapter(super()._fill_context(without_adapter(decode_state), row),
+                            decode_state.adapter)
 
     def _run_mixed(self, params, decode_state, table, inputs, rows, token_mask, *,
                    adapters: bool):

@@ -12,7 +12,11 @@ state's B slots ("rows"). The scheduler says what each row does this step, as `M
     prompt, so the row samples its first token, and from then on the slot decodes.
     `adapter` (every chunk of the prompt): the LoRA adapter it runs through, by name
     (None: the base model); a LoRA engine (engines/lora_engine.py) keeps it for the
-    slot's decode rows once the chunk that ends the prompt has run.
+    slot's decode rows once the chunk that ends the prompt has run. `context` (a first
+    chunk only, one that starts after a prefix-cache hit's linked pages): the tokens of
+    positions 0 .. n - 1, whose keys and values the pages hold already; speculative
+    decoding writes them into the slot's token history and a draft model's cache before
+    the step (engines/paged_engine.py), so drafts see the whole prompt.
   - any other slot is idle: the step leaves its state bit-identical.
 
 `pack_rows` lays the rows out in slot order (the order the TPU kernel's cumulative query
@@ -49,11 +53,17 @@ class MixedRow:
     sampling: SamplingParams | None = None  # the prompt's first chunk: the slot starts afresh
     seed: int | None = None  # with `sampling`: its RNG seed (None: sampling.seed or random)
     adapter: str | None = None  # a chunk's LoRA adapter (None: the base model)
+    context: tuple[int, ...] = ()  # a first chunk after a prefix-cache hit: positions < start
 
     def __post_init__(self):
         object.__setattr__(self, "chunk", tuple(int(t) for t in self.chunk))
+        object.__setattr__(self, "context", tuple(int(t) for t in self.context))
         if self.start < 0:
             raise ValueError(f"start must be >= 0, got {self.start}")
+        if self.context and (self.sampling is None or len(self.context) != self.start):
+            raise ValueError(f"slot {self.slot}: context is the tokens before a prompt's "
+                             f"first chunk (start {self.start}), got {len(self.context)} "
+                             f"tokens{'' if self.sampling else ' on a later chunk'}")
         if not self.chunk and (self.last or self.sampling is not None or self.start
                                or self.adapter is not None):
             raise ValueError(f"slot {self.slot}: a decode row (empty chunk) takes no start, "

@@ -47,17 +47,17 @@ Engine API (`PagedTransformerEngine.mixed_step`, engines/paged_engine.py):
     page table covers length + K of every decode row; keys and values written at
     rejected positions lie past the row's length and are written again. token_mask is
     then i32[B, K + 1, W'], one row per position (a chunk's first token takes position
-    0's). The history gains each chunk's tokens (positions a prefix-cache hit linked are
-    not written: drafts come from the rest), so drafts see the prompt.
+    0's). The history gains each chunk's tokens, so drafts see the prompt; the positions
+    a prefix-cache hit linked come before the step (MixedRow.context, `fill_context`).
   - A draft model (`speculative="draft:PATH:K"`): the verify rows' drafts come from the
     draft model's K + 1 single-token steps over its own contiguous cache (as the paged
     verify step's, engines/speculative.py draft_model_drafts, run for the decode rows
     only), drawn from q, which rejection sampling reads. Each chunk's tokens then run
     through the draft model too, written into its cache at the chunk's positions (one
     pass per chunk row, over a row of the step's token bucket), so the draft has seen
-    the whole prompt when the slot starts decoding. Positions a prefix-cache hit linked
-    are not in the draft's cache (the target's pages are shared, the draft's cache is
-    not): its drafts there are worse, the kept tokens the same.
+    the whole prompt when the slot starts decoding. The positions a prefix-cache hit
+    linked (the target's pages are shared, the draft's cache is not) run through the
+    draft before the step (MixedRow.context, `fill_context`).
 
 Device-side derivations from the per-row inputs (engines/mixed_batch.py): a token's row
 is found from the cumulative query lengths (rows laid out in slot order), its position is
@@ -128,13 +128,34 @@ def ragged_layout(inp: MixedInputs, state: PagedDecodeState, max_seq_len: int,
                         decode_live=decode_live)
 
 
+def _draft_row(draft_model: Decoder, draft_params, state: PagedDecodeState, cache, b,
+               tokens: jax.Array, pos: jax.Array):
+    """The draft model over tokens i32[T] at positions i32[T] (S: past the cache, not
+    written) of slot b: its keys and values written into that slot of the draft's
+    contiguous cache `cache` (draft_k, draft_v), sliced out and written back."""
+    def slot(c):  # the slot axis leads a layer's cache, follows a stack's layer
+        return jax.lax.dynamic_slice_in_dim(c, b, 1, c.ndim - 4)
+
+    def put(c, new):
+        return jax.lax.dynamic_update_slice_in_dim(c, new, b, c.ndim - 4)
+
+    dk, dv = cache
+    view = DecodeState(k=tuple(map(slot, dk)), v=tuple(map(slot, dv)), k_scale=(), v_scale=(),
+                       lengths=jnp.min(pos)[None], tokens=tokens[:1],
+                       sampling=state.sampling, prompt_mask=state.prompt_mask,
+                       counts=state.counts, history=state.history)
+    kv = DecodeKV(view, pos[None])
+    draft_model.apply({"params": draft_params}, tokens[None], pos[None], kv,
+                      last=jnp.zeros((1,), jnp.int32))
+    return tuple(map(put, dk, kv.k)), tuple(map(put, dv, kv.v))
+
+
 def draft_chunks(draft_model: Decoder, draft_params, state: PagedDecodeState,
                  lay: RaggedLayout, inp: MixedInputs, max_seq_len: int) -> dict:
     """The draft model over each chunk row's tokens (a speculative draft model's, module
     doc), their keys and values written into its contiguous cache at their positions:
     one pass per chunk row, over T tokens (the row's, then padding past the cache, which
-    is dropped), the row's slot of the cache sliced out and written back. Returns the
-    new draft_k and draft_v."""
+    is dropped). Returns the new draft_k and draft_v."""
     S = max_seq_len
     T = lay.tokens.shape[0]
     t = jnp.arange(T)
@@ -142,31 +163,35 @@ def draft_chunks(draft_model: Decoder, draft_params, state: PagedDecodeState,
     chunk = inp.mode == MODE_CHUNK
     order = jnp.argsort(~chunk, stable=True)  # the chunk rows first
 
-    def slot(cache, b):  # the slot axis leads a layer's cache, follows a stack's layer
-        return jax.lax.dynamic_slice_in_dim(cache, b, 1, cache.ndim - 4)
-
-    def put(cache, new, b):
-        return jax.lax.dynamic_update_slice_in_dim(cache, new, b, cache.ndim - 4)
-
     def one(i, cache):
-        dk, dv = cache
         b = order[i]
         at = jnp.minimum(begin[b] + t, T - 1)
         pos = jnp.where(t < lay.q_len[b], lay.positions[at], -1)
-        pos = jnp.where(pos >= 0, pos, S)[None]  # (1, T): past the cache, not written
-        view = DecodeState(k=tuple(slot(c, b) for c in dk), v=tuple(slot(c, b) for c in dv),
-                           k_scale=(), v_scale=(), lengths=inp.start[b][None],
-                           tokens=lay.tokens[at[:1]], sampling=state.sampling,
-                           prompt_mask=state.prompt_mask, counts=state.counts,
-                           history=state.history)
-        kv = DecodeKV(view, pos)
-        draft_model.apply({"params": draft_params}, lay.tokens[at][None], pos, kv,
-                          last=jnp.zeros((1,), jnp.int32))
-        return (tuple(put(c, n, b) for c, n in zip(dk, kv.k, strict=True)),
-                tuple(put(c, n, b) for c, n in zip(dv, kv.v, strict=True)))
+        return _draft_row(draft_model, draft_params, state, cache, b, lay.tokens[at],
+                          jnp.where(pos >= 0, pos, S))
 
     dk, dv = jax.lax.fori_loop(0, jnp.sum(chunk), one, (state.draft_k, state.draft_v))
     return dict(draft_k=dk, draft_v=dv)
+
+
+def fill_context(draft_model: Decoder | None, max_seq_len: int, state: PagedDecodeState,
+                 slot: jax.Array, start: jax.Array, tokens: jax.Array, n: jax.Array,
+                 draft_params=None) -> PagedDecodeState:
+    """A piece of a prefix-cache hit's tokens (MixedRow.context): tokens i32[P], the first
+    n at positions start .. start + n - 1 of `slot`, into its token history (n-gram
+    drafting reads it) and through the draft model into its cache, where there is one."""
+    S = max_seq_len
+    P = tokens.shape[0]
+    pos = jnp.where(jnp.arange(P) < n, start + jnp.arange(P), S)
+    history = state.history
+    if history.shape[1]:
+        history = history.at[slot, pos].set(tokens, mode="drop")
+    state = dataclasses.replace(state, history=history)
+    if draft_model is None:
+        return state
+    dk, dv = _draft_row(draft_model, draft_params, state, (state.draft_k, state.draft_v),
+                        slot, tokens, pos)
+    return dataclasses.replace(state, draft_k=dk, draft_v=dv)
 
 
 class RaggedPagedKV(layer_scan.StackedStore, PageTables):

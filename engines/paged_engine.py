@@ -49,7 +49,7 @@ from engines.engine_api import PageGeometry, ResultTokens, pack_results
 from engines.kv_cache import Prefix, empty_slot_fields, step_slot_fields
 from engines.kv_quant import entry_width
 from engines.mixed_batch import MixedRow, pack_rows, token_buckets
-from engines.mixed_step import mixed_step
+from engines.mixed_step import fill_context, mixed_step
 from engines.model import Decoder
 from engines.paged_kv import (
     PagedDecodeKV,
@@ -238,6 +238,13 @@ class PagedTransformerEngine(TransformerEngine):
             out_shardings=(state_sh, r),
             donate_argnums=(1,),
         )
+        # A prefix-cache hit's tokens into the history and a draft's cache (fill_context).
+        self._context_jit = jax.jit(
+            self._counted("mixed", laid_out(functools.partial(
+                fill_context, self._draft.model if self._draft else None,
+                self.config.max_seq_len))),
+            in_shardings=(state_sh, r, r, r, r, *draft_sh), out_shardings=state_sh,
+            donate_argnums=(0,))
         # A step of decode rows alone: one program per width, counted with the mixed ones.
         self._decode_rows_jit = jax.jit(
             self._counted("mixed", laid_out(self.decode_rows_fn(self.model))),
@@ -355,6 +362,9 @@ class PagedTransformerEngine(TransformerEngine):
                              f"({self.config.max_prefill_length}) tokens")
         if token_mask is not None:
             token_mask = self._mixed_mask(token_mask, rows)
+        for r in rows:
+            if r.context and self._mixed_drafts():
+                decode_state = self._fill_context(decode_state, r)
         if all(r.decode for r in rows):  # no chunk: the generate step's program
             pack_rows(rows, slots=g.slots, max_seq_len=g.max_seq_len,  # the rows' checks
                       buckets=self.mixed_token_buckets, decode_tokens=self._mixed_drafts() + 1)
@@ -367,6 +377,18 @@ class PagedTransformerEngine(TransformerEngine):
                            decode_tokens=self._mixed_drafts() + 1)
         return self._run_mixed(params, decode_state, table, inputs, rows, token_mask,
                                **program)
+
+    def _fill_context(self, decode_state: PagedDecodeState, row: MixedRow):
+        """A row's prefix-cache hit tokens (MixedRow.context) into the slot's history and
+        a draft model's cache, max_prefill_length tokens a call (one program)."""
+        P, ctx = self.config.max_prefill_length, np.asarray(row.context, np.int32)
+        for at in range(0, len(ctx), P):
+            piece = np.zeros((P,), np.int32)
+            n = len(ctx[at:at + P])
+            piece[:n] = ctx[at:at + P]
+            decode_state = self._context_jit(decode_state, np.int32(row.slot), np.int32(at),
+                                             piece, np.int32(n), *self._draft_args())
+        return decode_state
 
     def _run_mixed(self, params, decode_state, table, inputs, rows, token_mask):
         """The mixed step's program on its inputs: MixedInputs, or bool[B] (the slots of

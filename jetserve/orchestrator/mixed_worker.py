@@ -17,10 +17,11 @@ straight from the admission queue (no prefill thread, no backlog of prefixes). E
      prompt is adopted. A request with a repetition penalty runs its whole prompt (the
      penalty's prompt mask is built from the chunks);
   3. one `engine.mixed_step` (engines/mixed_step.py): a token for every decoding slot
-     (with n-gram speculative decoding a verify row of K + 1: its last token and K
-     drafts, of which the device keeps what it accepts), plus chunks of the admitted
-     prompts up to the token budget
-     (jetserve/scheduling/mixed_plan.py). The chunk that ends a prompt samples its first
+     (with speculative decoding a verify row of K + 1: its last token and K drafts,
+     n-gram or a draft model's, of which the device keeps what it accepts), plus chunks
+     of the admitted prompts up to the token budget (jetserve/scheduling/mixed_plan.py);
+     with speculative decoding a prompt's first chunk after a prefix-cache hit carries
+     the hit's tokens (MixedRow.context), for the drafts. The chunk that ends a prompt samples its first
      token, and then the cache adopts the prompt's whole pages (as the interleaved
      generate thread's insert does) and releases the hit. Results are read one step
      late through the shared read-back path (readback.py): stop ids, max_tokens,
@@ -265,9 +266,11 @@ class MixedWorker(GenerateWorker):
     def _chunk_row(self, c: mixed_plan.Chunk, live: LiveRequest) -> MixedRow:
         tokens, _ = self._prompts[c.slot]
         first = c.start == self._first(c.slot)
+        # After a prefix-cache hit, speculative decoding's drafts read the linked tokens.
+        context = tokens[:c.start] if first and self.row_tokens > 1 else ()
         return MixedRow(slot=c.slot, chunk=tokens[c.start:c.end], start=c.start,
                         last=c.last, sampling=live.request.sampling if first else None,
-                        adapter=_adapter(live))
+                        adapter=_adapter(live), context=context)
 
     def _advance(self, c: mixed_plan.Chunk, live: LiveRequest, t: float,
                  sampled: list[tuple[int, LiveRequest]]) -> None:
@@ -354,8 +357,12 @@ class MixedWorker(GenerateWorker):
         rows, left = [], tokens
         for slot in range(g.slots):
             if left and self.slots.owner(slot) is None:
-                n = min(left, g.max_seq_len - 1)
-                rows.append(MixedRow(slot=slot, chunk=(0,) * n, sampling=SamplingParams()))
+                # With speculative decoding the first row also compiles the program that
+                # writes a prefix-cache hit's tokens (MixedRow.context): it starts at 1.
+                ctx = (0,) if self.row_tokens > 1 and not rows else ()
+                n = min(left, g.max_seq_len - 1 - len(ctx))
+                rows.append(MixedRow(slot=slot, chunk=(0,) * n, start=len(ctx), context=ctx,
+                                     sampling=SamplingParams()))
                 left -= n
         if left:
             raise RuntimeError(f"no free slots for a {tokens}-token warm-up step")

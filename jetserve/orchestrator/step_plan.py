@@ -26,8 +26,8 @@ instead: the engine calls process 0 made since the last one, as `MixedPlanCodec`
     free_slot / start_prompt / init_decode_state and the prefix cache's lookup / release
     / adopt / make_room / clear, in the order process 0 made them), [rows, then each as a row
     record: slot, start, chunk length, flags (last, fresh), seed, top_k, logit_bias
-    pairs, LoRA adapter id, six f32 bits of sampling, then the chunk's ids and the bias
-    pairs], [slots still in their prompt, then each], token mask positions (0: no mask),
+    pairs, LoRA adapter id, six f32 bits of sampling, then the chunk's ids, [its context
+    (a prefix-cache hit's tokens, MixedRow.context), then each] and the bias pairs], [slots still in their prompt, then each], token mask positions (0: no mask),
     page table width and LoRA program flag (a warm-up step's), slot, tokens and adapter id
     (a prompt started through an adapter, kind HOLD; the adapter of a prompt scored),
     [the prompt scored (kind SCORE)], [the pages a HOLD's prefix-cache hit links].
@@ -220,7 +220,7 @@ class MixedPlanCodec:
                       len(sp.logit_bias), _ident(r.adapter)]
             words += np.asarray([getattr(sp, f) for f in _FLOATS], np.float32).view(
                 np.uint32).tolist()
-            words += r.chunk
+            words += [*r.chunk, len(r.context), *r.context]
             words += _bias_words(sp.logit_bias).tolist()
         words += [len(plan.prefilling), *plan.prefilling, plan.mask_positions, plan.width,
                   int(plan.lora), plan.slot, plan.tokens, _ident(plan.adapter),
@@ -252,6 +252,7 @@ class MixedPlanCodec:
             floats = w[at: at + len(_FLOATS)].view(np.float32).tolist()
             at += len(_FLOATS)
             chunk = take(n)
+            context = take(take(1)[0])
             bias = w[at: at + 2 * pairs].reshape(pairs, 2)
             at += 2 * pairs
             sampling = None
@@ -262,7 +263,7 @@ class MixedPlanCodec:
                                          bias[:, 1].view(np.float32).tolist(), strict=True)))
             rows.append(MixedRow(slot=slot, chunk=chunk, start=start, last=bool(flags & _LAST),
                                  sampling=sampling, seed=seed if sampling else None,
-                                 adapter=self._adapter(ident)))
+                                 adapter=self._adapter(ident), context=context))
         prefilling = tuple(take(take(1)[0]))
         positions, width, lora, slot, tokens, ident = take(6)
         prompt = tuple(take(take(1)[0]))

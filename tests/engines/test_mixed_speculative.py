@@ -234,3 +234,21 @@ def test_sampled_draft_verify_rows_give_the_verify_steps_tokens(drafted):
     got, kept = _run(eng, params, chunk=5, budget=9, sampling=HOT)
     assert got == want
     assert 1 in kept and max(kept) > 1  # drafts rejected and kept
+
+
+def test_a_rows_context_goes_into_the_history():
+    """A first chunk after a prefix-cache hit (MixedRow.context, the linked positions'
+    tokens): the slot's token history holds the whole prompt, which n-gram drafts read."""
+    eng, params = _spec_engine("llama")
+    planner = PagePlanner(eng)
+    state = planner.init_decode_state()
+    prompt = [9, 4, 7, 1] * 5
+    planner.start_prompt(1, len(prompt))
+    state, _ = planner.mixed_step(params, state, [MixedRow(
+        slot=1, chunk=prompt[12:], start=12, context=prompt[:12], last=True,
+        sampling=SamplingParams())], prefilling=(1,))
+    assert np.asarray(state.history)[1, :len(prompt)].tolist() == prompt
+    with pytest.raises(ValueError, match=r"slot 1: context is the tokens before a prompt's "
+                                         r"first chunk \(start 12\), got 3 tokens"):
+        MixedRow(slot=1, chunk=prompt[12:], start=12, context=prompt[:3],
+                 sampling=SamplingParams())

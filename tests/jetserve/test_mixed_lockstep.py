@@ -160,10 +160,10 @@ def test_mixed_plan_round_trip_and_draws_seeds_before_it_is_sent():
                            MixedRow(slot=2, chunk=(5, 6, 300000), start=8, last=True,
                                     sampling=SamplingParams(temperature=0.5, top_p=0.25,
                                                             logit_bias=((3, 1.5),)),
-                                    seed=2**31 - 1)),
+                                    seed=2**31 - 1, context=(9, 8, 7, 6, 5, 4, 3, 2))),
                      prefilling=(0, 2), mask_positions=4)
     header, payload = codec.encode(plan)
-    assert header.shape == (2,) and payload.shape[0] == 64  # a power of two
+    assert header.shape == (2,) and payload.shape[0] == 128  # a power of two
     assert codec.decode(header, payload) == plan
     assert exchange(MixedPlan(kind="stop"), codec, lambda x: x).stop
     with pytest.raises(ValueError, match="seed is drawn before the plan is sent"):

@@ -276,3 +276,36 @@ def test_prefix_cache_hits_start_prompts_later_through_preemption_and_the_host_t
     assert preempted >= 1  # recompute with shared pages ran
     eng.kv_pages.check()
     assert eng.kv_pages.free_count == 18  # the cache's pages came back at stop
+
+
+def test_a_prefix_cache_hit_gives_a_draft_model_the_linked_tokens(weights):
+    """A draft model that is the target itself, with the prefix cache: the third prompt
+    hits the first one's cached blocks, after a second, different prompt ran in the same
+    slot. The hit's tokens go through the draft (MixedRow.context) before the rest of the
+    prompt, so its drafts are the target's tokens again: nearly every one is kept, and
+    every request gets the one-pass reference's tokens."""
+    rng = random.Random(11)
+    base = [rng.randrange(3, 128) for _ in range(24)]
+    other = [rng.randrange(3, 128) for _ in range(24)]
+    plain = _engine(max_prefill_length=48)
+    want = [r.token_ids for r in generate_many(plain, place(plain, weights), [base, other],
+                                               max_tokens=20, ignore_eos=True)]
+    cfg = model_config("llama")
+    eng = with_pages(create_engine(cfg, devices=jax.devices()[:1], draft_config=cfg,
+                                   config=EngineConfig(**SHAPES, kv_layout="paged",
+                                                       page_size=4, num_pages=32,
+                                                       speculative="draft:itself:3")))
+    eng.engine._draft_params = place(eng.engine._draft, weights)  # the target's own
+    orch = _orch(weights, eng, prefix_cache_hbm_bytes=16 * block_bytes(eng, 4),
+                 prefix_cache_key="mixed")
+    kept = []
+    with orch:
+        for p, w in ((base, want[0]), (other, want[1]), (base, want[0])):
+            before = orch.stats()["generate"][0]
+            got = orch.submit(Request(prompt_ids=p, max_tokens=20, ignore_eos=True))
+            assert got.result(timeout=300).token_ids == w
+            after = orch.stats()["generate"][0]
+            kept.append((after["accepted"] - before["accepted"],
+                         after["drafted"] - before["drafted"]))
+        assert orch.stats()["prefix_cache"][0]["hits"] == 1
+    assert all(a >= 0.8 * d > 0 for a, d in kept), kept

@@ -266,14 +266,13 @@ def mixed_step(model: Decoder, top_n: int, max_seq_len: int, impl: str,
     if draft_model is not None:
         # Drafted for the decode rows alone: the others' positions read as past the cache.
         rows = (inp.mode == MODE_DECODE) & (state.lengths < S)
-        drafts, q, rest, dk, dv = draft_model_drafts(draft_model, k, draft_params,
-                                                     dataclasses.replace(state, lengths=jnp.where(
-                                                         rows, state.lengths, S)))
+        drafting = dataclasses.replace(state, lengths=jnp.where(rows, state.lengths, S))
+        drafts, q, rest, dk, dv = draft_model_drafts(draft_model, k, draft_params, drafting)
         # A verify row draws with what drafting left of its key; other rows keep theirs.
         keys = jnp.where(rows[:, None], rest.sampling.key, state.sampling.key)
-        state = dataclasses.replace(state, sampling=dataclasses.replace(state.sampling,
-                                                                        key=keys),
-                                    draft_k=tuple(dk), draft_v=tuple(dv))
+        state = dataclasses.replace(
+            state, sampling=dataclasses.replace(state.sampling, key=keys),
+            draft_k=tuple(dk), draft_v=tuple(dv))
     else:
         drafts = ngram_drafts(state.history, state.lengths, k) if k else None
     lay = ragged_layout(inp, state, S, drafts)

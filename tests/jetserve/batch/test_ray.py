@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -148,12 +149,19 @@ def test_500_rows_on_two_actors_equal_one_process(cluster, reference, tmp_path):
 
 def test_an_actor_killed_mid_block_loses_no_row(cluster, reference, tmp_path):
     lines = input_lines()[:161]  # the reference's first lines: their line numbers too
-    killed = []
+    killed, ends = [], []
 
     def kill_one(p: ray_job.Progress) -> None:
-        # The actor that began its block last is the furthest from finishing it.
-        if not killed and p.rows_done >= 16 and p.busy:
-            victim = min(p.busy, key=lambda b: b["since"])
+        # Kill an actor early in a block, so that the block runs again. The two actors
+        # start together on blocks of one size and may stay in step: when one's block ends,
+        # the other's may be a moment from its end, and a kill then would land between
+        # blocks. So the victim is the actor that began its block last, and only while it
+        # is less than half a block in (a block's time: that of two blocks' ends apart).
+        ends.append(time.monotonic())
+        if killed or p.rows_done < 16 or not p.busy or len(ends) < 3:
+            return
+        victim = min(p.busy, key=lambda b: b["since"])
+        if victim["since"] < 0.5 * (ends[-1] - ends[-3]):
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(victim)
 

@@ -66,8 +66,9 @@ def _release_compiled_programs_after_a_module():
 
 def pytest_terminal_summary(terminalreporter):
     """The process's memory mappings at the end, against the kernel's limit (see
-    _release_compiled_programs_after_a_module)."""
+    _release_compiled_programs_after_a_module); not where the tests ran in pytest-xdist's
+    worker processes (`-n`), whose controller runs none."""
     mappings = _memory_mappings()
-    if mappings is not None:
+    if mappings is not None and not terminalreporter.config.getoption("numprocesses", None):
         terminalreporter.write_line(f"memory mappings at the end: {mappings[0]:,} of "
                                     f"{mappings[1]:,} (vm.max_map_count)")

@@ -3,6 +3,7 @@
     python scripts/mixed_step_bench.py [--model random:llama-156m] [--decode-rows 8]
         [--chunk 128] [--chunk-start 128] [--context 192] [--rounds 5] [--reps 3]
         [--speculative ngram:K] [--paged-attention auto|xla|cpu] [--max-prefill-length N]
+        [--max-seq-len 1024] [--width PAGES]
 
 One paged engine with decode-rows + 1 slots: every decode row holds a `--context`-token
 prompt; the last slot holds the first `--chunk-start` tokens of a prompt. Each round
@@ -67,9 +68,13 @@ def main() -> None:
                          "(default: --chunk)")
     ap.add_argument("--paged-attention", default="auto",
                     help="the decode step's attention: auto, xla (gather) or cpu (kernel)")
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=None,
+                    help="page-table width of every step (default: the narrowest power of "
+                         "two holding every position the run reaches)")
     args = ap.parse_args()
     B, ps = args.decode_rows + 1, args.page_size
-    S = 1024
+    S = args.max_seq_len
     eng = build_engine(args.model, engine_config=EngineConfig(
         max_concurrent_decodes=B, max_seq_len=S,
         max_prefill_length=args.max_prefill_length or args.chunk,
@@ -110,6 +115,10 @@ def main() -> None:
     with_chunk = decode_rows + [MixedRow(slot=last, chunk=chunk, start=args.chunk_start,
                                          last=True, sampling=None if head else
                                          SamplingParams())]
+    if args.width is not None:
+        if not W <= args.width <= S // ps:
+            raise SystemExit(f"--width must be in [{W}, {S // ps}], got {args.width}")
+        W = args.width
     holder = {"state": state}
     step_tokens = args.decode_rows * row + args.chunk  # the mixed step's tokens
 

@@ -52,10 +52,8 @@ class PagePlanner:
                              "to plan (use the engine itself)")
         self.engine = engine
         # The CPU decode-attention kernel reads each slot's live entries out of its pages
-        # whatever the table's width (and the mixed step's ragged attention only the key
-        # blocks up to each row's last position), so its steps take the whole table: one
-        # program per step shape instead of one per width (docs/BENCHMARKS.md, "One
-        # page-table width").
+        # whatever the table's width, so its steps take the whole table: one program per
+        # step shape instead of one per width (docs/BENCHMARKS.md, "One page-table width").
         self.kv_pages = SlotPages(slots=g.slots, page_size=g.page_size,
                                   num_pages=g.num_pages, max_seq_len=g.max_seq_len,
                                   lookahead=g.lookahead, page_bytes=g.page_bytes,

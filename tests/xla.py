@@ -4,7 +4,7 @@
 of tiny programs and run each for a few steps, so compile time is most of their time.
 LLVM's -O0 takes roughly a third off it. The CPU backend's older fusion emitters
 (`--xla_cpu_use_fusion_emitters=false`) take about two thirds off what is left of XLA's
-part: `jetserve generate` on random:tiny with paged KV compiled its 8 programs in 4.6-5.6 s
+part: `jetserve generate` on random:tiny with paged KV compiles its 8 programs in 4.6-5.6 s
 instead of 8.1-9.9 s, of which tracing and lowering are 3.0-3.8 s either way
 (docs/BENCHMARKS.md, "Test-suite compile flags"). The flags change how fast code runs, not
 what it computes; benchmarks and servers outside the tests keep XLA's defaults.

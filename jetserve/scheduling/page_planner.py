@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from jetserve.scheduling.page_pool import SlotPages
+from jetserve.scheduling.page_pool import SlotPages, width_buckets
 
 
 class PagePlanner:
@@ -51,14 +51,10 @@ class PagePlanner:
             raise ValueError(f"{type(engine).__name__} has a contiguous KV cache: no pages "
                              "to plan (use the engine itself)")
         self.engine = engine
-        # The CPU decode-attention kernel reads each slot's live entries out of its pages
-        # whatever the table's width, so its steps take the whole table: one program per
-        # step shape instead of one per width (docs/BENCHMARKS.md, "One page-table width").
         self.kv_pages = SlotPages(slots=g.slots, page_size=g.page_size,
                                   num_pages=g.num_pages, max_seq_len=g.max_seq_len,
                                   lookahead=g.lookahead, page_bytes=g.page_bytes,
-                                  ring_bytes=g.ring_bytes,
-                                  one_width=getattr(engine, "attention_impl", None) == "cpu")
+                                  ring_bytes=g.ring_bytes)
 
     def __getattr__(self, name: str) -> Any:  # the engine's everything else
         if name == "engine":  # not set yet (a half-built planner): no recursion
@@ -148,7 +144,7 @@ class PagePlanner:
 
     def generate_widths(self) -> tuple[int, ...]:
         """The page-table widths generate is called with: one compiled program each."""
-        return self.kv_pages.widths()
+        return width_buckets(self.kv_pages.max_pages)
 
 
 def _sat_out(token_mask: Any) -> list[int]:

@@ -120,8 +120,7 @@ class SlotPages:
     """
 
     def __init__(self, *, slots: int, page_size: int, num_pages: int, max_seq_len: int,
-                 lookahead: int = 0, page_bytes: int = 0, ring_bytes: int = 0,
-                 one_width: bool = False):
+                 lookahead: int = 0, page_bytes: int = 0, ring_bytes: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.slots = slots
@@ -133,9 +132,6 @@ class SlotPages:
                 f"num_pages={num_pages} cannot hold one sequence of max_seq_len={max_seq_len} "
                 f"({self.max_pages} pages of {page_size}); give at least {self.max_pages}")
         self.lookahead = lookahead
-        # Every step over the whole table (max_pages wide): for an attention that reads
-        # only each slot's live pages, whatever the table's width (see PagePlanner).
-        self.one_width = one_width
         # Device bytes of one page (every layer in the pool) and of every slot's ring of
         # pages (sliding layers: engines/paged_kv.py WindowRing), for the stats.
         self.page_bytes, self.ring_bytes = page_bytes, ring_bytes
@@ -211,8 +207,7 @@ class SlotPages:
 
     def before_step(self, skip: Collection[int] = ()) -> int:
         """Allocates the pages this step writes into; returns the gather width in pages
-        (the batch's most live pages, rounded up to a power of two, at most max_pages;
-        max_pages with `one_width`).
+        (the batch's most live pages, rounded up to a power of two, at most max_pages).
         `skip`: slots that write no new position this step (a mixed step's prompts,
         whose pages they hold already).
 
@@ -223,14 +218,8 @@ class SlotPages:
         for s, p in zip(need, fresh, strict=True):
             self.table[s, len(self._pages[s])] = p
             self._pages[s].append(p)
-        if self.one_width:
-            return self.max_pages
         widest = max((len(p) for p in self._pages.values()), default=1)
         return width_bucket(widest, self.max_pages)
-
-    def widths(self) -> tuple[int, ...]:
-        """Every width before_step returns (a compiled program each)."""
-        return (self.max_pages,) if self.one_width else width_buckets(self.max_pages)
 
     def after_step(self, held: Collection[int] = ()) -> None:
         """Each live slot gained one token, or with lookahead K at most K + 1 (a full slot

@@ -100,7 +100,7 @@ def test_a_paged_warm_up_covers_every_generate_width():
     with Orchestrator.from_engines(engine, params=engine.load_params()) as orch:
         warmup.run(orch, progress=False)
         warm = engine.trace_counts()
-        assert warm["generate"] == len(engine.generate_widths())  # one a width
+        assert warm["generate"] == len(engine.generate_widths())  # 1, 2, 4, 8, 16 pages
         handles = [orch.submit(Request(prompt_ids=[7] * L, max_tokens=4)) for L in (9, 17)]
         assert all(h.result(300).finish_reason == "length" for h in handles)
         assert engine.trace_counts() == warm

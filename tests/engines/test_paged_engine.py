@@ -185,17 +185,9 @@ def test_the_engine_holds_no_page_table(small):
     assert a.kv_pages.free_count == b.kv_pages.free_count == 12
 
 
-@pytest.mark.parametrize("attention", ["xla", "cpu"])
-def test_generate_compiles_once_per_width(small, attention):
-    """The gather path compiles a program per width; the CPU kernel, which reads each
-    slot's live entries whatever the width, one program over the whole table."""
+def test_generate_compiles_once_per_width(small):
     eng, params = small
-    if attention == "xla":
-        _, eng = _engines("llama", num_pages=12, paged_attention="xla")
-        params = place(eng, host_params(eng))
-    assert eng.engine.attention_impl == attention
-    want = width_buckets(10) if attention == "xla" else (10,)
-    assert eng.generate_widths() == want and width_buckets(10) == (1, 2, 4, 8, 10)
+    assert eng.generate_widths() == width_buckets(10) == (1, 2, 4, 8, 10)
     prefix, _ = eng.prefill(params, [4] * 3, 3)
     for slot in (0, 1):  # the second run (another slot) must compile nothing new
         state = eng.insert(prefix, eng.init_decode_state(), slot)

@@ -18,10 +18,10 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 # 40 s rendezvous timeout (tests/engines/test_layer_scan.py's sharded mesh beside two
 # busy loops: 2 of 2 runs, and twice in two-process runs of the suite). Without that
 # scheduler, 2 of 2 runs beside the busy loops passed.
-ONE_COLLECTIVE_AT_A_TIME = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+NO_CONCURRENCY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a process of the tests with `devices` fake CPU devices."""
     return (f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE} "
-            f"{ONE_COLLECTIVE_AT_A_TIME}")
+            f"{NO_CONCURRENCY_SCHEDULER}")

@@ -97,7 +97,8 @@ def cluster():
     # Ray starts its worker processes at nice 15. Beside the suite's other pytest worker
     # (`-n 2`) that left the engine actors a few percent of a core (the module took 115 s
     # alone; beside two busy loops its first test ran past 2 minutes, against 35 s at
-    # nice 0; 621 s in a two-process suite run). The actors run at the tests' priority.
+    # nice 0; 621 s in a two-process suite run whose last minutes
+    # shared the machine). The actors run at the tests' priority.
     old_nice = os.environ.get("RAY_worker_niceness")
     os.environ["RAY_worker_niceness"] = "0"
     ctx = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
